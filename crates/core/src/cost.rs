@@ -1,0 +1,306 @@
+//! Op and copy times from a [`Profile`]: the [`CostModel`] trait and its table implementation.
+//!
+//! [`TableCostModel`] is fitted once from a profile and answers in O(rows of one op family) without
+//! allocation. For an op it computes the roofline time on the device (FLOPs at peak vs bytes at memory
+//! bandwidth; CPU rates at the thread count asked for) and divides by an *efficiency* — the fraction of the
+//! roofline the measured rows achieved — interpolated log-linearly in tokens between rows of the same op family
+//! and format, taken from the rows nearest in shape. Efficiencies are capped at 1, so a prediction is never
+//! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1).
+//! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
+//! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
+
+use serde::{Deserialize, Serialize};
+
+use crate::profile::{OpRow, Profile};
+use crate::workload::{Op, OpClass, OpKind};
+
+/// Where an op runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    Gpu,
+    Cpu,
+}
+
+/// Conditions an op runs under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpContext {
+    pub device: Device,
+    /// CPU threads (ignored on the GPU).
+    pub threads: u32,
+    /// Whether a PCIe copy runs at the same time (it takes DRAM bandwidth on the host).
+    pub under_dma: bool,
+}
+
+impl OpContext {
+    #[must_use]
+    pub fn gpu() -> OpContext {
+        OpContext { device: Device::Gpu, threads: 0, under_dma: false }
+    }
+
+    #[must_use]
+    pub fn cpu(threads: u32) -> OpContext {
+        OpContext { device: Device::Cpu, threads, under_dma: false }
+    }
+
+    #[must_use]
+    pub fn with_dma(self, under_dma: bool) -> OpContext {
+        OpContext { under_dma, ..self }
+    }
+}
+
+/// Time of ops and copies on one machine.
+pub trait CostModel: Send + Sync {
+    /// Nanoseconds for `op` (without kernel launch overhead).
+    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64;
+    /// The roofline lower bound for `op`: no prediction is below it.
+    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64;
+    /// Host → device copy of `bytes`.
+    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64;
+    /// Device → host copy of `bytes`.
+    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64;
+    /// One kernel launch.
+    fn launch_ns(&self) -> u64;
+    /// One host↔device synchronisation.
+    fn host_sync_ns(&self) -> u64;
+    /// VRAM held by the runtime before any weight.
+    fn runtime_overhead_bytes(&self) -> u64;
+    /// Default CPU threads of the machine.
+    fn cpu_threads(&self) -> u32;
+    /// Host DRAM bandwidth (GB/s) at `threads`, alone or while DMA runs.
+    fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64;
+}
+
+/// Efficiency samples of one op family on one device, sorted by (shape, tokens).
+#[derive(Debug, Clone)]
+struct Family {
+    device: Device,
+    class: OpClass,
+    dtype: crate::dtype::DType,
+    threads: u32,
+    /// (log n·k, log tokens, efficiency alone, efficiency under DMA)
+    points: Vec<(f64, f64, f64, Option<f64>)>,
+}
+
+/// The table cost model (see the module docs).
+#[derive(Debug, Clone)]
+pub struct TableCostModel {
+    profile: Profile,
+    families: Vec<Family>,
+}
+
+impl TableCostModel {
+    /// Fits efficiencies from the profile's op rows.
+    #[must_use]
+    pub fn new(profile: &Profile) -> TableCostModel {
+        let mut m = TableCostModel { profile: profile.clone(), families: Vec::new() };
+        let mut families: Vec<Family> = Vec::new();
+        for (device, rows) in [(Device::Gpu, &profile.gpu.ops), (Device::Cpu, &profile.cpu.ops)] {
+            for row in rows {
+                let Some(op) = op_of_row(row) else { continue };
+                let ctx = OpContext { device, threads: row.threads.max(1), under_dma: false };
+                let roof = m.roofline_f(&op, ctx);
+                let eff = (roof / row.time_ns as f64).min(1.0);
+                let eff_dma = row
+                    .time_ns_under_dma
+                    .map(|t| (m.roofline_f(&op, ctx.with_dma(true)) / t as f64).min(1.0));
+                let key_threads = if device == Device::Gpu { 0 } else { row.threads };
+                let point = (((row.n * row.k).max(1) as f64).ln(), (row.tokens as f64).ln(), eff, eff_dma);
+                match families.iter_mut().find(|f| {
+                    f.device == device
+                        && f.class == row.op
+                        && f.dtype == row.dtype
+                        && f.threads == key_threads
+                }) {
+                    Some(f) => f.points.push(point),
+                    None => families.push(Family {
+                        device,
+                        class: row.op,
+                        dtype: row.dtype,
+                        threads: key_threads,
+                        points: vec![point],
+                    }),
+                }
+            }
+        }
+        for f in &mut families {
+            f.points.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+        }
+        m.families = families;
+        m
+    }
+
+    /// The profile the model was fitted on.
+    #[must_use]
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    fn roofline_f(&self, op: &Op, ctx: OpContext) -> f64 {
+        let (flops, gbps) = match ctx.device {
+            Device::Gpu => {
+                let r = &self.profile.gpu.roofline;
+                let slow = if ctx.under_dma { self.profile.gpu.dma_slowdown } else { 1.0 };
+                (r.flops(op.dtype), r.mem_gbps / slow)
+            }
+            Device::Cpu => {
+                let r = &self.profile.cpu.roofline;
+                let base = f64::from(self.profile.machine.cpu_threads);
+                let threads = f64::from(ctx.threads.max(1));
+                (
+                    r.flops(op.dtype) * (threads / base).min(1.0),
+                    self.profile.dram_gbps(ctx.threads.max(1), ctx.under_dma),
+                )
+            }
+        };
+        // Attention reads KV in f16 and computes in f16/f32; matmuls use the weight format's peak.
+        (op.flops / flops * 1e9).max(op.bytes() / gbps)
+    }
+
+    /// Efficiency for `op`: nearest shape in the family, interpolated in log tokens.
+    fn efficiency(&self, op: &Op, ctx: OpContext) -> f64 {
+        let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
+        let class = op.kind.class();
+        // Prefer the same thread count, then the nearest measured one.
+        let Some(fam) = self
+            .families
+            .iter()
+            .filter(|f| f.device == ctx.device && f.class == class && f.dtype == op.dtype)
+            .min_by_key(|f| f.threads.abs_diff(threads))
+        else {
+            return 1.0;
+        };
+        let shape = shape_log(op);
+        let nearest = fam.points.iter().map(|p| (p.0 - shape).abs()).fold(f64::INFINITY, f64::min);
+        let same: Vec<&(f64, f64, f64, Option<f64>)> =
+            fam.points.iter().filter(|p| ((p.0 - shape).abs() - nearest).abs() < 1e-9).collect();
+        let pick = |p: &(f64, f64, f64, Option<f64>)| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
+        let x = (op.tokens.max(1) as f64).ln();
+        let eff = match same.iter().position(|p| p.1 >= x) {
+            Some(0) => pick(same[0]),
+            Some(i) => {
+                let (a, b) = (same[i - 1], same[i]);
+                let f = if (b.1 - a.1).abs() < 1e-12 { 0.0 } else { (x - a.1) / (b.1 - a.1) };
+                pick(a) + f * (pick(b) - pick(a))
+            }
+            None => pick(same[same.len() - 1]),
+        };
+        eff.clamp(1e-6, 1.0)
+    }
+}
+
+fn shape_log(op: &Op) -> f64 {
+    let nk = match op.kind {
+        OpKind::MatMul { n, k } => n * k,
+        OpKind::Attention { q_heads, head_dim, keys, .. } => u64::from(q_heads) * head_dim * keys,
+        OpKind::Experts { ffn, hidden, .. } => ffn * hidden,
+        _ => (op.act_bytes / 8.0).max(1.0) as u64,
+    };
+    (nk.max(1) as f64).ln()
+}
+
+/// A synthetic op with a row's shape, to compute the roofline of a measured row.
+fn op_of_row(row: &OpRow) -> Option<Op> {
+    use crate::inventory::UnitId;
+    let m = row.tokens as f64;
+    let (n, k) = (row.n as f64, row.k as f64);
+    let wb = row.dtype.tensor_bytes(row.k, row.n).ok()? as f64;
+    let (kind, flops, weight_bytes, act_bytes, kv_bytes) = match row.op {
+        OpClass::MatMul | OpClass::Router => {
+            (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
+        }
+        OpClass::Attention => {
+            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format.
+            let head_dim = 128;
+            let q_heads = (row.n / head_dim).max(1) as u32;
+            let kv = 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            (
+                OpKind::Attention { q_heads, kv_heads: (q_heads / 4).max(1), head_dim, keys: row.k },
+                4.0 * m * k * n,
+                0.0,
+                4.0 * 2.0 * m * n,
+                kv,
+            )
+        }
+        OpClass::Experts => (
+            OpKind::Experts { n_experts: 1, touched: 1.0, tokens_per_touched: m, ffn: row.n, hidden: row.k },
+            6.0 * m * n * k,
+            3.0 * wb,
+            4.0 * m * (2.0 * k + 3.0 * n),
+            0.0,
+        ),
+        OpClass::Norm
+        | OpClass::Rope
+        | OpClass::Activation
+        | OpClass::Add
+        | OpClass::Embed
+        | OpClass::Sample => {
+            let elems = m * n;
+            let kind = match row.op {
+                OpClass::Norm => OpKind::Norm,
+                OpClass::Rope => OpKind::Rope,
+                OpClass::Activation => OpKind::Activation,
+                OpClass::Add => OpKind::Add,
+                OpClass::Embed => OpKind::Embed,
+                _ => OpKind::Sample { vocab: row.n },
+            };
+            (kind, 3.0 * elems, 0.0, 8.0 * elems, 0.0)
+        }
+    };
+    Some(Op {
+        kind,
+        unit: UnitId::TokenEmbd,
+        tokens: row.tokens,
+        dtype: row.dtype,
+        flops,
+        weight_bytes,
+        act_bytes,
+        kv_bytes,
+    })
+}
+
+impl CostModel for TableCostModel {
+    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        (self.roofline_f(op, ctx) / self.efficiency(op, ctx)).ceil() as u64
+    }
+
+    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        self.roofline_f(op, ctx).floor() as u64
+    }
+
+    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        self.profile.pcie.copy_latency_ns
+            + (bytes as f64 / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
+    }
+
+    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        self.profile.pcie.copy_latency_ns
+            + (bytes as f64 / self.profile.d2h_gbps(bytes, pinned)).ceil() as u64
+    }
+
+    fn launch_ns(&self) -> u64 {
+        self.profile.launch_ns
+    }
+
+    fn host_sync_ns(&self) -> u64 {
+        self.profile.host_sync_ns
+    }
+
+    fn runtime_overhead_bytes(&self) -> u64 {
+        self.profile.runtime_overhead_bytes
+    }
+
+    fn cpu_threads(&self) -> u32 {
+        self.profile.machine.cpu_threads
+    }
+
+    fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64 {
+        self.profile.dram_gbps(threads, under_dma)
+    }
+}

@@ -1,0 +1,513 @@
+//! Model specifications: dense decoders, MoE decoders and vision-language models, read from HF `config.json`.
+//!
+//! A [`ModelSpec`] holds the architecture ([`TextConfig`], optional [`VisionConfig`]) and the storage format of
+//! each tensor class ([`WeightFormat`]). Everything downstream (inventory, workload ops, plans) derives from it.
+//! Parsing is strict: an unknown `model_type` or a missing or ill-typed field names the file, the field and the
+//! value, because a silently defaulted head count gives plausible but wrong VRAM numbers.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::dtype::DType;
+
+/// The feed-forward flavour of a dense block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnKind {
+    /// gate, up, down with SiLU(gate) ⊙ up (llama, qwen, mistral).
+    SwiGlu,
+    /// up, down with ReLU(x)² (nemotron), no gate.
+    ReluSquared,
+}
+
+/// Normalisation flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    RmsNorm,
+    /// LayerNorm with weight and bias (nemotron's `layernorm1p` stores weight − 1; same bytes).
+    LayerNorm,
+}
+
+/// Mixture-of-experts part of a decoder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub n_experts: u32,
+    pub top_k: u32,
+    /// Intermediate size of one routed expert.
+    pub expert_ffn: u64,
+    /// Shared experts applied to every token (0 for Qwen3-MoE).
+    pub n_shared_experts: u32,
+    /// Intermediate size of the shared-expert block (all shared experts together).
+    pub shared_ffn: u64,
+    /// The first `leading_dense_layers` layers use a dense FFN of `TextConfig::ffn` instead of experts.
+    pub leading_dense_layers: u32,
+    /// Whether top-k probabilities are renormalised to sum to one (Qwen3-MoE `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+}
+
+/// The language decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TextConfig {
+    pub n_layers: u32,
+    pub hidden: u64,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u64,
+    /// Dense FFN intermediate size (also of the leading dense layers of an MoE model).
+    pub ffn: u64,
+    pub ffn_kind: FfnKind,
+    pub norm: NormKind,
+    pub vocab: u64,
+    pub tied_embeddings: bool,
+    /// Per-head RMSNorm on q and k (Qwen3).
+    pub qk_norm: bool,
+    /// Bias on the q, k, v projections (Qwen2).
+    pub qkv_bias: bool,
+    pub rope_theta: f64,
+    /// Fraction of each head's dimensions that RoPE rotates (nemotron: 0.5).
+    pub partial_rotary: f64,
+    pub norm_eps: f64,
+    pub max_position: u64,
+    pub moe: Option<MoeConfig>,
+}
+
+/// A ViT vision tower with a patch-merging projector (Qwen2.5-VL).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VisionConfig {
+    pub depth: u32,
+    pub width: u64,
+    pub n_heads: u32,
+    pub mlp: u64,
+    pub patch: u64,
+    pub temporal_patch: u64,
+    pub in_channels: u64,
+    /// Side of the square of patches merged into one LLM token.
+    pub spatial_merge: u64,
+    /// Blocks that attend over the whole image; the others attend within windows.
+    pub full_attn_blocks: Vec<u32>,
+    /// Window side in pixels for windowed blocks.
+    pub window_px: u64,
+    /// Hidden size of the language model the projector feeds.
+    pub out_hidden: u64,
+}
+
+/// Storage format per tensor class, as a GGUF file of this model holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightFormat {
+    pub token_embd: DType,
+    pub output: DType,
+    pub attn_q: DType,
+    pub attn_k: DType,
+    pub attn_v: DType,
+    pub attn_output: DType,
+    pub ffn_gate: DType,
+    pub ffn_up: DType,
+    pub ffn_down: DType,
+    /// `ffn_down` (dense and expert) in llama.cpp's `use_more_bits` layers, where a quantisation mix gives them
+    /// more bits; `None` keeps `ffn_down` / `expert_down` everywhere.
+    #[serde(default)]
+    pub ffn_down_more_bits: Option<DType>,
+    /// Routed experts' gate/up; `ffn_gate`/`ffn_up` apply to dense and shared blocks.
+    pub expert_gate_up: DType,
+    pub expert_down: DType,
+    pub router: DType,
+    pub vision: DType,
+    /// Norm weights and biases.
+    pub norms: DType,
+}
+
+impl WeightFormat {
+    /// One format for every matrix, f32 norms (the usual f16/bf16 export).
+    #[must_use]
+    pub fn uniform(matrices: DType) -> Self {
+        WeightFormat {
+            token_embd: matrices,
+            output: matrices,
+            attn_q: matrices,
+            attn_k: matrices,
+            attn_v: matrices,
+            attn_output: matrices,
+            ffn_gate: matrices,
+            ffn_up: matrices,
+            ffn_down: matrices,
+            ffn_down_more_bits: None,
+            expert_gate_up: matrices,
+            expert_down: matrices,
+            router: matrices,
+            vision: matrices,
+            norms: DType::F32,
+        }
+    }
+}
+
+/// A complete model description.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub name: String,
+    pub text: TextConfig,
+    pub vision: Option<VisionConfig>,
+    pub weights: WeightFormat,
+}
+
+impl ModelSpec {
+    #[must_use]
+    pub fn is_moe(&self) -> bool {
+        self.text.moe.is_some()
+    }
+
+    /// Whether layer `layer` routes to experts (false for the leading dense layers of an MoE model).
+    #[must_use]
+    pub fn layer_is_moe(&self, layer: u32) -> bool {
+        self.text.moe.as_ref().is_some_and(|m| layer >= m.leading_dense_layers)
+    }
+
+    /// K plus V bytes one token adds to one layer's cache in `kv_dtype`.
+    #[must_use]
+    pub fn kv_bytes_per_token_layer(&self, kv_dtype: DType) -> u64 {
+        let elems = 2 * u64::from(self.text.n_kv_heads) * self.text.head_dim;
+        kv_dtype.tensor_bytes(elems, 1).unwrap_or(elems * 2)
+    }
+
+    /// K plus V bytes one token adds across all layers.
+    #[must_use]
+    pub fn kv_bytes_per_token(&self, kv_dtype: DType) -> u64 {
+        self.kv_bytes_per_token_layer(kv_dtype) * u64::from(self.text.n_layers)
+    }
+
+    /// The same model with only its first `n_layers` decoder layers (for quick runs and exhaustive search).
+    pub fn truncated(&self, n_layers: u32) -> Result<ModelSpec, ConfigError> {
+        if n_layers == 0 || n_layers > self.text.n_layers {
+            return Err(ConfigError::Invalid {
+                file: self.name.clone(),
+                field: "layers".into(),
+                value: n_layers.to_string(),
+                expected: format!("1..={}", self.text.n_layers),
+            });
+        }
+        let mut spec = self.clone();
+        spec.text.n_layers = n_layers;
+        spec.name = format!("{}@{}L", self.name, n_layers);
+        if let Some(moe) = &mut spec.text.moe {
+            moe.leading_dense_layers = moe.leading_dense_layers.min(n_layers);
+        }
+        Ok(spec)
+    }
+
+    /// The same architecture with every matrix stored as `dtype` (norms stay f32).
+    #[must_use]
+    pub fn with_uniform_weights(&self, dtype: DType) -> ModelSpec {
+        ModelSpec { weights: WeightFormat::uniform(dtype), ..self.clone() }
+    }
+}
+
+/// A config file that cannot describe a model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {reason}")]
+    Io { file: String, reason: String },
+    #[error("{file}: not valid JSON: {reason}")]
+    Json { file: String, reason: String },
+    #[error("{file}: field `{field}` is missing (expected {expected})")]
+    Missing { file: String, field: String, expected: String },
+    #[error("{file}: field `{field}` has value {value}, expected {expected}")]
+    Invalid { file: String, field: String, value: String, expected: String },
+    #[error(
+        "{file}: model_type `{value}` is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_5_vl, nemotron"
+    )]
+    UnknownModelType { file: String, value: String },
+}
+
+/// Field access on a JSON object that reports errors against a file name and a dotted path.
+struct Fields<'a> {
+    file: &'a str,
+    prefix: &'a str,
+    obj: &'a Value,
+}
+
+impl<'a> Fields<'a> {
+    fn path(&self, field: &str) -> String {
+        if self.prefix.is_empty() { field.to_string() } else { format!("{}.{field}", self.prefix) }
+    }
+
+    fn missing(&self, field: &str, expected: &str) -> ConfigError {
+        ConfigError::Missing { file: self.file.into(), field: self.path(field), expected: expected.into() }
+    }
+
+    fn invalid(&self, field: &str, value: &Value, expected: &str) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.file.into(),
+            field: self.path(field),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+
+    /// A positive integer.
+    fn pos(&self, field: &str) -> Result<u64, ConfigError> {
+        let v = self.get(field).ok_or_else(|| self.missing(field, "a positive integer"))?;
+        match v.as_u64() {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(self.invalid(field, v, "a positive integer")),
+        }
+    }
+
+    fn pos_or(&self, field: &str, default: u64) -> Result<u64, ConfigError> {
+        if self.get(field).is_some() { self.pos(field) } else { Ok(default) }
+    }
+
+    fn u32_pos(&self, field: &str) -> Result<u32, ConfigError> {
+        let n = self.pos(field)?;
+        u32::try_from(n).map_err(|_| self.invalid(field, &Value::from(n), "an integer below 2^32"))
+    }
+
+    fn uint_or(&self, field: &str, default: u64) -> Result<u64, ConfigError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v.as_u64().ok_or_else(|| self.invalid(field, v, "a non-negative integer")),
+        }
+    }
+
+    fn float_or(&self, field: &str, default: f64) -> Result<f64, ConfigError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(self.invalid(field, v, "a positive number")),
+            },
+        }
+    }
+
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.invalid(field, v, "true or false")),
+        }
+    }
+
+    fn str(&self, field: &str) -> Result<&'a str, ConfigError> {
+        let v = self.get(field).ok_or_else(|| self.missing(field, "a string"))?;
+        v.as_str().ok_or_else(|| self.invalid(field, v, "a string"))
+    }
+
+    fn object(&self, field: &str) -> Result<&'a Value, ConfigError> {
+        let v = self.get(field).ok_or_else(|| self.missing(field, "an object"))?;
+        if v.is_object() { Ok(v) } else { Err(self.invalid(field, v, "an object")) }
+    }
+}
+
+const SUPPORTED: [&str; 7] = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "nemotron"];
+
+/// Parses the architecture of an HF `config.json`. `file` names the source in errors; `weights` gives the
+/// storage format (a `config.json` does not say how a GGUF of the model is quantised).
+pub fn parse_hf_config(
+    file: &str,
+    json: &str,
+    name: &str,
+    weights: WeightFormat,
+) -> Result<ModelSpec, ConfigError> {
+    let root: Value = serde_json::from_str(json)
+        .map_err(|e| ConfigError::Json { file: file.into(), reason: e.to_string() })?;
+    if !root.is_object() {
+        return Err(ConfigError::Invalid {
+            file: file.into(),
+            field: "(root)".into(),
+            value: root.to_string().chars().take(40).collect(),
+            expected: "a JSON object".into(),
+        });
+    }
+    let top = Fields { file, prefix: "", obj: &root };
+    let model_type = top.str("model_type")?;
+    if !SUPPORTED.contains(&model_type) {
+        return Err(ConfigError::UnknownModelType { file: file.into(), value: model_type.into() });
+    }
+    // Newer transformers nest the Qwen2.5-VL decoder under `text_config`; older files keep it flat.
+    let nested = model_type == "qwen2_5_vl" && top.get("text_config").is_some();
+    let t = if nested {
+        Fields { file, prefix: "text_config", obj: top.object("text_config")? }
+    } else {
+        Fields { file, prefix: "", obj: &root }
+    };
+    let hidden = t.pos("hidden_size")?;
+    let n_heads = t.u32_pos("num_attention_heads")?;
+    let n_kv_heads =
+        if t.get("num_key_value_heads").is_some() { t.u32_pos("num_key_value_heads")? } else { n_heads };
+    if n_heads % n_kv_heads != 0 {
+        return Err(t.invalid(
+            "num_key_value_heads",
+            &Value::from(n_kv_heads),
+            &format!("a divisor of num_attention_heads ({n_heads})"),
+        ));
+    }
+    let default_head_dim = hidden / u64::from(n_heads);
+    let head_dim = t.pos_or("head_dim", default_head_dim)?;
+    let nemotron = model_type == "nemotron";
+    let moe = if model_type == "qwen3_moe" {
+        let n_experts = t.u32_pos("num_experts")?;
+        let top_k = t.u32_pos("num_experts_per_tok")?;
+        if top_k > n_experts {
+            return Err(t.invalid(
+                "num_experts_per_tok",
+                &Value::from(top_k),
+                &format!("at most num_experts ({n_experts})"),
+            ));
+        }
+        let step = t.uint_or("decoder_sparse_step", 1)?;
+        if step != 1 {
+            return Err(t.invalid("decoder_sparse_step", &Value::from(step), "1 (every layer sparse)"));
+        }
+        let mlp_only = t.get("mlp_only_layers").and_then(Value::as_array).map_or(0, Vec::len);
+        if mlp_only != 0 {
+            return Err(t.invalid(
+                "mlp_only_layers",
+                t.get("mlp_only_layers").unwrap_or(&Value::Null),
+                "an empty list",
+            ));
+        }
+        Some(MoeConfig {
+            n_experts,
+            top_k,
+            expert_ffn: t.pos("moe_intermediate_size")?,
+            n_shared_experts: 0,
+            shared_ffn: 0,
+            leading_dense_layers: 0,
+            norm_topk_prob: t.bool_or("norm_topk_prob", true)?,
+        })
+    } else {
+        None
+    };
+    let text = TextConfig {
+        n_layers: t.u32_pos("num_hidden_layers")?,
+        hidden,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        ffn: t.pos("intermediate_size")?,
+        ffn_kind: if nemotron { FfnKind::ReluSquared } else { FfnKind::SwiGlu },
+        norm: if nemotron { NormKind::LayerNorm } else { NormKind::RmsNorm },
+        vocab: t.pos("vocab_size")?,
+        tied_embeddings: top.bool_or("tie_word_embeddings", false)?,
+        qk_norm: matches!(model_type, "qwen3" | "qwen3_moe"),
+        qkv_bias: matches!(model_type, "qwen2" | "qwen2_5_vl") || t.bool_or("attention_bias", false)?,
+        rope_theta: t.float_or("rope_theta", 10_000.0)?,
+        partial_rotary: t.float_or("partial_rotary_factor", 1.0)?,
+        norm_eps: if nemotron { t.float_or("norm_eps", 1e-5)? } else { t.float_or("rms_norm_eps", 1e-6)? },
+        max_position: t.pos_or("max_position_embeddings", 4096)?,
+        moe,
+    };
+    let vision = if model_type == "qwen2_5_vl" { Some(parse_vision(&top, text.hidden)?) } else { None };
+    Ok(ModelSpec { name: name.into(), text, vision, weights })
+}
+
+fn parse_vision(top: &Fields<'_>, text_hidden: u64) -> Result<VisionConfig, ConfigError> {
+    let obj = top.object("vision_config")?;
+    let v = Fields { file: top.file, prefix: "vision_config", obj };
+    let depth = v.u32_pos("depth")?;
+    let full: Vec<u32> = match v.get("fullatt_block_indexes") {
+        None => (0..depth).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|i| {
+                i.as_u64().and_then(|n| u32::try_from(n).ok()).filter(|&n| n < depth).ok_or_else(|| {
+                    v.invalid("fullatt_block_indexes", i, &format!("block indices below depth ({depth})"))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(v.invalid("fullatt_block_indexes", other, "a list of block indices")),
+    };
+    let width = v.pos("hidden_size")?;
+    let n_heads = v.u32_pos("num_heads")?;
+    if width % u64::from(n_heads) != 0 {
+        return Err(v.invalid(
+            "num_heads",
+            &Value::from(n_heads),
+            &format!("a divisor of hidden_size ({width})"),
+        ));
+    }
+    Ok(VisionConfig {
+        depth,
+        width,
+        n_heads,
+        mlp: v.pos("intermediate_size")?,
+        patch: v.pos("patch_size")?,
+        temporal_patch: v.pos_or("temporal_patch_size", 2)?,
+        in_channels: v.pos_or("in_chans", 3)?,
+        spatial_merge: v.pos_or("spatial_merge_size", 2)?,
+        full_attn_blocks: full,
+        window_px: v.pos_or("window_size", 112)?,
+        out_hidden: v.pos_or("out_hidden_size", text_hidden)?,
+    })
+}
+
+/// Reads and parses a `config.json` from disk.
+pub fn load_hf_config(path: &Path, name: &str, weights: WeightFormat) -> Result<ModelSpec, ConfigError> {
+    let file = path.display().to_string();
+    let json = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::Io { file: file.clone(), reason: e.to_string() })?;
+    parse_hf_config(&file, &json, name, weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA: &str = r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"num_key_value_heads":2,
+        "num_hidden_layers":2,"intermediate_size":128,"vocab_size":100}"#;
+
+    fn parse(json: &str) -> Result<ModelSpec, ConfigError> {
+        parse_hf_config("cfg.json", json, "t", WeightFormat::uniform(DType::Bf16))
+    }
+
+    #[test]
+    fn parses_minimal_llama() {
+        let m = parse(LLAMA).unwrap();
+        assert_eq!(m.text.head_dim, 16);
+        assert_eq!(m.text.n_kv_heads, 2);
+        assert!(!m.is_moe());
+        assert_eq!(m.kv_bytes_per_token_layer(DType::F16), 2 * 2 * 16 * 2);
+    }
+
+    #[test]
+    fn errors_name_file_field_and_value() {
+        let e = parse(&LLAMA.replace("\"num_attention_heads\":4", "\"num_attention_heads\":-3")).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("cfg.json") && s.contains("num_attention_heads") && s.contains("-3"), "{s}");
+        let e = parse(&LLAMA.replace("\"vocab_size\":100", "\"x\":1")).unwrap_err();
+        assert!(matches!(e, ConfigError::Missing { ref field, .. } if field == "vocab_size"), "{e}");
+        let e = parse(&LLAMA.replace("llama", "gpt2")).unwrap_err();
+        assert!(e.to_string().contains("gpt2"), "{e}");
+        let e = parse(&LLAMA.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3")).unwrap_err();
+        assert!(e.to_string().contains("divisor"), "{e}");
+        assert!(matches!(parse("[1,2]"), Err(ConfigError::Invalid { .. })));
+        assert!(matches!(parse("{"), Err(ConfigError::Json { .. })));
+    }
+
+    #[test]
+    fn truncation_keeps_architecture() {
+        let m = parse(LLAMA).unwrap();
+        assert_eq!(m.truncated(1).unwrap().text.n_layers, 1);
+        assert!(m.truncated(3).is_err());
+        assert!(m.truncated(0).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_json_never_panics(s in "\\PC{0,200}") {
+            let _ = parse(&s);
+        }
+
+        #[test]
+        fn mutated_fields_never_panic(field in proptest::sample::select(vec!["hidden_size","num_attention_heads","num_hidden_layers","intermediate_size","vocab_size","head_dim","rope_theta","tie_word_embeddings"]),
+                                      value in proptest::sample::select(vec!["0","-1","1.5","\"x\"","null","[]","{}","true","18446744073709551615"])) {
+            let mut v: Value = serde_json::from_str(LLAMA).unwrap();
+            v[field] = serde_json::from_str(value).unwrap();
+            let _ = parse(&v.to_string());
+        }
+    }
+}

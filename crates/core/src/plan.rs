@@ -1,0 +1,273 @@
+//! Plans: where every placement unit lives in each phase, how deep the copy pipeline runs, and the VRAM
+//! breakdown that must fit the budget.
+//!
+//! The pipeline depth is a property of a phase, not of a unit: all streamed units of a phase share one ring of
+//! `pipeline_depth` slots of `slot_bytes` each (the largest streamed unit), so storing a depth per unit would
+//! only allow inconsistent plans. KV units use the same [`Placement`]: `Pinned` = resident in VRAM, `Streamed`
+//! = kept on the host and uploaded into a slot before each use (the paper's streamed-attention layers), `Cpu` =
+//! kept on the host and read by CPU attention.
+
+use serde::{Deserialize, Serialize};
+
+use crate::inventory::{Inventory, UnitId};
+use crate::workload::Workload;
+
+/// The plan schema version this build reads and writes.
+pub const PLAN_SCHEMA_VERSION: u32 = 1;
+
+/// Where a unit lives and runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Resident in VRAM for the whole phase; computes on the GPU.
+    Pinned,
+    /// Copied from pinned host memory into a ring slot just before use; computes on the GPU.
+    Streamed,
+    /// Stays in host memory; computes on the CPU.
+    Cpu,
+}
+
+impl Placement {
+    /// Whether the unit computes on the GPU.
+    #[must_use]
+    pub fn on_gpu(self) -> bool {
+        !matches!(self, Placement::Cpu)
+    }
+
+    /// One-letter code for compact maps: P, S, C.
+    #[must_use]
+    pub fn code(self) -> char {
+        match self {
+            Placement::Pinned => 'P',
+            Placement::Streamed => 'S',
+            Placement::Cpu => 'C',
+        }
+    }
+}
+
+/// Which phase a phase plan serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PhaseKind {
+    Prefill,
+    Decode,
+}
+
+/// VRAM by category. Every byte the executor takes from its arena is in exactly one line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct VramBreakdown {
+    pub pinned_weights_bytes: u64,
+    /// `pipeline_depth × slot_bytes`.
+    pub streaming_slots_bytes: u64,
+    pub kv_bytes: u64,
+    pub scratch_bytes: u64,
+    /// CUDA context, cuBLAS handle and workspace (measured by the profiler).
+    pub runtime_overhead_bytes: u64,
+}
+
+impl VramBreakdown {
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.pinned_weights_bytes
+            + self.streaming_slots_bytes
+            + self.kv_bytes
+            + self.scratch_bytes
+            + self.runtime_overhead_bytes
+    }
+
+    /// Category-wise maximum (peak by category over phases).
+    #[must_use]
+    pub fn max(&self, o: &VramBreakdown) -> VramBreakdown {
+        VramBreakdown {
+            pinned_weights_bytes: self.pinned_weights_bytes.max(o.pinned_weights_bytes),
+            streaming_slots_bytes: self.streaming_slots_bytes.max(o.streaming_slots_bytes),
+            kv_bytes: self.kv_bytes.max(o.kv_bytes),
+            scratch_bytes: self.scratch_bytes.max(o.scratch_bytes),
+            runtime_overhead_bytes: self.runtime_overhead_bytes.max(o.runtime_overhead_bytes),
+        }
+    }
+}
+
+/// A unit and where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitPlacement {
+    pub unit: UnitId,
+    pub placement: Placement,
+}
+
+/// The plan of one phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhasePlan {
+    pub phase: PhaseKind,
+    /// Largest token count per step this plan is sized for (ubatch for prefill, batch for decode).
+    pub tier_tokens: u64,
+    /// Streaming ring slots (0 when nothing streams).
+    pub pipeline_depth: u32,
+    /// Bytes of one ring slot (the largest streamed unit, KV included).
+    pub slot_bytes: u64,
+    /// Every unit of the inventory, in inventory order.
+    pub placements: Vec<UnitPlacement>,
+    /// llama.cpp op offload: in prefill, CPU-resident matmul weights are copied to the GPU per ubatch and the
+    /// matmul runs there (not overlapped). Only the `ngl` baseline sets it.
+    pub op_offload: bool,
+    pub cpu_threads: u32,
+    pub vram: VramBreakdown,
+}
+
+impl PhasePlan {
+    /// Placement of `unit` (linear scan; consumers on a hot path index by inventory position instead).
+    #[must_use]
+    pub fn placement(&self, unit: UnitId) -> Option<Placement> {
+        self.placements.iter().find(|p| p.unit == unit).map(|p| p.placement)
+    }
+}
+
+/// What a planner predicted for its plan under its own cost model.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub ttft_ns: u64,
+    pub decode_step_ns: u64,
+    pub e2el_ns: u64,
+}
+
+/// A complete plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub schema_version: u32,
+    pub planner: String,
+    pub model: String,
+    pub budget_bytes: u64,
+    pub workload: Workload,
+    pub prefill: PhasePlan,
+    pub decode: PhasePlan,
+    /// Bytes re-uploaded when switching from the prefill plan to the decode plan (weights pinned in decode
+    /// but not in prefill, plus KV of layers that become GPU-resident).
+    pub switch_bytes: u64,
+    pub prediction: Option<Prediction>,
+    /// Planner-specific facts worth showing (strategy chosen, pinned-prefix length …).
+    pub notes: Vec<String>,
+}
+
+/// A plan that breaks an invariant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanInvalid {
+    #[error("{phase:?} plan: unit {unit} is placed {count} times (expected exactly once)")]
+    Placement { phase: PhaseKind, unit: String, count: usize },
+    #[error("{phase:?} plan names unit {unit}, which the model does not have")]
+    UnknownUnit { phase: PhaseKind, unit: String },
+    #[error("{phase:?} plan needs {needed} bytes of VRAM, over the budget of {budget} by {over}")]
+    OverBudget { phase: PhaseKind, needed: u64, budget: u64, over: u64 },
+    #[error("{phase:?} plan: {reason}")]
+    Inconsistent { phase: PhaseKind, reason: String },
+    #[error("plan schema_version {found}, this build reads {expected}")]
+    Version { found: u32, expected: u32 },
+}
+
+impl Plan {
+    /// Both phase plans.
+    #[must_use]
+    pub fn phases(&self) -> [&PhasePlan; 2] {
+        [&self.prefill, &self.decode]
+    }
+
+    /// Peak VRAM over phases (the larger total).
+    #[must_use]
+    pub fn peak_vram_bytes(&self) -> u64 {
+        self.prefill.vram.total().max(self.decode.vram.total())
+    }
+
+    /// Checks the invariants every consumer relies on: each unit exactly once per phase, KV consistent with
+    /// attention, slots large enough, and the breakdown within budget.
+    pub fn validate(&self, inv: &Inventory) -> Result<(), PlanInvalid> {
+        if self.schema_version != PLAN_SCHEMA_VERSION {
+            return Err(PlanInvalid::Version { found: self.schema_version, expected: PLAN_SCHEMA_VERSION });
+        }
+        for p in self.phases() {
+            let mut counts = vec![0usize; inv.units.len()];
+            for up in &p.placements {
+                let i = inv
+                    .position(up.unit)
+                    .ok_or_else(|| PlanInvalid::UnknownUnit { phase: p.phase, unit: up.unit.to_string() })?;
+                counts[i] += 1;
+            }
+            if let Some((i, &c)) = counts.iter().enumerate().find(|(_, c)| **c != 1) {
+                return Err(PlanInvalid::Placement {
+                    phase: p.phase,
+                    unit: inv.units[i].id.to_string(),
+                    count: c,
+                });
+            }
+            let inconsistent = |reason: String| Err(PlanInvalid::Inconsistent { phase: p.phase, reason });
+            let streamed: Vec<&UnitPlacement> =
+                p.placements.iter().filter(|u| u.placement == Placement::Streamed).collect();
+            if !streamed.is_empty() && p.pipeline_depth == 0 {
+                return inconsistent("units are streamed but pipeline_depth is 0".into());
+            }
+            if p.vram.streaming_slots_bytes != u64::from(p.pipeline_depth) * p.slot_bytes {
+                return inconsistent(format!(
+                    "streaming_slots_bytes {} ≠ pipeline_depth {} × slot_bytes {}",
+                    p.vram.streaming_slots_bytes, p.pipeline_depth, p.slot_bytes
+                ));
+            }
+            let kv_layer = self.workload.kv_bytes_per_layer_of(inv);
+            for up in &streamed {
+                let bytes =
+                    if matches!(up.unit, UnitId::Kv { .. }) { kv_layer } else { inv.unit_bytes(up.unit) };
+                if bytes > p.slot_bytes {
+                    return inconsistent(format!(
+                        "{} ({} bytes) does not fit a {}-byte slot",
+                        up.unit, bytes, p.slot_bytes
+                    ));
+                }
+            }
+            for up in &p.placements {
+                if let UnitId::Kv { layer } = up.unit {
+                    let attn = p.placement(UnitId::Attn { layer }).unwrap_or(Placement::Cpu);
+                    if attn.on_gpu() != up.placement.on_gpu() {
+                        return inconsistent(format!(
+                            "layer {layer}: attention is {attn:?} but its KV is {:?}; KV must be on the side that runs attention",
+                            up.placement
+                        ));
+                    }
+                }
+            }
+            let needed = p.vram.total();
+            if needed > self.budget_bytes {
+                return Err(PlanInvalid::OverBudget {
+                    phase: p.phase,
+                    needed,
+                    budget: self.budget_bytes,
+                    over: needed - self.budget_bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a plan from JSON; `file` names the source in errors.
+    pub fn from_json(file: &str, json: &str) -> Result<Plan, String> {
+        let plan: Plan = serde_json::from_str(json).map_err(|e| format!("{file}: not a valid plan: {e}"))?;
+        if plan.schema_version != PLAN_SCHEMA_VERSION {
+            return Err(format!(
+                "{file}: plan schema_version {}, this build reads {PLAN_SCHEMA_VERSION}",
+                plan.schema_version
+            ));
+        }
+        Ok(plan)
+    }
+
+    #[must_use]
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plans serialise")
+    }
+}
+
+impl Workload {
+    /// KV bytes of one layer, for a plan checked without its spec: derived from the inventory's attention
+    /// shapes (k and v projections' output rows).
+    #[must_use]
+    pub fn kv_bytes_per_layer_of(&self, inv: &Inventory) -> u64 {
+        let kv_dim = inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").map_or(0, |t| t.shape[0]);
+        self.kv_dtype.tensor_bytes(2 * kv_dim, 1).unwrap_or(4 * kv_dim) * self.ctx * self.batch
+    }
+}

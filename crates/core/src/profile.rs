@@ -1,0 +1,282 @@
+//! The `Profile`: what a machine can do, measured by `pipeshard profile` or derived from published figures.
+//!
+//! A profile holds the PCIe link (H2D and D2H by transfer size, pinned and pageable, and both directions at
+//! once), host DRAM bandwidth by thread count (alone and while DMA runs), per-op throughput tables for the GPU
+//! and the CPU (alone and under concurrent DMA), launch and host-sync latencies, and the VRAM the runtime takes
+//! before any weight (CUDA context, cuBLAS workspace). The schema is versioned: readers reject other versions
+//! with a message naming the file, the version found and the one expected.
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::workload::OpClass;
+
+/// The schema version this build reads and writes.
+pub const PROFILE_SCHEMA_VERSION: u32 = 1;
+
+/// Where a profile's numbers come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Provenance {
+    /// Measured by `pipeshard profile` on the machine itself.
+    Measured { command: String, commit: String, date: String },
+    /// Derived from published figures and datasheets; `calibration` says how.
+    Derived { sources: Vec<String>, calibration: String },
+}
+
+/// What the machine is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Machine {
+    pub name: String,
+    pub gpu: String,
+    pub gpu_vram_bytes: u64,
+    pub cpu: String,
+    /// CPU threads the profile's CPU rows assume unless a row says otherwise.
+    pub cpu_threads: u32,
+    pub host_ram_bytes: u64,
+    pub pcie: String,
+}
+
+/// Bandwidth at one transfer size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BwPoint {
+    pub bytes: u64,
+    pub gbps: f64,
+}
+
+/// The host↔device link. Curves are sorted by `bytes`; between points bandwidth is interpolated in log size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PcieProfile {
+    pub h2d_pinned: Vec<BwPoint>,
+    pub d2h_pinned: Vec<BwPoint>,
+    pub h2d_pageable: Vec<BwPoint>,
+    pub d2h_pageable: Vec<BwPoint>,
+    /// Aggregate GB/s with H2D and D2H running at once.
+    pub bidirectional_gbps: f64,
+    /// Fixed cost of issuing one copy (driver call + DMA setup).
+    pub copy_latency_ns: u64,
+}
+
+/// DRAM read bandwidth at a thread count.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DramPoint {
+    pub threads: u32,
+    pub gbps: f64,
+    /// The same while a pinned H2D copy streams from host memory.
+    pub gbps_under_dma: f64,
+}
+
+/// One measured op timing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpRow {
+    pub op: OpClass,
+    pub dtype: DType,
+    /// Output features (matmul rows; attention: query heads × head_dim).
+    pub n: u64,
+    /// Input features (matmul; attention: keys attended).
+    pub k: u64,
+    pub tokens: u64,
+    /// CPU threads (0 on the GPU).
+    pub threads: u32,
+    /// Time with no concurrent DMA.
+    pub time_ns: u64,
+    /// Time while a copy runs on the link (`None`: not measured).
+    pub time_ns_under_dma: Option<u64>,
+}
+
+/// Peak rates of one device: the roofline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Roofline {
+    /// Peak dense matmul FLOP/s by weight format (formats not listed use `default_flops`).
+    pub matmul_flops: Vec<(DType, f64)>,
+    pub default_flops: f64,
+    /// Memory bandwidth in GB/s (GPU: device memory; CPU: DRAM at `Machine::cpu_threads`).
+    pub mem_gbps: f64,
+}
+
+impl Roofline {
+    /// Peak FLOP/s for a weight format.
+    #[must_use]
+    pub fn flops(&self, dtype: DType) -> f64 {
+        self.matmul_flops.iter().find(|(d, _)| *d == dtype).map_or(self.default_flops, |(_, f)| *f)
+    }
+}
+
+/// A device's rates and measured op table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceProfile {
+    pub roofline: Roofline,
+    pub ops: Vec<OpRow>,
+    /// Slowdown factor (≥ 1) of memory-bound ops while DMA runs, where rows have no `time_ns_under_dma`.
+    pub dma_slowdown: f64,
+}
+
+/// A machine profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub schema_version: u32,
+    pub machine: Machine,
+    pub provenance: Provenance,
+    pub pcie: PcieProfile,
+    pub dram: Vec<DramPoint>,
+    pub gpu: DeviceProfile,
+    pub cpu: DeviceProfile,
+    /// Cost of one kernel launch on the GPU stream.
+    pub launch_ns: u64,
+    /// Cost of a host↔device synchronisation (event wait + wake-up) at a CPU↔GPU hand-off.
+    pub host_sync_ns: u64,
+    /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
+    pub runtime_overhead_bytes: u64,
+}
+
+/// A profile that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProfileError {
+    #[error("{file}: cannot read: {reason}")]
+    Io { file: String, reason: String },
+    #[error("{file}: not a valid profile: {reason}")]
+    Json { file: String, reason: String },
+    #[error(
+        "{file}: schema_version {found}, this build reads {expected}: re-run `pipeshard profile` or convert the file"
+    )]
+    Version { file: String, found: u32, expected: u32 },
+    #[error("{file}: `{field}` {problem}")]
+    Invalid { file: String, field: String, problem: String },
+}
+
+impl Profile {
+    /// Parses and checks a profile; `file` names the source in errors.
+    pub fn from_json(file: &str, json: &str) -> Result<Profile, ProfileError> {
+        #[derive(Deserialize)]
+        struct Version {
+            schema_version: u32,
+        }
+        let v: Version = serde_json::from_str(json)
+            .map_err(|e| ProfileError::Json { file: file.into(), reason: e.to_string() })?;
+        if v.schema_version != PROFILE_SCHEMA_VERSION {
+            return Err(ProfileError::Version {
+                file: file.into(),
+                found: v.schema_version,
+                expected: PROFILE_SCHEMA_VERSION,
+            });
+        }
+        let p: Profile = serde_json::from_str(json)
+            .map_err(|e| ProfileError::Json { file: file.into(), reason: e.to_string() })?;
+        p.validate(file)?;
+        Ok(p)
+    }
+
+    /// Reads a profile from disk.
+    pub fn load(path: &std::path::Path) -> Result<Profile, ProfileError> {
+        let file = path.display().to_string();
+        let json = std::fs::read_to_string(path)
+            .map_err(|e| ProfileError::Io { file: file.clone(), reason: e.to_string() })?;
+        Profile::from_json(&file, &json)
+    }
+
+    /// Serialises with stable formatting.
+    #[must_use]
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("profiles serialise")
+    }
+
+    fn validate(&self, file: &str) -> Result<(), ProfileError> {
+        let bad = |field: &str, problem: String| {
+            Err(ProfileError::Invalid { file: file.into(), field: field.into(), problem })
+        };
+        for (name, curve) in [
+            ("pcie.h2d_pinned", &self.pcie.h2d_pinned),
+            ("pcie.d2h_pinned", &self.pcie.d2h_pinned),
+            ("pcie.h2d_pageable", &self.pcie.h2d_pageable),
+            ("pcie.d2h_pageable", &self.pcie.d2h_pageable),
+        ] {
+            if curve.is_empty() {
+                return bad(name, "is empty; it needs at least one {bytes, gbps} point".into());
+            }
+            if let Some(p) = curve.iter().find(|p| !(p.gbps.is_finite() && p.gbps > 0.0) || p.bytes == 0) {
+                return bad(
+                    name,
+                    format!(
+                        "has a point {} bytes at {} GB/s; sizes and rates must be positive",
+                        p.bytes, p.gbps
+                    ),
+                );
+            }
+            if curve.windows(2).any(|w| w[0].bytes >= w[1].bytes) {
+                return bad(name, "must be sorted by increasing bytes".into());
+            }
+        }
+        if self.dram.is_empty()
+            || self.dram.iter().any(|d| d.threads == 0 || !(d.gbps > 0.0 && d.gbps_under_dma > 0.0))
+        {
+            return bad("dram", "needs points with threads ≥ 1 and positive gbps / gbps_under_dma".into());
+        }
+        for (name, dev) in [("gpu", &self.gpu), ("cpu", &self.cpu)] {
+            let r = &dev.roofline;
+            let positive = |x: f64| x.is_finite() && x > 0.0;
+            if !positive(r.default_flops)
+                || !positive(r.mem_gbps)
+                || r.matmul_flops.iter().any(|(_, f)| !positive(*f))
+            {
+                return bad(&format!("{name}.roofline"), "needs positive FLOP/s and mem_gbps".into());
+            }
+            if dev.dma_slowdown.is_nan() || dev.dma_slowdown < 1.0 {
+                return bad(
+                    &format!("{name}.dma_slowdown"),
+                    format!("is {}; it must be ≥ 1", dev.dma_slowdown),
+                );
+            }
+            if let Some(row) = dev.ops.iter().find(|o| o.time_ns == 0 || o.tokens == 0) {
+                return bad(&format!("{name}.ops"), format!("has a row with zero time or tokens: {row:?}"));
+            }
+        }
+        if self.machine.cpu_threads == 0 {
+            return bad("machine.cpu_threads", "is 0; it must be ≥ 1".into());
+        }
+        Ok(())
+    }
+
+    /// Pinned H2D bandwidth for a transfer of `bytes`, in bytes per nanosecond (= GB/s).
+    #[must_use]
+    pub fn h2d_gbps(&self, bytes: u64, pinned: bool) -> f64 {
+        interp_bw(if pinned { &self.pcie.h2d_pinned } else { &self.pcie.h2d_pageable }, bytes)
+    }
+
+    /// D2H bandwidth for a transfer of `bytes`.
+    #[must_use]
+    pub fn d2h_gbps(&self, bytes: u64, pinned: bool) -> f64 {
+        interp_bw(if pinned { &self.pcie.d2h_pinned } else { &self.pcie.d2h_pageable }, bytes)
+    }
+
+    /// DRAM read bandwidth with `threads` threads (linear between measured counts, clamped at the ends).
+    #[must_use]
+    pub fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64 {
+        let pick = |d: &DramPoint| if under_dma { d.gbps_under_dma } else { d.gbps };
+        let mut pts: Vec<&DramPoint> = self.dram.iter().collect();
+        pts.sort_by_key(|d| d.threads);
+        let t = f64::from(threads);
+        match pts.iter().position(|d| d.threads >= threads) {
+            Some(0) => pick(pts[0]) * (t / f64::from(pts[0].threads)).min(1.0),
+            Some(i) => {
+                let (a, b) = (pts[i - 1], pts[i]);
+                let f = (t - f64::from(a.threads)) / f64::from(b.threads - a.threads);
+                pick(a) + f * (pick(b) - pick(a))
+            }
+            None => pick(pts[pts.len() - 1]),
+        }
+    }
+}
+
+/// Bandwidth at `bytes`, linear in log(size) between points and clamped at the ends.
+fn interp_bw(curve: &[BwPoint], bytes: u64) -> f64 {
+    let x = (bytes.max(1) as f64).ln();
+    match curve.iter().position(|p| p.bytes >= bytes) {
+        Some(0) => curve[0].gbps,
+        Some(i) => {
+            let (a, b) = (curve[i - 1], curve[i]);
+            let (xa, xb) = ((a.bytes as f64).ln(), (b.bytes as f64).ln());
+            a.gbps + (x - xa) / (xb - xa) * (b.gbps - a.gbps)
+        }
+        None => curve[curve.len() - 1].gbps,
+    }
+}

@@ -1,0 +1,518 @@
+//! Workloads and the ops they run.
+//!
+//! A [`Workload`] is what a user asks for: P prompt tokens in ubatch-sized chunks into a context of C tokens,
+//! then G decode steps, for R parallel requests. [`Phase`] is one step of it: a prefill chunk of n tokens at
+//! position p, or a decode step of b sequences at context c. [`ops`] lists, for a phase, every op in execution
+//! order with its shapes, FLOPs and bytes, and the placement unit whose weights (or KV) it reads.
+//!
+//! Routed experts are one op per layer ([`OpKind::Experts`]) rather than one per expert: under uniform routing
+//! the expected number of distinct experts that n tokens touch is E·(1−(1−k/E)^n), so a consumer that knows
+//! how many of a layer's experts sit on each device gets the expected work per device without 128 ops.
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::inventory::{Inventory, UnitId};
+use crate::model::{FfnKind, ModelSpec};
+
+/// What a user runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    pub prompt_tokens: u64,
+    /// Context size the KV cache is allocated for (tokens per sequence).
+    pub ctx: u64,
+    pub gen_tokens: u64,
+    pub ubatch: u64,
+    /// Parallel requests (sequences) decoded together.
+    pub batch: u64,
+    pub kv_dtype: DType,
+    /// Flash attention (no materialised score matrix). The paper's baseline runs without it.
+    pub flash_attn: bool,
+}
+
+impl Workload {
+    /// One request: `prompt_tokens` of prompt, `gen_tokens` generated, KV for `ctx`, f16 KV, flash attention.
+    #[must_use]
+    pub fn single(prompt_tokens: u64, ctx: u64, gen_tokens: u64, ubatch: u64) -> Workload {
+        Workload { prompt_tokens, ctx, gen_tokens, ubatch, batch: 1, kv_dtype: DType::F16, flash_attn: true }
+    }
+
+    /// Checks the workload is runnable; errors name the field and the fix.
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        let bad =
+            |field: &'static str, value: u64, expected: String| Err(WorkloadError { field, value, expected });
+        if self.ubatch == 0 {
+            return bad("ubatch", 0, "at least 1 token".into());
+        }
+        if self.batch == 0 {
+            return bad("batch", 0, "at least 1 sequence".into());
+        }
+        if self.prompt_tokens == 0 {
+            return bad("prompt_tokens", 0, "at least 1 token".into());
+        }
+        if self.prompt_tokens + self.gen_tokens > self.ctx {
+            return bad(
+                "ctx",
+                self.ctx,
+                format!("at least prompt + gen = {} tokens", self.prompt_tokens + self.gen_tokens),
+            );
+        }
+        Ok(())
+    }
+
+    /// The prefill chunks, in order. With R requests each request's prompt is prefilled in turn.
+    #[must_use]
+    pub fn prefill_chunks(&self) -> Vec<Phase> {
+        let mut v = Vec::new();
+        for _ in 0..self.batch {
+            let mut pos = 0;
+            while pos < self.prompt_tokens {
+                let n = self.ubatch.min(self.prompt_tokens - pos);
+                v.push(Phase::Prefill { tokens: n, start_pos: pos, last: pos + n == self.prompt_tokens });
+                pos += n;
+            }
+        }
+        v
+    }
+
+    /// The decode step that produces generated token `i` (0-based): it attends over prompt + i tokens.
+    #[must_use]
+    pub fn decode_step(&self, i: u64) -> Phase {
+        Phase::Decode { batch: self.batch, ctx: self.prompt_tokens + i + 1 }
+    }
+
+    /// KV bytes of one layer for the whole allocated context of every sequence.
+    #[must_use]
+    pub fn kv_bytes_per_layer(&self, spec: &ModelSpec) -> u64 {
+        spec.kv_bytes_per_token_layer(self.kv_dtype) * self.ctx * self.batch
+    }
+}
+
+/// A workload field out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("workload: `{field}` = {value} is out of range; expected {expected}")]
+pub struct WorkloadError {
+    pub field: &'static str,
+    pub value: u64,
+    pub expected: String,
+}
+
+/// One step of a workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum Phase {
+    /// `tokens` prompt tokens at positions `start_pos..start_pos+tokens`; `last` chunks produce logits.
+    Prefill { tokens: u64, start_pos: u64, last: bool },
+    /// One new token for each of `batch` sequences, each attending over `ctx` tokens (itself included).
+    Decode { batch: u64, ctx: u64 },
+}
+
+impl Phase {
+    /// Tokens processed by the step.
+    #[must_use]
+    pub fn tokens(self) -> u64 {
+        match self {
+            Phase::Prefill { tokens, .. } => tokens,
+            Phase::Decode { batch, .. } => batch,
+        }
+    }
+
+    /// Rows for which logits are computed.
+    #[must_use]
+    pub fn logit_rows(self) -> u64 {
+        match self {
+            Phase::Prefill { last, .. } => u64::from(last),
+            Phase::Decode { batch, .. } => batch,
+        }
+    }
+}
+
+/// The family of an op, which selects its row in a cost table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpClass {
+    Embed,
+    Norm,
+    MatMul,
+    Rope,
+    Attention,
+    Activation,
+    Add,
+    Router,
+    Experts,
+    Sample,
+}
+
+/// What an op is, with the shape facts a cost model needs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum OpKind {
+    Embed,
+    Norm,
+    /// `tokens × k` activations times a `n × k` weight.
+    MatMul {
+        n: u64,
+        k: u64,
+    },
+    Rope,
+    /// `tokens` queries over on average `keys` keys (causal masking counted), per sequence.
+    Attention {
+        q_heads: u32,
+        kv_heads: u32,
+        head_dim: u64,
+        keys: u64,
+    },
+    Activation,
+    Add,
+    /// Router logits, softmax and top-k.
+    Router {
+        n_experts: u32,
+        top_k: u32,
+    },
+    /// All routed experts of a layer: each touched expert runs `tokens_per_touched` tokens through its
+    /// gate/up/down (`flops_per_touched`, `bytes_per_expert` of weights).
+    Experts {
+        n_experts: u32,
+        touched: f64,
+        tokens_per_touched: f64,
+        ffn: u64,
+        hidden: u64,
+    },
+    Sample {
+        vocab: u64,
+    },
+}
+
+impl OpKind {
+    #[must_use]
+    pub fn class(&self) -> OpClass {
+        match self {
+            OpKind::Embed => OpClass::Embed,
+            OpKind::Norm => OpClass::Norm,
+            OpKind::MatMul { .. } => OpClass::MatMul,
+            OpKind::Rope => OpClass::Rope,
+            OpKind::Attention { .. } => OpClass::Attention,
+            OpKind::Activation => OpClass::Activation,
+            OpKind::Add => OpClass::Add,
+            OpKind::Router { .. } => OpClass::Router,
+            OpKind::Experts { .. } => OpClass::Experts,
+            OpKind::Sample { .. } => OpClass::Sample,
+        }
+    }
+}
+
+/// One op of a phase. Byte counts are the minimum traffic: each operand read once, each result written once.
+/// For [`OpKind::Experts`], `flops` and `weight_bytes` are expectations over routing.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Op {
+    pub kind: OpKind,
+    /// The unit whose weights the op reads; for [`OpKind::Experts`] the layer's router unit stands for all
+    /// its expert units, and for attention the layer's KV unit.
+    pub unit: UnitId,
+    pub tokens: u64,
+    /// Format of the weights read (activation format for weightless ops).
+    pub dtype: DType,
+    pub flops: f64,
+    pub weight_bytes: f64,
+    /// Activations read plus written.
+    pub act_bytes: f64,
+    /// KV cache read plus written.
+    pub kv_bytes: f64,
+}
+
+impl Op {
+    /// All bytes moved.
+    #[must_use]
+    pub fn bytes(&self) -> f64 {
+        self.weight_bytes + self.act_bytes + self.kv_bytes
+    }
+
+    /// FLOPs per byte moved.
+    #[must_use]
+    pub fn arithmetic_intensity(&self) -> f64 {
+        self.flops / self.bytes().max(1.0)
+    }
+}
+
+/// Bytes of an activation element (ggml keeps hidden states in f32).
+pub const ACT_BYTES: f64 = 4.0;
+
+/// Expected distinct experts that `tokens` tokens touch with top-`k` of `e` under uniform routing.
+#[must_use]
+pub fn expected_touched_experts(e: u32, k: u32, tokens: u64) -> f64 {
+    let e = f64::from(e);
+    let p_miss = 1.0 - f64::from(k) / e;
+    e * (1.0 - p_miss.powf(tokens as f64))
+}
+
+/// Average keys a query attends over: prefill chunks are causal within the chunk.
+fn attention_keys(phase: Phase) -> u64 {
+    match phase {
+        Phase::Prefill { tokens, start_pos, .. } => start_pos + tokens.div_ceil(2),
+        Phase::Decode { ctx, .. } => ctx,
+    }
+}
+
+/// Every op of `phase` in execution order.
+#[must_use]
+pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec<Op> {
+    let t = &spec.text;
+    let m = phase.tokens();
+    let mf = m as f64;
+    let h = t.hidden as f64;
+    let mut out = Vec::with_capacity(t.n_layers as usize * 14 + 6);
+    let act = |elems: f64| elems * ACT_BYTES;
+    let tensor_of = |unit: UnitId, name_suffix: &str| {
+        inv.unit(unit).and_then(|u| {
+            u.parts.iter().map(|p| &inv.tensors[p.tensor]).find(|tt| tt.name.ends_with(name_suffix))
+        })
+    };
+    let matmul = |unit: UnitId, suffix: &str, tokens: u64| -> Option<Op> {
+        let tt = tensor_of(unit, suffix)?;
+        let (n, k) = (tt.shape[0], tt.shape[1]);
+        Some(Op {
+            kind: OpKind::MatMul { n, k },
+            unit,
+            tokens,
+            dtype: tt.dtype,
+            flops: 2.0 * tokens as f64 * n as f64 * k as f64,
+            weight_bytes: tt.bytes as f64,
+            act_bytes: act(tokens as f64 * (n + k) as f64),
+            kv_bytes: 0.0,
+        })
+    };
+    let simple = |kind: OpKind, unit: UnitId, elems: f64, flops_per: f64, weight_bytes: f64| Op {
+        kind,
+        unit,
+        tokens: m,
+        dtype: DType::F32,
+        flops: elems * flops_per,
+        weight_bytes,
+        act_bytes: act(2.0 * elems),
+        kv_bytes: 0.0,
+    };
+
+    let embd = UnitId::TokenEmbd;
+    let row_bytes = inv.unit_bytes(embd) as f64 / t.vocab as f64;
+    out.push(Op {
+        kind: OpKind::Embed,
+        unit: embd,
+        tokens: m,
+        dtype: spec.weights.token_embd,
+        flops: mf * h,
+        weight_bytes: mf * row_bytes,
+        act_bytes: act(mf * h),
+        kv_bytes: 0.0,
+    });
+
+    let kv_tok = spec.kv_bytes_per_token_layer(w.kv_dtype) as f64;
+    let q_dim = f64::from(t.n_heads) * t.head_dim as f64;
+    let kv_dim = f64::from(t.n_kv_heads) * t.head_dim as f64;
+    let keys = attention_keys(phase);
+    let seqs = match phase {
+        Phase::Prefill { .. } => 1.0,
+        Phase::Decode { batch, .. } => batch as f64,
+    };
+    for il in 0..t.n_layers {
+        let attn = UnitId::Attn { layer: il };
+        let norm_bytes = tensor_of(attn, "attn_norm.weight").map_or(0.0, |tt| tt.bytes as f64);
+        out.push(simple(OpKind::Norm, attn, mf * h, 3.0, norm_bytes));
+        out.extend(
+            ["attn_q.weight", "attn_k.weight", "attn_v.weight"].iter().filter_map(|s| matmul(attn, s, m)),
+        );
+        out.push(simple(OpKind::Rope, attn, mf * (q_dim + kv_dim) * t.partial_rotary, 6.0, 0.0));
+        // Per query: q·K over `keys` keys and P·V, 2 FLOPs each per head dimension.
+        let score_elems = mf * keys as f64 * f64::from(t.n_heads);
+        let kv_read = match phase {
+            Phase::Prefill { tokens, start_pos, .. } => (start_pos + tokens) as f64 * kv_tok,
+            Phase::Decode { ctx, .. } => seqs * ctx as f64 * kv_tok,
+        };
+        out.push(Op {
+            kind: OpKind::Attention {
+                q_heads: t.n_heads,
+                kv_heads: t.n_kv_heads,
+                head_dim: t.head_dim,
+                keys,
+            },
+            unit: UnitId::Kv { layer: il },
+            tokens: m,
+            dtype: w.kv_dtype,
+            flops: 4.0 * score_elems * t.head_dim as f64,
+            weight_bytes: 0.0,
+            // q in, output out, and without flash attention the score matrix written and read back.
+            act_bytes: act(2.0 * mf * q_dim) + if w.flash_attn { 0.0 } else { 2.0 * act(score_elems) },
+            kv_bytes: kv_read + mf * kv_tok,
+        });
+        out.extend(matmul(attn, "attn_output.weight", m));
+        out.push(simple(OpKind::Add, attn, mf * h, 1.0, 0.0));
+
+        if spec.layer_is_moe(il) {
+            let moe = t.moe.as_ref().expect("layer_is_moe implies moe config");
+            let router = UnitId::Router { layer: il };
+            let rb = tensor_of(router, "ffn_norm.weight").map_or(0.0, |tt| tt.bytes as f64);
+            out.push(simple(OpKind::Norm, router, mf * h, 3.0, rb));
+            let mut r = matmul(router, "ffn_gate_inp.weight", m).expect("router tensor");
+            r.kind = OpKind::Router { n_experts: moe.n_experts, top_k: moe.top_k };
+            out.push(r);
+            let touched = expected_touched_experts(moe.n_experts, moe.top_k, m);
+            let routed = mf * f64::from(moe.top_k);
+            let expert_bytes = inv.unit_bytes(UnitId::Expert { layer: il, expert: 0 }) as f64;
+            let ffn = moe.expert_ffn as f64;
+            out.push(Op {
+                kind: OpKind::Experts {
+                    n_experts: moe.n_experts,
+                    touched,
+                    tokens_per_touched: routed / touched,
+                    ffn: moe.expert_ffn,
+                    hidden: t.hidden,
+                },
+                unit: router,
+                tokens: m,
+                dtype: spec.weights.expert_gate_up,
+                flops: 2.0 * 3.0 * routed * ffn * h,
+                weight_bytes: touched * expert_bytes,
+                act_bytes: act(routed * (2.0 * h + 3.0 * ffn)),
+                kv_bytes: 0.0,
+            });
+            if moe.n_shared_experts > 0 {
+                let sh = UnitId::SharedExperts { layer: il };
+                out.extend(
+                    ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"].iter().filter_map(|s| matmul(sh, s, m)),
+                );
+                out.push(simple(OpKind::Activation, sh, mf * moe.shared_ffn as f64, 2.0, 0.0));
+                out.extend(matmul(sh, "ffn_down_shexp.weight", m));
+            }
+            out.push(simple(OpKind::Add, router, mf * h, 1.0, 0.0));
+        } else {
+            let ffn = UnitId::Ffn { layer: il };
+            let nb = tensor_of(ffn, "ffn_norm.weight").map_or(0.0, |tt| tt.bytes as f64);
+            out.push(simple(OpKind::Norm, ffn, mf * h, 3.0, nb));
+            if t.ffn_kind == FfnKind::SwiGlu {
+                out.extend(matmul(ffn, "ffn_gate.weight", m));
+            }
+            out.extend(matmul(ffn, "ffn_up.weight", m));
+            out.push(simple(OpKind::Activation, ffn, mf * t.ffn as f64, 2.0, 0.0));
+            out.extend(matmul(ffn, "ffn_down.weight", m));
+            out.push(simple(OpKind::Add, ffn, mf * h, 1.0, 0.0));
+        }
+    }
+
+    let rows = phase.logit_rows();
+    if rows > 0 {
+        let output = UnitId::Output;
+        let nb = tensor_of(output, "output_norm.weight").map_or(0.0, |tt| tt.bytes as f64);
+        let mut norm = simple(OpKind::Norm, output, rows as f64 * h, 3.0, nb);
+        norm.tokens = rows;
+        out.push(norm);
+        let head = if t.tied_embeddings {
+            matmul(embd, "token_embd.weight", rows)
+        } else {
+            matmul(output, "output.weight", rows)
+        };
+        out.extend(head);
+        let mut sample =
+            simple(OpKind::Sample { vocab: t.vocab }, output, rows as f64 * t.vocab as f64, 1.0, 0.0);
+        sample.tokens = rows;
+        out.push(sample);
+    }
+    out
+}
+
+/// Peak bytes of activations and temporaries a phase needs on the device that runs it (ggml keeps f32
+/// hidden states; the largest live set is the residual stream, the normed input, the FFN intermediates, the
+/// attention temporaries and the logits).
+#[must_use]
+pub fn scratch_bytes(spec: &ModelSpec, w: &Workload, phase: Phase) -> u64 {
+    let t = &spec.text;
+    let m = phase.tokens() as f64;
+    let h = t.hidden as f64;
+    let ffn = match &t.moe {
+        Some(moe) => (t.ffn as f64).max(moe.expert_ffn as f64 * f64::from(moe.top_k)),
+        None => t.ffn as f64,
+    };
+    let q_dim = f64::from(t.n_heads) * t.head_dim as f64;
+    let kv_dim = f64::from(t.n_kv_heads) * t.head_dim as f64;
+    let keys = match phase {
+        Phase::Prefill { tokens, start_pos, .. } => (start_pos + tokens) as f64,
+        Phase::Decode { ctx, .. } => ctx as f64,
+    };
+    let attn_tmp = if w.flash_attn {
+        m * (q_dim + 2.0 * kv_dim)
+    } else {
+        m * (q_dim + 2.0 * kv_dim) + m * keys * f64::from(t.n_heads)
+    };
+    let ffn_tmp = m * 3.0 * ffn;
+    let logits = phase.logit_rows() as f64 * t.vocab as f64;
+    let elems = 3.0 * m * h + attn_tmp.max(ffn_tmp) + logits;
+    (elems * ACT_BYTES) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+
+    #[test]
+    fn expected_experts_limits() {
+        assert!((expected_touched_experts(128, 8, 1) - 8.0).abs() < 1e-9);
+        assert!(expected_touched_experts(128, 8, 1024) > 127.99);
+        let e16 = expected_touched_experts(128, 8, 16);
+        assert!(e16 > 8.0 && e16 < 128.0);
+    }
+
+    #[test]
+    fn decode_matmul_flops_match_parameters() {
+        let spec = catalog::get("llama-3.1-8b").unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(1000, 2048, 16, 512);
+        let ops = ops(&spec, &inv, &w, w.decode_step(0));
+        let mm_flops: f64 =
+            ops.iter().filter(|o| matches!(o.kind, OpKind::MatMul { .. })).map(|o| o.flops).sum();
+        // One token: 2 FLOPs per matrix parameter, embedding excluded.
+        let params: u64 = inv
+            .tensors
+            .iter()
+            .filter(|t| t.shape.len() == 2 && t.name != "token_embd.weight")
+            .map(crate::inventory::Tensor::elems)
+            .sum();
+        assert!((mm_flops - 2.0 * params as f64).abs() < 1.0, "{mm_flops} vs {}", 2 * params);
+        let weights: f64 = ops.iter().map(|o| o.weight_bytes).sum();
+        let embd_row = inv.unit_bytes(UnitId::TokenEmbd) as f64 / 128_256.0;
+        let expect = (inv.total_bytes() - inv.unit_bytes(UnitId::TokenEmbd)) as f64 + embd_row;
+        assert!((weights - expect).abs() / expect < 1e-9);
+    }
+
+    #[test]
+    fn moe_decode_reads_top_k_experts() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(100, 1024, 8, 512);
+        let ops = ops(&spec, &inv, &w, w.decode_step(0));
+        let e = ops.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+        let per_expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 }) as f64;
+        assert!((e.weight_bytes - 8.0 * per_expert).abs() < 1e-6);
+    }
+
+    #[test]
+    fn chunks_cover_the_prompt() {
+        let w = Workload::single(2500, 4096, 10, 1024);
+        let c = w.prefill_chunks();
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.iter().map(|p| p.tokens()).sum::<u64>(), 2500);
+        assert_eq!(c[2], Phase::Prefill { tokens: 452, start_pos: 2048, last: true });
+        assert!(w.validate().is_ok());
+        assert!(Workload::single(4000, 4096, 200, 1024).validate().unwrap_err().to_string().contains("ctx"));
+    }
+
+    #[test]
+    fn attention_without_flash_needs_score_memory() {
+        let spec = catalog::get("nemo-8b").unwrap();
+        let mut w = Workload::single(4096, 8192, 1, 1024);
+        let p = Phase::Prefill { tokens: 1024, start_pos: 3072, last: false };
+        let flash = scratch_bytes(&spec, &w, p);
+        w.flash_attn = false;
+        let scores = 1024 * 4096 * 32 * 4;
+        assert!(flash < scores);
+        assert!(scratch_bytes(&spec, &w, p) >= scores);
+    }
+}
