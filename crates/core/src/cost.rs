@@ -157,33 +157,46 @@ impl TableCostModel {
         (op.flops / flops * 1e9).max(op.bytes() / gbps)
     }
 
-    /// Efficiency for `op`: nearest shape in the family, interpolated in log tokens.
-    fn efficiency(&self, op: &Op, ctx: OpContext) -> f64 {
+    /// The family measured for this op: same device, class and format, nearest thread count. Routers and
+    /// expert FFNs are matmuls, so they borrow the matmul rows when they have none of their own.
+    fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
-        let class = op.kind.class();
-        // Prefer the same thread count, then the nearest measured one.
-        let Some(fam) = self
-            .families
-            .iter()
-            .filter(|f| f.device == ctx.device && f.class == class && f.dtype == op.dtype)
-            .min_by_key(|f| f.threads.abs_diff(threads))
-        else {
-            return 1.0;
+        let find = |class: OpClass| {
+            self.families
+                .iter()
+                .filter(|f| f.device == ctx.device && f.class == class && f.dtype == op.dtype)
+                .min_by_key(|f| f.threads.abs_diff(threads))
         };
+        let class = op.kind.class();
+        find(class).or_else(|| {
+            if matches!(class, OpClass::Router | OpClass::Experts) { find(OpClass::MatMul) } else { None }
+        })
+    }
+
+    /// Efficiency for `op`: the rows of the nearest measured shape, interpolated in log tokens. Points are
+    /// sorted by (shape, tokens), so the nearest shape's rows are one contiguous run.
+    fn efficiency(&self, op: &Op, ctx: OpContext) -> f64 {
+        let Some(fam) = self.family(op, ctx) else { return 1.0 };
         let shape = shape_log(op);
-        let nearest = fam.points.iter().map(|p| (p.0 - shape).abs()).fold(f64::INFINITY, f64::min);
-        let same: Vec<&(f64, f64, f64, Option<f64>)> =
-            fam.points.iter().filter(|p| ((p.0 - shape).abs() - nearest).abs() < 1e-9).collect();
+        let nearest_shape = fam
+            .points
+            .iter()
+            .map(|p| p.0)
+            .min_by(|a, b| (a - shape).abs().total_cmp(&(b - shape).abs()))
+            .expect("families have at least one point");
+        let start = fam.points.partition_point(|p| p.0 < nearest_shape);
+        let end = fam.points.partition_point(|p| p.0 <= nearest_shape);
+        let run = &fam.points[start..end];
         let pick = |p: &(f64, f64, f64, Option<f64>)| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
         let x = (op.tokens.max(1) as f64).ln();
-        let eff = match same.iter().position(|p| p.1 >= x) {
-            Some(0) => pick(same[0]),
+        let eff = match run.iter().position(|p| p.1 >= x) {
+            Some(0) => pick(&run[0]),
             Some(i) => {
-                let (a, b) = (same[i - 1], same[i]);
+                let (a, b) = (&run[i - 1], &run[i]);
                 let f = if (b.1 - a.1).abs() < 1e-12 { 0.0 } else { (x - a.1) / (b.1 - a.1) };
                 pick(a) + f * (pick(b) - pick(a))
             }
-            None => pick(same[same.len() - 1]),
+            None => pick(&run[run.len() - 1]),
         };
         eff.clamp(1e-6, 1.0)
     }
@@ -302,5 +315,102 @@ impl CostModel for TableCostModel {
 
     fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64 {
         self.profile.dram_gbps(threads, under_dma)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+    use crate::inventory::Inventory;
+    use crate::reference;
+    use crate::workload::{Phase, Workload, ops};
+    use proptest::prelude::*;
+
+    fn model() -> TableCostModel {
+        TableCostModel::new(&reference::derived("cli3").unwrap())
+    }
+
+    #[test]
+    fn measured_rows_are_reproduced() {
+        let m = model();
+        for (device, rows) in [(Device::Gpu, &m.profile.gpu.ops), (Device::Cpu, &m.profile.cpu.ops)] {
+            for row in rows {
+                let op = op_of_row(row).unwrap();
+                let ctx = OpContext { device, threads: row.threads, under_dma: false };
+                let t = m.op_ns(&op, ctx) as f64;
+                assert!(
+                    (t - row.time_ns as f64).abs() / (row.time_ns as f64) < 0.01,
+                    "{row:?}: predicted {t}"
+                );
+                if let Some(dma) = row.time_ns_under_dma {
+                    let t = m.op_ns(&op, ctx.with_dma(true)) as f64;
+                    assert!((t - dma as f64).abs() / (dma as f64) < 0.01, "{row:?} under DMA: predicted {t}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_is_bandwidth_bound_and_prefill_compute_bound_on_the_gpu() {
+        let m = model();
+        let spec = catalog::get("nemo-8b").unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(1024, 4096, 10, 1024);
+        let decode = ops(&spec, &inv, &w, w.decode_step(0));
+        let ffn_up = decode.iter().find(|o| matches!(o.kind, OpKind::MatMul { n: 11520, .. })).unwrap();
+        let t = m.op_ns(ffn_up, OpContext::gpu()) as f64;
+        // 94 MB of f16 weights at 80% of 1792 GB/s.
+        let expect = ffn_up.bytes() / (1792.0 * 0.8);
+        assert!((t - expect).abs() / expect < 0.05, "{t} vs {expect}");
+        let prefill = ops(&spec, &inv, &w, Phase::Prefill { tokens: 1024, start_pos: 0, last: false });
+        let up = prefill.iter().find(|o| matches!(o.kind, OpKind::MatMul { n: 11520, .. })).unwrap();
+        let t = m.op_ns(up, OpContext::gpu()) as f64;
+        let expect = up.flops / (209.5e12 * 0.6) * 1e9;
+        assert!((t - expect).abs() / expect < 0.05, "{t} vs {expect}");
+        // The CPU is far slower than the GPU on the same op, slower under DMA, slower with fewer threads.
+        let cpu = m.op_ns(ffn_up, OpContext::cpu(16));
+        assert!(cpu > 5 * m.op_ns(ffn_up, OpContext::gpu()));
+        assert!(m.op_ns(ffn_up, OpContext::cpu(16).with_dma(true)) > cpu);
+        assert!(m.op_ns(ffn_up, OpContext::cpu(4)) > cpu);
+    }
+
+    #[test]
+    fn copies_follow_the_link() {
+        let m = model();
+        let t = m.h2d_ns(1 << 30, true);
+        let expect = (1u64 << 30) as f64 / 50.0 + 8_000.0;
+        assert!((t as f64 - expect).abs() < 1.0, "{t}");
+        assert!(m.h2d_ns(1 << 30, false) > 3 * t);
+        assert_eq!(m.h2d_ns(0, true), 0);
+    }
+
+    proptest! {
+        /// No prediction is ever below the roofline, whatever the op, device, threads or DMA.
+        #[test]
+        fn never_faster_than_the_roofline(
+            name in proptest::sample::select(catalog::names()),
+            tokens in 1u64..4096,
+            start in 0u64..60_000,
+            decode in any::<bool>(),
+            gpu in any::<bool>(),
+            threads in 1u32..32,
+            dma in any::<bool>(),
+            pick in 0usize..10_000,
+        ) {
+            let m = model();
+            let spec = catalog::get(name).unwrap().truncated(1).unwrap();
+            let inv = Inventory::new(&spec);
+            let w = Workload::single(start + tokens, start + tokens + 8, 8, 4096);
+            let phase = if decode {
+                Phase::Decode { batch: tokens.min(64), ctx: start + 1 }
+            } else {
+                Phase::Prefill { tokens, start_pos: start, last: true }
+            };
+            let all = ops(&spec, &inv, &w, phase);
+            let op = &all[pick % all.len()];
+            let ctx = if gpu { OpContext::gpu() } else { OpContext::cpu(threads) }.with_dma(dma);
+            prop_assert!(m.op_ns(op, ctx) >= m.roofline_ns(op, ctx));
+        }
     }
 }

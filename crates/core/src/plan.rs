@@ -271,3 +271,95 @@ impl Workload {
         self.kv_dtype.tensor_bytes(2 * kv_dim, 1).unwrap_or(4 * kv_dim) * self.ctx * self.batch
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+    use crate::inventory::Inventory;
+    use crate::{GIB, MIB};
+
+    fn phase(inv: &Inventory, phase: PhaseKind, place: impl Fn(UnitId) -> Placement) -> PhasePlan {
+        PhasePlan {
+            phase,
+            tier_tokens: 512,
+            pipeline_depth: 0,
+            slot_bytes: 0,
+            placements: inv
+                .units
+                .iter()
+                .map(|u| UnitPlacement { unit: u.id, placement: place(u.id) })
+                .collect(),
+            op_offload: false,
+            cpu_threads: 16,
+            vram: VramBreakdown {
+                scratch_bytes: 100 * MIB,
+                runtime_overhead_bytes: 500 * MIB,
+                ..VramBreakdown::default()
+            },
+        }
+    }
+
+    fn plan() -> (Plan, Inventory) {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap().truncated(2).unwrap();
+        let inv = Inventory::new(&spec);
+        let p = Plan {
+            schema_version: PLAN_SCHEMA_VERSION,
+            planner: "test".into(),
+            model: spec.name.clone(),
+            budget_bytes: GIB,
+            workload: Workload::single(1000, 2048, 100, 512),
+            prefill: phase(&inv, PhaseKind::Prefill, |_| Placement::Cpu),
+            decode: phase(&inv, PhaseKind::Decode, |_| Placement::Cpu),
+            switch_bytes: 0,
+            prediction: None,
+            notes: vec![],
+        };
+        (p, inv)
+    }
+
+    #[test]
+    fn an_all_cpu_plan_is_valid_and_round_trips() {
+        let (p, inv) = plan();
+        p.validate(&inv).unwrap();
+        let back = Plan::from_json("p.json", &p.to_json()).unwrap();
+        assert_eq!(back, p);
+        assert!(Plan::from_json("p.json", "{}").unwrap_err().contains("p.json"));
+    }
+
+    #[test]
+    fn broken_plans_are_rejected_with_the_reason() {
+        let (mut p, inv) = plan();
+        p.budget_bytes = 500 * MIB;
+        assert!(matches!(p.validate(&inv), Err(PlanInvalid::OverBudget { over, .. }) if over == 100 * MIB));
+
+        let (mut p, inv) = plan();
+        p.decode.placements.pop();
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("placed 0 times"));
+
+        let (mut p, inv) = plan();
+        let dup = p.prefill.placements[3];
+        p.prefill.placements.push(dup);
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("placed 2 times"));
+
+        let (mut p, inv) = plan();
+        p.decode = phase(&inv, PhaseKind::Decode, |u| {
+            if matches!(u, UnitId::Attn { .. }) { Placement::Pinned } else { Placement::Cpu }
+        });
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("KV must be on the side"));
+
+        let (mut p, inv) = plan();
+        p.decode = phase(&inv, PhaseKind::Decode, |u| {
+            if matches!(u, UnitId::Expert { .. }) { Placement::Streamed } else { Placement::Cpu }
+        });
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("pipeline_depth is 0"));
+        let expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 });
+        p.decode.pipeline_depth = 2;
+        p.decode.slot_bytes = expert - 1;
+        p.decode.vram.streaming_slots_bytes = 2 * (expert - 1);
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("does not fit"));
+        p.decode.slot_bytes = expert;
+        p.decode.vram.streaming_slots_bytes = 2 * expert;
+        p.validate(&inv).unwrap();
+    }
+}
