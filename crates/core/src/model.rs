@@ -489,6 +489,24 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_has_qkv_bias_and_nested_vl_text_config_is_read() {
+        let q2 = LLAMA.replace("llama", "qwen2");
+        let m = parse(&q2).unwrap();
+        assert!(m.text.qkv_bias && !m.text.qk_norm);
+        let vl = r#"{"model_type":"qwen2_5_vl","text_config":{"hidden_size":64,"num_attention_heads":4,
+            "num_key_value_heads":2,"num_hidden_layers":2,"intermediate_size":128,"vocab_size":100},
+            "vision_config":{"depth":4,"hidden_size":32,"num_heads":4,"intermediate_size":64,"patch_size":14,
+            "fullatt_block_indexes":[1,3]}}"#;
+        let m = parse(vl).unwrap();
+        assert_eq!(m.vision.as_ref().unwrap().full_attn_blocks, vec![1, 3]);
+        let e = parse(&vl.replace("[1,3]", "[1,9]")).unwrap_err().to_string();
+        assert!(e.contains("vision_config.fullatt_block_indexes") && e.contains('9'), "{e}");
+        let e =
+            parse(&vl.replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":0")).unwrap_err().to_string();
+        assert!(e.contains("text_config.num_hidden_layers"), "{e}");
+    }
+
+    #[test]
     fn truncation_keeps_architecture() {
         let m = parse(LLAMA).unwrap();
         assert_eq!(m.truncated(1).unwrap().text.n_layers, 1);

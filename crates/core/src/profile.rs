@@ -16,7 +16,7 @@ pub const PROFILE_SCHEMA_VERSION: u32 = 1;
 
 /// Where a profile's numbers come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[serde(tag = "source", rename_all = "snake_case")]
 pub enum Provenance {
     /// Measured by `pipeshard profile` on the machine itself.
     Measured { command: String, commit: String, date: String },
