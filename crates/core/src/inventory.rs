@@ -18,6 +18,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
+use crate::gguf::{GgufError, GgufHeader};
 use crate::model::{FfnKind, ModelSpec, NormKind};
 
 /// What a tensor is for.
@@ -478,6 +479,75 @@ impl Inventory {
         Inventory { tensors: b.tensors, units: b.units, index }
     }
 
+    /// The inventory of a GGUF file: `spec`'s layout (from [`GgufHeader::model_spec`]) with every tensor's
+    /// format and bytes as the file stores them. Every tensor the layout expects must be in the file with the
+    /// same shape, and every tensor of the file must have a place (`rope_freqs.weight`, shared by all layers,
+    /// goes with the token embedding).
+    pub fn from_gguf(spec: &ModelSpec, header: &GgufHeader) -> Result<Inventory, GgufError> {
+        let file = header.files.first().map_or_else(String::new, |f| f.display().to_string());
+        let invalid = |field: String, value: String, problem: String| GgufError::Invalid {
+            file: file.clone(),
+            offset: 0,
+            field,
+            value,
+            problem,
+        };
+        let mut inv = Inventory::new(spec);
+        let by_name: BTreeMap<&str, &crate::gguf::GgufTensorInfo> =
+            header.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        for t in &mut inv.tensors {
+            let g = by_name.get(t.name.as_str()).ok_or_else(|| {
+                invalid(
+                    format!("tensor `{}`", t.name),
+                    "missing".into(),
+                    format!("the {} layout needs it", spec.name),
+                )
+            })?;
+            let dims: Vec<u64> = g.dims.iter().rev().copied().collect();
+            if dims != t.shape {
+                return Err(invalid(
+                    format!("tensor `{}` dims", t.name),
+                    format!("{:?}", g.dims),
+                    format!("expected {:?} (innermost first)", t.shape.iter().rev().collect::<Vec<_>>()),
+                ));
+            }
+            t.dtype = g.dtype.expect("the reader rejects types it does not model");
+            t.bytes = g.bytes;
+        }
+        for g in &header.tensors {
+            if inv.tensors.iter().any(|t| t.name == g.name) {
+                continue;
+            }
+            if g.name != "rope_freqs.weight" {
+                return Err(invalid(
+                    format!("tensor `{}`", g.name),
+                    format!("{:?}", g.dims),
+                    format!("has no place in the {} layout", spec.name),
+                ));
+            }
+            inv.tensors.push(Tensor {
+                name: g.name.clone(),
+                layer: None,
+                role: Role::TokenEmbd,
+                shape: g.dims.iter().rev().copied().collect(),
+                dtype: g.dtype.expect("the reader rejects types it does not model"),
+                bytes: g.bytes,
+            });
+            let idx = inv.tensors.len() - 1;
+            let embd = inv.index[&UnitId::TokenEmbd];
+            inv.units[embd].parts.push(TensorPart { tensor: idx, expert: None, bytes: g.bytes });
+        }
+        let n_experts = spec.text.moe.as_ref().map_or(1, |m| u64::from(m.n_experts));
+        for u in &mut inv.units {
+            for p in &mut u.parts {
+                let bytes = inv.tensors[p.tensor].bytes;
+                p.bytes = if p.expert.is_some() { bytes / n_experts } else { bytes };
+            }
+            u.weight_bytes = u.parts.iter().map(|p| p.bytes).sum();
+        }
+        Ok(inv)
+    }
+
     /// Total weight bytes of the model.
     #[must_use]
     pub fn total_bytes(&self) -> u64 {
@@ -573,6 +643,86 @@ mod tests {
     fn full_models_partition() {
         for name in catalog::names() {
             check_partition(&catalog::get(name).unwrap()).unwrap();
+        }
+    }
+
+    /// A GGUF header written from a catalog model's inventory reads back as the same architecture and bytes,
+    /// and a tensor stored in another format changes exactly that tensor's bytes.
+    #[test]
+    fn gguf_headers_round_trip_to_spec_and_inventory() {
+        use crate::gguf::{GgufValue, parse, write_header};
+        for name in ["llama-3.1-8b", "qwen3-30b-a3b", "nemo-4b"] {
+            let spec = catalog::get(name).unwrap().truncated(2).unwrap();
+            let inv = Inventory::new(&spec);
+            let t = &spec.text;
+            let arch = match name {
+                "qwen3-30b-a3b" => "qwen3moe",
+                "nemo-4b" => "nemotron",
+                _ => "llama",
+            };
+            let k = |s: &str| format!("{arch}.{s}");
+            let mut meta: Vec<(String, GgufValue)> = vec![
+                ("general.architecture".into(), GgufValue::String(arch.into())),
+                (k("block_count"), GgufValue::U32(t.n_layers)),
+                (k("embedding_length"), GgufValue::U32(t.hidden as u32)),
+                (k("feed_forward_length"), GgufValue::U32(t.ffn as u32)),
+                (k("attention.head_count"), GgufValue::U32(t.n_heads)),
+                (k("attention.head_count_kv"), GgufValue::U32(t.n_kv_heads)),
+                (k("attention.key_length"), GgufValue::U32(t.head_dim as u32)),
+                (k("rope.dimension_count"), GgufValue::U32((t.head_dim as f64 * t.partial_rotary) as u32)),
+                (k("rope.freq_base"), GgufValue::F32(t.rope_theta as f32)),
+                (k("vocab_size"), GgufValue::U32(t.vocab as u32)),
+                (k("context_length"), GgufValue::U64(t.max_position)),
+                (
+                    k(if arch == "nemotron" {
+                        "attention.layer_norm_epsilon"
+                    } else {
+                        "attention.layer_norm_rms_epsilon"
+                    }),
+                    GgufValue::F64(t.norm_eps),
+                ),
+            ];
+            if let Some(m) = &t.moe {
+                meta.push((k("expert_count"), GgufValue::U32(m.n_experts)));
+                meta.push((k("expert_used_count"), GgufValue::U32(m.top_k)));
+                meta.push((k("expert_feed_forward_length"), GgufValue::U32(m.expert_ffn as u32)));
+            }
+            let ggml = |d: DType| match d {
+                DType::F32 => 0,
+                DType::F16 => 1,
+                DType::Q4_0 => 2,
+                DType::Q8_0 => 8,
+                DType::Q6K => 14,
+                DType::Bf16 => 30,
+                other => panic!("{other}"),
+            };
+            let dims: Vec<Vec<u64>> =
+                inv.tensors.iter().map(|t| t.shape.iter().rev().copied().collect()).collect();
+            let mut tensors: Vec<(&str, &[u64], u32, u64)> = inv
+                .tensors
+                .iter()
+                .zip(&dims)
+                .map(|(t, d)| (t.name.as_str(), d.as_slice(), ggml(t.dtype), 0))
+                .collect();
+            // Store the first attn_v in q8_0 instead.
+            let v = tensors.iter().position(|t| t.0 == "blk.0.attn_v.weight").unwrap();
+            tensors[v].2 = 8;
+            let meta_ref: Vec<(&str, GgufValue)> =
+                meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let bytes = write_header(&meta_ref, &tensors);
+            let header = parse("m.gguf", &bytes[..], 1 << 40, 0).unwrap();
+            let read = header.model_spec(&spec.name).unwrap();
+            assert_eq!(read.text, spec.text, "{name}");
+            let from_file = Inventory::from_gguf(&read, &header).unwrap();
+            let vt = &inv.tensors[v];
+            let expect =
+                inv.total_bytes() - vt.bytes + DType::Q8_0.tensor_bytes(vt.shape[1], vt.shape[0]).unwrap();
+            assert_eq!(from_file.total_bytes(), expect, "{name}");
+            assert_eq!(
+                from_file.unit_bytes(UnitId::Attn { layer: 0 }),
+                inv.unit_bytes(UnitId::Attn { layer: 0 }) - vt.bytes
+                    + DType::Q8_0.tensor_bytes(vt.shape[1], vt.shape[0]).unwrap()
+            );
         }
     }
 

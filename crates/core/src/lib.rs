@@ -4,6 +4,7 @@
 //! - [`model`]: [`model::ModelSpec`] for dense, MoE and vision-language decoders, read from HF `config.json`;
 //! - [`catalog`]: the built-in models (the paper's four LLMs, its VLM, and two common 8B models);
 //! - [`dtype`]: weight formats with GGUF block sizes; a tensor's exact bytes;
+//! - [`gguf`]: a GGUF header reader (metadata, tensor infos, split files) and the spec it describes;
 //! - [`inventory`]: every tensor of a spec and the placement [`inventory::Unit`]s they group into;
 //! - [`workload`]: prefill chunks and decode steps, and the [`workload::Op`]s each runs (FLOPs, bytes, unit);
 //! - [`profile`]: the versioned machine [`profile::Profile`];
@@ -20,6 +21,7 @@
 pub mod catalog;
 pub mod cost;
 pub mod dtype;
+pub mod gguf;
 pub mod inventory;
 pub mod metrics;
 pub mod model;
