@@ -114,7 +114,40 @@ pub struct PhasePlan {
     pub vram: VramBreakdown,
 }
 
+/// What one ring slot carries: a streamed unit, or a streamed attention together with its streamed KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamGroup {
+    /// One unit, or `[Attn { l }, Kv { l }]`.
+    pub units: Vec<UnitId>,
+    /// Bytes copied into the slot.
+    pub bytes: u64,
+}
+
 impl PhasePlan {
+    /// The streamed units in execution order, grouped by the slot they occupy. A layer whose attention and KV
+    /// are both streamed uploads them into ONE slot (as the paper's streamed-attention split carries its KV),
+    /// so its slot must hold both; every other streamed unit (KV of a KV-streamed layer whose attention is
+    /// pinned, an expert, an FFN …) has a slot of its own. `kv_layer_bytes` is the KV of one layer for the
+    /// allocated context ([`Workload::kv_bytes_per_layer_of`]). Planner, simulator and executor all use this.
+    #[must_use]
+    pub fn stream_groups(&self, inv: &Inventory, kv_layer_bytes: u64) -> Vec<StreamGroup> {
+        let mut groups: Vec<StreamGroup> = Vec::new();
+        for up in self.placements.iter().filter(|u| u.placement == Placement::Streamed) {
+            let bytes =
+                if matches!(up.unit, UnitId::Kv { .. }) { kv_layer_bytes } else { inv.unit_bytes(up.unit) };
+            // The layer's KV comes after its FFN in inventory order; it joins the attention's slot.
+            if let UnitId::Kv { layer } = up.unit
+                && let Some(attn) = groups.iter_mut().rev().find(|g| g.units == [UnitId::Attn { layer }])
+            {
+                attn.units.push(up.unit);
+                attn.bytes += bytes;
+                continue;
+            }
+            groups.push(StreamGroup { units: vec![up.unit], bytes });
+        }
+        groups
+    }
+
     /// Placement of `unit` (linear scan; consumers on a hot path index by inventory position instead).
     #[must_use]
     pub fn placement(&self, unit: UnitId) -> Option<Placement> {
@@ -209,14 +242,14 @@ impl Plan {
                     p.vram.streaming_slots_bytes, p.pipeline_depth, p.slot_bytes
                 ));
             }
-            let kv_layer = self.workload.kv_bytes_per_layer_of(inv);
-            for up in &streamed {
-                let bytes =
-                    if matches!(up.unit, UnitId::Kv { .. }) { kv_layer } else { inv.unit_bytes(up.unit) };
-                if bytes > p.slot_bytes {
+            for g in p.stream_groups(inv, self.workload.kv_bytes_per_layer_of(inv)) {
+                if g.bytes > p.slot_bytes {
+                    let names: Vec<String> = g.units.iter().map(ToString::to_string).collect();
                     return inconsistent(format!(
                         "{} ({} bytes) does not fit a {}-byte slot",
-                        up.unit, bytes, p.slot_bytes
+                        names.join(" + "),
+                        g.bytes,
+                        p.slot_bytes
                     ));
                 }
             }
@@ -361,5 +394,25 @@ mod tests {
         p.decode.slot_bytes = expert;
         p.decode.vram.streaming_slots_bytes = 2 * expert;
         p.validate(&inv).unwrap();
+    }
+
+    #[test]
+    fn streamed_attention_carries_its_streamed_kv_in_one_slot() {
+        let (mut p, inv) = plan();
+        let kv = p.workload.kv_bytes_per_layer_of(&inv);
+        p.decode = phase(&inv, PhaseKind::Decode, |u| match u {
+            UnitId::Attn { .. } | UnitId::Kv { .. } | UnitId::Expert { expert: 0, .. } => Placement::Streamed,
+            _ => Placement::Cpu,
+        });
+        let groups = p.decode.stream_groups(&inv, kv);
+        let attn0 = inv.unit_bytes(UnitId::Attn { layer: 0 });
+        assert_eq!(groups[0].units, vec![UnitId::Attn { layer: 0 }, UnitId::Kv { layer: 0 }]);
+        assert_eq!(groups[0].bytes, attn0 + kv);
+        assert_eq!(groups[1].units, vec![UnitId::Expert { layer: 0, expert: 0 }]);
+        assert_eq!(groups.len(), 4);
+        p.decode.pipeline_depth = 1;
+        p.decode.slot_bytes = attn0 + kv - 1;
+        p.decode.vram.streaming_slots_bytes = p.decode.slot_bytes;
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("blk.0.attn + blk.0.kv"));
     }
 }
