@@ -1,7 +1,15 @@
 //! The `pipeshard` binary: the only place that picks implementations, writes files and uses anyhow.
 
+mod args;
+mod compare;
+mod exec;
+mod experiment;
 mod models;
+mod plan;
+mod plots;
 mod profile;
+mod sim;
+mod sweep;
 
 use std::process::ExitCode;
 
@@ -32,6 +40,16 @@ enum Command {
     /// Measure or derive machine profiles.
     #[command(subcommand)]
     Profile(profile::ProfileCommand),
+    /// Simulate plans: one workload (`run`) or a grid with CSV, plots and a summary (`sweep`).
+    #[command(subcommand)]
+    Sim(sim::SimCommand),
+    /// Run plans for real on this machine's GPU and CPU: measured TTFT, TPS, E2EL, peak VRAM.
+    #[command(subcommand)]
+    Exec(exec::ExecCommand),
+    /// Compare every planner in the simulator on an experiment's cells; fails if `ilp` falls behind.
+    Compare(compare::CompareArgs),
+    /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +57,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Models { format } => models::run(format),
         Command::Profile(cmd) => profile::run(cmd),
+        Command::Sim(cmd) => sim::run(cmd),
+        Command::Compare(args) => compare::run(&args),
+        Command::Plan(args) => plan::run(&args),
+        Command::Exec(cmd) => exec::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

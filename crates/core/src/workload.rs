@@ -420,9 +420,37 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
 
 /// Peak bytes of activations and temporaries a phase needs on the device that runs it (ggml keeps f32
 /// hidden states; the largest live set is the residual stream, the normed input, the FFN intermediates, the
-/// attention temporaries and the logits).
+/// attention temporaries and the logits). Equals [`scratch_parts`]`(…).total()`.
 #[must_use]
 pub fn scratch_bytes(spec: &ModelSpec, w: &Workload, phase: Phase) -> u64 {
+    scratch_parts(spec, w, phase).total()
+}
+
+/// The terms of [`scratch_bytes`], for a device that runs only part of a phase (a planner whose GPU runs the
+/// attention but not the FFN needs the residual and attention terms only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ScratchParts {
+    /// Residual stream, normed input and one more hidden-sized buffer: 3 × tokens × hidden.
+    pub residual_bytes: u64,
+    /// Attention temporaries: q, k, v, and without flash attention the score matrix over all keys.
+    pub attention_bytes: u64,
+    /// FFN intermediates: 3 × tokens × (dense FFN or top-k expert FFN, whichever is wider).
+    pub ffn_bytes: u64,
+    /// Logits of the rows that produce them.
+    pub logits_bytes: u64,
+}
+
+impl ScratchParts {
+    /// Residual + the larger of attention and FFN (they are not live together) + logits.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.residual_bytes + self.attention_bytes.max(self.ffn_bytes) + self.logits_bytes
+    }
+}
+
+/// The terms of the scratch a phase needs (see [`scratch_bytes`]).
+#[must_use]
+pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchParts {
     let t = &spec.text;
     let m = phase.tokens() as f64;
     let h = t.hidden as f64;
@@ -441,10 +469,13 @@ pub fn scratch_bytes(spec: &ModelSpec, w: &Workload, phase: Phase) -> u64 {
     } else {
         m * (q_dim + 2.0 * kv_dim) + m * keys * f64::from(t.n_heads)
     };
-    let ffn_tmp = m * 3.0 * ffn;
-    let logits = phase.logit_rows() as f64 * t.vocab as f64;
-    let elems = 3.0 * m * h + attn_tmp.max(ffn_tmp) + logits;
-    (elems * ACT_BYTES) as u64
+    let bytes = |elems: f64| (elems * ACT_BYTES) as u64;
+    ScratchParts {
+        residual_bytes: bytes(3.0 * m * h),
+        attention_bytes: bytes(attn_tmp),
+        ffn_bytes: bytes(m * 3.0 * ffn),
+        logits_bytes: bytes(phase.logit_rows() as f64 * t.vocab as f64),
+    }
 }
 
 #[cfg(test)]

@@ -2,3 +2,58 @@
 //! threads within the VRAM budget, and measures the same Metrics and Trace as the simulator.
 //!
 //! Only `exec::cuda` will touch cudarc. It depends on pipeshard-core; it must never depend on planner or sim.
+//!
+//! # Job
+//! Make every prediction checkable: run the same [`pipeshard_core::plan::Plan`] the simulator consumes, for real,
+//! honestly — the budget is enforced by one VRAM arena, streamed units really cross PCIe from page-locked host
+//! memory, CPU-placed units really compute on the CPU — and report [`pipeshard_core::metrics::Metrics`] and a
+//! Chrome [`pipeshard_core::trace::Trace`] in the simulator's vocabulary.
+//!
+//! # Main types and modules
+//! - [`weights::ModelWeights`]: every tensor of a dense decoder, random from a seed, one page-aligned host buffer
+//!   per placement unit ([`host::HostBuf`]); [`weights::Dims`] checks what the executor supports.
+//! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation) and the CPU half of a forward pass; they
+//!   double as the reference for the GPU path. [`reference`](mod@reference) is an independent f64 forward pass for tests.
+//! - [`cuda`] (`exec::cuda`): the device seam — [`cuda::probe`], [`cuda::Gpu`] (context, compute/H2D/D2H
+//!   streams, cuBLAS GemmEx, NVRTC kernels for norms, RoPE, KV store, tiled causal attention, SwiGLU/ReLU²,
+//!   embedding and greedy sampling), raw allocations and events.
+//! - [`layout`]: a phase plan turned into arena offsets, per-step weight/KV locations and the streaming ring's
+//!   item sequence; fails before running, naming the line that overflows.
+//! - [`engine`]: [`run`] — prefill chunks, the switch to the decode plan, decode steps, the ring, metrics.
+//! - [`hf`]: export to a transformers checkpoint for the independent comparison (`scripts/hf_compare.py`).
+//! - [`testing`]: tiny specs and hand-made plans ([`testing::manual_plan`]) for tests and checks.
+//!
+//! # Decisions
+//! - Numerics: activations stay f32; they are rounded to the matrix format (bf16/f16) right before every matmul
+//!   on both sides, and K/V to the cache format, so CPU and GPU compute the same function up to the order of f32
+//!   additions (measured: ≤ 1e-2 relative logits error between any two placements, ≤ 6.2e-3 against
+//!   transformers in float32).
+//! - One arena: after the context, cuBLAS (our own workspace) and the kernels are up and GEMM shapes are warmed,
+//!   the process VRAM is measured (device total − free) and `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is
+//!   allocated once with `cuMemAlloc`; the stream-ordered pool is never used. KV from the bottom, pinned weights
+//!   from the top, slots/staging/scratch between: a unit keeps its address across phases when both pin it.
+//! - The ring follows the core's `PhasePlan::stream_groups`: a streamed attention carries its streamed KV in
+//!   the same slot; slots are reused round-robin and released in issue order; only events order the streams.
+//! - `op_offload` (llama.cpp's baseline): CPU-placed attention/FFN of a prefill ubatch ≥ 32 tokens are staged
+//!   whole (weights, and KV rows for attention) into a staging area on the compute stream, computed on the
+//!   GPU, and their new KV rows written back — not overlapped, as in llama.cpp.
+//! - Host sync only where data crosses: residual to the host before a CPU unit, the sampled token, and the end
+//!   of each pass (the host reuses its staging buffers).
+//!
+//! # Not supported (errors say so)
+//! MoE and vision towers (issues 6 and 11), tied embeddings, quantised formats (use `--weights bf16`),
+//! batch > 1 (issue 10).
+
+pub mod cpu;
+pub mod cuda;
+pub mod engine;
+pub mod error;
+pub mod hf;
+pub mod host;
+pub mod layout;
+pub mod reference;
+pub mod testing;
+pub mod weights;
+
+pub use engine::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, VramReport, run, runtime_overhead_bytes};
+pub use error::{ExecError, Result};

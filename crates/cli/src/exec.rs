@@ -1,0 +1,490 @@
+//! `pipeshard exec run`: run plans for real on this machine's GPU (and CPU), print the metrics next to the
+//! plan's VRAM breakdown, and append CSV rows with provenance.
+//!
+//! Budgets and planners take comma lists (`--budget 2G,4G,8G --planner ngl,pshard,ilp`): the weights are
+//! generated once and every (planner, budget) cell runs in this process; a cell that cannot be planned or does
+//! not fit is reported and the others go on. `--plan plan.json` (repeatable) runs hand-made or saved plans.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::dtype::DType;
+use pipeshard_core::metrics::Resource;
+use pipeshard_core::model::ModelSpec;
+use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
+use pipeshard_core::workload::Workload;
+use pipeshard_exec::cuda::{Gpu, probe};
+use pipeshard_exec::host::Elem;
+use pipeshard_exec::reference::rel_err;
+use pipeshard_exec::testing::random_tokens;
+use pipeshard_exec::weights::{Dims, ModelWeights};
+use pipeshard_exec::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, runtime_overhead_bytes};
+
+use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
+use crate::experiment::resolve_model;
+
+/// `pipeshard exec …`
+#[derive(Debug, Subcommand)]
+pub enum ExecCommand {
+    /// Run plans on the GPU and CPU of this machine and measure TTFT, TPS, E2EL and peak VRAM.
+    Run(RunArgs),
+}
+
+/// Arguments of `exec run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Catalog model, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's model.
+    #[arg(long, required_unless_present = "plan")]
+    model: Option<String>,
+    /// Prompt tokens (random ids from --seed).
+    #[arg(long, default_value = "1024")]
+    prompt_tokens: String,
+    /// Decode steps after the prompt.
+    #[arg(long = "gen", default_value_t = 64)]
+    gen_tokens: u64,
+    /// Context the KV cache is allocated for.
+    #[arg(long, default_value = "4K")]
+    ctx: String,
+    /// VRAM budgets, comma-separated (`2G,4G,8G`).
+    #[arg(long, default_value = "8G")]
+    budget: String,
+    /// Planners, comma-separated (ngl, pshard, greedy, ilp, exhaustive).
+    #[arg(long, default_value = "ilp")]
+    planner: String,
+    /// Run these plans (JSON) instead of planning.
+    #[arg(long)]
+    plan: Vec<PathBuf>,
+    /// Store every matrix in this format (`bf16`, `f16`), overriding the catalog's.
+    #[arg(long)]
+    weights: Option<String>,
+    /// Keep only the first N decoder layers.
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Prefill chunk size.
+    #[arg(long, default_value = "1024")]
+    ubatch: String,
+    /// CPU threads for CPU-placed units (default: the plan's).
+    #[arg(long)]
+    threads: Option<u32>,
+    /// Machine profile the planners cost with: a JSON path, `profiles/NAME.json`, or cli1/cli2/cli3.
+    #[arg(long, default_value = "cli3")]
+    profile: String,
+    /// Seed of the random weights and prompt.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the measured Chrome trace (one file per cell: `NAME-PLANNER-BUDGET.json` next to this path).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Append one CSV row per cell (header written when the file is new).
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// First run the whole model pinned (budget unconstrained) as the reference, then feed every cell the
+    /// reference's tokens and compare logits (max rel. err) and sampled tokens with it.
+    #[arg(long)]
+    check: bool,
+}
+
+fn provenance() -> (String, String, String) {
+    let commit = std::env::var("PIPESHARD_COMMIT").ok().or_else(|| {
+        std::process::Command::new("git")
+            .args(["rev-parse", "--short=12", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    });
+    let date = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let cmd = std::env::args().collect::<Vec<_>>().join(" ");
+    (commit.unwrap_or_else(|| "unknown".into()), date.unwrap_or_default(), cmd)
+}
+
+fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
+    let mut spec = resolve_model(model)?;
+    if let Some(w) = &args.weights {
+        let d: DType = w.parse().map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
+        spec = spec.with_uniform_weights(d);
+    }
+    if let Some(n) = args.layers {
+        spec = spec.truncated(n).with_context(|| format!("--layers {n}"))?;
+    }
+    Ok(spec)
+}
+
+fn placement_summary(plan: &Plan) -> String {
+    plan.phases()
+        .iter()
+        .map(|p| {
+            let count = |x: Placement| p.placements.iter().filter(|u| u.placement == x).count();
+            format!(
+                "{:?}: {} pinned / {} streamed / {} CPU, depth {}{}",
+                p.phase,
+                count(Placement::Pinned),
+                count(Placement::Streamed),
+                count(Placement::Cpu),
+                p.pipeline_depth,
+                if p.op_offload { ", op offload" } else { "" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn render(plan: &Plan, out: &RunOutput) -> String {
+    let m = &out.metrics;
+    let mut s = String::new();
+    let _ = writeln!(s, "  plan: {}", placement_summary(plan));
+    let _ = writeln!(
+        s,
+        "  TTFT {:.1} ms   TPS {:.2}   E2EL {:.1} ms   decode step {:.2} ms   ({} decode steps)",
+        m.ttft_ms(),
+        m.tps,
+        m.e2el_ms(),
+        m.decode_step_ns as f64 / 1e6,
+        m.gen_tokens
+    );
+    let busy = Resource::ALL
+        .iter()
+        .map(|r| format!("{} {:.1} ms", r.name(), m.busy(*r) as f64 / 1e6))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let _ = writeln!(s, "  busy: {busy}");
+    if let Some(v) = &out.vram {
+        let _ = writeln!(
+            s,
+            "  VRAM (bytes)            plan prefill    used prefill     plan decode     used decode"
+        );
+        let line = |name: &str, f: fn(&VramBreakdown) -> u64| {
+            format!(
+                "  {name:<22} {:>13} {:>15} {:>15} {:>15}\n",
+                f(&v.planned[0]),
+                f(&v.used[0]),
+                f(&v.planned[1]),
+                f(&v.used[1])
+            )
+        };
+        s += &line("pinned weights", |b| b.pinned_weights_bytes);
+        s += &line("streaming slots", |b| b.streaming_slots_bytes);
+        s += &line("KV", |b| b.kv_bytes);
+        s += &line("scratch", |b| b.scratch_bytes);
+        let _ = writeln!(
+            s,
+            "  runtime overhead: planned {} / measured {}; arena {}; switch re-upload {} bytes",
+            plan.prefill.vram.runtime_overhead_bytes,
+            v.overhead_bytes,
+            v.arena_bytes,
+            v.switch_uploaded_bytes
+        );
+        let _ = writeln!(
+            s,
+            "  measured process VRAM peak {} bytes of the {} budget ({:.1}%)",
+            v.peak_process_bytes,
+            v.budget_bytes,
+            100.0 * v.peak_process_bytes as f64 / v.budget_bytes as f64
+        );
+    }
+    s
+}
+
+const CSV_HEADER: &str = "model,planner,budget_bytes,prompt_tokens,gen_tokens,ctx,ubatch,status,ttft_ms,tps,e2el_ms,vram_peak_bytes,overhead_bytes,arena_bytes,plan_peak_bytes,busy_gpu_ms,busy_h2d_ms,busy_d2h_ms,busy_cpu_ms,tokens_agree,max_rel_err,machine,commit,date,command";
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() }
+}
+
+/// Runs `exec run`.
+pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
+    let ExecCommand::Run(args) = cmd;
+    let (commit, date, command) = provenance();
+    let gpu = match probe() {
+        Ok(_) => Some(Gpu::new().context("opening the CUDA device")?),
+        Err(reason) => {
+            eprintln!("no CUDA device ({reason}): only all-CPU plans can run");
+            None
+        }
+    };
+    let machine = format!(
+        "{} + {} CPU threads",
+        gpu.as_ref().map_or("no GPU", |g| g.name()),
+        std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
+    );
+    // Cells: (plan source, budget).
+    let mut plans: Vec<Result<Plan, String>> = Vec::new();
+    let model_name = match (&args.model, args.plan.first()) {
+        (Some(m), _) => m.clone(),
+        (None, Some(p)) => {
+            let json = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Plan::from_json(&p.display().to_string(), &json).map_err(anyhow::Error::msg)?.model
+        }
+        (None, None) => bail!("--model or --plan is required"),
+    };
+    let spec = spec_for(&args, &model_name)?;
+    let prompt_tokens = parse_tokens(&args.prompt_tokens)?;
+    let workload = Workload::single(
+        prompt_tokens,
+        parse_tokens(&args.ctx)?,
+        args.gen_tokens,
+        parse_tokens(&args.ubatch)?,
+    );
+    workload.validate()?;
+    if args.plan.is_empty() {
+        let mut profile = load_profile(&args.profile)?;
+        if let Some(g) = &gpu {
+            // Plan with this machine's measured runtime overhead, so planner and executor agree on every line.
+            let dims = Dims::new(&spec)?;
+            let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
+            let overhead =
+                runtime_overhead_bytes(g, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
+            eprintln!(
+                "measured runtime overhead {overhead} bytes (incl. a {LAZY_LOAD_RESERVE_BYTES}-byte lazy-load reserve); profile {} assumed {}",
+                args.profile, profile.runtime_overhead_bytes
+            );
+            profile.runtime_overhead_bytes = overhead;
+        }
+        let cost = TableCostModel::new(&profile);
+        for planner in args.planner.split(',') {
+            let p = pipeshard_planner::by_name(planner.trim()).with_context(|| {
+                format!("unknown planner `{planner}`; known: {}", pipeshard_planner::NAMES.join(", "))
+            })?;
+            for b in args.budget.split(',') {
+                let budget = parse_bytes(b)?;
+                plans.push(
+                    p.plan(&spec, &workload, &cost, budget).map_err(|e| format!("{planner} @ {b}: {e}")),
+                );
+            }
+        }
+    } else {
+        for path in &args.plan {
+            let json =
+                std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            plans.push(Ok(Plan::from_json(&path.display().to_string(), &json).map_err(anyhow::Error::msg)?));
+        }
+    }
+    let t = Instant::now();
+    let weights = ModelWeights::random(&spec, args.seed).context("generating weights")?;
+    eprintln!(
+        "{}: {} bytes of random {} weights (seed {}) in {:.1} s",
+        spec.name,
+        weights.total_bytes(),
+        weights.dims.mat.name(),
+        args.seed,
+        t.elapsed().as_secs_f64()
+    );
+    let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
+    let mut csv = match &args.csv {
+        Some(path) => {
+            let new = !path.exists();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            if new {
+                writeln!(f, "{CSV_HEADER}")?;
+            }
+            Some(f)
+        }
+        None => None,
+    };
+    let reference = if args.check {
+        let threads = args.threads.unwrap_or(8);
+        let big = weights.total_bytes()
+            + workload.kv_bytes_per_layer(&spec) * u64::from(spec.text.n_layers)
+            + (8 << 30);
+        let plan = pipeshard_exec::testing::manual_plan(&spec, workload, big, 0, 0, threads, |_, _| {
+            Placement::Pinned
+        });
+        let opts = RunOptions {
+            prompt: prompt.clone(),
+            gen_tokens: args.gen_tokens as usize,
+            force_tokens: None,
+            keep_logits: true,
+        };
+        let r = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts)
+            .context("reference run (everything pinned)")?;
+        println!(
+            "reference (all pinned, unconstrained budget): TTFT {:.1} ms, TPS {:.2}, tokens {:?}…",
+            r.metrics.ttft_ms(),
+            r.metrics.tps,
+            &r.tokens[..r.tokens.len().min(8)]
+        );
+        Some(r)
+    } else {
+        None
+    };
+    let mut first_tokens: Option<Vec<u32>> = reference.as_ref().map(|r| r.tokens.clone());
+    let mut failures = 0;
+    for plan in plans {
+        let mut plan = match plan {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("cannot plan: {e}");
+                failures += 1;
+                continue;
+            }
+        };
+        if let Some(t) = args.threads {
+            plan.prefill.cpu_threads = t;
+            plan.decode.cpu_threads = t;
+        }
+        let label = format!("{} / {} / budget {}", spec.name, plan.planner, format_bytes(plan.budget_bytes));
+        println!("{label}");
+        let opts = RunOptions {
+            prompt: prompt.clone(),
+            gen_tokens: args.gen_tokens as usize,
+            force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
+            keep_logits: reference.is_some(),
+        };
+        let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
+        let (status, out) = match result {
+            Ok(out) => ("ok".to_string(), Some(out)),
+            Err(e) => {
+                println!("  failed: {e}");
+                failures += 1;
+                (format!("error: {e}"), None)
+            }
+        };
+        let mut agree = String::new();
+        let mut max_err = String::new();
+        if let Some(out) = &out {
+            print!("{}", render(&plan, out));
+            let first = first_tokens.get_or_insert_with(|| out.tokens.clone());
+            if let Some(r) = &reference {
+                let same = out.tokens.iter().zip(&r.tokens).filter(|(a, b)| a == b).count();
+                let e = out
+                    .logits
+                    .iter()
+                    .zip(&r.logits)
+                    .map(|(a, b)| rel_err(a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()))
+                    .fold(0.0, f64::max);
+                agree = format!("{same}/{}", out.tokens.len());
+                max_err = format!("{e:.3e}");
+                println!(
+                    "  check: sampled tokens {agree} equal to the reference's with its inputs; logits max rel err {max_err}"
+                );
+            } else {
+                let same = out.tokens.iter().zip(first.iter()).take_while(|(a, b)| a == b).count();
+                agree = format!("{same}/{}", out.tokens.len());
+                println!(
+                    "  tokens: {agree} identical to the first run's ({:?}…)",
+                    &out.tokens[..out.tokens.len().min(8)]
+                );
+            }
+            if let Some(path) = &args.trace {
+                let file = trace_path(path, &spec.name, &plan);
+                std::fs::write(&file, out.trace.to_json())
+                    .with_context(|| format!("writing {}", file.display()))?;
+                println!("  trace: {}", file.display());
+            }
+        }
+        if let Some(f) = &mut csv {
+            let m = out.as_ref().map(|o| &o.metrics);
+            let v = out.as_ref().and_then(|o| o.vram.as_ref());
+            let ms = |r: Resource| m.map_or(String::new(), |m| format!("{:.3}", m.busy(r) as f64 / 1e6));
+            let row = [
+                spec.name.clone(),
+                plan.planner.clone(),
+                plan.budget_bytes.to_string(),
+                workload.prompt_tokens.to_string(),
+                workload.gen_tokens.to_string(),
+                workload.ctx.to_string(),
+                workload.ubatch.to_string(),
+                status,
+                m.map_or(String::new(), |m| format!("{:.3}", m.ttft_ms())),
+                m.map_or(String::new(), |m| format!("{:.3}", m.tps)),
+                m.map_or(String::new(), |m| format!("{:.3}", m.e2el_ms())),
+                v.map_or(String::new(), |v| v.peak_process_bytes.to_string()),
+                v.map_or(String::new(), |v| v.overhead_bytes.to_string()),
+                v.map_or(String::new(), |v| v.arena_bytes.to_string()),
+                plan.peak_vram_bytes().to_string(),
+                ms(Resource::GpuCompute),
+                ms(Resource::H2d),
+                ms(Resource::D2h),
+                ms(Resource::Cpu),
+                agree,
+                max_err.clone(),
+                machine.clone(),
+                commit.clone(),
+                date.clone(),
+                command.clone(),
+            ];
+            writeln!(f, "{}", row.iter().map(|s| csv_field(s)).collect::<Vec<_>>().join(","))?;
+        }
+    }
+    if failures > 0 {
+        eprintln!("{failures} cell(s) failed");
+    }
+    Ok(())
+}
+
+fn trace_path(base: &Path, model: &str, plan: &Plan) -> PathBuf {
+    let stem = base.file_stem().map_or("trace".into(), |s| s.to_string_lossy().to_string());
+    let dir = base.parent().unwrap_or(Path::new("."));
+    dir.join(format!(
+        "{stem}-{}-{}-{}.json",
+        model.replace('@', "_"),
+        plan.planner,
+        format_bytes(plan.budget_bytes)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipeshard_core::inventory::Inventory;
+    use pipeshard_exec::cpu::KvLayout;
+    use pipeshard_exec::layout::layout_phase;
+
+    /// Every planner's plans for the done-when models lay out in the executor's arena, given the runtime
+    /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown.
+    #[test]
+    fn planner_plans_fit_the_executor_arena() {
+        let profile = load_profile("cli3").unwrap();
+        let cost = TableCostModel::new(&profile);
+        let mut checked = 0;
+        for model in ["nemo-8b@4L", "llama-3.1-8b@4L"] {
+            let spec = resolve_model(model).unwrap().with_uniform_weights(DType::Bf16);
+            let inv = Inventory::new(&spec);
+            let workload = Workload::single(1024, 4096, 16, 1024);
+            let kv = KvLayout {
+                ctx: 4096,
+                kv_dim: inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").unwrap().shape[0]
+                    as usize,
+                elem: Elem::F16,
+            };
+            let weights = ModelWeights::zeroed(&spec).unwrap();
+            for planner in ["ngl", "pshard", "ilp"] {
+                let p = pipeshard_planner::by_name(planner).unwrap();
+                for gib in [2u64, 4, 8] {
+                    let budget = gib << 30;
+                    let Ok(plan) = p.plan(&spec, &workload, &cost, budget) else { continue };
+                    for (phase, tokens) in [(&plan.prefill, 1024), (&plan.decode, 1)] {
+                        let arena = (budget - phase.vram.runtime_overhead_bytes) as usize;
+                        if let Err(e) = layout_phase(
+                            &weights,
+                            phase,
+                            kv,
+                            tokens,
+                            arena,
+                            budget,
+                            phase.vram.runtime_overhead_bytes,
+                        ) {
+                            panic!("{model} {planner} {gib}G {:?}: {e}", phase.phase);
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 0, "no planner produced a plan");
+        eprintln!("{checked} phase plans laid out");
+    }
+}

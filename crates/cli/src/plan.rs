@@ -1,0 +1,451 @@
+//! `pipeshard plan`: run one planner on one workload and show the plan: per phase a placement map (one line per
+//! layer), the VRAM breakdown against the budget and the predicted times; `--json` prints the plan itself and
+//! `--llama-cpp` the llama.cpp flags that come closest to it.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use clap::builder::PossibleValuesParser;
+use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::dtype::DType;
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
+use pipeshard_core::plan::{PhasePlan, Placement, Plan, Prediction, VramBreakdown};
+use pipeshard_core::workload::Workload;
+use pipeshard_core::{GIB, MIB};
+use pipeshard_planner::estimate::Estimator;
+use pipeshard_planner::{NAMES, Objective, PlannerOptions, with_options};
+
+use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
+use crate::experiment::resolve_model;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Catalog model (`nemo-8b`, or truncated: `qwen3-30b-a3b@2L`) or the path of an HF `config.json`.
+    #[arg(long)]
+    model: String,
+    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …).
+    #[arg(long, default_value = "bf16")]
+    weights: String,
+    /// Keep only the first N decoder layers (what `exhaustive` needs for larger models).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Context the KV cache is allocated for, in tokens (`16K` = 16384).
+    #[arg(long, default_value = "16K")]
+    ctx: String,
+    /// VRAM budget of the whole process (`8G` = 8 GiB, `512M`, `7.5G`).
+    #[arg(long, default_value = "8G")]
+    budget: String,
+    #[arg(long, default_value = "ilp", value_parser = PossibleValuesParser::new(NAMES))]
+    planner: String,
+    /// Prefill chunk size (tokens).
+    #[arg(long, default_value = "1024")]
+    ubatch: String,
+    /// Prompt tokens per request (default: ctx − gen, a nearly full context as in the paper).
+    #[arg(long)]
+    prompt_tokens: Option<String>,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 100)]
+    r#gen: u64,
+    /// Parallel requests decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: u64,
+    /// Machine profile: a JSON path, `profiles/NAME.json`, or a derived system (cli1, cli2, cli3).
+    #[arg(long, default_value = "cli3")]
+    profile: String,
+    /// What `greedy`, `ilp` and `exhaustive` minimise.
+    #[arg(long, default_value = "e2el", value_parser = PossibleValuesParser::new(Objective::NAMES))]
+    objective: String,
+    /// `ngl` only: offload exactly N layers (llama.cpp `-ngl N`) instead of the largest N that fits.
+    #[arg(long)]
+    ngl: Option<u32>,
+    /// Print the plan as JSON (the format `sim run --plan` reads).
+    #[arg(long)]
+    json: bool,
+    /// Also print the llama.cpp flags closest to the plan.
+    #[arg(long)]
+    llama_cpp: bool,
+}
+
+/// Phase two of argument handling: the rich objects the planner needs.
+struct Request {
+    spec: ModelSpec,
+    workload: Workload,
+    budget_bytes: u64,
+    options: PlannerOptions,
+    profile_name: String,
+}
+
+fn load_model(a: &PlanArgs) -> anyhow::Result<ModelSpec> {
+    let path = Path::new(&a.model);
+    let spec = if path.extension().is_some_and(|e| e == "json") || path.is_file() {
+        let dtype: DType = a.weights.parse().with_context(|| format!("--weights `{}`", a.weights))?;
+        // `models/Qwen3-8B/config.json` is "Qwen3-8B"; `llama-3.1-8b.config.json` is "llama-3.1-8b".
+        let stem = path.file_name().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+        let name = match stem.strip_suffix("config.json").map(|s| s.trim_end_matches('.')) {
+            Some("") => path
+                .parent()
+                .and_then(|p| p.file_name())
+                .map_or(stem.clone(), |s| s.to_string_lossy().into_owned()),
+            Some(prefix) => prefix.to_string(),
+            None => stem.trim_end_matches(".json").to_string(),
+        };
+        load_hf_config(path, &name, WeightFormat::uniform(dtype))?
+    } else {
+        resolve_model(&a.model)?
+    };
+    match a.layers {
+        Some(n) => spec.truncated(n).with_context(|| format!("--layers {n}")),
+        None => Ok(spec),
+    }
+}
+
+fn request(a: &PlanArgs) -> anyhow::Result<Request> {
+    let spec = load_model(a)?;
+    let ctx = parse_tokens(&a.ctx).context("--ctx")?;
+    let ubatch = parse_tokens(&a.ubatch).context("--ubatch")?;
+    let budget_bytes = parse_bytes(&a.budget).context("--budget")?;
+    let prompt_tokens = match &a.prompt_tokens {
+        Some(p) => parse_tokens(p).context("--prompt-tokens")?,
+        None => ctx.checked_sub(a.r#gen).filter(|&p| p > 0).with_context(|| {
+            format!("--ctx {} leaves no room for a prompt before --gen {} tokens", a.ctx, a.r#gen)
+        })?,
+    };
+    let workload = Workload { batch: a.batch, ..Workload::single(prompt_tokens, ctx, a.r#gen, ubatch) };
+    workload.validate()?;
+    if a.ngl.is_some() && a.planner != "ngl" {
+        bail!("--ngl applies to the `ngl` planner only (got --planner {})", a.planner);
+    }
+    let objective = Objective::from_name(&a.objective).expect("clap checks the objective");
+    Ok(Request {
+        spec,
+        workload,
+        budget_bytes,
+        options: PlannerOptions { objective, ngl_layers: a.ngl },
+        profile_name: a.profile.clone(),
+    })
+}
+
+pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
+    let r = request(a)?;
+    let profile = load_profile(&r.profile_name)?;
+    let cost = TableCostModel::new(&profile);
+    let planner = with_options(&a.planner, &r.options).expect("clap checks the planner name");
+    let plan = planner
+        .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
+        .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?;
+    let inv = Inventory::new(&r.spec);
+    plan.validate(&inv).context("the planner produced an invalid plan (a bug)")?;
+    if a.json {
+        println!("{}", plan.to_json());
+    } else {
+        let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
+        print!("{}", render(&plan, &inv, &est, &profile.machine.name));
+    }
+    if a.llama_cpp {
+        print!("{}", llama_cpp_flags(&plan, &inv));
+    }
+    Ok(())
+}
+
+/// Bytes for people: `7.93 GiB`, `210.4 MiB`, `12 KiB`.
+fn human(b: u64) -> String {
+    if b >= GIB {
+        format!("{:.2} GiB", b as f64 / GIB as f64)
+    } else if b >= MIB {
+        format!("{:.1} MiB", b as f64 / MIB as f64)
+    } else {
+        format!("{} KiB", b.div_ceil(1024))
+    }
+}
+
+/// Nanoseconds for people.
+fn duration(ns: u64) -> String {
+    let s = ns as f64 / 1e9;
+    if s >= 1.0 { format!("{s:.2} s") } else { format!("{:.1} ms", s * 1e3) }
+}
+
+fn vram_line(v: &VramBreakdown, budget: u64) -> String {
+    format!(
+        "VRAM  pinned {} + ring {} + KV {} + scratch {} + runtime {} = {} of {} ({:.0}%)",
+        human(v.pinned_weights_bytes),
+        human(v.streaming_slots_bytes),
+        human(v.kv_bytes),
+        human(v.scratch_bytes),
+        human(v.runtime_overhead_bytes),
+        human(v.total()),
+        human(budget),
+        100.0 * v.total() as f64 / budget.max(1) as f64
+    )
+}
+
+/// One line per decoder layer, plus the token embedding, the vision tower and the output head.
+fn placement_map(p: &PhasePlan, inv: &Inventory) -> String {
+    let mut by_pos = vec![Placement::Cpu; inv.units.len()];
+    for up in &p.placements {
+        if let Some(pos) = inv.position(up.unit) {
+            by_pos[pos] = up.placement;
+        }
+    }
+    let code = |id: UnitId| inv.position(id).map_or('-', |pos| by_pos[pos].code());
+    let mut out = String::new();
+    let vision: Vec<char> = inv
+        .units
+        .iter()
+        .enumerate()
+        .filter(|(_, u)| u.id.is_vision())
+        .map(|(pos, _)| by_pos[pos].code())
+        .collect();
+    if !vision.is_empty() {
+        let all_cpu = vision.iter().all(|&c| c == 'C');
+        let _ = writeln!(
+            out,
+            "  vision  {}",
+            if all_cpu { "C (every block)".to_string() } else { vision.iter().collect::<String>() }
+        );
+    }
+    let _ = writeln!(out, "  token_embd  {}", code(UnitId::TokenEmbd));
+    let n_layers = inv.units.iter().filter_map(|u| u.id.layer()).max().map_or(0, |l| l + 1);
+    for layer in 0..n_layers {
+        let mut line = format!(
+            "  blk.{layer:<3} attn {}  kv {}",
+            code(UnitId::Attn { layer }),
+            code(UnitId::Kv { layer })
+        );
+        if inv.position(UnitId::Router { layer }).is_some()
+            && code(UnitId::Router { layer }) != code(UnitId::Attn { layer })
+        {
+            let _ = write!(line, "  router {}", code(UnitId::Router { layer }));
+        }
+        if inv.position(UnitId::Ffn { layer }).is_some() {
+            let _ = write!(line, "  ffn {}", code(UnitId::Ffn { layer }));
+        }
+        let mut counts = [0u32; 3];
+        for (pos, u) in inv.units.iter().enumerate() {
+            if matches!(u.id, UnitId::Expert { layer: l, .. } if l == layer) {
+                counts[match by_pos[pos] {
+                    Placement::Pinned => 0,
+                    Placement::Streamed => 1,
+                    Placement::Cpu => 2,
+                }] += 1;
+            }
+        }
+        if counts.iter().sum::<u32>() > 0 {
+            let _ = write!(line, "  experts {}P/{}S/{}C", counts[0], counts[1], counts[2]);
+        }
+        if inv.position(UnitId::SharedExperts { layer }).is_some() {
+            let _ = write!(line, "  shexp {}", code(UnitId::SharedExperts { layer }));
+        }
+        let _ = writeln!(out, "{line}");
+    }
+    let _ = writeln!(out, "  output  {}", code(UnitId::Output));
+    out
+}
+
+fn prediction_line(label: &str, p: &Prediction, batch: u64) -> String {
+    let tps = if p.decode_step_ns > 0 { batch as f64 * 1e9 / p.decode_step_ns as f64 } else { 0.0 };
+    format!(
+        "{label}: TTFT {} · decode step {} ({tps:.1} tokens/s) · E2EL {}",
+        duration(p.ttft_ns),
+        duration(p.decode_step_ns),
+        duration(p.e2el_ns)
+    )
+}
+
+fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str) -> String {
+    let w = &plan.workload;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} plan for {} on {machine}: ctx {} (prompt {}, gen {}, ubatch {}, batch {}), budget {}, flash attention {}",
+        plan.planner,
+        plan.model,
+        format_tokens(w.ctx),
+        w.prompt_tokens,
+        w.gen_tokens,
+        w.ubatch,
+        w.batch,
+        format_bytes(plan.budget_bytes),
+        if w.flash_attn { "on" } else { "off" }
+    );
+    for n in &plan.notes {
+        let _ = writeln!(out, "  {n}");
+    }
+    for p in plan.phases() {
+        let ring = if p.pipeline_depth > 0 {
+            format!("ring {} × {}", p.pipeline_depth, human(p.slot_bytes))
+        } else {
+            "nothing streams".into()
+        };
+        let _ = writeln!(
+            out,
+            "\n{:?} (tier {} tokens; {ring}{}; {} CPU threads)",
+            p.phase,
+            p.tier_tokens,
+            if p.op_offload { "; op offload" } else { "" },
+            p.cpu_threads
+        );
+        out.push_str(&placement_map(p, inv));
+        let _ = writeln!(out, "  {}", vram_line(&p.vram, plan.budget_bytes));
+    }
+    let _ = writeln!(out, "\nswitch prefill → decode: {} re-uploaded", human(plan.switch_bytes));
+    if let Some(p) = &plan.prediction {
+        let _ = writeln!(out, "{}", prediction_line(&format!("predicted by {}", plan.planner), p, w.batch));
+    }
+    if plan.planner == "pshard" {
+        let _ = writeln!(out, "{}", prediction_line("the estimator", &est.predict_plan(inv, plan), w.batch));
+    }
+    out
+}
+
+/// Layer numbers as a regex alternation: `(0|1|2|17)`.
+fn alternation(layers: &[u32]) -> String {
+    format!("({})", layers.iter().map(u32::to_string).collect::<Vec<_>>().join("|"))
+}
+
+/// The llama.cpp flags closest to the plan's decode placement. llama.cpp has no streaming: streamed units stay
+/// in host memory (in prefill its op offload copies their weights per ubatch, unoverlapped).
+fn llama_cpp_flags(plan: &Plan, inv: &Inventory) -> String {
+    let p = &plan.decode;
+    let on_gpu = |id: UnitId| p.placement(id) == Some(Placement::Pinned);
+    let n_layers = inv.units.iter().filter_map(|u| u.id.layer()).max().map_or(0, |l| l + 1);
+    let w = &plan.workload;
+    let mut flags = vec![
+        format!("-c {}", w.ctx * w.batch),
+        format!("-ub {}", w.ubatch),
+        format!("-t {}", p.cpu_threads),
+        format!("-fa {}", if w.flash_attn { "on" } else { "off" }),
+    ];
+    let mut notes = Vec::new();
+    if plan.planner == "ngl" {
+        let n = (0..n_layers).filter(|&l| on_gpu(UnitId::Attn { layer: l })).count()
+            + usize::from(on_gpu(UnitId::Output));
+        flags.push(format!("-ngl {n}"));
+    } else {
+        flags.push("-ngl 999".into());
+        let cpu_attn: Vec<u32> = (0..n_layers).filter(|&l| !on_gpu(UnitId::Attn { layer: l })).collect();
+        let cpu_ffn: Vec<u32> = (0..n_layers)
+            .filter(|&l| {
+                inv.position(UnitId::Ffn { layer: l }).is_some() && !on_gpu(UnitId::Ffn { layer: l })
+            })
+            .collect();
+        // A layer's experts are one tensor in llama.cpp: they go where most of them are.
+        let cpu_experts: Vec<u32> = (0..n_layers)
+            .filter(|&l| {
+                let (mut gpu, mut all) = (0, 0);
+                for u in &inv.units {
+                    if matches!(u.id, UnitId::Expert { layer, .. } if layer == l) {
+                        all += 1;
+                        gpu += usize::from(on_gpu(u.id));
+                    }
+                }
+                all > 0 && 2 * gpu < all
+            })
+            .collect();
+        if !cpu_attn.is_empty() {
+            flags.push(format!("-ot \"blk\\.{}\\.attn_.*=CPU\"", alternation(&cpu_attn)));
+            notes.push(format!(
+                "llama.cpp keeps each layer's KV with `-ngl`, so the KV of the {} CPU-attention layers stays in VRAM \
+                 (add -nkvo to keep all KV on the host)",
+                cpu_attn.len()
+            ));
+        }
+        if !cpu_ffn.is_empty() {
+            flags.push(format!("-ot \"blk\\.{}\\.ffn_(gate|up|down)\\.weight=CPU\"", alternation(&cpu_ffn)));
+        }
+        let prefix = cpu_experts.iter().enumerate().all(|(i, &l)| l == i as u32);
+        if !cpu_experts.is_empty() && prefix {
+            flags.push(format!("--n-cpu-moe {}", cpu_experts.len()));
+        } else if !cpu_experts.is_empty() {
+            flags.push(format!("-ot \"blk\\.{}\\.ffn_.*_exps\\.weight=CPU\"", alternation(&cpu_experts)));
+        }
+        if !on_gpu(UnitId::Output) {
+            flags.push("-ot \"^output\\.weight=CPU\"".into());
+        }
+        if p.placements.iter().any(|u| u.placement == Placement::Streamed) {
+            notes.push("streamed units are left in host memory: llama.cpp cannot stream them".into());
+        }
+        if plan.prefill.placements != plan.decode.placements {
+            notes.push(
+                "llama.cpp uses one placement for both phases: these flags follow the decode plan".into(),
+            );
+        }
+    }
+    let mut out = format!("\nllama.cpp: llama-cli -m MODEL.gguf {}\n", flags.join(" "));
+    for n in notes {
+        let _ = writeln!(out, "  # {n}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        a: PlanArgs,
+    }
+
+    fn args(line: &str) -> PlanArgs {
+        Wrap::try_parse_from(std::iter::once("plan").chain(line.split_whitespace())).unwrap().a
+    }
+
+    #[test]
+    fn defaults_follow_the_paper() {
+        let r = request(&args("--model nemo-8b --ctx 16K --budget 8G")).unwrap();
+        assert_eq!(r.workload.ctx, 16_384);
+        assert_eq!(r.workload.prompt_tokens, 16_384 - 100);
+        assert_eq!(r.workload.ubatch, 1024);
+        assert_eq!(r.budget_bytes, 8 << 30);
+        assert_eq!(r.options.objective, Objective::E2el);
+    }
+
+    #[test]
+    fn bad_arguments_say_what_to_fix() {
+        let e = request(&args("--model nemo-8b --ctx 64 --gen 100")).err().unwrap().to_string();
+        assert!(e.contains("--ctx"), "{e}");
+        let e = request(&args("--model nemo-8b --ngl 3 --planner ilp")).err().unwrap().to_string();
+        assert!(e.contains("--ngl"), "{e}");
+        let e = format!("{:#}", request(&args("--model nemo-9b")).err().unwrap());
+        assert!(e.contains("nemo-8b"), "{e}");
+        let e = format!("{:#}", request(&args("--model nemo-8b --budget 8X")).err().unwrap());
+        assert!(e.contains("--budget") && e.contains("suffix"), "{e}");
+    }
+
+    #[test]
+    fn table_shows_every_layer_and_the_budget() {
+        let r = request(&args("--model qwen3-30b-a3b@3L --ctx 4K --budget 2G --planner ilp")).unwrap();
+        let cost = TableCostModel::new(&load_profile("cli3").unwrap());
+        let plan = with_options("ilp", &r.options)
+            .unwrap()
+            .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
+            .unwrap();
+        let inv = Inventory::new(&r.spec);
+        let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
+        let text = render(&plan, &inv, &est, "cli3");
+        for needle in ["blk.0", "blk.2", "experts", "of 2.00 GiB", "TTFT", "Prefill", "Decode"] {
+            assert!(text.contains(needle), "missing {needle}:\n{text}");
+        }
+        assert!(!text.contains("blk.3 "), "{text}");
+        let flags = llama_cpp_flags(&plan, &inv);
+        assert!(flags.contains("-ngl") && flags.contains("-ub 1024"), "{flags}");
+    }
+
+    #[test]
+    fn ngl_plans_print_their_layer_count() {
+        let r = request(&args("--model nemo-4b --ctx 4K --budget 4G --planner ngl --ngl 5")).unwrap();
+        let cost = TableCostModel::new(&load_profile("cli3").unwrap());
+        let plan = with_options("ngl", &r.options)
+            .unwrap()
+            .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
+            .unwrap();
+        let flags = llama_cpp_flags(&plan, &Inventory::new(&r.spec));
+        assert!(flags.contains("-ngl 5 ") || flags.ends_with("-ngl 5\n"), "{flags}");
+        assert!(flags.contains("-fa off"), "{flags}");
+    }
+}

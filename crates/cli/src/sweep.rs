@@ -1,0 +1,508 @@
+//! `pipeshard sim sweep`: plan and simulate a grid of cells in parallel; write `cells.csv`, `provenance.json`
+//! and plots under `results/sweeps/<name>/`; print a summary.
+//!
+//! [`run_cells`] is shared with `pipeshard compare`: each cell runs its planner on the profile's cost model and
+//! simulates the plan (sampled steps, see pipeshard-sim). A planner that finds no plan within the budget gives
+//! an `infeasible` row with its reason, never a crash.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::model::ModelSpec;
+use pipeshard_core::plan::{PhasePlan, Placement, Plan};
+use pipeshard_planner::PlanError;
+use pipeshard_sim::{SimOptions, Simulation, Simulator};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::args::{format_bytes, format_tokens, load_profile};
+use crate::experiment::{Cell, Experiment};
+
+/// How a cell ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Ok,
+    /// The planner found no plan within the budget.
+    Infeasible,
+    /// The planner does not handle this case (e.g. the exhaustive planner on a large model).
+    Unsupported,
+    /// The workload is invalid, or the plan could not be simulated.
+    Error,
+}
+
+/// A planned and simulated cell.
+#[derive(Debug, Clone)]
+pub struct CellRun {
+    pub plan: Plan,
+    pub sim: Simulation,
+    /// Weight bytes pinned / streamed / on the CPU, per phase.
+    pub weights_by_placement: [[u64; 3]; 2],
+}
+
+/// What became of a cell.
+#[derive(Debug, Clone)]
+pub struct CellResult {
+    pub cell: Cell,
+    pub status: Status,
+    pub reason: String,
+    pub run: Option<Box<CellRun>>,
+    /// Wall time the planner took (not written to the CSV, which stays reproducible).
+    pub plan_ms: f64,
+    /// Wall time the simulation took.
+    pub sim_ms: f64,
+}
+
+fn weights_by_placement(inv: &Inventory, pp: &PhasePlan) -> [u64; 3] {
+    let mut v = [0u64; 3];
+    for up in pp.placements.iter().filter(|u| !matches!(u.unit, UnitId::Kv { .. })) {
+        let i = match up.placement {
+            Placement::Pinned => 0,
+            Placement::Streamed => 1,
+            Placement::Cpu => 2,
+        };
+        v[i] += inv.unit_bytes(up.unit);
+    }
+    v
+}
+
+/// Plans and simulates one cell; `inv` is the inventory of `spec`.
+pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCostModel) -> CellResult {
+    let t0 = Instant::now();
+    let elapsed = || t0.elapsed().as_secs_f64() * 1e3;
+    let failed = |status: Status, reason: String, plan_ms: f64| CellResult {
+        cell: cell.clone(),
+        status,
+        reason,
+        run: None,
+        plan_ms,
+        sim_ms: 0.0,
+    };
+    let w = cell.workload();
+    if let Err(e) = w.validate() {
+        return failed(Status::Error, e.to_string(), 0.0);
+    }
+    let Some(planner) = pipeshard_planner::by_name(&cell.planner) else {
+        return failed(Status::Error, format!("unknown planner `{}`", cell.planner), 0.0);
+    };
+    let planned = planner.plan(spec, &w, cost, cell.budget_bytes);
+    let plan_ms = elapsed();
+    let plan = match planned {
+        Ok(p) => p,
+        Err(PlanError::Infeasible { min_budget_bytes, .. }) => {
+            return failed(
+                Status::Infeasible,
+                format!("needs at least {:.2} GiB", gib(min_budget_bytes)),
+                plan_ms,
+            );
+        }
+        Err(e @ PlanError::Unsupported { .. }) => return failed(Status::Unsupported, e.to_string(), plan_ms),
+        Err(e) => return failed(Status::Error, e.to_string(), plan_ms),
+    };
+    let t1 = Instant::now();
+    let sim = match Simulator::with_inventory(spec, inv, &plan, cost).map(|s| s.run(&SimOptions::default())) {
+        Ok(s) => s,
+        Err(e) => {
+            return failed(Status::Error, format!("simulating the {} plan: {e}", cell.planner), plan_ms);
+        }
+    };
+    let weights = [weights_by_placement(inv, &plan.prefill), weights_by_placement(inv, &plan.decode)];
+    CellResult {
+        cell: cell.clone(),
+        status: Status::Ok,
+        reason: String::new(),
+        run: Some(Box::new(CellRun { plan, sim, weights_by_placement: weights })),
+        plan_ms,
+        sim_ms: t1.elapsed().as_secs_f64() * 1e3,
+    }
+}
+
+/// Time per planner, `ngl 0.1 s (max 3 ms), ilp …` in the experiment's planner order, then the simulator's.
+#[must_use]
+pub fn planning_times(planners: &[String], results: &[CellResult]) -> String {
+    let parts: Vec<String> = planners
+        .iter()
+        .map(|p| {
+            let t: Vec<f64> = results.iter().filter(|r| &r.cell.planner == p).map(|r| r.plan_ms).collect();
+            let max = t.iter().copied().fold(0.0, f64::max);
+            format!("{p} {:.1} s (max {max:.0} ms)", t.iter().sum::<f64>() / 1e3)
+        })
+        .collect();
+    let sim: Vec<f64> = results.iter().map(|r| r.sim_ms).collect();
+    format!(
+        "time summed over cells: planning {}; simulation {:.1} s (max {:.0} ms)",
+        parts.join(", "),
+        sim.iter().sum::<f64>() / 1e3,
+        sim.iter().copied().fold(0.0, f64::max)
+    )
+}
+
+/// Runs every cell in parallel (rayon), with a progress bar on a terminal. Results keep the cells' order.
+pub fn run_cells(
+    cells: &[Cell],
+    specs: &BTreeMap<String, ModelSpec>,
+    cost: &TableCostModel,
+    progress: bool,
+) -> Vec<CellResult> {
+    let bar = if progress { ProgressBar::new(cells.len() as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed:>4} [{bar:40}] {pos}/{len} cells ({per_sec}) {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let inventories: BTreeMap<&String, Inventory> =
+        specs.iter().map(|(m, s)| (m, Inventory::new(s))).collect();
+    let out = cells
+        .par_iter()
+        .map(|c| {
+            let r = run_cell(c, &specs[&c.model], &inventories[&c.model], cost);
+            bar.inc(1);
+            r
+        })
+        .collect();
+    bar.finish_and_clear();
+    out
+}
+
+/// Bytes in GiB.
+#[must_use]
+pub fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Rounds to `d` decimals, so the CSV shows readable numbers.
+fn round(x: f64, d: i32) -> f64 {
+    let s = 10f64.powi(d);
+    (x * s).round() / s
+}
+
+/// One CSV row: inputs, status, metrics, VRAM (simulated peak by category, and the plan's total) and a plan
+/// summary.
+#[derive(Debug, Serialize)]
+struct Row<'a> {
+    model: &'a str,
+    ctx: u64,
+    prompt_tokens: u64,
+    gen_tokens: u64,
+    ubatch: u64,
+    batch: u64,
+    vram_budget_bytes: u64,
+    planner: &'a str,
+    status: Status,
+    reason: &'a str,
+    ttft_ms: Option<f64>,
+    tps: Option<f64>,
+    e2el_ms: Option<f64>,
+    decode_step_ms: Option<f64>,
+    switch_ms: Option<f64>,
+    vram_peak_bytes: Option<u64>,
+    plan_vram_bytes: Option<u64>,
+    pinned_weights_bytes: Option<u64>,
+    streaming_slots_bytes: Option<u64>,
+    kv_bytes: Option<u64>,
+    scratch_bytes: Option<u64>,
+    prefill_pipeline_depth: Option<u32>,
+    decode_pipeline_depth: Option<u32>,
+    prefill_pinned_bytes: Option<u64>,
+    prefill_streamed_bytes: Option<u64>,
+    prefill_cpu_bytes: Option<u64>,
+    decode_pinned_bytes: Option<u64>,
+    decode_streamed_bytes: Option<u64>,
+    decode_cpu_bytes: Option<u64>,
+    planner_e2el_ms: Option<f64>,
+    notes: String,
+}
+
+fn row(r: &CellResult) -> Row<'_> {
+    let c = &r.cell;
+    let run = r.run.as_deref();
+    let m = run.map(|x| &x.sim.metrics);
+    let ms = |ns: u64| round(ns as f64 / 1e6, 3);
+    Row {
+        model: &c.model,
+        ctx: c.ctx,
+        prompt_tokens: c.prompt_tokens,
+        gen_tokens: c.gen_tokens,
+        ubatch: c.ubatch,
+        batch: c.batch,
+        vram_budget_bytes: c.budget_bytes,
+        planner: &c.planner,
+        status: r.status,
+        reason: &r.reason,
+        ttft_ms: m.map(|m| ms(m.ttft_ns)),
+        tps: m.map(|m| round(m.tps, 3)),
+        e2el_ms: m.map(|m| ms(m.e2el_ns)),
+        decode_step_ms: m.map(|m| ms(m.decode_step_ns)),
+        switch_ms: run.map(|x| ms(x.sim.switch_ns)),
+        vram_peak_bytes: m.map(|m| m.vram_peak_bytes),
+        plan_vram_bytes: run.map(|x| x.plan.peak_vram_bytes()),
+        pinned_weights_bytes: m.map(|m| m.vram_peak.pinned_weights_bytes),
+        streaming_slots_bytes: m.map(|m| m.vram_peak.streaming_slots_bytes),
+        kv_bytes: m.map(|m| m.vram_peak.kv_bytes),
+        scratch_bytes: m.map(|m| m.vram_peak.scratch_bytes),
+        prefill_pipeline_depth: run.map(|x| x.plan.prefill.pipeline_depth),
+        decode_pipeline_depth: run.map(|x| x.plan.decode.pipeline_depth),
+        prefill_pinned_bytes: run.map(|x| x.weights_by_placement[0][0]),
+        prefill_streamed_bytes: run.map(|x| x.weights_by_placement[0][1]),
+        prefill_cpu_bytes: run.map(|x| x.weights_by_placement[0][2]),
+        decode_pinned_bytes: run.map(|x| x.weights_by_placement[1][0]),
+        decode_streamed_bytes: run.map(|x| x.weights_by_placement[1][1]),
+        decode_cpu_bytes: run.map(|x| x.weights_by_placement[1][2]),
+        planner_e2el_ms: run.and_then(|x| x.plan.prediction).map(|p| ms(p.e2el_ns)),
+        notes: run.map(|x| x.plan.notes.join("; ")).unwrap_or_default(),
+    }
+}
+
+/// Writes `cells.csv`.
+pub fn write_csv(results: &[CellResult], path: &Path) -> anyhow::Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("writing {}", path.display()))?;
+    for r in results {
+        w.serialize(row(r))?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// Where a result came from: enough to regenerate it.
+#[derive(Debug, Serialize)]
+pub struct Provenance {
+    pub command: String,
+    pub commit: String,
+    pub date_utc: String,
+    pub pipeshard_version: &'static str,
+    pub experiment: String,
+    pub profile: String,
+    pub machine: String,
+    /// Where the profile's numbers come from (measured, or derived from published figures).
+    pub profile_source: serde_json::Value,
+    pub cells: usize,
+    pub ok_cells: usize,
+    pub wall_time_s: f64,
+    pub simulator: String,
+}
+
+/// The current commit (`-dirty` with uncommitted changes), or `unknown` outside a git checkout.
+#[must_use]
+pub fn git_commit() -> String {
+    let run = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match run(&["rev-parse", "HEAD"]) {
+        Some(c) if run(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()) => format!("{c}-dirty"),
+        Some(c) => c,
+        None => "unknown".into(),
+    }
+}
+
+/// Now as `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, no time-zone database needed).
+#[must_use]
+pub fn now_utc() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Cells whose simulated peak VRAM exceeds their plan's own breakdown, per planner (a planner under-counting).
+#[must_use]
+pub fn vram_check(results: &[CellResult]) -> String {
+    let mut over: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
+    for r in results {
+        let Some(run) = r.run.as_deref() else { continue };
+        let (used, planned) = (run.sim.metrics.vram_peak_bytes, run.plan.peak_vram_bytes());
+        if used > planned {
+            let e = over.entry(r.cell.planner.as_str()).or_default();
+            e.0 += 1;
+            e.1 = e.1.max(used - planned);
+        }
+    }
+    if over.is_empty() {
+        return "simulated peak VRAM within every plan's breakdown".into();
+    }
+    let parts: Vec<String> = over
+        .iter()
+        .map(|(p, (n, worst))| {
+            format!("{p} {n} cells (worst by {:.1} MiB)", *worst as f64 / f64::from(1u32 << 20))
+        })
+        .collect();
+    format!("simulated peak VRAM above the plan's breakdown: {}", parts.join(", "))
+}
+
+/// Geometric mean.
+fn geomean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| (v.iter().map(|x| x.ln()).sum::<f64>() / v.len() as f64).exp())
+}
+
+/// The summary: per model × context, each planner's TPS and TTFT speed-up over the baseline (`ngl` if swept,
+/// else the first planner), geometric mean over the budgets (best ubatch per budget) where both found a plan.
+#[must_use]
+pub fn summary(e: &Experiment, results: &[CellResult]) -> String {
+    let baseline = if e.planners.iter().any(|p| p == "ngl") { "ngl" } else { e.planners[0].as_str() };
+    // (model, ctx, planner, budget) → best (tps, ttft_ns) over ubatches.
+    let mut best: BTreeMap<(&str, u64, &str, u64), (f64, u64)> = BTreeMap::new();
+    for r in results {
+        let Some(run) = r.run.as_deref() else { continue };
+        let c = &r.cell;
+        let m = &run.sim.metrics;
+        let e = best
+            .entry((c.model.as_str(), c.ctx, c.planner.as_str(), c.budget_bytes))
+            .or_insert((0.0, u64::MAX));
+        e.0 = e.0.max(m.tps);
+        e.1 = e.1.min(m.ttft_ns);
+    }
+    let others: Vec<&String> = e.planners.iter().filter(|p| *p != baseline).collect();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "speed-up over {baseline}: TPS× / TTFT×, geometric mean over budgets where both found a plan (best ubatch)"
+    );
+    let _ = write!(s, "{:<20} {:>5} {:>7}", "model", "ctx", "plans");
+    let budgets = e.budgets();
+    for p in &others {
+        let _ = write!(s, " {p:>15}");
+    }
+    s.push('\n');
+    for m in e.models() {
+        for ctx in e.contexts() {
+            let ok =
+                results.iter().filter(|r| r.cell.model == *m && r.cell.ctx == ctx && r.run.is_some()).count();
+            let total = results.iter().filter(|r| r.cell.model == *m && r.cell.ctx == ctx).count();
+            if total == 0 {
+                continue;
+            }
+            let _ = write!(s, "{m:<20} {:>5} {:>7}", format_tokens(ctx), format!("{ok}/{total}"));
+            for p in &others {
+                let (mut tps, mut ttft) = (Vec::new(), Vec::new());
+                for &b in &budgets {
+                    let (Some(x), Some(base)) = (
+                        best.get(&(m.as_str(), ctx, p.as_str(), b)),
+                        best.get(&(m.as_str(), ctx, baseline, b)),
+                    ) else {
+                        continue;
+                    };
+                    if base.0 > 0.0 && x.0 > 0.0 {
+                        tps.push(x.0 / base.0);
+                    }
+                    if x.1 > 0 {
+                        ttft.push(base.1 as f64 / x.1 as f64);
+                    }
+                }
+                let cell = match (geomean(&tps), geomean(&ttft)) {
+                    (Some(a), Some(b)) => format!("{a:.2}/{b:.2}"),
+                    _ => "—".into(),
+                };
+                let _ = write!(s, " {cell:>15}");
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Runs an experiment and writes its results under `out_dir/<name>/`.
+pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let profile = load_profile(&e.profile)?;
+    let cost = TableCostModel::new(&profile);
+    let specs = e.specs()?;
+    let cells = e.cells();
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let results = run_cells(&cells, &specs, &cost, progress);
+    let wall = t0.elapsed().as_secs_f64();
+
+    let dir = out_dir.join(&e.name);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut written: Vec<PathBuf> = vec![dir.join("cells.csv")];
+    write_csv(&results, &written[0])?;
+    if plots {
+        written.extend(crate::plots::sweep_plots(e, &results, &dir)?);
+    }
+    let ok = results.iter().filter(|r| r.status == Status::Ok).count();
+    let prov = Provenance {
+        command: command.to_string(),
+        commit: git_commit(),
+        date_utc: now_utc(),
+        pipeshard_version: env!("CARGO_PKG_VERSION"),
+        experiment: e.name.clone(),
+        profile: e.profile.clone(),
+        machine: format!("{} ({}, {})", profile.machine.name, profile.machine.gpu, profile.machine.cpu),
+        profile_source: serde_json::to_value(&profile.provenance)?,
+        cells: results.len(),
+        ok_cells: ok,
+        wall_time_s: round(wall, 3),
+        simulator: format!("pipeshard-sim, {:?}", SimOptions::default()),
+    };
+    let prov_path = dir.join("provenance.json");
+    std::fs::write(&prov_path, serde_json::to_string_pretty(&prov)? + "\n")
+        .with_context(|| format!("writing {}", prov_path.display()))?;
+    written.push(prov_path);
+
+    let count = |s: Status| results.iter().filter(|r| r.status == s).count();
+    println!(
+        "sweep {}: {} models × {} contexts × {} budgets × {} planners = {} cells on {} in {:.1} s \
+         ({ok} planned, {} infeasible, {} unsupported, {} errors)",
+        e.name,
+        e.models().len(),
+        e.contexts().len(),
+        e.budgets().len(),
+        e.planners.len(),
+        results.len(),
+        e.profile,
+        wall,
+        count(Status::Infeasible),
+        count(Status::Unsupported),
+        count(Status::Error),
+    );
+    print!("{}", summary(e, &results));
+    println!("{}", planning_times(&e.planners, &results));
+    println!("{}", vram_check(&results));
+    if let Some(r) = results.iter().find(|r| r.status == Status::Error) {
+        println!(
+            "first error: {} ctx {} budget {} {}: {}",
+            r.cell.model,
+            format_tokens(r.cell.ctx),
+            format_bytes(r.cell.budget_bytes),
+            r.cell.planner,
+            r.reason
+        );
+    }
+    println!("wrote {}", written.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_civil() {
+        let d = now_utc();
+        assert_eq!(d.len(), 20, "{d}");
+        assert!(d.starts_with("20") && d.ends_with('Z'));
+    }
+
+    #[test]
+    fn geomean_of_ratios() {
+        assert!((geomean(&[2.0, 8.0]).unwrap() - 4.0).abs() < 1e-12);
+        assert!(geomean(&[]).is_none());
+    }
+}

@@ -1,0 +1,517 @@
+//! CPU kernels and the CPU side of a forward pass. They double as the reference the GPU path is checked
+//! against: every rounding the GPU path does (activations to the matrix format before each matmul, K/V to
+//! the cache format) happens here at the same point, so the two differ only in the order of f32 additions.
+//!
+//! Layouts: activations are row-major `[tokens, features]` f32; a matrix is `[rows, row_elems]` (output
+//! features × input features) in f16 or bf16; a layer's KV cache is `[K | V]`, each `[ctx, kv_heads, head_dim]`.
+//! RoPE rotates the first and second halves of the rotated dimensions (transformers' `rotate_half`).
+
+pub mod simd;
+
+use pipeshard_core::model::{FfnKind, NormKind};
+use rayon::prelude::*;
+
+use crate::error::{ExecError, Result};
+use crate::host::Elem;
+use crate::weights::{AttnOffsets, Dims, FfnOffsets, OutputOffsets};
+use simd::Isa;
+
+/// A worker pool of `threads` threads and the instruction set its kernels use.
+#[derive(Debug)]
+pub struct CpuPool {
+    pool: rayon::ThreadPool,
+    threads: usize,
+    isa: Isa,
+}
+
+impl CpuPool {
+    /// A pool of `threads` workers (at least one).
+    pub fn new(threads: usize) -> Result<CpuPool> {
+        let threads = threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("pipeshard-cpu-{i}"))
+            .build()
+            .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
+        Ok(CpuPool { pool, threads, isa: simd::detect() })
+    }
+
+    /// Worker threads.
+    #[must_use]
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The instruction set in use.
+    #[must_use]
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Runs `f` inside the pool, so its parallel iterators use the pool's threads.
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+}
+
+/// A raw pointer that tasks writing disjoint elements share.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every task writes a disjoint set of elements, and the owner outlives the parallel region.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer (a method, so closures capture the whole Send + Sync wrapper, not its raw field).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y[t][j] (+)= Σ_i x[t][i] · w[j][i]`: `x` is `[m, k]` f32, `w` is `[n, k]` in `elem`, `y` is `[m, n]`.
+pub fn matmul(
+    pool: &CpuPool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    elem: Elem,
+    n: usize,
+    y: &mut [f32],
+    accumulate: bool,
+) {
+    const ROWS_PER_TASK: usize = 32;
+    assert!(x.len() >= m * k && w.len() >= n * k * 2 && y.len() >= m * n, "matmul operand sizes");
+    assert!(matches!(elem, Elem::F16 | Elem::Bf16), "matrices are f16 or bf16");
+    let isa = pool.isa;
+    let out = SharedOut(y.as_mut_ptr());
+    // The kernels load with unaligned (`loadu`) instructions, so a byte pointer cast to u16 is fine.
+    #[allow(clippy::cast_ptr_alignment)]
+    let wp = w.as_ptr().cast::<u16>() as usize;
+    let xp = x.as_ptr() as usize;
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    pool.install(|| {
+        (0..tasks).into_par_iter().for_each(|task| {
+            let r0 = task * ROWS_PER_TASK;
+            let r1 = (r0 + ROWS_PER_TASK).min(n);
+            let wp = wp as *const u16;
+            let xp = xp as *const f32;
+            let store = |t: usize, r: usize, v: f32| {
+                // SAFETY: t < m and r < n, so the index is inside y; each (t, r) is written by one task only.
+                unsafe {
+                    let p = out.ptr().add(t * n + r);
+                    *p = if accumulate { *p + v } else { v };
+                }
+            };
+            let mut t = 0;
+            while t < m {
+                let tb = if m - t >= 4 { 4 } else { 1 };
+                let mut r = r0;
+                while r < r1 {
+                    let rb = if r1 - r >= 4 { 4 } else { 1 };
+                    // SAFETY: rows r..r+rb of w and tokens t..t+tb of x exist (checked sizes above).
+                    unsafe {
+                        let xr = xp.add(t * k);
+                        let wr = wp.add(r * k);
+                        match (rb, tb) {
+                            (4, 4) => {
+                                let mut o = [[0f32; 4]; 4];
+                                simd::dot_block::<4, 4>(isa, elem, xr, k, wr, k, &mut o);
+                                for (ri, row) in o.iter().enumerate() {
+                                    for (ti, &v) in row.iter().enumerate() {
+                                        store(t + ti, r + ri, v);
+                                    }
+                                }
+                            }
+                            (4, _) => {
+                                let mut o = [[0f32; 1]; 4];
+                                simd::dot_block::<4, 1>(isa, elem, xr, k, wr, k, &mut o);
+                                for (ri, row) in o.iter().enumerate() {
+                                    store(t, r + ri, row[0]);
+                                }
+                            }
+                            (_, 4) => {
+                                let mut o = [[0f32; 4]; 1];
+                                simd::dot_block::<1, 4>(isa, elem, xr, k, wr, k, &mut o);
+                                for (ti, &v) in o[0].iter().enumerate() {
+                                    store(t + ti, r, v);
+                                }
+                            }
+                            _ => {
+                                let mut o = [[0f32; 1]; 1];
+                                simd::dot_block::<1, 1>(isa, elem, xr, k, wr, k, &mut o);
+                                store(t, r, o[0][0]);
+                            }
+                        }
+                    }
+                    r += rb;
+                }
+                t += tb;
+            }
+        });
+    });
+}
+
+fn f32s(bytes: &[u8], n: usize) -> Vec<f32> {
+    (0..n).map(|i| Elem::F32.read(bytes, i)).collect()
+}
+
+/// Normalises each `dim`-row of `x` (RMSNorm, or LayerNorm with `b`), scales by `w` and rounds to `round`.
+pub fn norm_rows(
+    kind: NormKind,
+    x: &[f32],
+    dim: usize,
+    w: &[f32],
+    b: Option<&[f32]>,
+    eps: f32,
+    round: Elem,
+    out: &mut [f32],
+) {
+    for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        match kind {
+            NormKind::RmsNorm => {
+                let ss: f32 = row.iter().map(|v| v * v).sum();
+                let inv = 1.0 / (ss / dim as f32 + eps).sqrt();
+                for i in 0..dim {
+                    o[i] = round.round(row[i] * inv * w[i]);
+                }
+            }
+            NormKind::LayerNorm => {
+                let mean = row.iter().sum::<f32>() / dim as f32;
+                let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+                let inv = 1.0 / (var + eps).sqrt();
+                for i in 0..dim {
+                    let bias = b.map_or(0.0, |b| b[i]);
+                    o[i] = round.round((row[i] - mean) * inv * w[i] + bias);
+                }
+            }
+        }
+    }
+}
+
+/// Rotates `x` (`[m, heads, head_dim]`) in place for positions `pos0..pos0+m`.
+pub fn rope(x: &mut [f32], m: usize, heads: usize, head_dim: usize, inv_freq: &[f32], pos0: usize) {
+    let half = inv_freq.len();
+    for t in 0..m {
+        let pos = (pos0 + t) as f32;
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let (s, c) = (pos * f).sin_cos();
+            for h in 0..heads {
+                let base = (t * heads + h) * head_dim;
+                let a = x[base + i];
+                let b = x[base + i + half];
+                x[base + i] = a * c - b * s;
+                x[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// `silu(g) · u`, rounded to `round`, into `g`.
+pub fn swiglu(g: &mut [f32], u: &[f32], round: Elem) {
+    for (a, &b) in g.iter_mut().zip(u) {
+        *a = round.round(*a / (1.0 + (-*a).exp()) * b);
+    }
+}
+
+/// `max(u, 0)²`, rounded to `round`, in place.
+pub fn relu2(u: &mut [f32], round: Elem) {
+    for a in u.iter_mut() {
+        let r = a.max(0.0);
+        *a = round.round(r * r);
+    }
+}
+
+/// Index of the largest value (the first one on ties).
+#[must_use]
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Where a layer's K and V rows live inside its `[K | V]` cache bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct KvLayout {
+    /// Tokens the cache holds.
+    pub ctx: usize,
+    /// `kv_heads × head_dim`.
+    pub kv_dim: usize,
+    /// Element type.
+    pub elem: Elem,
+}
+
+impl KvLayout {
+    /// Bytes of K (or of V).
+    #[must_use]
+    pub fn half_bytes(&self) -> usize {
+        self.ctx * self.kv_dim * self.elem.size_bytes()
+    }
+
+    /// Bytes of the whole `[K | V]` cache.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        2 * self.half_bytes()
+    }
+
+    /// Byte offset of position `pos`'s row in K (add `half_bytes` for V).
+    #[must_use]
+    pub fn row_offset(&self, pos: usize) -> usize {
+        pos * self.kv_dim * self.elem.size_bytes()
+    }
+}
+
+/// Causal attention of `m` queries at positions `pos0..pos0+m` over the cache, output rounded to `round`.
+pub fn attention(
+    pool: &CpuPool,
+    d: &Dims,
+    q: &[f32],
+    kv: &[u8],
+    lay: KvLayout,
+    m: usize,
+    pos0: usize,
+    round: Elem,
+    out: &mut [f32],
+) {
+    let hd = d.head_dim;
+    let group = d.n_heads / d.n_kv_heads;
+    let scale = d.attn_scale();
+    let es = lay.elem.size_bytes();
+    let isa = pool.isa;
+    let (kc, vc) = kv.split_at(lay.half_bytes());
+    pool.install(|| {
+        out[..m * d.q_dim].par_chunks_mut(hd).enumerate().for_each(|(th, o)| {
+            let (t, h) = (th / d.n_heads, th % d.n_heads);
+            let g = h / group;
+            let qv = &q[th * hd..(th + 1) * hd];
+            let n_keys = pos0 + t + 1;
+            let mut scores: Vec<f32> = (0..n_keys)
+                .map(|j| {
+                    let off = lay.row_offset(j) + g * hd * es;
+                    simd::dot_kv(isa, qv, &kc[off..off + hd * es], lay.elem) * scale
+                })
+                .collect();
+            let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in &mut scores {
+                *s = (*s - mx).exp();
+                sum += *s;
+            }
+            let mut acc = vec![0f32; hd];
+            for (j, &p) in scores.iter().enumerate() {
+                let off = lay.row_offset(j) + g * hd * es;
+                simd::axpy_kv(isa, &mut acc, p, &vc[off..off + hd * es], lay.elem);
+            }
+            for (a, b) in o.iter_mut().zip(&acc) {
+                *a = round.round(b / sum);
+            }
+        });
+    });
+}
+
+/// Writes the K and V rows of `m` tokens at positions `pos0..` into the cache, rounded to its element type.
+pub fn store_kv(kv: &mut [u8], lay: KvLayout, k: &[f32], v: &[f32], m: usize, pos0: usize) {
+    let half = lay.half_bytes();
+    for t in 0..m {
+        let base = (pos0 + t) * lay.kv_dim;
+        for i in 0..lay.kv_dim {
+            lay.elem.write(&mut kv[..half], base + i, k[t * lay.kv_dim + i]);
+            lay.elem.write(&mut kv[half..], base + i, v[t * lay.kv_dim + i]);
+        }
+    }
+}
+
+fn norm_params(unit: &[u8], d: &Dims, w_off: usize, b_off: Option<usize>) -> (Vec<f32>, Option<Vec<f32>>) {
+    let w = f32s(&unit[w_off..], d.hidden);
+    let b = b_off.map(|o| f32s(&unit[o..], d.hidden));
+    (w, b)
+}
+
+fn mat(unit: &[u8], off: usize, rows: usize, cols: usize) -> &[u8] {
+    &unit[off..off + rows * cols * 2]
+}
+
+/// The embedding rows of `tokens` as f32 `[m, hidden]`.
+pub fn embed(d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
+    for (t, &tok) in tokens.iter().enumerate() {
+        let row = tok as usize * d.hidden;
+        for i in 0..d.hidden {
+            h[t * d.hidden + i] = d.mat.read(table, row + i);
+        }
+    }
+}
+
+/// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))`, writing K/V into the cache.
+pub fn attn_block(
+    pool: &CpuPool,
+    d: &Dims,
+    unit: &[u8],
+    off: &AttnOffsets,
+    kv: &mut [u8],
+    lay: KvLayout,
+    h: &mut [f32],
+    m: usize,
+    pos0: usize,
+) {
+    let (w, b) = norm_params(unit, d, off.norm_w, off.norm_b);
+    let mut xn = vec![0f32; m * d.hidden];
+    norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
+    let mut q = vec![0f32; m * d.q_dim];
+    let mut k = vec![0f32; m * d.kv_dim];
+    let mut v = vec![0f32; m * d.kv_dim];
+    matmul(pool, &xn, m, d.hidden, mat(unit, off.q, d.q_dim, d.hidden), d.mat, d.q_dim, &mut q, false);
+    matmul(pool, &xn, m, d.hidden, mat(unit, off.k, d.kv_dim, d.hidden), d.mat, d.kv_dim, &mut k, false);
+    matmul(pool, &xn, m, d.hidden, mat(unit, off.v, d.kv_dim, d.hidden), d.mat, d.kv_dim, &mut v, false);
+    for (bias, x, dim) in
+        [(off.q_bias, &mut q, d.q_dim), (off.k_bias, &mut k, d.kv_dim), (off.v_bias, &mut v, d.kv_dim)]
+    {
+        if let Some(o) = bias {
+            let b = f32s(&unit[o..], dim);
+            for row in x.chunks_exact_mut(dim) {
+                row.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
+    for (nw, x) in [(off.q_norm, &mut q), (off.k_norm, &mut k)] {
+        if let Some(o) = nw {
+            let w = f32s(&unit[o..], d.head_dim);
+            let src = x.clone();
+            norm_rows(NormKind::RmsNorm, &src, d.head_dim, &w, None, d.norm_eps, Elem::F32, x);
+        }
+    }
+    let inv_freq = d.rope_inv_freq();
+    rope(&mut q, m, d.n_heads, d.head_dim, &inv_freq, pos0);
+    rope(&mut k, m, d.n_kv_heads, d.head_dim, &inv_freq, pos0);
+    store_kv(kv, lay, &k, &v, m, pos0);
+    let mut att = vec![0f32; m * d.q_dim];
+    attention(pool, d, &q, kv, lay, m, pos0, d.mat, &mut att);
+    matmul(pool, &att, m, d.q_dim, mat(unit, off.o, d.hidden, d.q_dim), d.mat, d.hidden, h, true);
+}
+
+/// One FFN block on the CPU: `h += down(act(x))`.
+pub fn ffn_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &FfnOffsets, h: &mut [f32], m: usize) {
+    let (w, b) = norm_params(unit, d, off.norm_w, off.norm_b);
+    let mut xn = vec![0f32; m * d.hidden];
+    norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
+    let mut up = vec![0f32; m * d.ffn];
+    matmul(pool, &xn, m, d.hidden, mat(unit, off.up, d.ffn, d.hidden), d.mat, d.ffn, &mut up, false);
+    let act = if let (FfnKind::SwiGlu, Some(g_off)) = (d.ffn_kind, off.gate) {
+        let mut g = vec![0f32; m * d.ffn];
+        matmul(pool, &xn, m, d.hidden, mat(unit, g_off, d.ffn, d.hidden), d.mat, d.ffn, &mut g, false);
+        swiglu(&mut g, &up, d.mat);
+        g
+    } else {
+        relu2(&mut up, d.mat);
+        up
+    };
+    matmul(pool, &act, m, d.ffn, mat(unit, off.down, d.hidden, d.ffn), d.mat, d.hidden, h, true);
+}
+
+/// The output norm and head on the CPU for the rows `h` holds: logits `[rows, vocab]`.
+#[must_use]
+pub fn output_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &OutputOffsets, h: &[f32]) -> Vec<f32> {
+    let rows = h.len() / d.hidden;
+    let (w, b) = norm_params(unit, d, off.norm_w, off.norm_b);
+    let mut xn = vec![0f32; rows * d.hidden];
+    norm_rows(d.norm, h, d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
+    let mut logits = vec![0f32; rows * d.vocab];
+    matmul(
+        pool,
+        &xn,
+        rows,
+        d.hidden,
+        mat(unit, off.head, d.vocab, d.hidden),
+        d.mat,
+        d.vocab,
+        &mut logits,
+        false,
+    );
+    logits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn naive(x: &[f32], m: usize, k: usize, w: &[u8], elem: Elem, n: usize) -> Vec<f64> {
+        let mut y = vec![0f64; m * n];
+        for t in 0..m {
+            for j in 0..n {
+                y[t * n + j] =
+                    (0..k).map(|i| f64::from(x[t * k + i]) * f64::from(elem.read(w, j * k + i))).sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matmul_matches_naive_for_every_isa_shape_and_format() {
+        let pool = CpuPool::new(2).unwrap();
+        for elem in [Elem::Bf16, Elem::F16] {
+            for (m, k, n) in [(1, 64, 9), (5, 40, 13), (7, 136, 33), (4, 16, 4)] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
+                    .collect();
+                let mut w = vec![0u8; n * k * 2];
+                for i in 0..n * k {
+                    elem.write(&mut w, i, ((i * 53 % 97) as f32 - 48.0) / 40.0);
+                }
+                let want = naive(&x, m, k, &w, elem, n);
+                let mut y = vec![1f32; m * n];
+                matmul(&pool, &x, m, k, &w, elem, n, &mut y, true);
+                for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
+                    assert!(
+                        (f64::from(a) - (b + 1.0)).abs() < 1e-3 * (1.0 + b.abs()),
+                        "{elem:?} {m}x{k}x{n} [{i}] {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_is_causal_and_normalised() {
+        let d = Dims::new(&crate::testing::tiny_spec()).unwrap();
+        let pool = CpuPool::new(2).unwrap();
+        let lay = KvLayout { ctx: 8, kv_dim: d.kv_dim, elem: Elem::F32 };
+        let mut kv = vec![0u8; lay.bytes()];
+        let m = 3;
+        let k: Vec<f32> = (0..m * d.kv_dim).map(|i| ((i % 7) as f32 - 3.0) / 3.0).collect();
+        // V rows: all ones for position 0, twos for 1, threes for 2.
+        let v: Vec<f32> = (0..m * d.kv_dim).map(|i| (i / d.kv_dim + 1) as f32).collect();
+        store_kv(&mut kv, lay, &k, &v, m, 0);
+        let q = vec![0.5f32; m * d.q_dim];
+        let mut out = vec![0f32; m * d.q_dim];
+        attention(&pool, &d, &q, &kv, lay, m, 0, Elem::F32, &mut out);
+        // Token 0 sees only position 0: exactly V row 0.
+        assert!(out[..d.q_dim].iter().all(|&x| (x - 1.0).abs() < 1e-6));
+        // Token 2 averages rows 1..3 with positive weights: strictly between 1 and 3.
+        assert!(out[2 * d.q_dim..].iter().all(|&x| x > 1.0 && x < 3.0));
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_is_identity_at_zero() {
+        let inv = vec![1.0, 0.1];
+        let mut x = vec![1.0, 2.0, 3.0, 4.0, 5.0];
+        let orig = x.clone();
+        rope(&mut x, 1, 1, 5, &inv, 0);
+        assert_eq!(x, orig);
+        rope(&mut x, 1, 1, 5, &inv, 3);
+        let n0: f32 = orig[..4].iter().map(|v| v * v).sum();
+        let n1: f32 = x[..4].iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-4);
+        assert!((x[4] - 5.0).abs() < f32::EPSILON, "dims past the rotated ones are untouched");
+        assert!((x[0] - orig[0]).abs() > 0.1);
+    }
+
+    #[test]
+    fn argmax_takes_the_first_maximum() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+    }
+}

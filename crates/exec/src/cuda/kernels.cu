@@ -1,0 +1,277 @@
+// pipeshard-exec GPU kernels, compiled at run time with NVRTC. No headers: f16 converts with PTX `cvt`, bf16
+// with bit shifts (round to nearest even), so the module builds wherever NVRTC runs.
+// Compile-time defines: ACT_BF16 (1: matrices/activations fed to GEMMs are bf16, 0: f16),
+// KV_KIND (0: f32, 1: f16, 2: bf16), HEAD_DIM (multiple of 32, at most 256).
+// Layouts: activations [tokens, features] row-major f32; KV cache [ctx, kv_heads, head_dim] for K and for V.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define FULL 0xffffffffu
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float bf2f(u16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+__device__ __forceinline__ float h2f(u16 h) { float f; asm("{cvt.f32.f16 %0, %1;}" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("{cvt.rn.f16.f32 %0, %1;}" : "=h"(h) : "f"(f)); return h; }
+
+#if ACT_BF16
+#define ACT_LOAD(x) bf2f(x)
+#define ACT_STORE(x) f2bf(x)
+#else
+#define ACT_LOAD(x) h2f(x)
+#define ACT_STORE(x) f2h(x)
+#endif
+typedef u16 act_t;
+
+#if KV_KIND == 0
+typedef float kv_t;
+#define KV_LOAD(x) (x)
+#define KV_STORE(x) (x)
+#elif KV_KIND == 1
+typedef u16 kv_t;
+#define KV_LOAD(x) h2f(x)
+#define KV_STORE(x) f2h(x)
+#else
+typedef u16 kv_t;
+#define KV_LOAD(x) bf2f(x)
+#define KV_STORE(x) f2bf(x)
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    float r = total;
+    __syncthreads();
+    return r;
+}
+
+// h[t, :] = table[ids[t], :] (one block per token).
+extern "C" __global__ void embed(const act_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u64 row = (u64)ids[blockIdx.x] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = ACT_LOAD(table[row + i]);
+}
+
+// out[r, :] = norm(x[r, :]) * w (+ b), rounded to the activation type. layer_norm: 0 RMSNorm, 1 LayerNorm.
+extern "C" __global__ void norm_act(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+                                    act_t* __restrict__ out, int dim, float eps, int layer_norm) {
+    const float* xr = x + (u64)blockIdx.x * dim;
+    act_t* o = out + (u64)blockIdx.x * dim;
+    if (layer_norm) {
+        float s = 0.f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
+        const float mean = block_sum(s) / dim;
+        float v = 0.f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float d = xr[i] - mean; v += d * d; }
+        const float inv = 1.f / sqrtf(block_sum(v) / dim + eps);
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = ACT_STORE((xr[i] - mean) * inv * w[i] + (b ? b[i] : 0.f));
+    } else {
+        float s = 0.f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(block_sum(s) / dim + eps);
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = ACT_STORE(xr[i] * inv * w[i]);
+    }
+}
+
+// In-place RMSNorm of every dim-row of x (per-head q/k norm), kept in f32. One warp per row.
+extern "C" __global__ void rmsnorm_rows_f32(float* __restrict__ x, const float* __restrict__ w, int dim, float eps, int rows) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float* xr = x + (u64)row * dim;
+    float s = 0.f;
+    for (int i = lane; i < dim; i += 32) s += xr[i] * xr[i];
+    const float inv = 1.f / sqrtf(warp_sum(s) / dim + eps);
+    for (int i = lane; i < dim; i += 32) xr[i] = xr[i] * inv * w[i];
+}
+
+// x[i] += b[i % dim] for n elements.
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int dim, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += b[i % dim];
+}
+
+// Rotates the first 2*half dims of each head of x [m, heads, head_dim] for positions pos0.. (rotate_half form).
+extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ inv_freq, int m, int heads, int head_dim,
+                                int half, int pos0) {
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 total = (u64)m * heads * half;
+    if (idx >= total) return;
+    const int i = idx % half;
+    const u64 th = idx / half;
+    const int t = th / heads;
+    float s, c;
+    sincosf((float)(pos0 + t) * inv_freq[i], &s, &c);
+    float* p = x + th * head_dim;
+    const float a = p[i], bb = p[i + half];
+    p[i] = a * c - bb * s;
+    p[i + half] = bb * c + a * s;
+}
+
+// Writes K and V rows of m tokens into the cache at positions pos0.., rounded to the cache type.
+extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v, kv_t* __restrict__ kc,
+                                    kv_t* __restrict__ vc, int kv_dim, int pos0, int m) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)m * kv_dim) return;
+    const u64 dst = (u64)pos0 * kv_dim + i;
+    kc[dst] = KV_STORE(k[i]);
+    vc[dst] = KV_STORE(v[i]);
+}
+
+#define D HEAD_DIM
+#define PER (HEAD_DIM / 32)
+#define ATTN_WARPS 4
+
+// Causal attention, one warp per (token, head, key split), online softmax over tiles of 32 keys.
+// Lanes own keys for the scores and dimensions (lane + 32 r) for the output. With n_splits == 1 it writes
+// out [m, heads*D] in the activation type; otherwise partial sums (part_o [warp, D], part_ml [warp, 2]).
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
+    const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, act_t* __restrict__ out,
+    float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
+    float scale, int n_splits, int keys_per_split) {
+    __shared__ float qs[ATTN_WARPS][D];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const long long warp = (long long)blockIdx.x * ATTN_WARPS + wib;
+    if (warp >= (long long)m * n_heads * n_splits) return;
+    const int s = (int)(warp % n_splits);
+    const long long th = warp / n_splits;
+    const int h = (int)(th % n_heads);
+    const int t = (int)(th / n_heads);
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int kv_dim = n_kv_heads * D;
+    const int n_keys = pos0 + t + 1;
+    const int k_begin = s * keys_per_split;
+    const int k_end = min(n_keys, k_begin + keys_per_split);
+    for (int i = lane; i < D; i += 32) qs[wib][i] = q[th * D + i];
+    __syncwarp();
+    float mx = NEG_INF, l = 0.f;
+    float acc[PER];
+#pragma unroll
+    for (int r = 0; r < PER; ++r) acc[r] = 0.f;
+    for (int base = k_begin; base < k_end; base += 32) {
+        const int j = base + lane;
+        float sc = NEG_INF;
+        if (j < k_end) {
+            const kv_t* kr = kc + (u64)j * kv_dim + (u64)kvh * D;
+            float d = 0.f;
+#pragma unroll 16
+            for (int i = 0; i < D; ++i) d += qs[wib][i] * KV_LOAD(kr[i]);
+            sc = d * scale;
+        }
+        const float new_m = fmaxf(mx, warp_max(sc));
+        const float p = j < k_end ? expf(sc - new_m) : 0.f;
+        const float corr = expf(mx - new_m);
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int r = 0; r < PER; ++r) acc[r] *= corr;
+        const int cnt = min(32, k_end - base);
+        for (int jj = 0; jj < cnt; ++jj) {
+            const float pj = __shfl_sync(FULL, p, jj);
+            const kv_t* vr = vc + (u64)(base + jj) * kv_dim + (u64)kvh * D;
+#pragma unroll
+            for (int r = 0; r < PER; ++r) acc[r] += pj * KV_LOAD(vr[lane + 32 * r]);
+        }
+        mx = new_m;
+    }
+    if (n_splits == 1) {
+        const float inv = 1.f / l;
+#pragma unroll
+        for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
+    } else {
+#pragma unroll
+        for (int r = 0; r < PER; ++r) part_o[warp * D + lane + 32 * r] = acc[r];
+        if (lane == 0) { part_ml[warp * 2] = mx; part_ml[warp * 2 + 1] = l; }
+    }
+}
+
+// Merges the key splits of attention: one warp per (token, head).
+extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                        act_t* __restrict__ out, int n_splits, long long rows) {
+    const long long th = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (th >= rows) return;
+    float big = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) big = fmaxf(big, part_ml[(th * n_splits + s) * 2]);
+    float total = 0.f, acc[PER];
+#pragma unroll
+    for (int r = 0; r < PER; ++r) acc[r] = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+        const long long w = th * n_splits + s;
+        const float ls = part_ml[w * 2 + 1];
+        if (ls <= 0.f) continue;
+        const float f = expf(part_ml[w * 2] - big);
+        total += ls * f;
+#pragma unroll
+        for (int r = 0; r < PER; ++r) acc[r] += f * part_o[w * D + lane + 32 * r];
+    }
+    const float inv = 1.f / total;
+#pragma unroll
+    for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
+}
+
+// out = silu(g) * u, rounded to the activation type.
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { const float a = g[i]; out[i] = ACT_STORE(a / (1.f + expf(-a)) * u[i]); }
+}
+
+// out = max(u, 0)^2, rounded to the activation type.
+extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { const float r = fmaxf(u[i], 0.f); out[i] = ACT_STORE(r * r); }
+}
+
+// Greedy sampling: out[row] = first index of the largest logit. One block (1024 threads) per row.
+extern "C" __global__ void argmax(const float* __restrict__ logits, int vocab, u32* __restrict__ out) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const float* x = logits + (u64)blockIdx.x * vocab;
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, best, o);
+        const int oi = __shfl_xor_sync(FULL, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) { bv[w] = best; bi[w] = idx; }
+    __syncthreads();
+    if (w == 0) {
+        best = lane < (int)(blockDim.x >> 5) ? bv[lane] : NEG_INF;
+        idx = lane < (int)(blockDim.x >> 5) ? bi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL, best, o);
+            const int oi = __shfl_xor_sync(FULL, idx, o);
+            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = (u32)idx;
+    }
+}

@@ -1,0 +1,782 @@
+//! `exec::cuda`: the only module that touches cudarc. Everything cudarc returns is turned into
+//! [`ExecError`] here, at the call site, and no cudarc type appears in a public signature.
+//!
+//! [`probe`] checks that libcuda, libnvrtc and libcublas can be loaded (cudarc's `dynamic-loading` panics on
+//! the first call into a missing library, TOOLCHAIN.md) and that a device exists. [`Gpu`] is the one device
+//! handle: the context with cudarc's event tracking disabled (the executor orders its streams with its own
+//! [`Event`]s), three streams ([`Stream::Compute`], [`Stream::H2d`], [`Stream::D2h`]), one cuBLAS handle bound
+//! to the compute stream with a workspace we allocate (so cuBLAS allocates nothing later), and a cache of
+//! compiled NVRTC modules ([`Kernels`]). Device memory is raw `cuMemAlloc` ([`DevBuf`]): the executor takes one
+//! arena and carves it itself, so the stream-ordered pool (which keeps freed memory) is never used.
+//! Device pointers are plain `u64` addresses inside an arena; every launch says in its `SAFETY` comment which
+//! sizes it relies on.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use crate::error::{ExecError, Result};
+use crate::host::{Elem, HostBuf};
+
+const KERNELS_CU: &str = include_str!("kernels.cu");
+/// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
+    move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
+}
+
+fn cublas_err(call: &'static str) -> impl Fn(cublas_result::CublasError) -> ExecError {
+    move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
+}
+
+/// Whether a CUDA device is usable here, and if not, why.
+pub fn probe() -> std::result::Result<String, String> {
+    // SAFETY: `is_culib_present` only tries to dlopen the library and reports whether that worked.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    let missing: Vec<&str> = [(driver, "libcuda"), (nvrtc, "libnvrtc"), (cublas, "libcublas")]
+        .iter()
+        .filter(|(present, _)| !present)
+        .map(|(_, name)| *name)
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!("{} not found", missing.join(", ")));
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e:?}"))?;
+    if n < 1 {
+        return Err("no CUDA device".into());
+    }
+    let dev = result::device::get(0).map_err(|e| format!("cuDeviceGet failed: {e:?}"))?;
+    result::device::get_name(dev).map_err(|e| format!("cuDeviceGetName failed: {e:?}"))
+}
+
+/// One of the executor's three streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Kernels, cuBLAS and activation copies.
+    Compute,
+    /// Weight and KV uploads of the streaming ring.
+    H2d,
+    /// KV write-back.
+    D2h,
+}
+
+/// Which kernels a module is compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelKey {
+    /// Activation / matrix element type (f16 or bf16).
+    pub act: Elem,
+    /// KV cache element type.
+    pub kv: Elem,
+    /// Head dimension (multiple of 32, at most 256).
+    pub head_dim: usize,
+}
+
+/// The compiled kernels of one [`KernelKey`].
+#[derive(Debug)]
+pub struct Kernels {
+    key: KernelKey,
+    embed: CudaFunction,
+    norm_act: CudaFunction,
+    rmsnorm_rows_f32: CudaFunction,
+    add_bias: CudaFunction,
+    rope: CudaFunction,
+    store_kv: CudaFunction,
+    attention: CudaFunction,
+    attn_combine: CudaFunction,
+    swiglu: CudaFunction,
+    relu2: CudaFunction,
+    argmax: CudaFunction,
+}
+
+impl Kernels {
+    /// What the module was compiled for.
+    #[must_use]
+    pub fn key(&self) -> KernelKey {
+        self.key
+    }
+}
+
+/// A raw device allocation, freed on drop.
+#[derive(Debug)]
+pub struct DevBuf {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DevBuf {
+    /// Device address of the first byte.
+    #[must_use]
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from malloc_sync in this context and is freed once; all streams using it were
+        // synchronised by the owner before dropping.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// A CUDA event (with or without timing), destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    ctx: Arc<CudaContext>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: CUDA events are usable from any thread once the context is bound; we bind before every use.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: raw was created by event::create and is destroyed once.
+        let _ = unsafe { result::event::destroy(self.raw) };
+    }
+}
+
+/// Host memory page-locked in place; unregistered on drop, which must happen before the buffer is freed.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ctx: Arc<CudaContext>,
+    ptr: *mut c_void,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr was registered by cuMemHostRegister and the buffer is still alive (the contract of
+        // `Gpu::register`).
+        let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+    }
+}
+
+/// The device handle: context, streams, cuBLAS and compiled kernels.
+#[derive(Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    h2d: Arc<CudaStream>,
+    d2h: Arc<CudaStream>,
+    cublas: cublas_sys::cublasHandle_t,
+    _workspace: DevBuf,
+    name: String,
+    arch: Option<&'static str>,
+    kernels: Mutex<HashMap<KernelKey, Arc<Kernels>>>,
+}
+
+// SAFETY: the cuBLAS handle is only used from the thread that drives the executor, with the context bound; the
+// other fields are Send + Sync cudarc handles.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; kernel cache access is behind a Mutex.
+unsafe impl Sync for Gpu {}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the handle was created in `new` and is destroyed once.
+        let _ = unsafe { cublas_result::destroy_handle(self.cublas) };
+    }
+}
+
+fn threads_for(n: u64, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(u64::from(block)).max(1) as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Gpu {
+    /// Opens device 0 (after [`probe`] succeeded).
+    pub fn new() -> Result<Gpu> {
+        let name = probe().map_err(|reason| ExecError::NoCuda { reason })?;
+        let ctx = CudaContext::new(0)
+            .map_err(|e| ExecError::NoCuda { reason: format!("context creation failed: {e:?}") })?;
+        // SAFETY: called before any stream or allocation exists; the executor orders streams with its own events.
+        unsafe { ctx.disable_event_tracking() };
+        let compute = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let h2d = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let d2h = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let cublas = cublas_result::create_handle().map_err(cublas_err("cublasCreate"))?;
+        // SAFETY: handle and stream are valid and live as long as self.
+        unsafe { cublas_result::set_stream(cublas, compute.cu_stream().cast()) }
+            .map_err(cublas_err("cublasSetStream"))?;
+        let workspace = Self::alloc_in(&ctx, CUBLAS_WORKSPACE_BYTES)?;
+        // SAFETY: the workspace is a live device allocation of CUBLAS_WORKSPACE_BYTES owned by self.
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(cublas, workspace.ptr as *mut c_void, CUBLAS_WORKSPACE_BYTES)
+        }
+        .result()
+        .map_err(cublas_err("cublasSetWorkspace"))?;
+        let (major, minor) = ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?;
+        let arch = match (major, minor) {
+            (9, 0) => Some("compute_90"),
+            (8, 9) => Some("compute_89"),
+            (8, 6) => Some("compute_86"),
+            (8, 0) => Some("compute_80"),
+            (12, 0) => Some("compute_120"),
+            _ => None,
+        };
+        Ok(Gpu {
+            ctx,
+            compute,
+            h2d,
+            d2h,
+            cublas,
+            _workspace: workspace,
+            name,
+            arch,
+            kernels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn stream(&self, s: Stream) -> &Arc<CudaStream> {
+        match s {
+            Stream::Compute => &self.compute,
+            Stream::H2d => &self.h2d,
+            Stream::D2h => &self.d2h,
+        }
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().map_err(driver_err("cuMemGetInfo"))?;
+        Ok((free as u64, total as u64))
+    }
+
+    fn alloc_in(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DevBuf> {
+        ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: a plain device allocation of `bytes` bytes; freed by DevBuf's Drop.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(driver_err("cuMemAlloc"))?;
+        Ok(DevBuf { ctx: ctx.clone(), ptr, bytes })
+    }
+
+    /// A raw device allocation of `bytes` bytes.
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
+        Self::alloc_in(&self.ctx, bytes)
+    }
+
+    /// Page-locks `buf` in place so copies from and to it are true DMA.
+    ///
+    /// # Safety
+    /// `buf` must outlive the returned guard (drop the guard first), and must not be registered twice.
+    pub unsafe fn register(&self, buf: &HostBuf) -> Result<HostRegistration> {
+        self.bind()?;
+        let ptr = buf.as_ptr().cast::<c_void>();
+        // SAFETY: ptr spans capacity_bytes of live, page-aligned memory owned by `buf`, which the caller keeps
+        // alive until the guard unregisters it.
+        unsafe { sys::cuMemHostRegister_v2(ptr, buf.capacity_bytes(), 0) }
+            .result()
+            .map_err(driver_err("cuMemHostRegister"))?;
+        Ok(HostRegistration { ctx: self.ctx.clone(), ptr })
+    }
+
+    /// A new event; `timing` events can be measured with [`Gpu::elapsed_ms`].
+    pub fn event(&self, timing: bool) -> Result<Event> {
+        self.bind()?;
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let raw = result::event::create(flags).map_err(driver_err("cuEventCreate"))?;
+        Ok(Event { ctx: self.ctx.clone(), raw })
+    }
+
+    /// Records `ev` on stream `s`.
+    pub fn record(&self, ev: &Event, s: Stream) -> Result<()> {
+        // SAFETY: both handles are live.
+        unsafe { result::event::record(ev.raw, self.stream(s).cu_stream()) }
+            .map_err(driver_err("cuEventRecord"))
+    }
+
+    /// Makes stream `s` wait for the last recording of `ev`.
+    pub fn wait(&self, s: Stream, ev: &Event) -> Result<()> {
+        // SAFETY: both handles are live.
+        unsafe {
+            result::stream::wait_event(
+                self.stream(s).cu_stream(),
+                ev.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(driver_err("cuStreamWaitEvent"))
+    }
+
+    /// Blocks the host until stream `s` is idle.
+    pub fn sync(&self, s: Stream) -> Result<()> {
+        self.stream(s).synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// Blocks the host until every stream is idle.
+    pub fn sync_all(&self) -> Result<()> {
+        for s in [Stream::Compute, Stream::H2d, Stream::D2h] {
+            self.sync(s)?;
+        }
+        Ok(())
+    }
+
+    /// Milliseconds between two completed timing events.
+    pub fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32> {
+        // SAFETY: both are live timing events that have completed (the caller synchronised).
+        unsafe { result::event::elapsed(start.raw, end.raw) }.map_err(driver_err("cuEventElapsedTime"))
+    }
+
+    /// Copies `src` to device address `dst` on stream `s`.
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` lies inside a live allocation, and `src` stays alive and unmodified until the copy
+    /// completes (the caller orders that with an event or a sync). For overlap `src` must be page-locked.
+    pub unsafe fn h2d(&self, s: Stream, dst: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.stream(s).cu_stream()) }
+            .result()
+            .map_err(driver_err("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` into `dst` on stream `s`.
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` lies inside a live allocation, and `dst` stays alive and is not read until the copy
+    /// completes.
+    pub unsafe fn d2h(&self, s: Stream, dst: &mut [u8], src: u64) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), self.stream(s).cu_stream())
+        }
+        .result()
+        .map_err(driver_err("cuMemcpyDtoHAsync"))
+    }
+
+    /// Copies `bytes` bytes between device addresses on stream `s`.
+    ///
+    /// # Safety
+    /// Both ranges lie inside live allocations and do not overlap.
+    pub unsafe fn d2d(&self, s: Stream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream(s).cu_stream()) }
+            .map_err(driver_err("cuMemcpyDtoDAsync"))
+    }
+
+    /// The kernels for `key`, compiled on first use and cached.
+    pub fn kernels(&self, key: KernelKey) -> Result<Arc<Kernels>> {
+        let mut cache = self.kernels.lock().expect("kernel cache lock");
+        if let Some(k) = cache.get(&key) {
+            return Ok(k.clone());
+        }
+        self.bind()?;
+        let kv_kind = match key.kv {
+            Elem::F32 => 0,
+            Elem::F16 => 1,
+            Elem::Bf16 => 2,
+        };
+        let opts = CompileOptions {
+            arch: self.arch,
+            options: vec![
+                format!("-DACT_BF16={}", i32::from(key.act == Elem::Bf16)),
+                format!("-DKV_KIND={kv_kind}"),
+                format!("-DHEAD_DIM={}", key.head_dim),
+            ],
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(KERNELS_CU, opts)
+            .map_err(|e| ExecError::Cuda { call: "nvrtcCompileProgram", reason: format!("{e:?}") })?;
+        let module = self.ctx.load_module(ptx).map_err(driver_err("cuModuleLoadData"))?;
+        let f = |name: &str| module.load_function(name).map_err(driver_err("cuModuleGetFunction"));
+        let k = Arc::new(Kernels {
+            key,
+            embed: f("embed")?,
+            norm_act: f("norm_act")?,
+            rmsnorm_rows_f32: f("rmsnorm_rows_f32")?,
+            add_bias: f("add_bias")?,
+            rope: f("rope")?,
+            store_kv: f("store_kv")?,
+            attention: f("attention")?,
+            attn_combine: f("attn_combine")?,
+            swiglu: f("swiglu")?,
+            relu2: f("relu2")?,
+            argmax: f("argmax")?,
+        });
+        cache.insert(key, k.clone());
+        Ok(k)
+    }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` on the compute stream: `w` and `x` in `act` (f16/bf16), `y` f32, f32
+    /// accumulation (cuBLAS GemmEx; column-major view: yᵀ = w · xᵀ with `transa = T`).
+    ///
+    /// # Safety
+    /// `w` holds `n × k`, `x` holds `m × k` elements of `act`, and `y` holds `m × n` f32, all in live
+    /// allocations.
+    pub unsafe fn gemm(
+        &self,
+        act: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let dt = if act == Elem::Bf16 {
+            cublas_sys::cudaDataType::CUDA_R_16BF
+        } else {
+            cublas_sys::cudaDataType::CUDA_R_16F
+        };
+        let alpha = 1f32;
+        let beta = if accumulate { 1f32 } else { 0f32 };
+        // SAFETY: sizes as documented by the caller; alpha/beta are host scalars alive for the call.
+        unsafe {
+            cublas_result::gemm_ex(
+                self.cublas,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                std::ptr::from_ref(&alpha).cast(),
+                w as *const c_void,
+                dt,
+                k as i32,
+                x as *const c_void,
+                dt,
+                k as i32,
+                std::ptr::from_ref(&beta).cast(),
+                y as *mut c_void,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                n as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(cublas_err("cublasGemmEx"))
+    }
+}
+
+/// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
+/// sizes it reads and writes.
+impl Gpu {
+    /// `h[t] = table[ids[t]]` for `m` tokens.
+    ///
+    /// # Safety
+    /// `ids` holds `m` in-range token ids, `table` `vocab × hidden`, `h` `m × hidden` f32.
+    pub unsafe fn embed(
+        &self,
+        k: &Kernels,
+        table: u64,
+        ids: u64,
+        h: u64,
+        m: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        let hidden = hidden as i32;
+        let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match the kernel signature; sizes per the caller.
+        unsafe {
+            self.compute.launch_builder(&k.embed).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(embed)"))
+    }
+
+    /// Normalises `rows` rows of `dim` f32 into the activation type (`b` = 0 for none).
+    ///
+    /// # Safety
+    /// `x` holds `rows × dim` f32, `w` (and `b` if non-zero) `dim` f32, `out` `rows × dim` activations.
+    pub unsafe fn norm_act(
+        &self,
+        k: &Kernels,
+        x: u64,
+        w: u64,
+        b: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        layer_norm: bool,
+    ) -> Result<()> {
+        let (dim, ln) = (dim as i32, i32::from(layer_norm));
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.norm_act)
+                .arg(&x)
+                .arg(&w)
+                .arg(&b)
+                .arg(&out)
+                .arg(&dim)
+                .arg(&eps)
+                .arg(&ln)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(norm_act)"))
+    }
+
+    /// In-place f32 RMSNorm of `rows` rows of `dim`.
+    ///
+    /// # Safety
+    /// `x` holds `rows × dim` f32 and `w` `dim` f32.
+    pub unsafe fn rmsnorm_rows(
+        &self,
+        k: &Kernels,
+        x: u64,
+        w: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let (dim, r) = (dim as i32, rows as i32);
+        let cfg = threads_for(rows as u64 * 32, 256);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.rmsnorm_rows_f32)
+                .arg(&x)
+                .arg(&w)
+                .arg(&dim)
+                .arg(&eps)
+                .arg(&r)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(rmsnorm_rows_f32)"))
+    }
+
+    /// `x[i] += b[i % dim]` over `n` elements.
+    ///
+    /// # Safety
+    /// `x` holds `n` f32, `b` `dim` f32.
+    pub unsafe fn add_bias(&self, k: &Kernels, x: u64, b: u64, dim: usize, n: usize) -> Result<()> {
+        let (dim, n64) = (dim as i32, n as u64);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.add_bias)
+                .arg(&x)
+                .arg(&b)
+                .arg(&dim)
+                .arg(&n64)
+                .launch(threads_for(n64, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(add_bias)"))
+    }
+
+    /// RoPE over `x` `[m, heads, head_dim]` at positions `pos0..`.
+    ///
+    /// # Safety
+    /// `x` holds `m × heads × head_dim` f32 and `inv_freq` `half` f32, `2 × half ≤ head_dim`.
+    pub unsafe fn rope(
+        &self,
+        k: &Kernels,
+        x: u64,
+        inv_freq: u64,
+        m: usize,
+        heads: usize,
+        head_dim: usize,
+        half: usize,
+        pos0: usize,
+    ) -> Result<()> {
+        if half == 0 {
+            return Ok(());
+        }
+        let n = (m * heads * half) as u64;
+        let (m, heads, hd, half, pos0) = (m as i32, heads as i32, head_dim as i32, half as i32, pos0 as i32);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.rope)
+                .arg(&x)
+                .arg(&inv_freq)
+                .arg(&m)
+                .arg(&heads)
+                .arg(&hd)
+                .arg(&half)
+                .arg(&pos0)
+                .launch(threads_for(n, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(rope)"))
+    }
+
+    /// Writes `m` K and V rows into the cache at positions `pos0..`.
+    ///
+    /// # Safety
+    /// `k`, `v` hold `m × kv_dim` f32; `kc`, `vc` hold at least `(pos0 + m) × kv_dim` cache elements.
+    pub unsafe fn store_kv(
+        &self,
+        kn: &Kernels,
+        k: u64,
+        v: u64,
+        kc: u64,
+        vc: u64,
+        kv_dim: usize,
+        pos0: usize,
+        m: usize,
+    ) -> Result<()> {
+        let n = (m * kv_dim) as u64;
+        let (kv_dim, pos0, m) = (kv_dim as i32, pos0 as i32, m as i32);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&kn.store_kv)
+                .arg(&k)
+                .arg(&v)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&kv_dim)
+                .arg(&pos0)
+                .arg(&m)
+                .launch(threads_for(n, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(store_kv)"))
+    }
+
+    /// Causal attention of `m` queries at `pos0..` over the cache; with `n_splits > 1` through the partial
+    /// buffers and a combine pass.
+    ///
+    /// # Safety
+    /// `q` holds `m × n_heads × head_dim` f32; `kc`/`vc` at least `(pos0 + m) × n_kv_heads × head_dim` cache
+    /// elements; `out` `m × n_heads × head_dim` activations; with splits, `part_o` holds
+    /// `m × n_heads × n_splits × head_dim` f32 and `part_ml` `2 × m × n_heads × n_splits` f32.
+    pub unsafe fn attention(
+        &self,
+        k: &Kernels,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        out: u64,
+        part_o: u64,
+        part_ml: u64,
+        m: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        n_splits: usize,
+    ) -> Result<()> {
+        let n_keys_max = pos0 + m;
+        let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
+        let warps = (m * n_heads * n_splits) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mi, p0, nh, nkv, ns) =
+            (m as i32, pos0 as i32, n_heads as i32, n_kv_heads as i32, n_splits as i32);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.attention)
+                .arg(&q)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&out)
+                .arg(&part_o)
+                .arg(&part_ml)
+                .arg(&mi)
+                .arg(&p0)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&scale)
+                .arg(&ns)
+                .arg(&keys_per_split)
+                .launch(cfg)
+        }
+        .map_err(driver_err("cuLaunchKernel(attention)"))?;
+        if n_splits > 1 {
+            let rows = (m * n_heads) as i64;
+            // SAFETY: as documented.
+            unsafe {
+                self.compute
+                    .launch_builder(&k.attn_combine)
+                    .arg(&part_o)
+                    .arg(&part_ml)
+                    .arg(&out)
+                    .arg(&ns)
+                    .arg(&rows)
+                    .launch(threads_for(rows as u64 * 32, 256))
+            }
+            .map_err(driver_err("cuLaunchKernel(attn_combine)"))?;
+        }
+        Ok(())
+    }
+
+    /// `out = silu(g) · u` (or `relu(u)²` when `g` is `None`) over `n` elements, into activations.
+    ///
+    /// # Safety
+    /// `g` (if any) and `u` hold `n` f32, `out` `n` activations.
+    pub unsafe fn ffn_act(&self, k: &Kernels, g: Option<u64>, u: u64, out: u64, n: usize) -> Result<()> {
+        let n64 = n as u64;
+        let cfg = threads_for(n64, 256);
+        // SAFETY: as documented.
+        let r = unsafe {
+            match g {
+                Some(g) => {
+                    self.compute.launch_builder(&k.swiglu).arg(&g).arg(&u).arg(&out).arg(&n64).launch(cfg)
+                }
+                None => self.compute.launch_builder(&k.relu2).arg(&u).arg(&out).arg(&n64).launch(cfg),
+            }
+        };
+        r.map(|_| ()).map_err(driver_err("cuLaunchKernel(ffn_act)"))
+    }
+
+    /// `out[r] = argmax(logits[r])` for `rows` rows of `vocab`.
+    ///
+    /// # Safety
+    /// `logits` holds `rows × vocab` f32, `out` `rows` u32.
+    pub unsafe fn argmax(&self, k: &Kernels, logits: u64, vocab: usize, out: u64, rows: usize) -> Result<()> {
+        let vocab = vocab as i32;
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as documented.
+        unsafe { self.compute.launch_builder(&k.argmax).arg(&logits).arg(&vocab).arg(&out).launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(argmax)"))
+    }
+}

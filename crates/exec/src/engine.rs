@@ -1,0 +1,1204 @@
+//! Running a plan: prefill in ubatch chunks, a switch to the decode plan, greedy decode steps; metrics and a
+//! Chrome trace from CUDA events and host timers.
+//!
+//! The GPU side enqueues everything asynchronously and orders its three streams with events only:
+//! - the streaming ring: item `i` of the ring sequence goes to slot `i mod depth`; its copy (H2D stream) waits
+//!   for the event that released item `i − depth`, and its consumer (compute stream) waits for the copy. The
+//!   host issues copies as soon as the slot's release has been recorded, also into the next decode step, so
+//!   the copy of unit `i + depth` runs while unit `i` computes;
+//! - a streamed KV cache comes in with the rows already filled and goes back (D2H stream) with the new rows;
+//!   its slot is released on the D2H stream after the write-back, and the next upload of that layer waits for
+//!   it;
+//! - the host waits only where data crosses: before a CPU unit that needs GPU output (residual stream D2H),
+//!   for the sampled token, and at the end of a prefill chunk (the host reuses its staging buffers).
+//!
+//! VRAM: after the context, cuBLAS (with its workspace) and the kernels are up and the GEMM shapes are warmed,
+//! the process's VRAM is measured (device total − free) as the runtime overhead; one arena of
+//! `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is allocated and carved per phase (see `layout`); device free
+//! memory is sampled after every pass, and a measured peak above the budget is an error.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use pipeshard_core::inventory::UnitId;
+use pipeshard_core::metrics::{Metrics, Resource};
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Plan, VramBreakdown};
+use pipeshard_core::trace::Trace;
+use serde::{Deserialize, Serialize};
+
+use crate::cpu::{self, CpuPool, KvLayout};
+use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
+use crate::error::{ExecError, Result};
+use crate::host::{Elem, HostBuf};
+use crate::layout::{KvLoc, PhaseLayout, RingItem, Step, WeightLoc, layout_phase};
+use crate::weights::{Dims, ModelWeights, UnitKind};
+
+/// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
+pub const LAZY_LOAD_RESERVE_BYTES: u64 = 64 << 20;
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Decode steps after the prompt (each produces one more token).
+    pub gen_tokens: usize,
+    /// Tokens to feed to the decode steps instead of the sampled ones (teacher forcing, for comparisons).
+    pub force_tokens: Option<Vec<u32>>,
+    /// Keep the logits of every produced token.
+    pub keep_logits: bool,
+}
+
+/// VRAM as planned, as carved, and as measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VramReport {
+    /// The plan's budget.
+    pub budget_bytes: u64,
+    /// Measured process VRAM before the arena (context, cuBLAS handle and workspace, kernels).
+    pub overhead_bytes: u64,
+    /// The arena.
+    pub arena_bytes: u64,
+    /// Measured process VRAM peak (device total − lowest free).
+    pub peak_process_bytes: u64,
+    /// The plan's breakdown, prefill then decode.
+    pub planned: [VramBreakdown; 2],
+    /// What the executor carved, prefill then decode.
+    pub used: [VramBreakdown; 2],
+    /// Bytes uploaded when switching from the prefill to the decode layout.
+    pub switch_uploaded_bytes: u64,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone)]
+pub struct RunOutput {
+    /// Produced tokens: the first from prefill, then one per decode step.
+    pub tokens: Vec<u32>,
+    /// Logits behind each produced token (if asked for).
+    pub logits: Vec<Vec<f32>>,
+    /// Measured metrics (same type as the simulator's).
+    pub metrics: Metrics,
+    /// Measured timeline.
+    pub trace: Trace,
+    /// VRAM accounting (None for CPU-only runs).
+    pub vram: Option<VramReport>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Track {
+    Compute,
+    H2d,
+    D2h,
+    Cpu,
+    Host,
+}
+
+impl Track {
+    fn ids(self) -> (u32, u32) {
+        match self {
+            Track::Compute => (0, 0),
+            Track::H2d => (0, 1),
+            Track::D2h => (0, 2),
+            Track::Cpu => (1, 0),
+            Track::Host => (2, 0),
+        }
+    }
+
+    fn resource(self) -> Option<Resource> {
+        match self {
+            Track::Compute => Some(Resource::GpuCompute),
+            Track::H2d => Some(Resource::H2d),
+            Track::D2h => Some(Resource::D2h),
+            Track::Cpu => Some(Resource::Cpu),
+            Track::Host => None,
+        }
+    }
+}
+
+struct GpuSpan {
+    name: String,
+    track: Track,
+    start: Event,
+    end: Event,
+}
+
+struct Timeline {
+    start: Instant,
+    spans: Vec<(String, Track, u64, u64)>,
+    gpu: Vec<GpuSpan>,
+}
+
+impl Timeline {
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn host(&mut self, name: String, track: Track, start_ns: u64) {
+        let end = self.now_ns();
+        self.spans.push((name, track, start_ns, end.saturating_sub(start_ns)));
+    }
+}
+
+/// The streaming ring of one phase.
+struct Ring {
+    slots: Vec<u64>,
+    copy_done: Vec<Event>,
+    slot_free: Vec<Event>,
+    issued: usize,
+    released: usize,
+    /// Items queued for copying: (item, pass, rows already in the KV cache).
+    pending: VecDeque<(RingItem, usize, usize)>,
+    /// Copied items not yet consumed: (item, slot).
+    in_flight: VecDeque<(RingItem, usize)>,
+    queued_through: Option<usize>,
+    first_pass: usize,
+}
+
+struct GpuSide<'a> {
+    gpu: &'a Gpu,
+    k: Arc<Kernels>,
+    arena: DevBuf,
+    overhead_bytes: u64,
+    total_bytes: u64,
+    min_free_bytes: u64,
+    ring: Option<Ring>,
+    kv_wb: Vec<Event>,
+    kv_wb_pass: Vec<Option<usize>>,
+    mark: Event,
+    t0: Event,
+    t0_ns: u64,
+    _regs: Vec<HostRegistration>,
+}
+
+impl Drop for GpuSide<'_> {
+    fn drop(&mut self) {
+        let _ = self.gpu.sync_all();
+    }
+}
+
+impl GpuSide<'_> {
+    fn base(&self) -> u64 {
+        self.arena.ptr()
+    }
+
+    fn sample_vram(&mut self) -> Result<()> {
+        let (free, _) = self.gpu.mem_info()?;
+        self.min_free_bytes = self.min_free_bytes.min(free);
+        Ok(())
+    }
+
+    /// A timing event recorded on `on` (a staged copy runs on the compute stream but is an H2D span).
+    fn span_start(&self, on: Stream) -> Result<Event> {
+        let ev = self.gpu.event(true)?;
+        self.gpu.record(&ev, on)?;
+        Ok(ev)
+    }
+
+    fn span_end(
+        &self,
+        tl: &mut Timeline,
+        name: String,
+        track: Track,
+        on: Stream,
+        start: Event,
+    ) -> Result<()> {
+        let end = self.gpu.event(true)?;
+        self.gpu.record(&end, on)?;
+        tl.gpu.push(GpuSpan { name, track, start, end });
+        Ok(())
+    }
+}
+
+/// Host-side staging for the GPU: token ids, the sampled token, RoPE frequencies, logits.
+struct Io {
+    buf: HostBuf,
+    ids: usize,
+    tok: usize,
+    inv_freq: usize,
+    logits: usize,
+}
+
+impl Io {
+    fn new(d: &Dims, tokens: usize) -> Io {
+        let ids = 0;
+        let tok = (tokens * 4).next_multiple_of(64);
+        let inv_freq = tok + 64;
+        let logits = (inv_freq + d.rot_dims * 2 + 4).next_multiple_of(64);
+        Io { buf: HostBuf::zeroed(logits + d.vocab * 4), ids, tok, inv_freq, logits }
+    }
+}
+
+struct Exec<'a> {
+    w: &'a ModelWeights,
+    d: &'a Dims,
+    opts: &'a RunOptions,
+    kv: KvLayout,
+    gpu: Option<GpuSide<'a>>,
+    host_kv: Vec<HostBuf>,
+    h_host: HostBuf,
+    io: Io,
+    tl: Timeline,
+    h_on_dev: bool,
+}
+
+/// Runs the GEMM shapes of a model once so cuBLAS loads its kernels; returns the lowest device free memory seen.
+fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
+    let shapes = [
+        (d.q_dim, d.hidden),
+        (d.kv_dim, d.hidden),
+        (d.hidden, d.q_dim),
+        (d.ffn, d.hidden),
+        (d.hidden, d.ffn),
+    ];
+    let max_w = shapes.iter().map(|(n, k)| n * k).max().unwrap_or(0) * 2;
+    let max_k = d.hidden.max(d.q_dim).max(d.ffn);
+    let wb = gpu.alloc(max_w)?;
+    let xb = gpu.alloc(m_prefill * max_k * 2)?;
+    let yb = gpu.alloc(m_prefill * max_k * 4)?;
+    for m in [m_prefill, 1] {
+        for (n, k) in shapes {
+            // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
+            unsafe { gpu.gemm(d.mat, wb.ptr(), xb.ptr(), yb.ptr(), m, n, k, false)? };
+        }
+    }
+    gpu.sync(Stream::Compute)?;
+    Ok(gpu.mem_info()?.0)
+}
+
+/// The VRAM a run of `w` will find taken before its arena (CUDA context, cuBLAS and its workspace, the compiled
+/// kernels, warmed GEMMs), plus [`LAZY_LOAD_RESERVE_BYTES`]: what a planner should assume as runtime overhead
+/// on this machine. Measured as device total − free, so other processes on the device count too.
+pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usize) -> Result<u64> {
+    gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
+    warm_up(gpu, w, prefill_tokens)?;
+    let (free, total) = gpu.mem_info()?;
+    Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
+}
+
+fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
+    plan.placements.iter().any(|p| p.placement.on_gpu())
+        || (plan.op_offload
+            && plan.phase == PhaseKind::Prefill
+            && tokens >= 32
+            && plan.placements.iter().any(|p| matches!(p.unit, UnitId::Attn { .. } | UnitId::Ffn { .. })))
+}
+
+/// Runs `plan` for `w` with `opts`: on `gpu` where the plan places units on the GPU (an error if it does and
+/// `gpu` is `None`), on the CPU elsewhere.
+pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) -> Result<RunOutput> {
+    let d = &w.dims;
+    plan.validate(&w.inventory).map_err(|e| ExecError::InvalidPlan(e.to_string()))?;
+    let wl = &plan.workload;
+    if wl.batch != 1 {
+        return Err(ExecError::UnsupportedPlan {
+            phase: PhaseKind::Decode,
+            reason: format!("batch {} (parallel requests are issue 10); use batch 1", wl.batch),
+        });
+    }
+    let kv_elem = Elem::from_dtype(wl.kv_dtype).ok_or_else(|| ExecError::UnsupportedPlan {
+        phase: PhaseKind::Prefill,
+        reason: format!("KV cache format {} (use f16, bf16 or f32)", wl.kv_dtype),
+    })?;
+    let ctx = wl.ctx as usize;
+    if opts.prompt.is_empty() {
+        return Err(ExecError::Input("empty prompt".into()));
+    }
+    if let Some(&t) = opts.prompt.iter().find(|&&t| t as usize >= d.vocab) {
+        return Err(ExecError::Input(format!("token {t} is outside the vocabulary of {}", d.vocab)));
+    }
+    if opts.prompt.len() + opts.gen_tokens > ctx {
+        return Err(ExecError::Input(format!(
+            "prompt {} + gen {} tokens exceed the context of {ctx}",
+            opts.prompt.len(),
+            opts.gen_tokens
+        )));
+    }
+    if let Some(f) = &opts.force_tokens
+        && (f.len() < opts.gen_tokens || f.iter().any(|&t| t as usize >= d.vocab))
+    {
+        return Err(ExecError::Input(format!(
+            "force_tokens must hold {} in-vocabulary tokens",
+            opts.gen_tokens
+        )));
+    }
+    let ubatch = (wl.ubatch as usize).max(1);
+    let chunks: Vec<(usize, usize)> =
+        (0..opts.prompt.len()).step_by(ubatch).map(|p| (p, ubatch.min(opts.prompt.len() - p))).collect();
+    let m_prefill = chunks.iter().map(|c| c.1).max().unwrap_or(1);
+    let kv = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
+    let needs_gpu = uses_gpu(&plan.prefill, m_prefill) || uses_gpu(&plan.decode, 1);
+    let mut ex = Exec {
+        w,
+        d,
+        opts,
+        kv,
+        gpu: None,
+        host_kv: (0..d.n_layers).map(|_| HostBuf::zeroed(kv.bytes())).collect(),
+        h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
+        io: Io::new(d, m_prefill),
+        tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
+        h_on_dev: false,
+    };
+    if needs_gpu {
+        let gpu = gpu.ok_or_else(|| ExecError::NoCuda {
+            reason: "the plan places units on the GPU but no CUDA device was opened".into(),
+        })?;
+        ex.gpu = Some(ex.open_gpu(gpu, plan, m_prefill)?);
+    }
+    ex.run(plan, &chunks, m_prefill)
+}
+
+impl<'a> Exec<'a> {
+    fn open_gpu(&self, gpu: &'a Gpu, plan: &Plan, m_prefill: usize) -> Result<GpuSide<'a>> {
+        let d = self.d;
+        let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.elem, head_dim: d.head_dim })?;
+        let (free0, total) = gpu.mem_info()?;
+        let min_free = free0.min(warm_up(gpu, d, m_prefill)?);
+        let (free, _) = gpu.mem_info()?;
+        let min_free = min_free.min(free);
+        let overhead = total - free;
+        let budget = plan.budget_bytes;
+        if overhead + LAZY_LOAD_RESERVE_BYTES >= budget {
+            return Err(ExecError::OverBudget {
+                phase: PhaseKind::Prefill,
+                line: "runtime overhead + lazy-load reserve".into(),
+                needed_bytes: overhead + LAZY_LOAD_RESERVE_BYTES,
+                available_bytes: budget,
+                over_bytes: overhead + LAZY_LOAD_RESERVE_BYTES - budget,
+                budget_bytes: budget,
+                overhead_bytes: overhead,
+                detail: "the CUDA context, cuBLAS and kernels alone exceed the budget".into(),
+            });
+        }
+        let arena_bytes = budget - overhead - LAZY_LOAD_RESERVE_BYTES;
+        // Check both layouts before taking the arena.
+        layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes as usize, budget, overhead)?;
+        layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes as usize, budget, overhead)?;
+        let arena = gpu.alloc(arena_bytes as usize)?;
+        let mut regs = Vec::new();
+        for u in self.w.units() {
+            // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
+            regs.push(unsafe { gpu.register(&u.buf)? });
+        }
+        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf]) {
+            // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
+            regs.push(unsafe { gpu.register(b)? });
+        }
+        let kv_wb = (0..d.n_layers).map(|_| gpu.event(false)).collect::<Result<Vec<_>>>()?;
+        let t0 = gpu.event(true)?;
+        let mark = gpu.event(false)?;
+        let mut side = GpuSide {
+            gpu,
+            k,
+            arena,
+            overhead_bytes: overhead,
+            total_bytes: total,
+            min_free_bytes: min_free,
+            ring: None,
+            kv_wb,
+            kv_wb_pass: vec![None; d.n_layers],
+            mark,
+            t0,
+            t0_ns: 0,
+            _regs: regs,
+        };
+        side.sample_vram()?;
+        Ok(side)
+    }
+
+    fn run(mut self, plan: &Plan, chunks: &[(usize, usize)], m_prefill: usize) -> Result<RunOutput> {
+        let arena_bytes = self.gpu.as_ref().map_or(usize::MAX / 4, |g| g.arena.bytes());
+        let (budget, overhead) = (plan.budget_bytes, self.gpu.as_ref().map_or(0, |g| g.overhead_bytes));
+        let lay_p = layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes, budget, overhead)?;
+        let lay_d = layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes, budget, overhead)?;
+        let pool_p = CpuPool::new(plan.prefill.cpu_threads as usize)?;
+        let pool_d = if plan.decode.cpu_threads == plan.prefill.cpu_threads {
+            None
+        } else {
+            Some(CpuPool::new(plan.decode.cpu_threads as usize)?)
+        };
+        self.enter_phase(&lay_p, None, &plan.prefill, 0, 0)?;
+        if let Some(g) = &mut self.gpu {
+            g.gpu.sync_all()?;
+            g.gpu.record(&g.t0, Stream::Compute)?;
+            g.gpu.sync(Stream::Compute)?;
+        }
+        self.tl.start = Instant::now();
+        if let Some(g) = &mut self.gpu {
+            g.t0_ns = 0;
+        }
+        let mut tokens = Vec::new();
+        let mut logits = Vec::new();
+        let mut pass = 0usize;
+        let run_opts = self.opts;
+        let t_prefill = self.tl.now_ns();
+        for (i, &(pos0, m)) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            let next = chunks.get(i + 1).map(|c| (c.0, i + 2 == chunks.len()));
+            let t = self.tl.now_ns();
+            let out =
+                self.forward(&lay_p, &pool_p, &run_opts.prompt[pos0..pos0 + m], pos0, last, pass, next)?;
+            self.tl.host(format!("prefill chunk {i} ({m} tokens)"), Track::Host, t);
+            pass += 1;
+            if let Some((tok, lg)) = out {
+                tokens.push(tok);
+                logits.extend(lg);
+            }
+        }
+        let ttft_ns = self.tl.now_ns() - t_prefill;
+        let prompt_len = self.opts.prompt.len();
+        let t_switch = self.tl.now_ns();
+        let switch_uploaded_bytes = self.enter_phase(&lay_d, Some(&lay_p), &plan.decode, prompt_len, pass)?;
+        self.tl.host("switch prefill → decode plan".into(), Track::Host, t_switch);
+        let pool = pool_d.as_ref().unwrap_or(&pool_p);
+        let mut decode_ns = self.tl.now_ns() - t_switch;
+        for step in 0..self.opts.gen_tokens {
+            let input = self
+                .opts
+                .force_tokens
+                .as_ref()
+                .map_or(*tokens.last().expect("prefill produced a token"), |f| f[step]);
+            let pos0 = prompt_len + step;
+            let next = (step + 1 < self.opts.gen_tokens).then_some((pos0 + 1, true));
+            let t = self.tl.now_ns();
+            let (tok, lg) = self
+                .forward(&lay_d, pool, &[input], pos0, true, pass, next)?
+                .expect("decode steps produce tokens");
+            self.tl.host(format!("decode step {step}"), Track::Host, t);
+            decode_ns += self.tl.now_ns() - t;
+            pass += 1;
+            tokens.push(tok);
+            logits.extend(lg);
+        }
+        self.finish(plan, &lay_p, &lay_d, tokens, logits, ttft_ns, decode_ns, switch_uploaded_bytes)
+    }
+
+    fn finish(
+        mut self,
+        plan: &Plan,
+        lay_p: &PhaseLayout,
+        lay_d: &PhaseLayout,
+        tokens: Vec<u32>,
+        logits: Vec<Vec<f32>>,
+        ttft_ns: u64,
+        decode_ns: u64,
+        switch_uploaded_bytes: u64,
+    ) -> Result<RunOutput> {
+        let mut trace = Trace::new();
+        for (track, p, t) in [
+            (Track::Compute, "gpu", "compute"),
+            (Track::H2d, "gpu", "h2d"),
+            (Track::D2h, "gpu", "d2h"),
+            (Track::Cpu, "cpu", "pool"),
+            (Track::Host, "host", "phases"),
+        ] {
+            let (pid, tid) = track.ids();
+            trace.name_track(pid, p, tid, t);
+        }
+        let mut busy = [0u64; 4];
+        let mut add = |trace: &mut Trace, name: &str, track: Track, start: u64, dur: u64| {
+            let (pid, tid) = track.ids();
+            trace.span(pid, tid, name, "exec", start, dur);
+            if let Some(r) = track.resource() {
+                busy[Resource::ALL.iter().position(|x| *x == r).expect("resource")] += dur;
+            }
+        };
+        let mut vram = None;
+        if let Some(g) = &mut self.gpu {
+            g.gpu.sync_all()?;
+            g.sample_vram()?;
+            for s in &self.tl.gpu {
+                let start_ms = g.gpu.elapsed_ms(&g.t0, &s.start)?;
+                let dur_ms = g.gpu.elapsed_ms(&s.start, &s.end)?;
+                let start = g.t0_ns + (f64::from(start_ms.max(0.0)) * 1e6) as u64;
+                add(&mut trace, &s.name, s.track, start, (f64::from(dur_ms.max(0.0)) * 1e6) as u64);
+            }
+            let peak = g.total_bytes - g.min_free_bytes;
+            let report = VramReport {
+                budget_bytes: plan.budget_bytes,
+                overhead_bytes: g.overhead_bytes,
+                arena_bytes: g.arena.bytes() as u64,
+                peak_process_bytes: peak,
+                planned: [plan.prefill.vram, plan.decode.vram],
+                used: [lay_p.used, lay_d.used],
+                switch_uploaded_bytes,
+            };
+            if peak > plan.budget_bytes {
+                return Err(ExecError::BudgetExceeded { peak_bytes: peak, budget_bytes: plan.budget_bytes });
+            }
+            vram = Some(report);
+        }
+        for (name, track, start, dur) in &self.tl.spans {
+            add(&mut trace, name, *track, *start, *dur);
+        }
+        let n_gen = self.opts.gen_tokens as u64;
+        let mut peak_lines = lay_p.used.max(&lay_d.used);
+        peak_lines.runtime_overhead_bytes = vram.as_ref().map_or(0, |v| v.overhead_bytes);
+        let metrics = Metrics {
+            ttft_ns,
+            tps: if n_gen > 0 && decode_ns > 0 { n_gen as f64 / (decode_ns as f64 / 1e9) } else { 0.0 },
+            e2el_ns: ttft_ns + decode_ns,
+            gen_tokens: n_gen,
+            decode_step_ns: decode_ns.checked_div(n_gen).unwrap_or(0),
+            vram_peak: peak_lines,
+            vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
+            busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
+        };
+        Ok(RunOutput { tokens, logits, metrics, trace, vram })
+    }
+
+    /// Makes `lay` current: moves KV and pinned weights that change place, uploads RoPE frequencies, resets the
+    /// ring. Returns the bytes uploaded.
+    fn enter_phase(
+        &mut self,
+        lay: &PhaseLayout,
+        prev: Option<&PhaseLayout>,
+        plan: &PhasePlan,
+        filled: usize,
+        pass: usize,
+    ) -> Result<u64> {
+        let Some(g) = &mut self.gpu else { return Ok(0) };
+        let gpu = g.gpu;
+        gpu.sync_all()?;
+        let base = g.base();
+        let rows_bytes = self.kv.row_offset(filled);
+        let half = self.kv.half_bytes();
+        let mut uploaded = 0u64;
+        // KV that leaves its place goes back to the host mirror first.
+        if let Some(prev) = prev {
+            for l in 0..self.d.n_layers as u32 {
+                if let Some(p) = prev.kv_offset(l)
+                    && lay.kv_offset(l) != Some(p)
+                {
+                    let hb = self.host_kv[l as usize].as_mut_slice();
+                    let (k, v) = hb.split_at_mut(half);
+                    // SAFETY: the arena holds the layer's [K|V] at p (prev layout); the host buffer is alive and
+                    // registered; the D2H stream is synchronised below before anything reads it.
+                    unsafe {
+                        gpu.d2h(Stream::D2h, &mut k[..rows_bytes], base + p as u64)?;
+                        gpu.d2h(Stream::D2h, &mut v[..rows_bytes], base + (p + half) as u64)?;
+                    }
+                }
+            }
+            gpu.sync(Stream::D2h)?;
+        }
+        for l in 0..self.d.n_layers as u32 {
+            if let Some(o) = lay.kv_offset(l)
+                && prev.and_then(|p| p.kv_offset(l)) != Some(o)
+                && filled > 0
+            {
+                let hb = self.host_kv[l as usize].as_slice();
+                // SAFETY: the arena holds [K|V] of kv.bytes() at o in this layout; host rows exist; synced below.
+                unsafe {
+                    gpu.h2d(Stream::H2d, base + o as u64, &hb[..rows_bytes])?;
+                    gpu.h2d(Stream::H2d, base + (o + half) as u64, &hb[half..half + rows_bytes])?;
+                }
+                uploaded += 2 * rows_bytes as u64;
+            }
+        }
+        for s in &lay.steps {
+            if let WeightLoc::Pinned(o) = s.weights
+                && prev.and_then(|p| p.pinned_offset(s.unit)) != Some(o)
+            {
+                let u = self.w.unit(s.unit).expect("weight unit");
+                // SAFETY: the region at o holds align(u.bytes) bytes in this layout; weights are registered and
+                // outlive the run; synced below.
+                unsafe { gpu.h2d(Stream::H2d, base + o as u64, &u.buf.as_slice()[..u.bytes])? };
+                uploaded += u.bytes as u64;
+            }
+        }
+        let inv = self.d.rope_inv_freq();
+        let io = self.io.buf.as_mut_slice();
+        for (i, f) in inv.iter().enumerate() {
+            io[self.io.inv_freq + 4 * i..self.io.inv_freq + 4 * i + 4].copy_from_slice(&f.to_le_bytes());
+        }
+        if !inv.is_empty() {
+            // SAFETY: the scratch region has room for rot_dims/2 f32 at inv_freq; io is registered; synced below.
+            unsafe {
+                gpu.h2d(
+                    Stream::H2d,
+                    base + lay.scratch.inv_freq as u64,
+                    &self.io.buf.as_slice()[self.io.inv_freq..self.io.inv_freq + inv.len() * 4],
+                )?;
+            }
+        }
+        gpu.sync(Stream::H2d)?;
+        g.ring = if lay.slots.is_empty() {
+            None
+        } else {
+            Some(Ring {
+                slots: lay.slots.iter().map(|&o| base + o as u64).collect(),
+                copy_done: (0..lay.slots.len()).map(|_| gpu.event(false)).collect::<Result<_>>()?,
+                slot_free: (0..lay.slots.len()).map(|_| gpu.event(false)).collect::<Result<_>>()?,
+                issued: 0,
+                released: 0,
+                pending: VecDeque::new(),
+                in_flight: VecDeque::new(),
+                queued_through: None,
+                first_pass: pass,
+            })
+        };
+        let _ = plan;
+        g.sample_vram()?;
+        Ok(uploaded)
+    }
+
+    /// Issues ring copies while slots are free and their inputs are ready.
+    fn pump(&mut self) -> Result<()> {
+        let Some(g) = &mut self.gpu else { return Ok(()) };
+        let Some(ring) = &mut g.ring else { return Ok(()) };
+        let depth = ring.slots.len();
+        while let Some(&(item, pass, rows)) = ring.pending.front() {
+            if ring.issued >= ring.released + depth {
+                break;
+            }
+            if let RingItem::Kv(l) | RingItem::AttnKv(l) = item
+                && pass != ring.first_pass
+                && g.kv_wb_pass[l as usize] != Some(pass - 1)
+            {
+                break;
+            }
+            let slot = ring.issued % depth;
+            if ring.issued >= depth {
+                g.gpu.wait(Stream::H2d, &ring.slot_free[slot])?;
+            }
+            let dst = ring.slots[slot];
+            let start = g.gpu.event(true)?;
+            g.gpu.record(&start, Stream::H2d)?;
+            let name = match item {
+                RingItem::Weights(u) => {
+                    let uw = self.w.unit(u).expect("weight unit");
+                    // SAFETY: a slot holds slot_bytes ≥ every streamed unit; the weights are registered and outlive
+                    // the run; the slot is free (waited above).
+                    unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                    format!("copy {u}")
+                }
+                RingItem::Kv(l) | RingItem::AttnKv(l) => {
+                    let dst = if let RingItem::AttnKv(_) = item {
+                        let uw = self.w.unit(UnitId::Attn { layer: l }).expect("attention unit");
+                        // SAFETY: the slot holds align(attention bytes) + kv.bytes() (layout_phase sized it).
+                        unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                        dst + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
+                    } else {
+                        dst
+                    };
+                    g.gpu.wait(Stream::H2d, &g.kv_wb[l as usize])?;
+                    let hb = self.host_kv[l as usize].as_slice();
+                    let (half, n) = (self.kv.half_bytes(), self.kv.row_offset(rows));
+                    // SAFETY: a slot holds ≥ kv.bytes(); the host rows were written back (waited above) and stay
+                    // unmodified until the slot's release (no CPU unit uses a streamed layer's KV in this phase).
+                    unsafe {
+                        g.gpu.h2d(Stream::H2d, dst, &hb[..n])?;
+                        g.gpu.h2d(Stream::H2d, dst + half as u64, &hb[half..half + n])?;
+                    }
+                    if let RingItem::AttnKv(_) = item {
+                        format!("copy blk.{l}.attn + kv ({rows} rows)")
+                    } else {
+                        format!("copy blk.{l}.kv ({rows} rows)")
+                    }
+                }
+            };
+            let end = g.gpu.event(true)?;
+            g.gpu.record(&end, Stream::H2d)?;
+            self.tl.gpu.push(GpuSpan { name, track: Track::H2d, start, end });
+            g.gpu.record(&ring.copy_done[slot], Stream::H2d)?;
+            ring.in_flight.push_back((item, slot));
+            ring.pending.pop_front();
+            ring.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// Queues the ring items of pass `pass` (the output head only if the pass produces a token).
+    fn queue_pass(&mut self, lay: &PhaseLayout, pass: usize, pos0: usize, output: bool) {
+        let Some(ring) = self.gpu.as_mut().and_then(|g| g.ring.as_mut()) else { return };
+        if ring.queued_through.is_some_and(|q| q >= pass) {
+            return;
+        }
+        for &item in &lay.ring_items {
+            if output || item != RingItem::Weights(UnitId::Output) {
+                ring.pending.push_back((item, pass, pos0));
+            }
+        }
+        ring.queued_through = Some(pass);
+    }
+
+    /// Waits (on the compute stream) for the next ring item, which must be `item`; returns its slot.
+    fn acquire(&mut self, item: RingItem) -> Result<(usize, u64)> {
+        self.pump()?;
+        let g = self.gpu.as_mut().expect("streamed units run on the GPU");
+        let ring = g.ring.as_mut().expect("a ring exists when units stream");
+        let (it, slot) = ring
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| ExecError::Input(format!("ring stalled before {item:?}")))?;
+        assert_eq!(it, item, "ring items are consumed in order");
+        g.gpu.wait(Stream::Compute, &ring.copy_done[slot])?;
+        Ok((slot, ring.slots[slot]))
+    }
+
+    fn release(&mut self, slot: usize, on: Stream) -> Result<()> {
+        {
+            let g = self.gpu.as_mut().expect("gpu");
+            let ring = g.ring.as_mut().expect("ring");
+            assert_eq!(slot, ring.released % ring.slots.len(), "ring slots are released in issue order");
+            g.gpu.record(&ring.slot_free[slot], on)?;
+            ring.released += 1;
+        }
+        self.pump()
+    }
+
+    fn ensure_host(&mut self, lay: &PhaseLayout, m: usize) -> Result<()> {
+        if !self.h_on_dev {
+            return Ok(());
+        }
+        let g = self.gpu.as_ref().expect("h is on the GPU only with a GPU");
+        let n = m * self.d.hidden * 4;
+        let t = self.tl.now_ns();
+        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered and not read before the sync below.
+        unsafe {
+            g.gpu.d2h(
+                Stream::Compute,
+                &mut self.h_host.as_mut_slice()[..n],
+                g.base() + lay.scratch.h as u64,
+            )?;
+        }
+        g.gpu.sync(Stream::Compute)?;
+        self.tl.host("sync: residual to host".into(), Track::Host, t);
+        self.h_on_dev = false;
+        Ok(())
+    }
+
+    fn ensure_dev(&mut self, lay: &PhaseLayout, m: usize) -> Result<()> {
+        if self.h_on_dev {
+            return Ok(());
+        }
+        let g = self.gpu.as_ref().expect("gpu");
+        let n = m * self.d.hidden * 4;
+        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered and not written until the next host sync.
+        unsafe { g.gpu.h2d(Stream::Compute, g.base() + lay.scratch.h as u64, &self.h_host.as_slice()[..n])? };
+        self.h_on_dev = true;
+        Ok(())
+    }
+
+    /// One forward pass of `tokens` at positions `pos0..`; with `output`, the sampled token (and logits).
+    fn forward(
+        &mut self,
+        lay: &PhaseLayout,
+        pool: &CpuPool,
+        tokens: &[u32],
+        pos0: usize,
+        output: bool,
+        pass: usize,
+        next: Option<(usize, bool)>,
+    ) -> Result<Option<(u32, Option<Vec<f32>>)>> {
+        let m = tokens.len();
+        self.queue_pass(lay, pass, pos0, output);
+        if let Some((np, next_output)) = next {
+            self.queue_pass(lay, pass + 1, np, next_output);
+        }
+        self.pump()?;
+        self.h_on_dev = false;
+        let mut result = None;
+        for step in &lay.steps {
+            let uw = self.w.unit(step.unit).expect("weight unit");
+            match (uw.kind, step.weights.on_gpu()) {
+                (UnitKind::Embd, false) => {
+                    let t = self.tl.now_ns();
+                    cpu::embed(self.d, uw.buf.as_slice(), tokens, self.h_host.f32s_mut());
+                    self.tl.host("cpu token_embd".into(), Track::Cpu, t);
+                    self.h_on_dev = false;
+                }
+                (UnitKind::Embd, true) => self.gpu_embed(lay, step, tokens)?,
+                (UnitKind::Attn(off), false) => {
+                    self.ensure_host(lay, m)?;
+                    let UnitId::Attn { layer } = step.unit else { unreachable!("attention unit") };
+                    let t = self.tl.now_ns();
+                    cpu::attn_block(
+                        pool,
+                        self.d,
+                        uw.buf.as_slice(),
+                        &off,
+                        self.host_kv[layer as usize].as_mut_slice(),
+                        self.kv,
+                        self.h_host.f32s_mut(),
+                        m,
+                        pos0,
+                    );
+                    self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
+                }
+                (UnitKind::Ffn(off), false) => {
+                    self.ensure_host(lay, m)?;
+                    let t = self.tl.now_ns();
+                    cpu::ffn_block(pool, self.d, uw.buf.as_slice(), &off, self.h_host.f32s_mut(), m);
+                    self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
+                }
+                (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => self.gpu_block(lay, step, m, pos0, pass)?,
+                (UnitKind::Output(off), on_gpu) => {
+                    if !output {
+                        continue;
+                    }
+                    result = Some(if on_gpu {
+                        self.gpu_output(lay, step, m)?
+                    } else {
+                        self.ensure_host(lay, m)?;
+                        let t = self.tl.now_ns();
+                        let h = &self.h_host.f32s()[(m - 1) * self.d.hidden..m * self.d.hidden];
+                        let lg = cpu::output_block(pool, self.d, uw.buf.as_slice(), &off, h);
+                        self.tl.host("cpu output".into(), Track::Cpu, t);
+                        (cpu::argmax(&lg), self.opts.keep_logits.then_some(lg))
+                    });
+                }
+            }
+        }
+        if let Some(g) = &mut self.gpu {
+            // The host reuses its staging buffers next pass: wait for this pass's compute work.
+            g.gpu.sync(Stream::Compute)?;
+            g.sample_vram()?;
+        }
+        Ok(result)
+    }
+
+    /// Device address of a GPU step's weights, acquiring a ring slot or staging the unit as its location says.
+    fn weights_base(&mut self, lay: &PhaseLayout, step: &Step) -> Result<(u64, Option<usize>)> {
+        let base = self.gpu.as_ref().expect("gpu").base();
+        Ok(match step.weights {
+            WeightLoc::Pinned(o) => (base + o as u64, None),
+            WeightLoc::Streamed => {
+                let (slot, addr) = self.acquire(RingItem::Weights(step.unit))?;
+                (addr, Some(slot))
+            }
+            WeightLoc::Staged => {
+                let (off, _) = lay.staging.expect("staged units have a staging area");
+                let g = self.gpu.as_ref().expect("gpu");
+                let uw = self.w.unit(step.unit).expect("weight unit");
+                let start = g.span_start(Stream::Compute)?;
+                // SAFETY: the staging area holds ≥ align(u.bytes); the compute stream orders this copy after the
+                // previous staged unit's compute; weights are registered and outlive the run.
+                unsafe { g.gpu.h2d(Stream::Compute, base + off as u64, &uw.buf.as_slice()[..uw.bytes])? };
+                g.span_end(&mut self.tl, format!("stage {}", step.unit), Track::H2d, Stream::Compute, start)?;
+                (base + off as u64, None)
+            }
+            WeightLoc::Cpu => unreachable!("CPU units have no device weights"),
+        })
+    }
+
+    fn gpu_embed(&mut self, lay: &PhaseLayout, step: &Step, tokens: &[u32]) -> Result<()> {
+        let m = tokens.len();
+        for (i, t) in tokens.iter().enumerate() {
+            self.io.buf.as_mut_slice()[self.io.ids + 4 * i..self.io.ids + 4 * i + 4]
+                .copy_from_slice(&t.to_le_bytes());
+        }
+        let (wb, slot) = self.weights_base(lay, step)?;
+        let g = self.gpu.as_ref().expect("gpu");
+        let base = g.base();
+        let start = g.span_start(Stream::Compute)?;
+        // SAFETY: scratch ids hold m u32, h holds m·hidden f32; the table holds vocab·hidden in-range rows (token ids
+        // were checked against the vocabulary); io is registered and rewritten only after the end-of-pass sync.
+        unsafe {
+            g.gpu.h2d(
+                Stream::Compute,
+                base + lay.scratch.ids as u64,
+                &self.io.buf.as_slice()[self.io.ids..self.io.ids + 4 * m],
+            )?;
+            g.gpu.embed(
+                &g.k,
+                wb,
+                base + lay.scratch.ids as u64,
+                base + lay.scratch.h as u64,
+                m,
+                self.d.hidden,
+            )?;
+        }
+        g.span_end(&mut self.tl, "gpu token_embd".into(), Track::Compute, Stream::Compute, start)?;
+        self.h_on_dev = true;
+        if let Some(s) = slot {
+            self.release(s, Stream::Compute)?;
+        }
+        Ok(())
+    }
+
+    fn gpu_block(
+        &mut self,
+        lay: &PhaseLayout,
+        step: &Step,
+        m: usize,
+        pos0: usize,
+        pass: usize,
+    ) -> Result<()> {
+        self.ensure_dev(lay, m)?;
+        let d = self.d;
+        let joint = matches!(
+            (step.unit, step.weights, step.kv),
+            (UnitId::Attn { .. }, WeightLoc::Streamed, Some(KvLoc::Streamed))
+        );
+        let uw = self.w.unit(step.unit).expect("weight unit");
+        let (wb, wslot) = if let (true, UnitId::Attn { layer }) = (joint, step.unit) {
+            let (slot, addr) = self.acquire(RingItem::AttnKv(layer))?;
+            (addr, Some(slot))
+        } else {
+            self.weights_base(lay, step)?
+        };
+        let base = self.gpu.as_ref().expect("gpu").base();
+        let sc = lay.scratch;
+        let at = |o: usize| base + o as u64;
+        let half = self.kv.half_bytes() as u64;
+        let mut kslot = None;
+        let kv_base = match step.kv {
+            None => 0,
+            Some(KvLoc::Pinned(o)) => at(o),
+            Some(KvLoc::Streamed) if joint => {
+                wb + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
+            }
+            Some(KvLoc::Streamed) => {
+                let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
+                let (slot, addr) = self.acquire(RingItem::Kv(layer))?;
+                kslot = Some(slot);
+                addr
+            }
+            Some(KvLoc::Staged) => {
+                let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
+                let (off, _) = lay.staging.expect("staging");
+                let kvb = at(off) + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64;
+                let g = self.gpu.as_ref().expect("gpu");
+                let n = self.kv.row_offset(pos0);
+                let hb = self.host_kv[layer as usize].as_slice();
+                let start = g.span_start(Stream::Compute)?;
+                // SAFETY: the staging area holds the unit plus kv.bytes(); host rows are current (written back by the
+                // compute stream earlier in order); registered memory.
+                unsafe {
+                    g.gpu.h2d(Stream::Compute, kvb, &hb[..n])?;
+                    g.gpu.h2d(Stream::Compute, kvb + half, &hb[half as usize..half as usize + n])?;
+                }
+                g.span_end(
+                    &mut self.tl,
+                    format!("stage blk.{layer}.kv"),
+                    Track::H2d,
+                    Stream::Compute,
+                    start,
+                )?;
+                kvb
+            }
+            Some(KvLoc::Host) => unreachable!("GPU attention has device KV"),
+        };
+        let g = self.gpu.as_ref().expect("gpu");
+        let gpu = g.gpu;
+        let k = &g.k;
+        let ln = d.norm == pipeshard_core::model::NormKind::LayerNorm;
+        let opt = |o: Option<usize>| o.map_or(0, |o| wb + o as u64);
+        let start = g.span_start(Stream::Compute)?;
+        match uw.kind {
+            UnitKind::Attn(o) => {
+                // SAFETY: every pointer is inside the arena: weights at wb with the unit's layout (offsets from the
+                // inventory shapes), scratch buffers sized by scratch_layout for ≤ scratch.tokens ≥ m tokens, and the
+                // layer's [K|V] of kv.bytes() at kv_base holding ctx ≥ pos0 + m rows.
+                unsafe {
+                    gpu.norm_act(
+                        k,
+                        at(sc.h),
+                        wb + o.norm_w as u64,
+                        opt(o.norm_b),
+                        at(sc.xb),
+                        m,
+                        d.hidden,
+                        d.norm_eps,
+                        ln,
+                    )?;
+                    gpu.gemm(d.mat, wb + o.q as u64, at(sc.xb), at(sc.q), m, d.q_dim, d.hidden, false)?;
+                    gpu.gemm(d.mat, wb + o.k as u64, at(sc.xb), at(sc.k), m, d.kv_dim, d.hidden, false)?;
+                    gpu.gemm(d.mat, wb + o.v as u64, at(sc.xb), at(sc.v), m, d.kv_dim, d.hidden, false)?;
+                    for (b, x, dim) in
+                        [(o.q_bias, sc.q, d.q_dim), (o.k_bias, sc.k, d.kv_dim), (o.v_bias, sc.v, d.kv_dim)]
+                    {
+                        if let Some(b) = b {
+                            gpu.add_bias(k, at(x), wb + b as u64, dim, m * dim)?;
+                        }
+                    }
+                    if let Some(qn) = o.q_norm {
+                        gpu.rmsnorm_rows(k, at(sc.q), wb + qn as u64, m * d.n_heads, d.head_dim, d.norm_eps)?;
+                    }
+                    if let Some(kn) = o.k_norm {
+                        gpu.rmsnorm_rows(
+                            k,
+                            at(sc.k),
+                            wb + kn as u64,
+                            m * d.n_kv_heads,
+                            d.head_dim,
+                            d.norm_eps,
+                        )?;
+                    }
+                    gpu.rope(k, at(sc.q), at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos0)?;
+                    gpu.rope(
+                        k,
+                        at(sc.k),
+                        at(sc.inv_freq),
+                        m,
+                        d.n_kv_heads,
+                        d.head_dim,
+                        d.rot_dims / 2,
+                        pos0,
+                    )?;
+                    gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, pos0, m)?;
+                    gpu.attention(
+                        k,
+                        at(sc.q),
+                        kv_base,
+                        kv_base + half,
+                        at(sc.xb),
+                        at(sc.part_o),
+                        at(sc.part_ml),
+                        m,
+                        pos0,
+                        d.n_heads,
+                        d.n_kv_heads,
+                        d.attn_scale(),
+                        sc.attn_splits,
+                    )?;
+                    gpu.gemm(d.mat, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)?;
+                }
+            }
+            UnitKind::Ffn(o) => {
+                // SAFETY: as above; up/gate/act hold m·ffn elements.
+                unsafe {
+                    gpu.norm_act(
+                        k,
+                        at(sc.h),
+                        wb + o.norm_w as u64,
+                        opt(o.norm_b),
+                        at(sc.xb),
+                        m,
+                        d.hidden,
+                        d.norm_eps,
+                        ln,
+                    )?;
+                    gpu.gemm(d.mat, wb + o.up as u64, at(sc.xb), at(sc.up), m, d.ffn, d.hidden, false)?;
+                    let gate = match o.gate {
+                        Some(gw) => {
+                            gpu.gemm(
+                                d.mat,
+                                wb + gw as u64,
+                                at(sc.xb),
+                                at(sc.gate),
+                                m,
+                                d.ffn,
+                                d.hidden,
+                                false,
+                            )?;
+                            Some(at(sc.gate))
+                        }
+                        None => None,
+                    };
+                    gpu.ffn_act(k, gate, at(sc.up), at(sc.act), m * d.ffn)?;
+                    gpu.gemm(d.mat, wb + o.down as u64, at(sc.act), at(sc.h), m, d.hidden, d.ffn, true)?;
+                }
+            }
+            _ => unreachable!("gpu_block runs attention and FFN units"),
+        }
+        g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
+        if let UnitId::Attn { layer } = step.unit {
+            let li = layer as usize;
+            let (p, n) = (self.kv.row_offset(pos0), self.kv.row_offset(pos0 + m) - self.kv.row_offset(pos0));
+            match step.kv {
+                Some(KvLoc::Streamed) => {
+                    let g = self.gpu.as_mut().expect("gpu");
+                    g.gpu.record(&g.mark, Stream::Compute)?;
+                    g.gpu.wait(Stream::D2h, &g.mark)?;
+                    let hb = self.host_kv[li].as_mut_slice();
+                    let (hk, hv) = hb.split_at_mut(half as usize);
+                    let start = g.span_start(Stream::D2h)?;
+                    // SAFETY: rows pos0..pos0+m exist in the slot and in the host mirror; the host does not read the
+                    // mirror of a streamed layer before the next upload, which waits for kv_wb.
+                    unsafe {
+                        g.gpu.d2h(Stream::D2h, &mut hk[p..p + n], kv_base + p as u64)?;
+                        g.gpu.d2h(Stream::D2h, &mut hv[p..p + n], kv_base + half + p as u64)?;
+                    }
+                    g.span_end(
+                        &mut self.tl,
+                        format!("write back blk.{layer}.kv"),
+                        Track::D2h,
+                        Stream::D2h,
+                        start,
+                    )?;
+                    g.gpu.record(&g.kv_wb[li], Stream::D2h)?;
+                    g.kv_wb_pass[li] = Some(pass);
+                }
+                Some(KvLoc::Staged) => {
+                    let g = self.gpu.as_ref().expect("gpu");
+                    let hb = self.host_kv[li].as_mut_slice();
+                    let (hk, hv) = hb.split_at_mut(half as usize);
+                    // SAFETY: as above, ordered on the compute stream before the next staged upload.
+                    unsafe {
+                        g.gpu.d2h(Stream::Compute, &mut hk[p..p + n], kv_base + p as u64)?;
+                        g.gpu.d2h(Stream::Compute, &mut hv[p..p + n], kv_base + half + p as u64)?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Slots are handed out round-robin, so they must come back in the order they were issued: the weights
+        // (issued first) before the KV.
+        if let Some(s) = wslot {
+            // A slot that also held the KV comes free only after the write-back (D2H stream).
+            self.release(s, if joint { Stream::D2h } else { Stream::Compute })?;
+        }
+        if let Some(s) = kslot {
+            self.release(s, Stream::D2h)?;
+        }
+        Ok(())
+    }
+
+    fn gpu_output(&mut self, lay: &PhaseLayout, step: &Step, m: usize) -> Result<(u32, Option<Vec<f32>>)> {
+        self.ensure_dev(lay, m)?;
+        let d = self.d;
+        let (wb, slot) = self.weights_base(lay, step)?;
+        let uw = self.w.unit(step.unit).expect("weight unit");
+        let UnitKind::Output(o) = uw.kind else { unreachable!("output unit") };
+        let g = self.gpu.as_ref().expect("gpu");
+        let base = g.base();
+        let sc = lay.scratch;
+        let at = |x: usize| base + x as u64;
+        let ln = d.norm == pipeshard_core::model::NormKind::LayerNorm;
+        let start = g.span_start(Stream::Compute)?;
+        let keep = self.opts.keep_logits;
+        // SAFETY: h holds m rows (the last is normalised), xb ≥ hidden activations, logits vocab f32, tok 4 bytes;
+        // io is registered and read only after the sync below.
+        unsafe {
+            g.gpu.norm_act(
+                &g.k,
+                at(sc.h) + ((m - 1) * d.hidden * 4) as u64,
+                wb + o.norm_w as u64,
+                o.norm_b.map_or(0, |b| wb + b as u64),
+                at(sc.xb),
+                1,
+                d.hidden,
+                d.norm_eps,
+                ln,
+            )?;
+            g.gpu.gemm(d.mat, wb + o.head as u64, at(sc.xb), at(sc.logits), 1, d.vocab, d.hidden, false)?;
+            g.gpu.argmax(&g.k, at(sc.logits), d.vocab, at(sc.tok), 1)?;
+            let io = self.io.buf.as_mut_slice();
+            let (head, tail) = io.split_at_mut(self.io.logits);
+            g.gpu.d2h(Stream::Compute, &mut head[self.io.tok..self.io.tok + 4], at(sc.tok))?;
+            if keep {
+                g.gpu.d2h(Stream::Compute, &mut tail[..d.vocab * 4], at(sc.logits))?;
+            }
+        }
+        g.span_end(&mut self.tl, "gpu output".into(), Track::Compute, Stream::Compute, start)?;
+        if let Some(s) = slot {
+            self.release(s, Stream::Compute)?;
+        }
+        let g = self.gpu.as_ref().expect("gpu");
+        let t = self.tl.now_ns();
+        g.gpu.sync(Stream::Compute)?;
+        self.tl.host("sync: token to host".into(), Track::Host, t);
+        let io = self.io.buf.as_slice();
+        let tok = u32::from_le_bytes(io[self.io.tok..self.io.tok + 4].try_into().expect("4 bytes"));
+        let logits = keep.then(|| {
+            io[self.io.logits..self.io.logits + d.vocab * 4]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        });
+        Ok((tok, logits))
+    }
+}

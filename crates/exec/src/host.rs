@@ -1,0 +1,203 @@
+//! Host buffers: page-aligned, zero-initialised byte buffers that the CUDA side can page-lock in place
+//! (`cuMemHostRegister`, ten times cheaper than allocating pinned memory, see TOOLCHAIN.md), and the element
+//! types the executor stores (f32, f16, bf16) with their exact conversions.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+use half::{bf16, f16};
+use pipeshard_core::dtype::DType;
+
+/// Alignment of host buffers: one page, so that registering them pins whole pages only.
+pub const HOST_ALIGN_BYTES: usize = 4096;
+
+/// A zero-initialised, page-aligned byte buffer.
+pub struct HostBuf {
+    ptr: NonNull<u8>,
+    len_bytes: usize,
+}
+
+// SAFETY: HostBuf owns its allocation exclusively, like a Vec<u8>; shared references only read it.
+unsafe impl Send for HostBuf {}
+// SAFETY: as above; `&HostBuf` gives only shared, read-only access.
+unsafe impl Sync for HostBuf {}
+
+impl std::fmt::Debug for HostBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuf").field("len_bytes", &self.len_bytes).finish_non_exhaustive()
+    }
+}
+
+impl HostBuf {
+    /// A buffer of `len_bytes` zero bytes (at least one page is allocated so the pointer is never dangling).
+    #[must_use]
+    pub fn zeroed(len_bytes: usize) -> HostBuf {
+        let layout =
+            Layout::from_size_align(len_bytes.max(1).next_multiple_of(HOST_ALIGN_BYTES), HOST_ALIGN_BYTES)
+                .expect("host buffer size fits a Layout");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        HostBuf { ptr, len_bytes }
+    }
+
+    /// Length in bytes.
+    #[must_use]
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
+    /// Bytes actually allocated (whole pages), the span to register.
+    #[must_use]
+    pub fn capacity_bytes(&self) -> usize {
+        self.len_bytes.max(1).next_multiple_of(HOST_ALIGN_BYTES)
+    }
+
+    /// Whether the buffer holds no bytes.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes == 0
+    }
+
+    /// The bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len_bytes initialised (zeroed) bytes for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len_bytes) }
+    }
+
+    /// The bytes, mutably.
+    #[must_use]
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len_bytes) }
+    }
+
+    /// The buffer as f32s (the buffer is page-aligned, so any length multiple of 4 is a valid f32 slice).
+    #[must_use]
+    #[allow(clippy::cast_ptr_alignment)] // page-aligned allocation
+    pub fn f32s(&self) -> &[f32] {
+        // SAFETY: the pointer is 4096-aligned, the bytes are initialised, and every bit pattern is an f32.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<f32>(), self.len_bytes / 4) }
+    }
+
+    /// The buffer as mutable f32s.
+    #[must_use]
+    #[allow(clippy::cast_ptr_alignment)] // page-aligned allocation
+    pub fn f32s_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in f32s, with exclusive access through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<f32>(), self.len_bytes / 4) }
+    }
+
+    /// Raw start pointer (for page-locking and DMA).
+    #[must_use]
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.capacity_bytes(), HOST_ALIGN_BYTES).expect("valid layout");
+        // SAFETY: allocated in `zeroed` with exactly this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+/// An element type the executor stores: matrices in f16 or bf16, norms in f32, KV in f16, bf16 or f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Elem {
+    /// The executor element type of a core format, if the executor stores it.
+    #[must_use]
+    pub fn from_dtype(d: DType) -> Option<Elem> {
+        match d {
+            DType::F32 => Some(Elem::F32),
+            DType::F16 => Some(Elem::F16),
+            DType::Bf16 => Some(Elem::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Bytes per element.
+    #[must_use]
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 | Elem::Bf16 => 2,
+        }
+    }
+
+    /// Rounds `x` to the nearest value this type holds (round to nearest even), as an f32.
+    #[must_use]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Elem::F32 => x,
+            Elem::F16 => f16::from_f32(x).to_f32(),
+            Elem::Bf16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// Reads element `i` of a byte slice holding this type.
+    #[must_use]
+    pub fn read(self, bytes: &[u8], i: usize) -> f32 {
+        match self {
+            Elem::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes")),
+            Elem::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            Elem::Bf16 => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        }
+    }
+
+    /// Writes `x` (rounded) as element `i` of a byte slice holding this type.
+    pub fn write(self, bytes: &mut [u8], i: usize, x: f32) {
+        match self {
+            Elem::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes()),
+            Elem::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+            Elem::Bf16 => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+
+    /// Name as in safetensors / GGUF.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+            Elem::Bf16 => "bf16",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_page_aligned_and_zeroed() {
+        let mut b = HostBuf::zeroed(10_000);
+        assert_eq!(b.as_ptr() as usize % HOST_ALIGN_BYTES, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[9_999] = 7;
+        assert_eq!(b.as_slice()[9_999], 7);
+        assert_eq!(b.capacity_bytes(), 12_288);
+    }
+
+    #[test]
+    fn elements_round_trip() {
+        let mut bytes = vec![0u8; 8];
+        for e in [Elem::F32, Elem::F16, Elem::Bf16] {
+            e.write(&mut bytes, 1, 1.2345);
+            let back = e.read(&bytes, 1);
+            assert!((back - 1.2345).abs() < 0.01, "{e:?} {back}");
+            assert_eq!(back.to_bits(), e.round(1.2345).to_bits());
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! How one phase plan becomes addresses: the arena carve-up, the per-step locations of weights and KV, and the
+//! streaming ring's item sequence. Pure functions, testable without a GPU.
+//!
+//! The arena is carved as: KV of VRAM-resident layers from the bottom up (layer order), pinned weights from the
+//! top down (inventory order), and in between the streaming slots, the op-offload staging area and the scratch
+//! (activations). Carving pinned weights and KV from opposite ends keeps a unit's address the same in the
+//! prefill and decode layouts when both pin the same prefix, so a plan switch re-uploads only what moved.
+//! Every line is compared with the plan's [`VramBreakdown`]; the total must fit the arena.
+
+use std::collections::HashMap;
+
+use pipeshard_core::inventory::UnitId;
+use pipeshard_core::model::FfnKind;
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, VramBreakdown};
+
+use crate::cpu::KvLayout;
+use crate::error::{ExecError, Result};
+use crate::weights::{Dims, ModelWeights};
+
+/// Alignment of every region in the arena.
+pub const REGION_ALIGN_BYTES: usize = 256;
+
+fn align(x: usize) -> usize {
+    x.next_multiple_of(REGION_ALIGN_BYTES)
+}
+
+/// Where a unit's weights are read from in a phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLoc {
+    /// Resident in VRAM at this arena offset.
+    Pinned(usize),
+    /// Copied into a ring slot before use.
+    Streamed,
+    /// Copied into the staging area before use, on the compute stream (llama.cpp's op offload).
+    Staged,
+    /// Read from host memory by the CPU.
+    Cpu,
+}
+
+impl WeightLoc {
+    /// Whether the unit computes on the GPU.
+    #[must_use]
+    pub fn on_gpu(self) -> bool {
+        !matches!(self, WeightLoc::Cpu)
+    }
+}
+
+/// Where a layer's KV cache lives in a phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLoc {
+    /// Resident in VRAM at this arena offset.
+    Pinned(usize),
+    /// Uploaded into a ring slot before the layer's attention, new rows written back after.
+    Streamed,
+    /// Uploaded into the staging area (op offload), new rows written back after.
+    Staged,
+    /// In host memory, used by CPU attention.
+    Host,
+}
+
+/// One compute step of a forward pass: a weight unit and where it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    /// The unit (token embedding, attention, FFN or output).
+    pub unit: UnitId,
+    /// Where its weights are.
+    pub weights: WeightLoc,
+    /// For attention: where its KV is.
+    pub kv: Option<KvLoc>,
+}
+
+/// One item of the streaming ring: what one slot receives (`PhasePlan::stream_groups` in the core).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RingItem {
+    /// A unit's weights.
+    Weights(UnitId),
+    /// A layer's attention weights with its KV cache in the same slot (KV at the aligned end of the weights).
+    AttnKv(u32),
+    /// A layer's KV cache alone (its attention is pinned).
+    Kv(u32),
+}
+
+/// Offsets (from the arena base) of the activation buffers of a phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ScratchLayout {
+    /// Most tokens per step.
+    pub tokens: usize,
+    /// Key splits of decode attention (1 = none).
+    pub attn_splits: usize,
+    pub ids: usize,
+    pub tok: usize,
+    pub inv_freq: usize,
+    pub h: usize,
+    pub xb: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub act: usize,
+    pub logits: usize,
+    pub part_o: usize,
+    pub part_ml: usize,
+    /// Bytes of the whole scratch region.
+    pub bytes: usize,
+}
+
+/// Bytes of scratch a phase of `tokens` tokens per step needs, with its offsets relative to `base`.
+#[must_use]
+pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> ScratchLayout {
+    let m = tokens;
+    let act = d.mat.size_bytes();
+    let attn_splits = if m <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
+    let mut s = ScratchLayout { tokens: m, attn_splits, ..ScratchLayout::default() };
+    let mut at = base;
+    let mut take = |bytes: usize| {
+        let off = at;
+        at = align(at + bytes);
+        off
+    };
+    s.ids = take(m * 4);
+    s.tok = take(16);
+    s.inv_freq = take(d.rot_dims / 2 * 4 + 4);
+    s.h = take(m * d.hidden * 4);
+    s.xb = take(m * d.hidden.max(d.q_dim) * act);
+    s.logits = take(d.vocab * 4);
+    if attn_splits > 1 {
+        s.part_o = take(m * d.n_heads * attn_splits * d.head_dim * 4);
+        s.part_ml = take(m * d.n_heads * attn_splits * 2 * 4);
+    }
+    // Attention temporaries and FFN temporaries are never live at once: they share one region.
+    let union_base = at;
+    let q = union_base;
+    let k = align(q + m * d.q_dim * 4);
+    let v = align(k + m * d.kv_dim * 4);
+    let attn_end = align(v + m * d.kv_dim * 4);
+    let up = union_base;
+    let gate = align(up + m * d.ffn * 4);
+    let act_off = if d.ffn_kind == FfnKind::SwiGlu { align(gate + m * d.ffn * 4) } else { gate };
+    let ffn_end = align(act_off + m * d.ffn * act);
+    s.q = q;
+    s.k = k;
+    s.v = v;
+    s.up = up;
+    s.gate = gate;
+    s.act = act_off;
+    s.bytes = attn_end.max(ffn_end) - base;
+    s
+}
+
+/// A phase plan turned into addresses.
+#[derive(Debug, Clone)]
+pub struct PhaseLayout {
+    /// Which phase.
+    pub phase: PhaseKind,
+    /// Compute steps in order.
+    pub steps: Vec<Step>,
+    /// Streamed items of one forward pass, in the order they are used.
+    pub ring_items: Vec<RingItem>,
+    /// Ring slots (arena offsets).
+    pub slots: Vec<usize>,
+    /// Bytes of one slot.
+    pub slot_bytes: usize,
+    /// Staging area for op offload (arena offset) and its bytes.
+    pub staging: Option<(usize, usize)>,
+    /// Activation buffers.
+    pub scratch: ScratchLayout,
+    /// What this layout takes, line by line (runtime overhead left 0: it is measured, not carved).
+    pub used: VramBreakdown,
+    /// Bytes the arena must have.
+    pub arena_needed_bytes: usize,
+}
+
+impl PhaseLayout {
+    /// Offset of a pinned unit, if pinned.
+    #[must_use]
+    pub fn pinned_offset(&self, unit: UnitId) -> Option<usize> {
+        self.steps.iter().find(|s| s.unit == unit).and_then(|s| match s.weights {
+            WeightLoc::Pinned(o) => Some(o),
+            _ => None,
+        })
+    }
+
+    /// Offset of a layer's VRAM-resident KV, if resident.
+    #[must_use]
+    pub fn kv_offset(&self, layer: u32) -> Option<usize> {
+        self.steps.iter().find(|s| s.unit == UnitId::Attn { layer }).and_then(|s| match s.kv {
+            Some(KvLoc::Pinned(o)) => Some(o),
+            _ => None,
+        })
+    }
+}
+
+/// Lays out `plan` for `w` in an arena of `arena_bytes`, for steps of at most `tokens` tokens and a KV cache of
+/// `kv`; fails before anything runs if the plan cannot be executed or does not fit, naming the lines.
+pub fn layout_phase(
+    w: &ModelWeights,
+    plan: &PhasePlan,
+    kv: KvLayout,
+    tokens: usize,
+    arena_bytes: usize,
+    budget_bytes: u64,
+    overhead_bytes: u64,
+) -> Result<PhaseLayout> {
+    let d = &w.dims;
+    let phase = plan.phase;
+    let placement: HashMap<UnitId, Placement> =
+        plan.placements.iter().map(|p| (p.unit, p.placement)).collect();
+    let get = |unit: UnitId| placement.get(&unit).copied().ok_or(ExecError::MissingPlacement { phase, unit });
+    let offload = plan.op_offload && phase == PhaseKind::Prefill && tokens >= 32;
+    let kv_bytes = kv.bytes();
+
+    // KV of VRAM-resident layers, bottom up.
+    let mut bottom = 0usize;
+    let mut kv_pinned: HashMap<u32, usize> = HashMap::new();
+    for l in 0..d.n_layers as u32 {
+        if get(UnitId::Kv { layer: l })? == Placement::Pinned {
+            kv_pinned.insert(l, bottom);
+            bottom = align(bottom + kv_bytes);
+        }
+    }
+    let kv_used = bottom;
+    // Pinned weights, top down in inventory order.
+    let mut top = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
+    let mut steps = Vec::new();
+    let mut ring_items = Vec::new();
+    let mut pinned_used = 0usize;
+    let mut staging_bytes = 0usize;
+    let mut max_item = 0usize;
+    for unit in w.units() {
+        let id = unit.id;
+        let p = get(id)?;
+        let weights = match p {
+            Placement::Pinned => {
+                let b = align(unit.bytes);
+                top = top.saturating_sub(b);
+                pinned_used += b;
+                WeightLoc::Pinned(top)
+            }
+            Placement::Streamed => {
+                let with_kv =
+                    matches!(id, UnitId::Attn { layer } if get(UnitId::Kv { layer })? == Placement::Streamed);
+                if let (true, UnitId::Attn { layer }) = (with_kv, id) {
+                    ring_items.push(RingItem::AttnKv(layer));
+                    max_item = max_item.max(align(unit.bytes) + kv_bytes);
+                } else {
+                    ring_items.push(RingItem::Weights(id));
+                    max_item = max_item.max(unit.bytes);
+                }
+                WeightLoc::Streamed
+            }
+            Placement::Cpu if offload && matches!(id, UnitId::Attn { .. } | UnitId::Ffn { .. }) => {
+                WeightLoc::Staged
+            }
+            Placement::Cpu => WeightLoc::Cpu,
+        };
+        let kv_loc = if let UnitId::Attn { layer } = id {
+            let kp = get(UnitId::Kv { layer })?;
+            let loc = match (weights, kp) {
+                (WeightLoc::Cpu, Placement::Cpu) => KvLoc::Host,
+                (WeightLoc::Staged, Placement::Cpu) => KvLoc::Staged,
+                (WeightLoc::Pinned(_) | WeightLoc::Streamed, Placement::Pinned) => {
+                    KvLoc::Pinned(kv_pinned[&layer])
+                }
+                (WeightLoc::Streamed, Placement::Streamed) => KvLoc::Streamed,
+                (WeightLoc::Pinned(_), Placement::Streamed) => {
+                    ring_items.push(RingItem::Kv(layer));
+                    max_item = max_item.max(kv_bytes);
+                    KvLoc::Streamed
+                }
+                (wl, kp) => {
+                    return Err(ExecError::UnsupportedPlan {
+                        phase,
+                        reason: format!(
+                            "layer {layer}: attention weights {wl:?} with KV {kp:?}; KV must be on the side that runs attention"
+                        ),
+                    });
+                }
+            };
+            Some(loc)
+        } else {
+            None
+        };
+        if weights == WeightLoc::Staged {
+            let extra = if kv_loc == Some(KvLoc::Staged) { align(kv_bytes) } else { 0 };
+            staging_bytes = staging_bytes.max(align(unit.bytes) + extra);
+        }
+        steps.push(Step { unit: id, weights, kv: kv_loc });
+    }
+    let depth = plan.pipeline_depth as usize;
+    if !ring_items.is_empty() && depth == 0 {
+        return Err(ExecError::UnsupportedPlan {
+            phase,
+            reason: "units are streamed but pipeline_depth is 0".into(),
+        });
+    }
+    let slot_bytes = if ring_items.is_empty() { 0 } else { align(max_item.max(plan.slot_bytes as usize)) };
+    let depth = if ring_items.is_empty() { 0 } else { depth };
+    let mut at = bottom;
+    let slots: Vec<usize> = (0..depth)
+        .map(|_| {
+            let o = at;
+            at += slot_bytes;
+            o
+        })
+        .collect();
+    let staging = (staging_bytes > 0).then(|| {
+        let o = at;
+        at += staging_bytes;
+        (o, staging_bytes)
+    });
+    let scratch = scratch_layout(d, tokens, kv.ctx, at);
+    at += scratch.bytes;
+    let used = VramBreakdown {
+        pinned_weights_bytes: pinned_used as u64,
+        streaming_slots_bytes: (depth * slot_bytes) as u64,
+        kv_bytes: kv_used as u64,
+        scratch_bytes: (scratch.bytes + staging_bytes) as u64,
+        runtime_overhead_bytes: 0,
+    };
+    let needed = at + pinned_used;
+    if needed > arena_bytes - arena_bytes % REGION_ALIGN_BYTES {
+        let lines = [
+            ("pinned weights", used.pinned_weights_bytes, plan.vram.pinned_weights_bytes),
+            ("streaming slots", used.streaming_slots_bytes, plan.vram.streaming_slots_bytes),
+            ("KV", used.kv_bytes, plan.vram.kv_bytes),
+            ("scratch (activations + op-offload staging)", used.scratch_bytes, plan.vram.scratch_bytes),
+            ("runtime overhead (measured vs planned)", overhead_bytes, plan.vram.runtime_overhead_bytes),
+        ];
+        let detail = lines
+            .iter()
+            .map(|(n, u, p)| {
+                format!("{n} {u} (plan {p}{})", if u > p { format!(", +{}", u - p) } else { String::new() })
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(ExecError::OverBudget {
+            phase,
+            line: "pinned weights + streaming slots + KV + scratch".into(),
+            needed_bytes: needed as u64,
+            available_bytes: arena_bytes as u64,
+            over_bytes: (needed - arena_bytes) as u64,
+            budget_bytes,
+            overhead_bytes,
+            detail,
+        });
+    }
+    Ok(PhaseLayout {
+        phase,
+        steps,
+        ring_items,
+        slots,
+        slot_bytes,
+        staging,
+        scratch,
+        used,
+        arena_needed_bytes: needed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::Elem;
+    use crate::testing::tiny_spec;
+    use pipeshard_core::plan::UnitPlacement;
+
+    fn phase_plan(w: &ModelWeights, f: impl Fn(UnitId) -> Placement, depth: u32) -> PhasePlan {
+        PhasePlan {
+            phase: PhaseKind::Decode,
+            tier_tokens: 1,
+            pipeline_depth: depth,
+            slot_bytes: 0,
+            placements: w
+                .inventory
+                .units
+                .iter()
+                .map(|u| UnitPlacement { unit: u.id, placement: f(u.id) })
+                .collect(),
+            op_offload: false,
+            cpu_threads: 2,
+            vram: VramBreakdown::default(),
+        }
+    }
+
+    #[test]
+    fn regions_are_disjoint_and_inside_the_arena() {
+        let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
+        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let p = phase_plan(
+            &w,
+            |u| match u {
+                UnitId::Attn { layer: 0 } | UnitId::Kv { layer: 0 } | UnitId::Output => Placement::Pinned,
+                UnitId::Ffn { .. } | UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+                _ => Placement::Cpu,
+            },
+            2,
+        );
+        let arena = 16 << 20;
+        let l = layout_phase(&w, &p, kv, 1, arena, 0, 0).unwrap();
+        let mut regions: Vec<(usize, usize)> = l.slots.iter().map(|&s| (s, l.slot_bytes)).collect();
+        regions.push((l.scratch.h, 1));
+        for s in &l.steps {
+            if let WeightLoc::Pinned(o) = s.weights {
+                regions.push((o, w.unit(s.unit).unwrap().bytes));
+            }
+            if let Some(KvLoc::Pinned(o)) = s.kv {
+                regions.push((o, kv.bytes()));
+            }
+        }
+        regions.sort_unstable();
+        for pair in regions.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{regions:?}");
+        }
+        assert!(regions.last().unwrap().0 + regions.last().unwrap().1 <= arena);
+        assert_eq!(l.ring_items[0], RingItem::Weights(UnitId::Ffn { layer: 0 }));
+        assert_eq!(l.ring_items[1], RingItem::AttnKv(1));
+        assert_eq!(l.ring_items[2], RingItem::Weights(UnitId::Ffn { layer: 1 }));
+        let attn = align(w.unit(UnitId::Attn { layer: 1 }).unwrap().bytes);
+        assert!(l.slot_bytes >= attn + kv.bytes(), "a streamed attention carries its KV in its slot");
+    }
+
+    #[test]
+    fn too_small_arenas_fail_naming_the_lines() {
+        let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
+        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let p = phase_plan(&w, |_| Placement::Pinned, 0);
+        let e = layout_phase(&w, &p, kv, 1, 100_000, 200_000, 100_000).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("pinned weights") && s.contains("over") || s.contains("more than"), "{s}");
+        assert!(matches!(e, ExecError::OverBudget { over_bytes, .. } if over_bytes > 0));
+    }
+
+    #[test]
+    fn kv_streams_alone_only_under_pinned_attention() {
+        let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
+        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let p = phase_plan(
+            &w,
+            |u| match u {
+                UnitId::Attn { .. } => Placement::Pinned,
+                UnitId::Kv { .. } => Placement::Streamed,
+                _ => Placement::Cpu,
+            },
+            1,
+        );
+        let l = layout_phase(&w, &p, kv, 1, 64 << 20, 0, 0).unwrap();
+        assert_eq!(l.ring_items, vec![RingItem::Kv(0), RingItem::Kv(1), RingItem::Kv(2)]);
+        assert_eq!(l.slot_bytes, align(kv.bytes()));
+        let bad = phase_plan(
+            &w,
+            |u| if matches!(u, UnitId::Kv { .. }) { Placement::Pinned } else { Placement::Cpu },
+            0,
+        );
+        let e = layout_phase(&w, &bad, kv, 1, 64 << 20, 0, 0).unwrap_err();
+        assert!(e.to_string().contains("KV must be on the side that runs attention"), "{e}");
+    }
+}

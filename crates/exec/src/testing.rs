@@ -1,0 +1,141 @@
+//! Tiny model specs for tests (here, in the GPU test binary and in the CLI's checks): small enough for the f64
+//! reference, with every feature the kernels branch on.
+
+use pipeshard_core::dtype::DType;
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::model::{ModelSpec, WeightFormat, parse_hf_config};
+use pipeshard_core::plan::{
+    PLAN_SCHEMA_VERSION, PhaseKind, PhasePlan, Placement, Plan, UnitPlacement, VramBreakdown,
+};
+use pipeshard_core::workload::{Phase, Workload, scratch_bytes};
+
+fn spec(name: &str, json: &str) -> ModelSpec {
+    parse_hf_config(name, json, name, WeightFormat::uniform(DType::Bf16)).expect("tiny configs parse")
+}
+
+/// A llama-style model: 3 layers, hidden 128, 4 query heads of 32 over 2 KV heads, SwiGLU 256, vocab 512.
+#[must_use]
+pub fn tiny_spec() -> ModelSpec {
+    spec(
+        "tiny-llama",
+        r#"{"model_type":"llama","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":2,
+            "num_hidden_layers":3,"intermediate_size":256,"vocab_size":512,"rope_theta":10000.0,
+            "rms_norm_eps":1e-5,"max_position_embeddings":4096}"#,
+    )
+}
+
+/// A nemotron-style model: LayerNorm with bias, squared-ReLU FFN, half the head dimensions rotated.
+#[must_use]
+pub fn tiny_nemotron_spec() -> ModelSpec {
+    spec(
+        "tiny-nemotron",
+        r#"{"model_type":"nemotron","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":2,
+            "head_dim":32,"num_hidden_layers":2,"intermediate_size":192,"vocab_size":384,
+            "partial_rotary_factor":0.5,"rope_theta":10000,"norm_eps":1e-5,"max_position_embeddings":4096}"#,
+    )
+}
+
+/// A qwen3-style model: per-head q/k RMSNorm, head_dim 64 independent of hidden.
+#[must_use]
+pub fn tiny_qwen3_spec() -> ModelSpec {
+    spec(
+        "tiny-qwen3",
+        r#"{"model_type":"qwen3","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":1,
+            "head_dim":64,"num_hidden_layers":2,"intermediate_size":256,"vocab_size":320,
+            "rope_theta":1000000.0,"rms_norm_eps":1e-6,"max_position_embeddings":4096}"#,
+    )
+}
+
+/// A plan built by rule instead of by a planner: `place(phase, unit)` gives every unit's placement (KV units
+/// included), `depth` the ring depth where anything streams. The VRAM breakdown is computed the way the plan
+/// schema defines it (scratch from `pipeshard_core::workload::scratch_bytes`), with `overhead_bytes` as the
+/// planned runtime overhead, so the plan validates against `budget_bytes` when it fits.
+#[must_use]
+pub fn manual_plan(
+    spec: &ModelSpec,
+    workload: Workload,
+    budget_bytes: u64,
+    overhead_bytes: u64,
+    depth: u32,
+    threads: u32,
+    place: impl Fn(PhaseKind, UnitId) -> Placement,
+) -> Plan {
+    let inv = Inventory::new(spec);
+    let kv_layer = workload.kv_bytes_per_layer(spec);
+    let phase_plan = |phase: PhaseKind| {
+        let placements: Vec<UnitPlacement> =
+            inv.units.iter().map(|u| UnitPlacement { unit: u.id, placement: place(phase, u.id) }).collect();
+        let bytes = |u: UnitId| if matches!(u, UnitId::Kv { .. }) { kv_layer } else { inv.unit_bytes(u) };
+        let probe = PhasePlan {
+            phase,
+            tier_tokens: 0,
+            pipeline_depth: 0,
+            slot_bytes: 0,
+            placements: placements.clone(),
+            op_offload: false,
+            cpu_threads: threads,
+            vram: VramBreakdown::default(),
+        };
+        let groups = probe.stream_groups(&inv, kv_layer);
+        // The executor aligns the KV inside a shared slot to 256 bytes; leave room for it.
+        let slot_bytes = groups.iter().map(|g| g.bytes + 256).max().unwrap_or(0);
+        let pipeline_depth = if groups.is_empty() { 0 } else { depth };
+        let pinned = |kv: bool| {
+            placements
+                .iter()
+                .filter(|p| p.placement == Placement::Pinned && matches!(p.unit, UnitId::Kv { .. }) == kv)
+                .map(|p| bytes(p.unit))
+                .sum::<u64>()
+        };
+        let (tier_tokens, ph) = match phase {
+            PhaseKind::Prefill => {
+                let n = workload.ubatch.min(workload.prompt_tokens);
+                (n, Phase::Prefill { tokens: n, start_pos: workload.prompt_tokens - n, last: true })
+            }
+            PhaseKind::Decode => (1, workload.decode_step(workload.gen_tokens.saturating_sub(1))),
+        };
+        let vram = VramBreakdown {
+            pinned_weights_bytes: pinned(false),
+            streaming_slots_bytes: u64::from(pipeline_depth) * slot_bytes,
+            kv_bytes: pinned(true),
+            scratch_bytes: scratch_bytes(spec, &workload, ph),
+            runtime_overhead_bytes: overhead_bytes,
+        };
+        PhasePlan {
+            phase,
+            tier_tokens,
+            pipeline_depth,
+            slot_bytes,
+            placements,
+            op_offload: false,
+            cpu_threads: threads,
+            vram,
+        }
+    };
+    Plan {
+        schema_version: PLAN_SCHEMA_VERSION,
+        planner: "manual".into(),
+        model: spec.name.clone(),
+        budget_bytes,
+        workload,
+        prefill: phase_plan(PhaseKind::Prefill),
+        decode: phase_plan(PhaseKind::Decode),
+        switch_bytes: 0,
+        prediction: None,
+        notes: vec!["hand-made plan (pipeshard_exec::testing::manual_plan)".into()],
+    }
+}
+
+/// `count` pseudo-random token ids below `vocab`, from `seed`.
+#[must_use]
+pub fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed ^ 0x5851_F42D_4C95_7F2D;
+    (0..count)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}

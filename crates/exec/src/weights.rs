@@ -1,0 +1,508 @@
+//! Model geometry and weights: every tensor of a dense decoder, random-initialised from a seed.
+//!
+//! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
+//! [`ModelWeights::random`] fills one page-aligned host buffer per placement unit, with the unit's tensors laid
+//! out back to back (16-byte aligned) in inventory order; a VRAM copy of a unit uses the same layout, so
+//! streaming a unit is one copy. Values are uniform with a standard deviation of 1/√(fan-in) for matrices, so
+//! the residual stream grows like √layers and stays in range in f16 and bf16; norm weights are 1 ± 0.2 and
+//! biases ± 0.1, so they matter. Each tensor's values depend only on (seed, tensor name, element index): the
+//! same spec and seed give the same bytes whatever the thread count.
+
+use std::collections::HashMap;
+
+use half::{bf16, f16};
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::model::{FfnKind, ModelSpec, NormKind};
+use rayon::prelude::*;
+
+use crate::error::{ExecError, Result};
+use crate::host::{Elem, HostBuf};
+
+/// Alignment of tensors inside a unit (host and device): enough for vector loads and cuBLAS.
+pub const TENSOR_ALIGN_BYTES: usize = 16;
+
+/// The architecture facts the kernels need, checked for what the executor supports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dims {
+    /// Model name (for errors).
+    pub model: String,
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Residual width.
+    pub hidden: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Dimensions per head.
+    pub head_dim: usize,
+    /// `n_heads × head_dim`.
+    pub q_dim: usize,
+    /// `n_kv_heads × head_dim`.
+    pub kv_dim: usize,
+    /// FFN intermediate size.
+    pub ffn: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Dimensions of each head that RoPE rotates (even).
+    pub rot_dims: usize,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Norm epsilon.
+    pub norm_eps: f32,
+    /// RMSNorm or LayerNorm.
+    pub norm: NormKind,
+    /// SwiGLU or squared ReLU.
+    pub ffn_kind: FfnKind,
+    /// Per-head RMSNorm on q and k.
+    pub qk_norm: bool,
+    /// Bias on q, k, v.
+    pub qkv_bias: bool,
+    /// Element type of every matrix, and of the activations fed to matmuls.
+    pub mat: Elem,
+}
+
+impl Dims {
+    /// Checks that `spec` is a dense text decoder with f16 or bf16 matrices and untied embeddings.
+    pub fn new(spec: &ModelSpec) -> Result<Dims> {
+        let t = &spec.text;
+        let unsupported = |what: &str, hint: &str| ExecError::UnsupportedModel {
+            model: spec.name.clone(),
+            what: what.into(),
+            hint: hint.into(),
+        };
+        if t.moe.is_some() {
+            return Err(unsupported("a mixture-of-experts decoder", "MoE execution is issue 6"));
+        }
+        if spec.vision.is_some() {
+            return Err(unsupported("a vision tower", "run the text decoder of a dense LLM"));
+        }
+        if t.tied_embeddings {
+            return Err(unsupported("tied input/output embeddings", "use a model with an output head"));
+        }
+        let w = &spec.weights;
+        let mats = [
+            w.token_embd,
+            w.output,
+            w.attn_q,
+            w.attn_k,
+            w.attn_v,
+            w.attn_output,
+            w.ffn_gate,
+            w.ffn_up,
+            w.ffn_down,
+        ];
+        let mat = mats[0];
+        if mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
+            return Err(unsupported("mixed matrix formats", "pass --weights bf16 (or f16)"));
+        }
+        let Some(mat @ (Elem::F16 | Elem::Bf16)) = Elem::from_dtype(mat) else {
+            return Err(unsupported(&format!("{mat} matrices"), "pass --weights bf16 (or f16)"));
+        };
+        if w.norms != pipeshard_core::dtype::DType::F32 {
+            return Err(unsupported(&format!("{} norm weights", w.norms), "norms are stored in f32"));
+        }
+        let head_dim = t.head_dim as usize;
+        if !head_dim.is_multiple_of(32) || head_dim > 256 {
+            return Err(unsupported(
+                &format!("head_dim {head_dim}"),
+                "head_dim must be a multiple of 32, at most 256",
+            ));
+        }
+        let mut rot_dims = ((head_dim as f64) * t.partial_rotary).round() as usize;
+        rot_dims -= rot_dims % 2;
+        Ok(Dims {
+            model: spec.name.clone(),
+            n_layers: t.n_layers as usize,
+            hidden: t.hidden as usize,
+            n_heads: t.n_heads as usize,
+            n_kv_heads: t.n_kv_heads as usize,
+            head_dim,
+            q_dim: t.n_heads as usize * head_dim,
+            kv_dim: t.n_kv_heads as usize * head_dim,
+            ffn: t.ffn as usize,
+            vocab: t.vocab as usize,
+            rot_dims,
+            rope_theta: t.rope_theta,
+            norm_eps: t.norm_eps as f32,
+            norm: t.norm,
+            ffn_kind: t.ffn_kind,
+            qk_norm: t.qk_norm,
+            qkv_bias: t.qkv_bias,
+            mat,
+        })
+    }
+
+    /// RoPE inverse frequencies (`rot_dims / 2` of them), computed as transformers does: in f32,
+    /// `1 / theta^(2i / rot_dims)`.
+    #[must_use]
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        (0..self.rot_dims / 2)
+            .map(|i| 1.0 / (self.rope_theta as f32).powf((2 * i) as f32 / self.rot_dims as f32))
+            .collect()
+    }
+
+    /// `1/√head_dim`, the attention score scale.
+    #[must_use]
+    pub fn attn_scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// One tensor inside a unit's buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSlot {
+    /// GGUF-style name (`blk.3.attn_q.weight`).
+    pub name: String,
+    /// Stored element type.
+    pub elem: Elem,
+    /// Shape, rows first (`[rows, row_elems]` for matrices).
+    pub shape: Vec<usize>,
+    /// Byte offset inside the unit.
+    pub offset: usize,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+/// Offsets of the tensors an attention block reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttnOffsets {
+    pub norm_w: usize,
+    pub norm_b: Option<usize>,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+    pub q_bias: Option<usize>,
+    pub k_bias: Option<usize>,
+    pub v_bias: Option<usize>,
+}
+
+/// Offsets of the tensors an FFN block reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FfnOffsets {
+    pub norm_w: usize,
+    pub norm_b: Option<usize>,
+    pub gate: Option<usize>,
+    pub up: usize,
+    pub down: usize,
+}
+
+/// Offsets of the output norm and head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OutputOffsets {
+    pub norm_w: usize,
+    pub norm_b: Option<usize>,
+    pub head: usize,
+}
+
+/// What a unit computes, with its tensors' offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitKind {
+    /// The token embedding table at offset 0.
+    Embd,
+    /// An attention block.
+    Attn(AttnOffsets),
+    /// An FFN block.
+    Ffn(FfnOffsets),
+    /// The output norm and head.
+    Output(OutputOffsets),
+}
+
+/// One placement unit's tensors in one host buffer.
+#[derive(Debug)]
+pub struct UnitWeights {
+    /// The unit.
+    pub id: UnitId,
+    /// What it computes.
+    pub kind: UnitKind,
+    /// Its tensors, in inventory order.
+    pub tensors: Vec<TensorSlot>,
+    /// Bytes of the laid-out unit (tensor bytes plus alignment padding).
+    pub bytes: usize,
+    /// The bytes.
+    pub buf: HostBuf,
+}
+
+impl UnitWeights {
+    /// The tensor whose name ends with `suffix`.
+    #[must_use]
+    pub fn tensor(&self, suffix: &str) -> Option<&TensorSlot> {
+        self.tensors.iter().find(|t| t.name.ends_with(suffix))
+    }
+
+    /// Bytes of the tensor at `offset` with `len_bytes` bytes.
+    #[must_use]
+    pub fn bytes_at(&self, offset: usize, len_bytes: usize) -> &[u8] {
+        &self.buf.as_slice()[offset..offset + len_bytes]
+    }
+}
+
+/// Every weight of a dense decoder, one host buffer per unit.
+#[derive(Debug)]
+pub struct ModelWeights {
+    /// The spec the weights follow.
+    pub spec: ModelSpec,
+    /// Its inventory.
+    pub inventory: Inventory,
+    /// Its geometry.
+    pub dims: Dims,
+    /// The seed the values come from (0 for [`ModelWeights::zeroed`]).
+    pub seed: u64,
+    units: Vec<UnitWeights>,
+    index: HashMap<UnitId, usize>,
+}
+
+/// splitmix64: a counter-based generator, so any element's value is computed independently.
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a of a name, to give each tensor its own stream.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Uniform value in [-1, 1) for element `i` of the stream `stream`.
+fn uniform(stream: u64, i: u64) -> f32 {
+    let bits = splitmix64(stream ^ splitmix64(i));
+    ((bits >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// How a tensor's values are drawn: `center + half_width × U[-1, 1)`.
+fn init_of(name: &str, shape: &[usize]) -> (f32, f32) {
+    let is_norm = name.contains("norm");
+    if name.rsplit('.').next() == Some("bias") {
+        (0.0, 0.1)
+    } else if is_norm {
+        (1.0, 0.2)
+    } else if name.starts_with("token_embd") {
+        (0.0, 1.0)
+    } else {
+        // Uniform on [-a, a] has std a/√3; std 1/√fan_in.
+        let fan_in = *shape.last().expect("matrices have a row length") as f32;
+        (0.0, 3f32.sqrt() / fan_in.sqrt())
+    }
+}
+
+fn fill(buf: &mut [u8], elem: Elem, seed: u64, name: &str, shape: &[usize]) {
+    const CHUNK: usize = 1 << 16;
+    let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(name);
+    let (center, half_width) = init_of(name, shape);
+    let es = elem.size_bytes();
+    buf.par_chunks_mut(CHUNK * es).enumerate().for_each(|(c, chunk)| {
+        let base = (c * CHUNK) as u64;
+        match elem {
+            Elem::Bf16 => {
+                for (j, out) in chunk.chunks_exact_mut(2).enumerate() {
+                    let v = center + half_width * uniform(stream, base + j as u64);
+                    out.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+                }
+            }
+            Elem::F16 => {
+                for (j, out) in chunk.chunks_exact_mut(2).enumerate() {
+                    let v = center + half_width * uniform(stream, base + j as u64);
+                    out.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+            Elem::F32 => {
+                for (j, out) in chunk.chunks_exact_mut(4).enumerate() {
+                    let v = center + half_width * uniform(stream, base + j as u64);
+                    out.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    });
+}
+
+fn unit_kind(id: UnitId, tensors: &[TensorSlot]) -> Result<UnitKind> {
+    let find = |suffix: &str| tensors.iter().find(|t| t.name.ends_with(suffix)).map(|t| t.offset);
+    let need = |suffix: &str| {
+        find(suffix).ok_or_else(|| ExecError::UnsupportedModel {
+            model: String::new(),
+            what: format!("unit {id} without a `{suffix}` tensor"),
+            hint: "the inventory of a dense decoder has it".into(),
+        })
+    };
+    Ok(match id {
+        UnitId::TokenEmbd => UnitKind::Embd,
+        UnitId::Attn { .. } => UnitKind::Attn(AttnOffsets {
+            norm_w: need("attn_norm.weight")?,
+            norm_b: find("attn_norm.bias"),
+            q: need("attn_q.weight")?,
+            k: need("attn_k.weight")?,
+            v: need("attn_v.weight")?,
+            o: need("attn_output.weight")?,
+            q_norm: find("attn_q_norm.weight"),
+            k_norm: find("attn_k_norm.weight"),
+            q_bias: find("attn_q.bias"),
+            k_bias: find("attn_k.bias"),
+            v_bias: find("attn_v.bias"),
+        }),
+        UnitId::Ffn { .. } => UnitKind::Ffn(FfnOffsets {
+            norm_w: need("ffn_norm.weight")?,
+            norm_b: find("ffn_norm.bias"),
+            gate: find("ffn_gate.weight"),
+            up: need("ffn_up.weight")?,
+            down: need("ffn_down.weight")?,
+        }),
+        UnitId::Output => UnitKind::Output(OutputOffsets {
+            norm_w: need("output_norm.weight")?,
+            norm_b: find("output_norm.bias"),
+            head: need("output.weight")?,
+        }),
+        other => {
+            return Err(ExecError::UnsupportedModel {
+                model: String::new(),
+                what: format!("unit {other}"),
+                hint: "dense text decoders only".into(),
+            });
+        }
+    })
+}
+
+impl ModelWeights {
+    /// Random weights for `spec` from `seed`.
+    pub fn random(spec: &ModelSpec, seed: u64) -> Result<ModelWeights> {
+        Self::build(spec, Some(seed))
+    }
+
+    /// All-zero weights with the real layout (no values are drawn or touched): for layout and budget checks
+    /// that need the executor's unit sizes but will not compute.
+    pub fn zeroed(spec: &ModelSpec) -> Result<ModelWeights> {
+        Self::build(spec, None)
+    }
+
+    fn build(spec: &ModelSpec, seed: Option<u64>) -> Result<ModelWeights> {
+        let dims = Dims::new(spec)?;
+        let inventory = Inventory::new(spec);
+        let mut units = Vec::new();
+        let mut index = HashMap::new();
+        for unit in &inventory.units {
+            if matches!(unit.id, UnitId::Kv { .. }) {
+                continue;
+            }
+            let mut tensors = Vec::new();
+            let mut offset = 0usize;
+            for part in &unit.parts {
+                let t = &inventory.tensors[part.tensor];
+                let elem = Elem::from_dtype(t.dtype).ok_or_else(|| ExecError::UnsupportedModel {
+                    model: spec.name.clone(),
+                    what: format!("{} stored as {}", t.name, t.dtype),
+                    hint: "pass --weights bf16 (or f16)".into(),
+                })?;
+                let bytes = t.bytes as usize;
+                tensors.push(TensorSlot {
+                    name: t.name.clone(),
+                    elem,
+                    shape: t.shape.iter().map(|&s| s as usize).collect(),
+                    offset,
+                    bytes,
+                });
+                offset = (offset + bytes).next_multiple_of(TENSOR_ALIGN_BYTES);
+            }
+            let bytes = tensors.last().map_or(0, |t| t.offset + t.bytes);
+            let kind = unit_kind(unit.id, &tensors).map_err(|e| match e {
+                ExecError::UnsupportedModel { what, hint, .. } => {
+                    ExecError::UnsupportedModel { model: spec.name.clone(), what, hint }
+                }
+                other => other,
+            })?;
+            let mut buf = HostBuf::zeroed(bytes);
+            if let Some(seed) = seed {
+                for t in &tensors {
+                    fill(
+                        &mut buf.as_mut_slice()[t.offset..t.offset + t.bytes],
+                        t.elem,
+                        seed,
+                        &t.name,
+                        &t.shape,
+                    );
+                }
+            }
+            index.insert(unit.id, units.len());
+            units.push(UnitWeights { id: unit.id, kind, tensors, bytes, buf });
+        }
+        Ok(ModelWeights { spec: spec.clone(), inventory, dims, seed: seed.unwrap_or(0), units, index })
+    }
+
+    /// The weights of a unit (none for KV units).
+    #[must_use]
+    pub fn unit(&self, id: UnitId) -> Option<&UnitWeights> {
+        self.index.get(&id).map(|&i| &self.units[i])
+    }
+
+    /// Every weight unit, in inventory order.
+    #[must_use]
+    pub fn units(&self) -> &[UnitWeights] {
+        &self.units
+    }
+
+    /// Bytes of every host buffer together.
+    #[must_use]
+    pub fn total_bytes(&self) -> u64 {
+        self.units.iter().map(|u| u.bytes as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipeshard_core::catalog;
+    use pipeshard_core::dtype::DType;
+
+    fn tiny() -> ModelSpec {
+        crate::testing::tiny_spec()
+    }
+
+    #[test]
+    fn same_seed_same_bytes_and_sizes_match_inventory() {
+        let spec = tiny();
+        let a = ModelWeights::random(&spec, 7).unwrap();
+        let b = ModelWeights::random(&spec, 7).unwrap();
+        let c = ModelWeights::random(&spec, 8).unwrap();
+        for ((ua, ub), uc) in a.units().iter().zip(b.units()).zip(c.units()) {
+            assert_eq!(ua.buf.as_slice(), ub.buf.as_slice());
+            assert_ne!(ua.buf.as_slice(), uc.buf.as_slice());
+            assert_eq!(ua.bytes as u64, a.inventory.unit_bytes(ua.id), "{} has no padding", ua.id);
+        }
+    }
+
+    #[test]
+    fn values_have_the_intended_spread() {
+        let w = ModelWeights::random(&tiny(), 1).unwrap();
+        let u = w.unit(UnitId::Ffn { layer: 0 }).unwrap();
+        let t = u.tensor("ffn_up.weight").unwrap();
+        let n = t.bytes / 2;
+        let vals: Vec<f32> = (0..n).map(|i| t.elem.read(u.bytes_at(t.offset, t.bytes), i)).collect();
+        let mean = vals.iter().sum::<f32>() / n as f32;
+        let var = vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n as f32;
+        let expect = 1.0 / t.shape[1] as f32;
+        assert!(mean.abs() < 0.02, "{mean}");
+        assert!((var / expect - 1.0).abs() < 0.1, "var {var} vs {expect}");
+        let norm = u.tensor("ffn_norm.weight").unwrap();
+        let g = Elem::F32.read(u.bytes_at(norm.offset, norm.bytes), 3);
+        assert!((0.8..=1.2).contains(&g));
+    }
+
+    #[test]
+    fn unsupported_models_are_named() {
+        let moe = catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap();
+        let e = Dims::new(&moe.with_uniform_weights(DType::Bf16)).unwrap_err();
+        assert!(e.to_string().contains("mixture-of-experts"), "{e}");
+        let q = catalog::get("qwen3-30b-a3b").unwrap();
+        let mut dense = catalog::get("llama-3.1-8b").unwrap();
+        dense.weights = q.weights.clone();
+        let e = Dims::new(&dense).unwrap_err();
+        assert!(e.to_string().contains("--weights bf16"), "{e}");
+        let nemo4 = catalog::get("nemo-4b").unwrap();
+        let d = Dims::new(&nemo4).unwrap();
+        assert_eq!(d.rot_dims, 64);
+        assert_eq!(d.norm, NormKind::LayerNorm);
+    }
+}

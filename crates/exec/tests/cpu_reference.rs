@@ -1,0 +1,107 @@
+//! All-CPU execution of tiny models against the straightforward f64 reference (CI runs this; no GPU needed).
+
+use pipeshard_core::plan::Placement;
+use pipeshard_core::workload::Workload;
+use pipeshard_exec::reference::{logits_f64, rel_err};
+use pipeshard_exec::testing::{manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_spec, tiny_spec};
+use pipeshard_exec::weights::ModelWeights;
+use pipeshard_exec::{ExecError, RunOptions, run};
+
+#[test]
+fn all_cpu_matches_the_f64_reference() {
+    let mut checked = 0;
+    for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec()] {
+        let w = ModelWeights::random(&spec, 42).unwrap();
+        let prompt = random_tokens(11, w.dims.vocab, 3);
+        let force = random_tokens(5, w.dims.vocab, 4);
+        // ubatch 4: three prefill chunks, the last partial.
+        let workload = Workload::single(11, 32, 5, 4);
+        let plan = manual_plan(&spec, workload, 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
+        let out = run(
+            &w,
+            &plan,
+            None,
+            &RunOptions {
+                prompt: prompt.clone(),
+                gen_tokens: 5,
+                force_tokens: Some(force.clone()),
+                keep_logits: true,
+            },
+        )
+        .unwrap();
+        assert_eq!(out.tokens.len(), 6);
+        assert_eq!(out.logits.len(), 6);
+        let mut seq = prompt.clone();
+        seq.extend(&force);
+        let reference = logits_f64(&w, &seq);
+        for (i, lg) in out.logits.iter().enumerate() {
+            let r = &reference[prompt.len() - 1 + i];
+            let e = rel_err(lg, r);
+            assert!(e < 2e-2, "{} position {}: rel err {e}", spec.name, prompt.len() - 1 + i);
+            assert!(
+                e > 0.0,
+                "bf16 rounding must leave some error; identical logits mean the test compares nothing"
+            );
+            checked += 1;
+        }
+        assert!(out.metrics.ttft_ns > 0 && out.metrics.tps > 0.0);
+        assert!(out.vram.is_none());
+    }
+    assert_eq!(checked, 18);
+}
+
+#[test]
+fn free_running_tokens_follow_the_reference_argmax() {
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 9).unwrap();
+    let prompt = random_tokens(6, w.dims.vocab, 1);
+    let plan = manual_plan(&spec, Workload::single(6, 16, 4, 8), 1 << 30, 0, 0, 1, |_, _| Placement::Cpu);
+    let out = run(
+        &w,
+        &plan,
+        None,
+        &RunOptions { prompt: prompt.clone(), gen_tokens: 4, force_tokens: None, keep_logits: true },
+    )
+    .unwrap();
+    let mut seq = prompt.clone();
+    seq.extend(&out.tokens[..4]);
+    let reference = logits_f64(&w, &seq);
+    for (i, &tok) in out.tokens.iter().enumerate() {
+        let r = &reference[prompt.len() - 1 + i];
+        let best = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        // The chosen token is the reference's best or within bf16 noise of it.
+        assert!(
+            best - r[tok as usize] < 2e-2 * best.abs().max(1.0),
+            "step {i}: token {tok} scores {} vs best {best}",
+            r[tok as usize]
+        );
+    }
+}
+
+#[test]
+fn gpu_plans_without_a_device_fail_clearly() {
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 1).unwrap();
+    let plan = manual_plan(&spec, Workload::single(4, 16, 2, 4), 1 << 30, 0, 0, 1, |_, _| Placement::Pinned);
+    let e = run(
+        &w,
+        &plan,
+        None,
+        &RunOptions { prompt: vec![1, 2, 3, 4], gen_tokens: 2, force_tokens: None, keep_logits: false },
+    )
+    .unwrap_err();
+    assert!(matches!(e, ExecError::NoCuda { .. }), "{e}");
+    let e = run(
+        &w,
+        &plan,
+        None,
+        &RunOptions { prompt: vec![1, 2, 3, 4, 9999], gen_tokens: 2, force_tokens: None, keep_logits: false },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("vocabulary")
+            || e.to_string().contains("context")
+            || matches!(e, ExecError::NoCuda { .. }),
+        "{e}"
+    );
+}

@@ -1,0 +1,378 @@
+//! The discrete-event engine that runs one [`StepGraph`].
+//!
+//! State: per task its unmet dependencies and status; per exclusive lane (GPU stream, CPU pool, H2D engine,
+//! D2H engine) a FIFO of its tasks in creation order and what runs now; the ring slots and who holds them; the
+//! number of copies in flight. Events are one enum, [`Event`], handled in one `match` (`Engine::handle`)
+//! that pushes follow-up events. A `Dispatch` event (the highest rank, so it runs after every completion at the
+//! same nanosecond) starts whatever can start: copies first, since a copy starting changes the rate of the
+//! computes that start with it, then computes, then hand-offs.
+//!
+//! Shared memory bandwidth: a compute runs at its `duration_ns` rate while no H2D/D2H copy is in flight and at
+//! its `duration_under_dma_ns` rate while one is. When the number of copies in flight changes between zero
+//! and non-zero, every running compute's remaining fraction is carried over to the new rate and its completion
+//! rescheduled; the old completion event is recognised as stale by its generation number.
+
+use pipeshard_core::plan::PhaseKind;
+
+use crate::graph::{Lane, StepGraph, TaskKind};
+use crate::queue::{EventQueue, Ranked};
+
+/// Something that happens at an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A copy (stream, offload or KV write-back) finished.
+    CopyDone { task: u32 },
+    /// A hand-off finished.
+    HandoffDone { task: u32 },
+    /// A compute finished, unless a rate change has since rescheduled it (a newer `generation`).
+    ComputeDone { task: u32, generation: u32 },
+    /// Start whatever can start now.
+    Dispatch,
+}
+
+impl Ranked for Event {
+    fn rank(&self) -> u8 {
+        match self {
+            Event::CopyDone { .. } => 0,
+            Event::HandoffDone { .. } => 1,
+            Event::ComputeDone { .. } => 2,
+            Event::Dispatch => 3,
+        }
+    }
+}
+
+/// One tenancy of a ring slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotUse {
+    pub slot: u32,
+    pub item: u32,
+    /// When the item's copy started writing the slot.
+    pub claimed_ns: u64,
+    /// When the last task reading the item ended.
+    pub released_ns: u64,
+}
+
+/// What a step graph did.
+#[derive(Debug, Clone)]
+pub struct StepOutcome {
+    pub graph: StepGraph,
+    /// Start and end of every task (indexed like `graph.tasks`).
+    pub start_ns: Vec<u64>,
+    pub end_ns: Vec<u64>,
+    pub slot_uses: Vec<SlotUse>,
+    /// From the start until the last task ends.
+    pub makespan_ns: u64,
+    /// Per step, when the host had its result (the end of `graph.step_end`).
+    pub step_end_ns: Vec<u64>,
+    /// Busy time of the GPU stream, H2D engine, D2H engine and CPU pool ([`Lane::EXCLUSIVE`] order), per step.
+    pub busy_ns: Vec<[u64; 4]>,
+    /// Most ring slots held at once.
+    pub max_slots_in_use: u32,
+    /// Times of every event handled, in order (only when auditing; empty otherwise).
+    pub event_times_ns: Vec<u64>,
+}
+
+impl StepOutcome {
+    /// Which phase the steps belong to.
+    #[must_use]
+    pub fn phase_kind(&self) -> PhaseKind {
+        self.graph.phase_kind
+    }
+
+    /// Busy time of each resource summed over all steps.
+    #[must_use]
+    pub fn total_busy_ns(&self) -> [u64; 4] {
+        let mut b = [0u64; 4];
+        for s in &self.busy_ns {
+            for (x, y) in b.iter_mut().zip(s) {
+                *x += y;
+            }
+        }
+        b
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Running {
+    task: u32,
+    segment_start_ns: u64,
+    /// Fraction of the work left at `segment_start_ns`.
+    remaining: f64,
+    under_dma: bool,
+    generation: u32,
+}
+
+struct Engine<'g> {
+    g: &'g StepGraph,
+    pending: Vec<u32>,
+    succ_start: Vec<u32>,
+    succ: Vec<u32>,
+    /// FIFO per exclusive lane and its head.
+    fifo: [Vec<u32>; 4],
+    head: [usize; 4],
+    /// Copy lanes (H2D, D2H): whether busy.
+    copy_busy: [bool; 2],
+    /// Compute lanes (GPU, CPU): what runs.
+    running: [Option<Running>; 2],
+    ready_handoffs: Vec<u32>,
+    copies_in_flight: u32,
+    slot_holder: Vec<Option<(u32, u64)>>,
+    slots_in_use: u32,
+    item_readers_left: Vec<u32>,
+    dispatch_at: Option<u64>,
+    start_ns: Vec<u64>,
+    end_ns: Vec<u64>,
+    slot_uses: Vec<SlotUse>,
+    busy_ns: Vec<[u64; 4]>,
+    max_slots_in_use: u32,
+}
+
+impl Engine<'_> {
+    /// Handles one event at `now`, pushing follow-ups onto `q`.
+    fn handle(&mut self, now: u64, event: Event, q: &mut EventQueue<Event>) {
+        match event {
+            Event::CopyDone { task } => {
+                let lane = self.g.tasks[task as usize].lane;
+                self.copy_busy[usize::from(lane == Lane::D2h)] = false;
+                self.copies_in_flight -= 1;
+                if self.copies_in_flight == 0 {
+                    self.rerate(now, false, q);
+                }
+                self.finish(now, task);
+            }
+            Event::HandoffDone { task } => self.finish(now, task),
+            Event::ComputeDone { task, generation } => {
+                let lane = usize::from(self.g.tasks[task as usize].lane == Lane::Cpu);
+                match self.running[lane] {
+                    Some(r) if r.task == task && r.generation == generation => {
+                        self.running[lane] = None;
+                        self.finish(now, task);
+                    }
+                    // Rescheduled by a rate change: a newer event stands for it.
+                    _ => return,
+                }
+            }
+            Event::Dispatch => {
+                self.dispatch_at = None;
+                self.dispatch(now, q);
+                return;
+            }
+        }
+        if self.dispatch_at != Some(now) {
+            self.dispatch_at = Some(now);
+            q.push(now, Event::Dispatch);
+        }
+    }
+
+    fn finish(&mut self, now: u64, task: u32) {
+        self.end_ns[task as usize] = now;
+        let (a, b) = (self.succ_start[task as usize] as usize, self.succ_start[task as usize + 1] as usize);
+        for i in a..b {
+            let s = self.succ[i];
+            self.pending[s as usize] -= 1;
+            if self.pending[s as usize] == 0 && self.g.tasks[s as usize].lane == Lane::Handoff {
+                self.ready_handoffs.push(s);
+            }
+        }
+        let t = &self.g.tasks[task as usize];
+        if let (false, Some(item)) = (matches!(t.kind, TaskKind::Stream { .. }), t.item) {
+            self.item_readers_left[item as usize] -= 1;
+            if self.item_readers_left[item as usize] == 0 {
+                let slot = self.g.items[item as usize].slot;
+                let (holder, claimed_ns) =
+                    self.slot_holder[slot as usize].take().expect("a read item holds its slot");
+                debug_assert_eq!(holder, item);
+                self.slot_uses.push(SlotUse { slot, item, claimed_ns, released_ns: now });
+                self.slots_in_use -= 1;
+            }
+        }
+    }
+
+    /// The item whose slot `task` claims: the first copy of a ring item.
+    fn claims(&self, task: u32) -> Option<u32> {
+        match (self.g.tasks[task as usize].kind, self.g.tasks[task as usize].item) {
+            (TaskKind::Stream { .. }, Some(item)) if self.g.items[item as usize].copy == task => Some(item),
+            _ => None,
+        }
+    }
+
+    /// Whether `task` (an H2D copy) may start: an item's first copy needs its slot free.
+    fn slot_free(&self, task: u32) -> bool {
+        self.claims(task)
+            .is_none_or(|item| self.slot_holder[self.g.items[item as usize].slot as usize].is_none())
+    }
+
+    fn claim(&mut self, now: u64, task: u32) {
+        if let Some(item) = self.claims(task) {
+            self.slot_holder[self.g.items[item as usize].slot as usize] = Some((item, now));
+            self.slots_in_use += 1;
+            self.max_slots_in_use = self.max_slots_in_use.max(self.slots_in_use);
+        }
+    }
+
+    fn head_ready(&self, lane: usize) -> Option<u32> {
+        let t = *self.fifo[lane].get(self.head[lane])?;
+        (self.pending[t as usize] == 0).then_some(t)
+    }
+
+    fn dispatch(&mut self, now: u64, q: &mut EventQueue<Event>) {
+        // Copies first: one starting changes the rate of computes that start with it.
+        for (copy_lane, lane) in [(0usize, 1usize), (1, 2)] {
+            if self.copy_busy[copy_lane] {
+                continue;
+            }
+            let Some(t) = self.head_ready(lane) else { continue };
+            if !self.slot_free(t) {
+                continue;
+            }
+            self.head[lane] += 1;
+            self.claim(now, t);
+            self.copy_busy[copy_lane] = true;
+            self.copies_in_flight += 1;
+            if self.copies_in_flight == 1 {
+                self.rerate(now, true, q);
+            }
+            let task = &self.g.tasks[t as usize];
+            let d = task.duration_ns;
+            self.start_ns[t as usize] = now;
+            self.busy_ns[task.step as usize][lane] += d;
+            q.push(now + d, Event::CopyDone { task: t });
+        }
+        for (compute_lane, lane) in [(0usize, 0usize), (1, 3)] {
+            if self.running[compute_lane].is_some() {
+                continue;
+            }
+            let Some(t) = self.head_ready(lane) else { continue };
+            self.head[lane] += 1;
+            let under_dma = self.copies_in_flight > 0;
+            let task = &self.g.tasks[t as usize];
+            let d = if under_dma { task.duration_under_dma_ns } else { task.duration_ns };
+            self.running[compute_lane] =
+                Some(Running { task: t, segment_start_ns: now, remaining: 1.0, under_dma, generation: 0 });
+            self.start_ns[t as usize] = now;
+            q.push(now + d, Event::ComputeDone { task: t, generation: 0 });
+        }
+        for t in std::mem::take(&mut self.ready_handoffs) {
+            self.start_ns[t as usize] = now;
+            q.push(now + self.g.tasks[t as usize].duration_ns, Event::HandoffDone { task: t });
+        }
+    }
+
+    /// Carries running computes over to the rate with (`under_dma`) or without concurrent copies.
+    fn rerate(&mut self, now: u64, under_dma: bool, q: &mut EventQueue<Event>) {
+        for r in self.running.iter_mut().flatten() {
+            let task = &self.g.tasks[r.task as usize];
+            let rate = |dma: bool| if dma { task.duration_under_dma_ns } else { task.duration_ns };
+            let (old, new) = (rate(r.under_dma), rate(under_dma));
+            r.under_dma = under_dma;
+            if old == new {
+                continue;
+            }
+            if old > 0 {
+                r.remaining -= (now - r.segment_start_ns) as f64 / old as f64;
+            }
+            r.remaining = r.remaining.clamp(0.0, 1.0);
+            r.segment_start_ns = now;
+            r.generation += 1;
+            q.push(
+                now + (r.remaining * new as f64).ceil() as u64,
+                Event::ComputeDone { task: r.task, generation: r.generation },
+            );
+        }
+    }
+}
+
+/// Runs a step graph to completion. With `audit`, the time of every event handled is recorded.
+#[must_use]
+pub fn execute(graph: StepGraph, audit: bool) -> StepOutcome {
+    let n = graph.tasks.len();
+    let mut pending = vec![0u32; n];
+    let mut succ_count = vec![0u32; n + 1];
+    for t in 0..n as u32 {
+        let deps = graph.deps(t);
+        pending[t as usize] = deps.len() as u32;
+        for &d in deps {
+            succ_count[d as usize] += 1;
+        }
+    }
+    let mut succ_start = vec![0u32; n + 1];
+    for i in 0..n {
+        succ_start[i + 1] = succ_start[i] + succ_count[i];
+    }
+    let mut fill = succ_start.clone();
+    let mut succ = vec![0u32; succ_start[n] as usize];
+    for t in 0..n as u32 {
+        for &d in graph.deps(t) {
+            succ[fill[d as usize] as usize] = t;
+            fill[d as usize] += 1;
+        }
+    }
+    let mut fifo: [Vec<u32>; 4] = Default::default();
+    let mut ready_handoffs = Vec::new();
+    for (i, t) in graph.tasks.iter().enumerate() {
+        match t.lane.exclusive_index() {
+            Some(l) => fifo[l].push(i as u32),
+            None if pending[i] == 0 => ready_handoffs.push(i as u32),
+            None => {}
+        }
+    }
+    let item_readers_left = graph.items.iter().map(|p| p.readers).collect();
+    let slot_holder = vec![None; graph.pipeline_depth as usize];
+    let mut e = Engine {
+        g: &graph,
+        pending,
+        succ_start,
+        succ,
+        fifo,
+        head: [0; 4],
+        copy_busy: [false; 2],
+        running: [None; 2],
+        ready_handoffs,
+        copies_in_flight: 0,
+        slot_holder,
+        slots_in_use: 0,
+        item_readers_left,
+        dispatch_at: Some(0),
+        start_ns: vec![0; n],
+        end_ns: vec![0; n],
+        slot_uses: Vec::new(),
+        busy_ns: vec![[0; 4]; graph.step_end.len()],
+        max_slots_in_use: 0,
+    };
+    let mut q = EventQueue::new();
+    q.push(0, Event::Dispatch);
+    let mut now = 0;
+    let mut event_times_ns = Vec::new();
+    while let Some((t, ev)) = q.pop() {
+        now = t;
+        if audit {
+            event_times_ns.push(t);
+        }
+        e.handle(t, ev, &mut q);
+    }
+    for (lane, h) in e.head.iter().enumerate() {
+        assert_eq!(
+            *h,
+            e.fifo[lane].len(),
+            "internal: lane {lane} stalled; the step graph is not topological"
+        );
+    }
+    let Engine { start_ns, end_ns, slot_uses, mut busy_ns, max_slots_in_use, .. } = e;
+    for (i, t) in graph.tasks.iter().enumerate() {
+        if let (Lane::Gpu | Lane::Cpu, Some(l)) = (t.lane, t.lane.exclusive_index()) {
+            busy_ns[t.step as usize][l] += end_ns[i] - start_ns[i];
+        }
+    }
+    let step_end_ns = graph.step_end.iter().map(|&t| end_ns[t as usize]).collect();
+    StepOutcome {
+        graph,
+        start_ns,
+        end_ns,
+        slot_uses,
+        makespan_ns: now,
+        step_end_ns,
+        busy_ns,
+        max_slots_in_use,
+        event_times_ns,
+    }
+}

@@ -1,0 +1,799 @@
+//! Steps of a workload (prefill chunks or decode steps) as a task graph.
+//!
+//! `build` walks each step's ops (core's [`workload::ops`], in execution order) and emits [`Task`]s, each on
+//! one [`Lane`]: a compute on the GPU stream or the CPU pool, a copy on the H2D or D2H engine, or a hand-off
+//! (activations crossing between host and device, with a host synchronisation). Lanes other than hand-offs
+//! run their tasks one at a time in creation order, like a CUDA stream or ggml's CPU backend.
+//!
+//! Streaming, slot by slot as core's [`PhasePlan::stream_groups`](pipeshard_core::plan::PhasePlan::stream_groups)
+//! defines it: the reads of a `Streamed` unit within one layer share one [`RingItem`], and a layer whose
+//! attention and KV are both streamed carries both in one item (two copies into one slot: the q/k/v
+//! projections start when the weights are in, the attention when the KV is); a layer's touched streamed
+//! experts are `⌈streamed × touched / E⌉` items of at most one expert each, each computed as soon as it
+//! arrives. Item `i` goes to slot `i mod pipeline_depth`; its first copy starts when item `i − depth` has been
+//! released — all its readers done, including the write-back of the new KV cells of a streamed KV — and every
+//! op waits for the copy of what it reads. Several steps in one graph continue the ring across the boundary
+//! (the executor issues the next decode step's copies as soon as slots free up), and a layer's KV upload
+//! waits for its previous write-back.
+//!
+//! Creation order is a topological order of every wait, slot waits included: an item's readers are all
+//! created before the next item's first copy, so a copy never waits for a task created after it.
+
+use pipeshard_core::cost::{CostModel, Device, OpContext};
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::plan::{PhaseKind, Placement};
+use pipeshard_core::workload::{self, ACT_BYTES, Op, OpKind, Phase, Workload};
+
+/// Marks "none" in index vectors.
+const NONE: u32 = u32::MAX;
+
+/// The resource a task occupies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Lane {
+    /// The GPU compute stream.
+    Gpu,
+    /// The CPU worker pool (all of the plan's threads work on one op at a time).
+    Cpu,
+    /// The host → device copy engine.
+    H2d,
+    /// The device → host copy engine.
+    D2h,
+    /// A CPU↔GPU hand-off: latency only, no exclusive resource.
+    Handoff,
+}
+
+impl Lane {
+    /// The exclusive lanes, in the order [`crate::StepOutcome::busy_ns`] reports them.
+    pub const EXCLUSIVE: [Lane; 4] = [Lane::Gpu, Lane::H2d, Lane::D2h, Lane::Cpu];
+
+    /// Index into [`Lane::EXCLUSIVE`] (`None` for hand-offs).
+    #[must_use]
+    pub fn exclusive_index(self) -> Option<usize> {
+        match self {
+            Lane::Gpu => Some(0),
+            Lane::H2d => Some(1),
+            Lane::D2h => Some(2),
+            Lane::Cpu => Some(3),
+            Lane::Handoff => None,
+        }
+    }
+}
+
+/// Which share of an op a compute task runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpShare {
+    /// The whole op.
+    Whole,
+    /// The routed experts of a layer placed `Pinned` or on the `Cpu` (expected work: count / n_experts), or
+    /// one streamed ring item's worth of the `Streamed` ones.
+    Experts(Placement),
+}
+
+/// What a task does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TaskKind {
+    /// Op `op` (index into [`StepGraph::ops`]) computing on the lane's device.
+    Compute { op: u32, share: OpShare },
+    /// Ring item `item` (index into [`StepGraph::items`]) copied into its slot.
+    Stream { item: u32 },
+    /// llama.cpp op offload: the CPU-resident weights of op `op` copied to the GPU for one prefill ubatch.
+    Offload { op: u32 },
+    /// The KV cells written by the GPU attention op `op` copied back to the host mirror.
+    KvWriteback { op: u32 },
+    /// Activations handed to `to` (host sync plus copy); at a step's start, token ids (no sync), and at its
+    /// end, the sampled tokens.
+    Handoff { to: Device },
+}
+
+/// One task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    pub kind: TaskKind,
+    pub lane: Lane,
+    /// Time with no copy in flight (GPU tasks include one kernel launch).
+    pub duration_ns: u64,
+    /// Time while an H2D or D2H copy is in flight (host DRAM and device memory are shared with DMA).
+    pub duration_under_dma_ns: u64,
+    /// Bytes moved (copies and hand-offs).
+    pub bytes: u64,
+    /// The ring item the task fills (stream copies) or reads (computes, KV write-backs).
+    pub item: Option<u32>,
+    /// Which step of the graph the task belongs to.
+    pub step: u32,
+    deps_start: u32,
+    deps_end: u32,
+}
+
+/// What a ring item holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StreamKey {
+    /// A streamed unit's weights, or a streamed layer's KV (full allocated context, as the paper uploads it).
+    Unit(UnitId),
+    /// Part `part` of the expected touched share of a layer's streamed experts (at most one expert's bytes).
+    Experts { layer: u32, part: u32 },
+}
+
+/// What one ring slot holds between a copy and the release.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RingItem {
+    pub key: StreamKey,
+    /// Whether the layer's streamed KV shares the slot of its streamed attention (`key` is the attention).
+    pub with_kv: bool,
+    pub bytes: u64,
+    pub slot: u32,
+    /// The first copy task, which claims the slot (a KV sharing it has a second copy).
+    pub copy: u32,
+    /// Tasks that read it; the slot is released when the last of them ends.
+    pub readers: u32,
+    /// The last reader created (tasks are created in execution order).
+    pub last_reader: u32,
+}
+
+/// The task graph of one or more consecutive steps of one phase.
+#[derive(Debug, Clone)]
+pub struct StepGraph {
+    pub phase_kind: PhaseKind,
+    pub phases: Vec<Phase>,
+    /// The ops of every step, concatenated.
+    pub ops: Vec<Op>,
+    pub tasks: Vec<Task>,
+    pub items: Vec<RingItem>,
+    /// Per step, the task whose end gives the host the step's result (the sampled tokens, or completion).
+    pub step_end: Vec<u32>,
+    pub pipeline_depth: u32,
+    pub slot_bytes: u64,
+    /// Largest weight copied to the GPU by op offload (it lives in scratch while the op runs).
+    pub offload_peak_bytes: u64,
+    deps: Vec<u32>,
+}
+
+impl StepGraph {
+    /// The tasks `task` waits for.
+    #[must_use]
+    pub fn deps(&self, task: u32) -> &[u32] {
+        let t = &self.tasks[task as usize];
+        &self.deps[t.deps_start as usize..t.deps_end as usize]
+    }
+
+    /// The device a task's output lives on (copies: `None`).
+    #[must_use]
+    pub fn device(&self, task: u32) -> Option<Device> {
+        let t = &self.tasks[task as usize];
+        match (t.lane, t.kind) {
+            (Lane::Gpu, _) => Some(Device::Gpu),
+            (Lane::Cpu, _) => Some(Device::Cpu),
+            (_, TaskKind::Handoff { to }) => Some(to),
+            _ => None,
+        }
+    }
+
+    /// A short human-readable name of a ring item.
+    #[must_use]
+    pub fn item_label(&self, item: u32) -> String {
+        let it = &self.items[item as usize];
+        match it.key {
+            StreamKey::Unit(u) if it.with_kv => format!("{u}+kv"),
+            StreamKey::Unit(u) => u.to_string(),
+            StreamKey::Experts { layer, part } => format!("blk.{layer}.experts[{part}]"),
+        }
+    }
+
+    /// A short human-readable name of a task (trace labels, errors).
+    #[must_use]
+    pub fn label(&self, task: u32) -> String {
+        let t = &self.tasks[task as usize];
+        match t.kind {
+            TaskKind::Compute { op, share } => {
+                let o = &self.ops[op as usize];
+                let what = match o.kind {
+                    OpKind::MatMul { n, k } => format!("matmul {n}x{k}"),
+                    OpKind::Attention { keys, .. } => format!("attention ({keys} keys)"),
+                    OpKind::Experts { .. } => match (share, t.item) {
+                        (_, Some(item)) => format!("experts ({})", self.item_label(item)),
+                        (OpShare::Experts(p), None) => format!("experts ({})", placement_word(p)),
+                        (OpShare::Whole, None) => "experts".to_string(),
+                    },
+                    OpKind::Router { .. } => "router".to_string(),
+                    OpKind::Sample { .. } => "sample".to_string(),
+                    k => format!("{:?}", k.class()).to_lowercase(),
+                };
+                format!("{} {what}", o.unit)
+            }
+            TaskKind::Stream { item } => format!("stream {}", self.item_label(item)),
+            TaskKind::Offload { op } => format!("offload {}", self.ops[op as usize].unit),
+            TaskKind::KvWriteback { op } => format!("kv cells {}", self.ops[op as usize].unit),
+            TaskKind::Handoff { to: Device::Gpu } => "hand-off to gpu".to_string(),
+            TaskKind::Handoff { to: Device::Cpu } => "hand-off to cpu".to_string(),
+        }
+    }
+}
+
+fn placement_word(p: Placement) -> &'static str {
+    match p {
+        Placement::Pinned => "pinned",
+        Placement::Streamed => "streamed",
+        Placement::Cpu => "cpu",
+    }
+}
+
+/// Placements of one decoder layer in one phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerView {
+    pub attn: Placement,
+    /// The dense FFN block or, for MoE layers, the router.
+    pub ffn: Placement,
+    pub shared_experts: Placement,
+    pub kv: Placement,
+    /// Routed experts placed pinned, streamed, on the CPU.
+    pub experts: [u32; 3],
+    /// Whether the new KV cells of a GPU attention go back to the host mirror (the KV is streamed in this
+    /// phase, or pinned in prefill but not in decode).
+    pub kv_mirrored: bool,
+}
+
+/// Placements of one phase, indexed for O(1) lookup by unit.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PhaseView {
+    pub kind: PhaseKind,
+    pub token_embd: Placement,
+    pub output: Placement,
+    pub layers: Vec<LayerView>,
+    pub pipeline_depth: u32,
+    pub slot_bytes: u64,
+    pub op_offload: bool,
+    pub cpu_threads: u32,
+}
+
+impl PhaseView {
+    /// Whether any op of the phase can run on the GPU (else it needs no GPU scratch).
+    pub fn uses_gpu(&self) -> bool {
+        self.token_embd.on_gpu()
+            || self.output.on_gpu()
+            || (self.op_offload && self.kind == PhaseKind::Prefill)
+            || self.layers.iter().any(|l| {
+                l.attn.on_gpu()
+                    || l.ffn.on_gpu()
+                    || l.shared_experts.on_gpu()
+                    || l.experts[0] + l.experts[1] > 0
+            })
+    }
+
+    pub fn placement(&self, unit: UnitId) -> Placement {
+        match unit {
+            UnitId::TokenEmbd => self.token_embd,
+            UnitId::Output => self.output,
+            UnitId::Attn { layer } => self.layers[layer as usize].attn,
+            UnitId::Ffn { layer } | UnitId::Router { layer } => self.layers[layer as usize].ffn,
+            UnitId::SharedExperts { layer } => self.layers[layer as usize].shared_experts,
+            UnitId::Kv { layer } => self.layers[layer as usize].kv,
+            // Experts are split by counts; the vision tower runs no text op.
+            UnitId::Expert { .. }
+            | UnitId::VisionPatchEmbd
+            | UnitId::VisionBlock { .. }
+            | UnitId::VisionMerger => Placement::Pinned,
+        }
+    }
+}
+
+/// What a step build needs besides the phase view.
+pub(crate) struct BuildCtx<'a> {
+    pub inv: &'a Inventory,
+    pub spec: &'a pipeshard_core::model::ModelSpec,
+    pub workload: &'a Workload,
+    pub cost: &'a dyn CostModel,
+    /// KV bytes of one layer for the full allocated context of every sequence.
+    pub kv_layer_bytes: u64,
+    /// KV bytes one token adds to one layer.
+    pub kv_token_bytes: u64,
+    /// Bytes of one routed expert, per layer (0 for dense layers).
+    pub expert_bytes: &'a [u64],
+}
+
+/// The identity of an op's cost: everything a cost model may read, except the unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct CostKey {
+    kind: [u64; 6],
+    tokens: u64,
+    dtype: pipeshard_core::dtype::DType,
+    device: Device,
+    amounts: [u64; 4],
+}
+
+impl CostKey {
+    fn new(op: &Op, device: Device) -> CostKey {
+        let kind = match op.kind {
+            OpKind::MatMul { n, k } => [1, n, k, 0, 0, 0],
+            OpKind::Attention { q_heads, kv_heads, head_dim, keys } => {
+                [2, u64::from(q_heads), u64::from(kv_heads), head_dim, keys, 0]
+            }
+            OpKind::Router { n_experts, top_k } => [3, u64::from(n_experts), u64::from(top_k), 0, 0, 0],
+            OpKind::Experts { n_experts, touched, tokens_per_touched, ffn, hidden } => {
+                [4, u64::from(n_experts), touched.to_bits(), tokens_per_touched.to_bits(), ffn, hidden]
+            }
+            OpKind::Sample { vocab } => [5, vocab, 0, 0, 0, 0],
+            k => [6 + k.class() as u64, 0, 0, 0, 0, 0],
+        };
+        CostKey {
+            kind,
+            tokens: op.tokens,
+            dtype: op.dtype,
+            device,
+            amounts: [
+                op.flops.to_bits(),
+                op.weight_bytes.to_bits(),
+                op.act_bytes.to_bits(),
+                op.kv_bytes.to_bits(),
+            ],
+        }
+    }
+}
+
+/// The Fx hash (rustc's): one rotate, xor and multiply per word. The memo's keys are small and trusted, so a
+/// fast non-keyed hash is enough.
+#[derive(Debug, Clone, Copy, Default)]
+struct FxHasher(u64);
+
+impl FxHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl std::hash::Hasher for FxHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.add(x);
+    }
+    fn write_u8(&mut self, x: u8) {
+        self.add(u64::from(x));
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.add(x as u64);
+    }
+}
+
+type CostMemo = std::collections::HashMap<CostKey, (u64, u64), std::hash::BuildHasherDefault<FxHasher>>;
+
+/// Which part of a step an op belongs to: a unit's reads within one part share one ring item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Segment {
+    Prologue,
+    Layer(u32),
+    Epilogue,
+}
+
+struct Builder<'a> {
+    ctx: &'a BuildCtx<'a>,
+    /// Op times (alone, under DMA) already asked of the cost model: layers repeat the same shapes.
+    memo: CostMemo,
+    view: &'a PhaseView,
+    phase: Phase,
+    step: u32,
+    tasks: Vec<Task>,
+    deps: Vec<u32>,
+    /// Hand-off task leaving each task for the other device.
+    handoff_after: Vec<u32>,
+    items: Vec<RingItem>,
+    /// The last write-back of each layer's new KV cells (the next upload of that KV waits for it).
+    last_writeback: Vec<u32>,
+    offload_peak_bytes: u64,
+}
+
+impl Builder<'_> {
+    fn push(&mut self, kind: TaskKind, lane: Lane, durations: (u64, u64), bytes: u64, deps: &[u32]) -> u32 {
+        let deps_start = self.deps.len() as u32;
+        self.deps.extend_from_slice(deps);
+        self.tasks.push(Task {
+            kind,
+            lane,
+            duration_ns: durations.0,
+            duration_under_dma_ns: durations.1,
+            bytes,
+            item: None,
+            step: self.step,
+            deps_start,
+            deps_end: self.deps.len() as u32,
+        });
+        self.handoff_after.push(NONE);
+        (self.tasks.len() - 1) as u32
+    }
+
+    fn device(&self, task: u32) -> Device {
+        match (self.tasks[task as usize].lane, self.tasks[task as usize].kind) {
+            (Lane::Gpu, _) => Device::Gpu,
+            (_, TaskKind::Handoff { to }) => to,
+            _ => Device::Cpu,
+        }
+    }
+
+    fn activation_bytes(&self) -> u64 {
+        (self.phase.tokens() as f64 * self.ctx.spec.text.hidden as f64 * ACT_BYTES) as u64
+    }
+
+    /// The dependency a task on `dev` takes on `from`: `from` itself on the same device, else the hand-off
+    /// leaving it (created once).
+    fn on(&mut self, from: Option<u32>, dev: Device) -> Option<u32> {
+        let f = from?;
+        if self.device(f) == dev {
+            return Some(f);
+        }
+        if self.handoff_after[f as usize] == NONE {
+            let cost = self.ctx.cost;
+            let bytes = self.activation_bytes();
+            let copy = match dev {
+                Device::Gpu => cost.h2d_ns(bytes, true),
+                Device::Cpu => cost.d2h_ns(bytes, true),
+            };
+            let d = cost.host_sync_ns() + copy;
+            let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (d, d), bytes, &[f]);
+            self.handoff_after[f as usize] = h;
+        }
+        Some(self.handoff_after[f as usize])
+    }
+
+    fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
+        let cost = self.ctx.cost;
+        let (lane, ctx, launch) = match dev {
+            Device::Gpu => (Lane::Gpu, OpContext::gpu(), cost.launch_ns()),
+            Device::Cpu => (Lane::Cpu, OpContext::cpu(self.view.cpu_threads), 0),
+        };
+        let (alone, dma) = *self
+            .memo
+            .entry(CostKey::new(op, dev))
+            .or_insert_with(|| (cost.op_ns(op, ctx), cost.op_ns(op, ctx.with_dma(true))));
+        self.push(
+            TaskKind::Compute { op: op_index as u32, share },
+            lane,
+            (launch + alone, launch + dma),
+            0,
+            deps,
+        )
+    }
+
+    /// A new ring item and its copy, which also waits for `after` (a layer's router, for its experts; the
+    /// previous write-back, for a KV).
+    fn item(&mut self, key: StreamKey, bytes: u64, after: Option<u32>) -> u32 {
+        let item = self.items.len() as u32;
+        let d = self.ctx.cost.h2d_ns(bytes, true);
+        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
+        self.tasks[copy as usize].item = Some(item);
+        let slot = item % self.view.pipeline_depth.max(1);
+        self.items.push(RingItem { key, with_kv: false, bytes, slot, copy, readers: 0, last_reader: NONE });
+        item
+    }
+
+    /// A layer's streamed KV joining the slot of its streamed attention: a second copy into `item`.
+    fn join_kv(&mut self, item: u32, bytes: u64, after: Option<u32>) -> u32 {
+        let d = self.ctx.cost.h2d_ns(bytes, true);
+        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
+        self.tasks[copy as usize].item = Some(item);
+        let it = &mut self.items[item as usize];
+        it.with_kv = true;
+        it.bytes += bytes;
+        copy
+    }
+
+    /// Marks `task` as a reader of `item`.
+    fn read(&mut self, task: u32, item: u32) {
+        self.tasks[task as usize].item = Some(item);
+        let it = &mut self.items[item as usize];
+        it.readers += 1;
+        it.last_reader = task;
+    }
+
+    /// llama.cpp op offload: a serialised copy of `bytes` of CPU-resident weights, after `prev`.
+    fn offload_copy(&mut self, op_index: usize, bytes: u64, prev: Option<u32>) -> u32 {
+        self.offload_peak_bytes = self.offload_peak_bytes.max(bytes);
+        let d = self.ctx.cost.h2d_ns(bytes, true);
+        self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, (d, d), bytes, prev.as_slice())
+    }
+
+    fn offload_phase(&self, op: &Op) -> bool {
+        self.view.op_offload && self.view.kind == PhaseKind::Prefill && op.tokens >= OP_OFFLOAD_MIN_TOKENS
+    }
+
+    /// Under op offload, an op reading CPU-resident weights runs on the GPU (ggml offloads every op whose
+    /// weights sit in a host buffer, except row gathers).
+    fn offloads(&self, op: &Op) -> bool {
+        self.offload_phase(op) && op.weight_bytes > 0.0 && !matches!(op.kind, OpKind::Embed)
+    }
+
+    /// Under op offload, an op with neither weights nor KV runs where its input is (ggml's scheduler expands
+    /// assignments to such ops from their neighbours).
+    fn follows_input(&self, op: &Op) -> bool {
+        self.offload_phase(op) && op.weight_bytes == 0.0 && op.kv_bytes == 0.0
+    }
+
+    /// Where an op (not an experts op) runs, given the task before it.
+    fn device_of(&self, op: &Op, prev: Option<u32>) -> Device {
+        match self.view.placement(op.unit) {
+            Placement::Pinned | Placement::Streamed => Device::Gpu,
+            Placement::Cpu if self.offloads(op) => Device::Gpu,
+            Placement::Cpu if self.follows_input(op) => prev.map_or(Device::Cpu, |p| self.device(p)),
+            Placement::Cpu => Device::Cpu,
+        }
+    }
+
+    /// The tasks of a layer's routed experts op after the router task `router`; returns what the residual add
+    /// joins: the last GPU share (the stream runs them in order) and the CPU share.
+    fn experts(&mut self, i: usize, op: &Op, router: Option<u32>) -> Vec<u32> {
+        let OpKind::Experts { n_experts, touched, .. } = op.kind else { unreachable!("an experts op") };
+        let layer = op.unit.layer().expect("experts belong to a layer");
+        let counts = self.view.layers[layer as usize].experts;
+        let expert_bytes = self.ctx.expert_bytes[layer as usize];
+        let share = |count: u32| f64::from(count) / f64::from(n_experts);
+        let mut last_gpu = None;
+        if counts[0] > 0 {
+            let deps = Deps::from(self.on(router, Device::Gpu));
+            let sop = scaled(op, share(counts[0]));
+            last_gpu = Some(self.compute(
+                i,
+                OpShare::Experts(Placement::Pinned),
+                &sop,
+                Device::Gpu,
+                deps.as_slice(),
+            ));
+        }
+        if counts[1] > 0 {
+            // Touched streamed experts (expected), one ring item per expert's worth, each computed on arrival.
+            let expected = f64::from(counts[1]) * touched / f64::from(n_experts);
+            let parts = (expected.ceil() as u32).clamp(1, counts[1]);
+            let bytes = (expected * expert_bytes as f64 / f64::from(parts)).ceil() as u64;
+            let sop = scaled(op, share(counts[1]) / f64::from(parts));
+            for part in 0..parts {
+                let item = self.item(StreamKey::Experts { layer, part }, bytes, router);
+                let mut deps = Deps::from(self.on(router, Device::Gpu));
+                deps.push(self.items[item as usize].copy);
+                let t = self.compute(
+                    i,
+                    OpShare::Experts(Placement::Streamed),
+                    &sop,
+                    Device::Gpu,
+                    deps.as_slice(),
+                );
+                self.read(t, item);
+                last_gpu = Some(t);
+            }
+        }
+        let mut joins: Vec<u32> = last_gpu.into_iter().collect();
+        if counts[2] > 0 {
+            let sop = scaled(op, share(counts[2]));
+            let t = if self.offloads(op) {
+                let copy = self.offload_copy(i, u64::from(counts[2]) * expert_bytes, router);
+                let mut deps = Deps::from(self.on(router, Device::Gpu));
+                deps.push(copy);
+                self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Gpu, deps.as_slice())
+            } else {
+                let deps = Deps::from(self.on(router, Device::Cpu));
+                self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Cpu, deps.as_slice())
+            };
+            joins.push(t);
+        }
+        joins
+    }
+}
+
+/// A task's dependencies while it is built (at most an input per expert share, the shared experts, a copy).
+#[derive(Debug, Default, Clone, Copy)]
+struct Deps {
+    ids: [u32; 6],
+    len: usize,
+}
+
+impl Deps {
+    fn push(&mut self, d: u32) {
+        self.ids[self.len] = d;
+        self.len += 1;
+    }
+
+    fn push_some(&mut self, d: Option<u32>) {
+        if let Some(d) = d {
+            self.push(d);
+        }
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        &self.ids[..self.len]
+    }
+}
+
+impl From<Option<u32>> for Deps {
+    fn from(d: Option<u32>) -> Deps {
+        let mut deps = Deps::default();
+        deps.push_some(d);
+        deps
+    }
+}
+
+/// llama.cpp offloads an op of CPU-resident weights to the GPU from this many tokens on.
+pub const OP_OFFLOAD_MIN_TOKENS: u64 = 32;
+
+fn scaled(op: &Op, f: f64) -> Op {
+    let mut o = *op;
+    if let OpKind::Experts { touched, .. } = &mut o.kind {
+        *touched *= f;
+    }
+    o.flops *= f;
+    o.weight_bytes *= f;
+    o.act_bytes *= f;
+    o
+}
+
+/// Builds the task graph of consecutive `phases` under `view` (one graph, the ring running across steps).
+pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> StepGraph {
+    let mut b = Builder {
+        ctx,
+        memo: CostMemo::default(),
+        view,
+        phase: phases[0],
+        step: 0,
+        tasks: Vec::new(),
+        deps: Vec::new(),
+        handoff_after: Vec::new(),
+        items: Vec::new(),
+        last_writeback: vec![NONE; ctx.spec.text.n_layers as usize],
+        offload_peak_bytes: 0,
+    };
+    let mut all_ops: Vec<Op> = Vec::new();
+    let mut op_counts: Vec<usize> = Vec::with_capacity(phases.len());
+    let mut step_end = Vec::with_capacity(phases.len());
+    // The previous step's result, on the host.
+    let mut prev: Option<u32> = None;
+    for (step, &phase) in phases.iter().enumerate() {
+        // A repeated phase (the decode warm-up pair) reuses the previous step's op list.
+        let ops = match step.checked_sub(1) {
+            Some(k) if phases[k] == phase => all_ops[all_ops.len() - op_counts[k]..].to_vec(),
+            _ => workload::ops(ctx.spec, ctx.inv, ctx.workload, phase),
+        };
+        op_counts.push(ops.len());
+        let base = all_ops.len();
+        b.step = step as u32;
+        b.phase = phase;
+        b.tasks.reserve(ops.len() * 3 / 2);
+        b.deps.reserve(ops.len() * 2);
+        b.handoff_after.reserve(ops.len() * 3 / 2);
+        let mut segment = Segment::Prologue;
+        // Items of the current segment: a unit read again within it reuses its item.
+        let mut segment_items: Vec<(UnitId, u32, u32)> = Vec::new();
+        // Within a MoE layer after its experts op: the router task and the expert shares to join.
+        let mut moe: Option<(Option<u32>, Vec<u32>)> = None;
+        for (j, op) in ops.iter().enumerate() {
+            let i = base + j;
+            let s = match op.unit.layer() {
+                Some(l) => Segment::Layer(l),
+                None if segment == Segment::Prologue => Segment::Prologue,
+                None => Segment::Epilogue,
+            };
+            if s != segment {
+                segment = s;
+                segment_items.clear();
+            }
+            if let OpKind::Experts { .. } = op.kind {
+                let joins = b.experts(i, op, prev);
+                // Shared experts (if any) read the same input as the routed ones and run beside them.
+                moe = Some((prev, joins));
+                continue;
+            }
+            let dev = b.device_of(op, prev);
+            if j == 0 && dev == Device::Gpu {
+                // Token ids go to the device; the host is not waiting on the device yet.
+                let bytes = phase.tokens() * 4;
+                let d = ctx.cost.h2d_ns(bytes, true);
+                prev = Some(b.push(
+                    TaskKind::Handoff { to: Device::Gpu },
+                    Lane::Handoff,
+                    (d, d),
+                    bytes,
+                    prev.as_slice(),
+                ));
+            }
+            let mut deps = Deps::default();
+            match moe.take() {
+                Some((router, joins))
+                    if matches!(op.kind, OpKind::Add) && matches!(op.unit, UnitId::Router { .. }) =>
+                {
+                    for t in joins {
+                        deps.push_some(b.on(Some(t), dev));
+                    }
+                    if prev != router {
+                        deps.push_some(b.on(prev, dev));
+                    }
+                }
+                other => {
+                    moe = other;
+                    deps.push_some(b.on(prev, dev));
+                }
+            }
+            let placement = view.placement(op.unit);
+            let mut item = None;
+            if placement == Placement::Streamed && (op.weight_bytes > 0.0 || op.kv_bytes > 0.0) {
+                // (item, the copy this op waits for) of the unit in this segment.
+                let found = segment_items.iter().find(|(u, ..)| *u == op.unit).map(|x| (x.1, x.2));
+                let (it, copy) = found.unwrap_or_else(|| {
+                    let (it, copy) = match op.unit {
+                        UnitId::Kv { layer } => {
+                            let w = b.last_writeback[layer as usize];
+                            let after = (w != NONE).then_some(w);
+                            let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
+                            // The attention's slot carries the KV too.
+                            if let Some(&(_, it, _)) = attn {
+                                (it, b.join_kv(it, ctx.kv_layer_bytes, after))
+                            } else {
+                                let it = b.item(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, after);
+                                (it, b.items[it as usize].copy)
+                            }
+                        }
+                        u => {
+                            let it = b.item(StreamKey::Unit(u), ctx.inv.unit_bytes(u), None);
+                            (it, b.items[it as usize].copy)
+                        }
+                    };
+                    segment_items.push((op.unit, it, copy));
+                    (it, copy)
+                });
+                deps.push(copy);
+                item = Some(it);
+            }
+            if placement == Placement::Cpu && b.offloads(op) {
+                deps.push(b.offload_copy(i, op.weight_bytes as u64, prev));
+            }
+            let t = b.compute(i, OpShare::Whole, op, dev, deps.as_slice());
+            if let Some(it) = item {
+                b.read(t, it);
+            }
+            if let (OpKind::Attention { .. }, UnitId::Kv { layer }, Device::Gpu) = (op.kind, op.unit, dev)
+                && view.layers[layer as usize].kv_mirrored
+            {
+                let bytes = op.tokens * ctx.kv_token_bytes;
+                let d = ctx.cost.d2h_ns(bytes, true);
+                let w = b.push(TaskKind::KvWriteback { op: i as u32 }, Lane::D2h, (d, d), bytes, &[t]);
+                b.last_writeback[layer as usize] = w;
+                if let Some(it) = item {
+                    b.read(w, it);
+                }
+            }
+            prev = Some(t);
+        }
+        all_ops.extend(ops);
+        let last = prev.expect("a step has ops");
+        let end = if b.device(last) == Device::Gpu {
+            // The sampled tokens (or, for a chunk without logits, just completion) go back to the host.
+            let bytes = phase.logit_rows() * 4;
+            let d = ctx.cost.host_sync_ns() + ctx.cost.d2h_ns(bytes, true);
+            b.push(TaskKind::Handoff { to: Device::Cpu }, Lane::Handoff, (d, d), bytes, &[last])
+        } else {
+            last
+        };
+        step_end.push(end);
+        prev = Some(end);
+    }
+
+    // The topological argument above: item i reuses the slot of item i − depth, whose readers all come first.
+    let depth = view.pipeline_depth.max(1) as usize;
+    debug_assert!(
+        (depth..b.items.len()).all(|i| b.items[i - depth].last_reader < b.items[i].copy),
+        "a ring item is read after the next tenant of its slot was created"
+    );
+
+    StepGraph {
+        phase_kind: view.kind,
+        phases: phases.to_vec(),
+        ops: all_ops,
+        tasks: b.tasks,
+        items: b.items,
+        step_end,
+        pipeline_depth: view.pipeline_depth,
+        slot_bytes: view.slot_bytes,
+        offload_peak_bytes: b.offload_peak_bytes,
+        deps: b.deps,
+    }
+}

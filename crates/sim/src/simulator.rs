@@ -1,0 +1,513 @@
+//! [`Simulator`]: a plan, a model and a cost model in; one step or a whole workload out.
+//!
+//! A workload is prefill (P prompt tokens in ubatch chunks, for each of R requests in turn, with the prefill
+//! plan), a plan switch (the re-upload of `switch_bytes`), then G decode steps of R sequences (decode plan).
+//! A prefill chunk starts with empty copy engines and an empty ring and ends when its last task ends (the
+//! host waits at the end of each chunk). Decode steps are measured in steady state, as the executor runs them:
+//! the ring keeps copying into the next step while the current one finishes, so a decode step is simulated
+//! after a warm-up step of the same shape, and its time runs from the warm-up step's sampled token reaching
+//! the host to its own.
+//!
+//! Sampling: a step's time depends on its position only through attention (keys attended, KV read), which is
+//! linear in the position, so [`Simulator::run`] simulates a few representative steps and interpolates
+//! linearly between them: for decode the first, the last and `decode_samples − 2` evenly between; for prefill
+//! the same over the full chunks of one request, plus the last chunk (which computes logits, and may be
+//! shorter) on its own. All R requests' prefills are the same. [`SimOptions::exact`] simulates every step.
+
+use std::borrow::Cow;
+
+use pipeshard_core::cost::CostModel;
+use pipeshard_core::inventory::{Inventory, UnitId};
+use pipeshard_core::metrics::{Metrics, Resource};
+use pipeshard_core::model::ModelSpec;
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, PlanInvalid, VramBreakdown};
+use pipeshard_core::trace::Trace;
+use pipeshard_core::workload::{self, Phase, WorkloadError};
+
+use crate::engine::{self, StepOutcome};
+use crate::graph::{self, BuildCtx, Lane, LayerView, PhaseView, StepGraph, TaskKind};
+
+/// Why a plan cannot be simulated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SimError {
+    #[error("the plan is for model `{plan}` but the spec given is `{spec}`")]
+    ModelMismatch { plan: String, spec: String },
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error("invalid plan: {0}")]
+    InvalidPlan(#[from] PlanInvalid),
+}
+
+/// How much of a workload to simulate, and what to keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Full prefill chunks of one request simulated (first, last, evenly between); the rest interpolated.
+    pub prefill_samples: u32,
+    /// Decode steps simulated (first, last, evenly between); the rest interpolated.
+    pub decode_samples: u32,
+    /// Simulate every step.
+    pub exact: bool,
+    /// Build a Chrome trace of the simulated steps.
+    pub trace: bool,
+}
+
+impl Default for SimOptions {
+    /// 5 prefill samples, 3 decode samples, no trace.
+    fn default() -> SimOptions {
+        SimOptions { prefill_samples: 5, decode_samples: 3, exact: false, trace: false }
+    }
+}
+
+/// One step of the integrated timeline.
+#[derive(Debug, Clone)]
+struct StepTime {
+    phase: Phase,
+    duration_ns: u64,
+    busy_ns: [u64; 4],
+    /// Kept for simulated steps when tracing, with the measured step's index in it and where its window
+    /// starts.
+    outcome: Option<(StepOutcome, u32, u64)>,
+    simulated: bool,
+}
+
+/// The result of simulating a whole workload.
+#[derive(Debug, Clone)]
+pub struct Simulation {
+    pub metrics: Metrics,
+    /// Prefill of all requests (= TTFT).
+    pub prefill_ns: u64,
+    /// Re-upload of the plan switch before the first decode step.
+    pub switch_ns: u64,
+    /// Switch plus all decode steps.
+    pub decode_ns: u64,
+    /// VRAM the simulated run used, per phase (pinned and KV from the placements, slots actually held,
+    /// scratch of the largest step if anything runs on the GPU, plus op-offload weights, runtime overhead from
+    /// the cost model).
+    pub vram_used: [VramBreakdown; 2],
+    pub steps_simulated: u64,
+    pub steps_total: u64,
+    pub trace: Option<Trace>,
+}
+
+/// Simulates one plan (see the module docs).
+pub struct Simulator<'a> {
+    spec: &'a ModelSpec,
+    plan: &'a Plan,
+    cost: &'a dyn CostModel,
+    inv: Cow<'a, Inventory>,
+    views: [PhaseView; 2],
+    expert_bytes: Vec<u64>,
+    kv_layer_bytes: u64,
+    kv_token_bytes: u64,
+    audit: bool,
+}
+
+impl std::fmt::Debug for Simulator<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Simulator")
+            .field("model", &self.spec.name)
+            .field("planner", &self.plan.planner)
+            .finish()
+    }
+}
+
+fn phase_index(kind: PhaseKind) -> usize {
+    match kind {
+        PhaseKind::Prefill => 0,
+        PhaseKind::Decode => 1,
+    }
+}
+
+fn view_of(spec: &ModelSpec, pp: &PhasePlan, default_threads: u32) -> PhaseView {
+    let cpu = LayerView {
+        attn: Placement::Cpu,
+        ffn: Placement::Cpu,
+        shared_experts: Placement::Cpu,
+        kv: Placement::Cpu,
+        experts: [0; 3],
+        kv_mirrored: false,
+    };
+    let mut v = PhaseView {
+        kind: pp.phase,
+        token_embd: Placement::Cpu,
+        output: Placement::Cpu,
+        layers: vec![cpu; spec.text.n_layers as usize],
+        pipeline_depth: pp.pipeline_depth,
+        slot_bytes: pp.slot_bytes,
+        op_offload: pp.op_offload,
+        cpu_threads: if pp.cpu_threads == 0 { default_threads } else { pp.cpu_threads },
+    };
+    for up in &pp.placements {
+        let p = up.placement;
+        match up.unit {
+            UnitId::TokenEmbd => v.token_embd = p,
+            UnitId::Output => v.output = p,
+            UnitId::Attn { layer } => v.layers[layer as usize].attn = p,
+            UnitId::Ffn { layer } | UnitId::Router { layer } => v.layers[layer as usize].ffn = p,
+            UnitId::SharedExperts { layer } => v.layers[layer as usize].shared_experts = p,
+            UnitId::Kv { layer } => v.layers[layer as usize].kv = p,
+            UnitId::Expert { layer, .. } => {
+                let i = match p {
+                    Placement::Pinned => 0,
+                    Placement::Streamed => 1,
+                    Placement::Cpu => 2,
+                };
+                v.layers[layer as usize].experts[i] += 1;
+            }
+            UnitId::VisionPatchEmbd | UnitId::VisionBlock { .. } | UnitId::VisionMerger => {}
+        }
+    }
+    v
+}
+
+/// Indices of `samples` steps out of `m`: first, last and evenly between (all when `exact`).
+fn sample_indices(m: usize, samples: u32, exact: bool) -> Vec<usize> {
+    let k = samples.max(2) as usize;
+    if exact || m <= k {
+        return (0..m).collect();
+    }
+    let mut v: Vec<usize> =
+        (0..k).map(|j| ((j * (m - 1)) as f64 / (k - 1) as f64).round() as usize).collect();
+    v.dedup();
+    v
+}
+
+impl<'a> Simulator<'a> {
+    /// Checks the plan against the model and prepares per-phase lookups.
+    pub fn new(
+        spec: &'a ModelSpec,
+        plan: &'a Plan,
+        cost: &'a dyn CostModel,
+    ) -> Result<Simulator<'a>, SimError> {
+        Simulator::build(spec, Cow::Owned(Inventory::new(spec)), plan, cost)
+    }
+
+    /// The same with the model's inventory already built (`Inventory::new(spec)`, or the exact inventory of a
+    /// GGUF file): a sweep builds it once per model rather than once per plan.
+    pub fn with_inventory(
+        spec: &'a ModelSpec,
+        inv: &'a Inventory,
+        plan: &'a Plan,
+        cost: &'a dyn CostModel,
+    ) -> Result<Simulator<'a>, SimError> {
+        Simulator::build(spec, Cow::Borrowed(inv), plan, cost)
+    }
+
+    fn build(
+        spec: &'a ModelSpec,
+        inv: Cow<'a, Inventory>,
+        plan: &'a Plan,
+        cost: &'a dyn CostModel,
+    ) -> Result<Simulator<'a>, SimError> {
+        if plan.model != spec.name {
+            return Err(SimError::ModelMismatch { plan: plan.model.clone(), spec: spec.name.clone() });
+        }
+        plan.workload.validate()?;
+        plan.validate(&inv)?;
+        let threads = cost.cpu_threads();
+        let mut views = [view_of(spec, &plan.prefill, threads), view_of(spec, &plan.decode, threads)];
+        let decode_kv: Vec<Placement> = views[1].layers.iter().map(|l| l.kv).collect();
+        for (i, l) in views[0].layers.iter_mut().enumerate() {
+            l.kv_mirrored = l.kv == Placement::Streamed
+                || (l.kv == Placement::Pinned && decode_kv[i] != Placement::Pinned);
+        }
+        for l in &mut views[1].layers {
+            l.kv_mirrored = l.kv == Placement::Streamed;
+        }
+        let expert_bytes = (0..spec.text.n_layers)
+            .map(|layer| inv.unit_bytes(UnitId::Expert { layer, expert: 0 }))
+            .collect();
+        Ok(Simulator {
+            spec,
+            plan,
+            cost,
+            kv_layer_bytes: plan.workload.kv_bytes_per_layer(spec),
+            kv_token_bytes: spec.kv_bytes_per_token_layer(plan.workload.kv_dtype),
+            inv,
+            views,
+            expert_bytes,
+            audit: false,
+        })
+    }
+
+    /// Records the time of every event in each [`StepOutcome`] (for tests of the engine).
+    #[must_use]
+    pub fn with_audit(mut self, audit: bool) -> Simulator<'a> {
+        self.audit = audit;
+        self
+    }
+
+    /// The model's inventory.
+    #[must_use]
+    pub fn inventory(&self) -> &Inventory {
+        &self.inv
+    }
+
+    /// The task graph of consecutive steps (the ring runs across them).
+    #[must_use]
+    pub fn graph(&self, kind: PhaseKind, phases: &[Phase]) -> StepGraph {
+        let ctx = BuildCtx {
+            inv: &self.inv,
+            spec: self.spec,
+            workload: &self.plan.workload,
+            cost: self.cost,
+            kv_layer_bytes: self.kv_layer_bytes,
+            kv_token_bytes: self.kv_token_bytes,
+            expert_bytes: &self.expert_bytes,
+        };
+        graph::build(&ctx, &self.views[phase_index(kind)], phases)
+    }
+
+    /// Simulates one step from a cold start: a prefill chunk with the prefill plan, or a decode step with the
+    /// decode plan.
+    #[must_use]
+    pub fn step(&self, kind: PhaseKind, phase: Phase) -> StepOutcome {
+        self.steps(kind, &[phase])
+    }
+
+    /// Simulates consecutive steps of one phase, the ring running across them.
+    #[must_use]
+    pub fn steps(&self, kind: PhaseKind, phases: &[Phase]) -> StepOutcome {
+        engine::execute(self.graph(kind, phases), self.audit)
+    }
+
+    /// Simulates `sampled` steps of `phases` and interpolates the rest (see the module docs).
+    fn family(
+        &self,
+        kind: PhaseKind,
+        phases: &[Phase],
+        samples: u32,
+        opts: &SimOptions,
+        max_slots: &mut u32,
+        offload_bytes: &mut u64,
+    ) -> Vec<StepTime> {
+        let idx = sample_indices(phases.len(), samples, opts.exact);
+        let mut known: Vec<(usize, u64, [u64; 4])> = Vec::with_capacity(idx.len());
+        let mut steps: Vec<StepTime> = phases
+            .iter()
+            .map(|&phase| StepTime {
+                phase,
+                duration_ns: 0,
+                busy_ns: [0; 4],
+                outcome: None,
+                simulated: false,
+            })
+            .collect();
+        for &i in &idx {
+            let (o, measured, window_start, duration) = match kind {
+                PhaseKind::Prefill => {
+                    let o = self.step(kind, phases[i]);
+                    let d = o.makespan_ns;
+                    (o, 0, 0, d)
+                }
+                PhaseKind::Decode => {
+                    let o = self.steps(kind, &[phases[i], phases[i]]);
+                    let (a, b) = (o.step_end_ns[0], o.step_end_ns[1]);
+                    (o, 1, a, b - a)
+                }
+            };
+            *max_slots = (*max_slots).max(o.max_slots_in_use);
+            *offload_bytes = (*offload_bytes).max(o.graph.offload_peak_bytes);
+            let busy = o.busy_ns[measured as usize];
+            known.push((i, duration, busy));
+            let s = &mut steps[i];
+            s.duration_ns = duration;
+            s.busy_ns = busy;
+            s.simulated = true;
+            s.outcome = opts.trace.then_some((o, measured, window_start));
+        }
+        for w in known.windows(2) {
+            let ((a, da, ba), (b, db, bb)) = (w[0], w[1]);
+            for (j, s) in steps.iter_mut().enumerate().take(b).skip(a + 1) {
+                let f = (j - a) as f64 / (b - a) as f64;
+                let lerp = |x: u64, y: u64| (x as f64 + f * (y as f64 - x as f64)).round() as u64;
+                s.duration_ns = lerp(da, db);
+                for (r, b) in s.busy_ns.iter_mut().enumerate() {
+                    *b = lerp(ba[r], bb[r]);
+                }
+            }
+        }
+        steps
+    }
+
+    /// VRAM the run used in one phase.
+    fn vram_used(&self, kind: PhaseKind, max_slots: u32, scratch: u64) -> VramBreakdown {
+        let pp = match kind {
+            PhaseKind::Prefill => &self.plan.prefill,
+            PhaseKind::Decode => &self.plan.decode,
+        };
+        let mut v = VramBreakdown {
+            streaming_slots_bytes: u64::from(max_slots) * pp.slot_bytes,
+            scratch_bytes: scratch,
+            runtime_overhead_bytes: self.cost.runtime_overhead_bytes(),
+            ..VramBreakdown::default()
+        };
+        for up in pp.placements.iter().filter(|u| u.placement == Placement::Pinned) {
+            match up.unit {
+                UnitId::Kv { .. } => v.kv_bytes += self.kv_layer_bytes,
+                u => v.pinned_weights_bytes += self.inv.unit_bytes(u),
+            }
+        }
+        v
+    }
+
+    /// Simulates the whole workload: TTFT, TPS, E2EL, peak VRAM, busy time, and optionally a trace.
+    #[must_use]
+    pub fn run(&self, opts: &SimOptions) -> Simulation {
+        let w = &self.plan.workload;
+        let all_chunks = w.prefill_chunks();
+        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
+        let (mut slots, mut offload) = ([0u32; 2], [0u64; 2]);
+        let (full, last) = one.split_at(one.len() - 1);
+        let mut prefill =
+            self.family(PhaseKind::Prefill, full, opts.prefill_samples, opts, &mut slots[0], &mut offload[0]);
+        prefill.extend(self.family(PhaseKind::Prefill, last, 1, opts, &mut slots[0], &mut offload[0]));
+        let decode_phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
+        let decode = self.family(
+            PhaseKind::Decode,
+            &decode_phases,
+            opts.decode_samples,
+            opts,
+            &mut slots[1],
+            &mut offload[1],
+        );
+
+        let prefill_one: u64 = prefill.iter().map(|s| s.duration_ns).sum();
+        let prefill_ns = prefill_one * w.batch;
+        let switch_ns = self.cost.h2d_ns(self.plan.switch_bytes, true);
+        let decode_steps_ns: u64 = decode.iter().map(|s| s.duration_ns).sum();
+        let decode_ns = switch_ns + decode_steps_ns;
+        let mut busy = [0u64; 4];
+        for s in &prefill {
+            for (b, x) in busy.iter_mut().zip(s.busy_ns) {
+                *b += x * w.batch;
+            }
+        }
+        for s in &decode {
+            for (b, x) in busy.iter_mut().zip(s.busy_ns) {
+                *b += x;
+            }
+        }
+        busy[1] += switch_ns;
+
+        // GPU scratch: the largest step's activations (core's `scratch_bytes`), if anything runs on the GPU.
+        let scratch = |view: &PhaseView, phases: &[Phase]| {
+            if view.uses_gpu() {
+                phases.iter().map(|&p| workload::scratch_bytes(self.spec, w, p)).max().unwrap_or(0)
+            } else {
+                0
+            }
+        };
+        let scratch_prefill = scratch(&self.views[0], one);
+        let scratch_decode = scratch(&self.views[1], &decode_phases);
+        let vram_used = [
+            self.vram_used(PhaseKind::Prefill, slots[0], scratch_prefill + offload[0]),
+            self.vram_used(PhaseKind::Decode, slots[1], scratch_decode + offload[1]),
+        ];
+        let generated = w.gen_tokens * w.batch;
+        let metrics = Metrics {
+            ttft_ns: prefill_ns,
+            tps: if decode_ns == 0 { 0.0 } else { generated as f64 / (decode_ns as f64 / 1e9) },
+            e2el_ns: prefill_ns + decode_ns,
+            gen_tokens: w.gen_tokens,
+            decode_step_ns: decode_steps_ns.checked_div(w.gen_tokens).unwrap_or(0),
+            vram_peak: vram_used[0].max(&vram_used[1]),
+            vram_peak_bytes: vram_used[0].total().max(vram_used[1].total()),
+            busy_ns: Resource::ALL.iter().zip(busy).map(|(r, b)| (*r, b)).collect(),
+        };
+        let steps_simulated = prefill.iter().chain(&decode).filter(|s| s.simulated).count() as u64;
+        let steps_total = (prefill.len() as u64) * w.batch + decode.len() as u64;
+        let trace = opts.trace.then(|| self.trace(&prefill, switch_ns, &decode));
+        Simulation {
+            metrics,
+            prefill_ns,
+            switch_ns,
+            decode_ns,
+            vram_used,
+            steps_simulated,
+            steps_total,
+            trace,
+        }
+    }
+
+    /// The Chrome trace of a run: every simulated step in full at its place on the timeline, interpolated
+    /// stretches as one span on the `steps` track.
+    fn trace(&self, prefill: &[StepTime], switch_ns: u64, decode: &[StepTime]) -> Trace {
+        const RUN: u32 = 0;
+        const GPU: u32 = 1;
+        const PCIE: u32 = 2;
+        const CPU: u32 = 3;
+        let mut tr = Trace::new();
+        let threads = self.views[0].cpu_threads.max(self.views[1].cpu_threads);
+        tr.name_track(RUN, "run", 1, "steps");
+        tr.name_track(GPU, "GPU", 1, "compute stream");
+        tr.name_track(PCIE, "PCIe", 1, "H2D copy engine");
+        tr.name_track(PCIE, "PCIe", 2, "D2H copy engine");
+        tr.name_track(PCIE, "PCIe", 3, "hand-offs (host sync + activations)");
+        tr.name_track(CPU, "CPU", 1, &format!("worker pool ({threads} threads)"));
+        let track = |lane: Lane| match lane {
+            Lane::Gpu => (GPU, 1),
+            Lane::H2d => (PCIE, 1),
+            Lane::D2h => (PCIE, 2),
+            Lane::Handoff => (PCIE, 3),
+            Lane::Cpu => (CPU, 1),
+        };
+        let mut t0 = 0u64;
+        let emit = |tr: &mut Trace, steps: &[StepTime], what: &str, t0: &mut u64| {
+            let mut i = 0;
+            while i < steps.len() {
+                let s = &steps[i];
+                if let Some((o, measured, window_start)) = &s.outcome {
+                    let name = match s.phase {
+                        Phase::Prefill { tokens, start_pos, .. } => {
+                            format!("{what} {i}: {tokens} tokens at {start_pos}")
+                        }
+                        Phase::Decode { batch, ctx } => format!("{what} {i}: {batch} × ctx {ctx}"),
+                    };
+                    tr.span(RUN, 1, &name, "step", *t0, s.duration_ns);
+                    for (t, task) in o.graph.tasks.iter().enumerate().filter(|(_, t)| t.step == *measured) {
+                        let (pid, tid) = track(task.lane);
+                        let cat = match task.kind {
+                            TaskKind::Compute { .. } => "compute",
+                            TaskKind::Handoff { .. } => "sync",
+                            _ => "copy",
+                        };
+                        let label = o.graph.label(t as u32);
+                        // A copy prefetched during the warm-up step starts before the window.
+                        let start = (*t0 + o.start_ns[t]).saturating_sub(*window_start);
+                        tr.span(pid, tid, &label, cat, start, o.end_ns[t] - o.start_ns[t]);
+                    }
+                    *t0 += s.duration_ns;
+                    i += 1;
+                } else {
+                    let j = (i..steps.len()).find(|&j| steps[j].outcome.is_some()).unwrap_or(steps.len());
+                    let d: u64 = steps[i..j].iter().map(|s| s.duration_ns).sum();
+                    tr.span(RUN, 1, &format!("{what} {i}–{} (interpolated)", j - 1), "step", *t0, d);
+                    *t0 += d;
+                    i = j;
+                }
+            }
+        };
+        emit(&mut tr, prefill, "prefill chunk", &mut t0);
+        let batch = self.plan.workload.batch;
+        if batch > 1 {
+            let d = prefill.iter().map(|s| s.duration_ns).sum::<u64>() * (batch - 1);
+            tr.span(RUN, 1, &format!("prefill of requests 2–{batch} (as request 1)"), "step", t0, d);
+            t0 += d;
+        }
+        if switch_ns > 0 {
+            tr.span(RUN, 1, "plan switch", "step", t0, switch_ns);
+            tr.span(
+                PCIE,
+                1,
+                &format!("plan switch ({} bytes)", self.plan.switch_bytes),
+                "copy",
+                t0,
+                switch_ns,
+            );
+            t0 += switch_ns;
+        }
+        emit(&mut tr, decode, "decode step", &mut t0);
+        tr
+    }
+}

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU, the release binaries the GPU machine runs: the CLI and the exec GPU test
+# binary, copied into .bin/ (git-ignored; name it in the device tool's `carry`). Then, on the GPU machine:
+#   bash scripts/gpu-check.sh          (tests + transformers comparison + exec runs, logs under $OUT)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .bin
+cargo build --release -p pipeshard-cli
+cp target/release/pipeshard .bin/pipeshard
+exe=$(cargo test --release -p pipeshard-exec --test gpu --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["name"]=="gpu"][-1])')
+cp "$exe" .bin/exec-gpu-tests
+strip .bin/pipeshard .bin/exec-gpu-tests
+git rev-parse --short=12 HEAD > .bin/commit
+ls -la .bin

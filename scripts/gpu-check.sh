@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with the binaries scripts/build-gpu-bins.sh put in .bin/.
+# Writes logs and CSVs under $OUT (the device tool's output folder; /tmp/pipeshard-out elsewhere).
+#   PARTS="tests hf exec" (default all three); EXEC_ARGS overrides the exec runs' model list.
+set -uo pipefail
+OUT=${OUT:-/tmp/pipeshard-out}
+mkdir -p "$OUT"
+export PIPESHARD_COMMIT="$(cat .bin/commit 2>/dev/null || echo unknown)-dirty"
+PARTS=${PARTS:-"tests hf exec"}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt" 2>&1
+if [[ $PARTS == *tests* ]]; then
+  export PIPESHARD_HF_DIR=/tmp/pipeshard-hf
+  timeout 330 .bin/exec-gpu-tests --test-threads=1 --nocapture > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
+  grep -E "^device|^[a-z].*\(|^(all-|stream|static|dynamic|per-layer|attn|switch|op off)|test result|panicked|refused|exit" "$OUT/gpu-tests.log" | cut -c1-150
+fi
+if [[ $PARTS == *hf* ]]; then
+  PYTHONUNBUFFERED=1 timeout 150 python3 scripts/hf_compare.py /tmp/pipeshard-hf > "$OUT/hf-compare.log" 2>&1
+  echo "hf compare exit $?" >> "$OUT/hf-compare.log"
+  tail -n 12 "$OUT/hf-compare.log"
+fi
+if [[ $PARTS == *exec* ]]; then
+  for model in ${EXEC_MODELS:-nemo-8b llama-3.1-8b}; do
+    timeout ${EXEC_TIMEOUT:-250} .bin/pipeshard exec run --model "$model" --weights bf16 --prompt-tokens 1024 --ubatch 1024 \
+      --gen ${EXEC_GEN:-32} --ctx 4K --budget 2G,4G,8G,16G,32G --planner ${EXEC_PLANNERS:-ngl,pshard,ilp} --threads "$(nproc)" --check \
+      --csv "$OUT/exec.csv" --trace "$OUT/trace.json" > "$OUT/exec-$model.log" 2>&1
+    echo "exec $model exit $?" >> "$OUT/exec-$model.log"
+    grep -E "budget|TTFT|peak|failed|cannot|tokens:|check:|reference|overhead|exit" "$OUT/exec-$model.log" | cut -c1-160
+  done
+  ls "$OUT"/trace-*.json 2>/dev/null | tail -n +2 | xargs -r rm -f
+fi
