@@ -420,6 +420,8 @@ pub fn summary(e: &Experiment, results: &[CellResult]) -> String {
 
 /// Runs an experiment and writes its results under `out_dir/<name>/`.
 pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyhow::Result<()> {
+    // Read before the run: the results it writes are themselves uncommitted changes.
+    let commit = git_commit();
     let t0 = Instant::now();
     let profile = load_profile(&e.profile)?;
     let cost = TableCostModel::new(&profile);
@@ -439,7 +441,7 @@ pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyh
     let ok = results.iter().filter(|r| r.status == Status::Ok).count();
     let prov = Provenance {
         command: command.to_string(),
-        commit: git_commit(),
+        commit,
         date_utc: now_utc(),
         pipeshard_version: env!("CARGO_PKG_VERSION"),
         experiment: e.name.clone(),
