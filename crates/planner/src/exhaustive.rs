@@ -97,15 +97,7 @@ impl Planner for Exhaustive {
             &est,
             workload,
             budget_bytes,
-            Decision {
-                prefill_vram: est.vram(PhaseKind::Prefill, &prefill),
-                decode_vram: est.vram(PhaseKind::Decode, &decode),
-                prediction: est.predict(&prefill, &decode, false),
-                prefill,
-                decode,
-                prefill_op_offload: false,
-                notes,
-            },
+            Decision::searched(&est, prefill, decode, notes),
         ))
     }
 }

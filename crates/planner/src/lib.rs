@@ -178,6 +178,22 @@ pub(crate) struct Decision {
     pub notes: Vec<String>,
 }
 
+impl Decision {
+    /// The decision of a searching planner (greedy, ilp, exhaustive): both layouts on the GPU-side formats
+    /// with the estimator's VRAM and prediction, no op offload.
+    pub(crate) fn searched(est: &Estimator, prefill: Layout, decode: Layout, notes: Vec<String>) -> Decision {
+        Decision {
+            prefill_vram: est.vram(PhaseKind::Prefill, &prefill),
+            decode_vram: est.vram(PhaseKind::Decode, &decode),
+            prediction: est.predict(&prefill, &decode, false),
+            prefill,
+            decode,
+            prefill_op_offload: false,
+            notes,
+        }
+    }
+}
+
 /// Assembles a plan from two layouts (switch bytes from the estimator).
 pub(crate) fn assemble(
     planner: &str,
