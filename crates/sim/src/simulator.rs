@@ -390,13 +390,15 @@ impl<'a> Simulator<'a> {
         }
         busy[1] += switch_ns;
 
-        // GPU scratch: the largest step's activations (core's `scratch_bytes`), if anything runs on the GPU.
+        // GPU scratch: the largest step's activations (core's `scratch_parts`), counting only the terms of
+        // the work that runs on the GPU: attention temporaries (the score matrix without flash attention) stay
+        // on the host when every attention runs on the CPU, as llama.cpp keeps KQ of CPU layers there.
         let scratch = |view: &PhaseView, phases: &[Phase]| {
-            if view.uses_gpu() {
-                phases.iter().map(|&p| workload::scratch_bytes(self.spec, w, p)).max().unwrap_or(0)
-            } else {
-                0
-            }
+            phases
+                .iter()
+                .map(|&p| view.gpu_scratch_bytes(&workload::scratch_parts(self.spec, w, p)))
+                .max()
+                .unwrap_or(0)
         };
         let scratch_prefill = scratch(&self.views[0], one);
         let scratch_decode = scratch(&self.views[1], &decode_phases);
