@@ -381,3 +381,40 @@ fn decode_steps_overlap_the_next_steps_copies() {
     let [gpu, h2d, ..] = two.busy_ns[1];
     assert!(steady >= gpu.max(h2d) && h2d == two.busy_ns[0][1]);
 }
+
+/// Without flash attention the score matrix is the largest temporary at long context; it is GPU scratch only
+/// when some attention runs on the GPU (llama.cpp keeps KQ of CPU layers on the host).
+#[test]
+fn attention_scratch_counts_only_where_attention_runs() {
+    let cost = FixedCost::plain(0.01, 20.0);
+    let spec = small("nemo-4b", 2);
+    let mut w = Workload::single(8000, 8192, 4, 1024);
+    w.flash_attn = false;
+    let chunk = w.prefill_chunks()[7];
+    let parts = workload::scratch_parts(&spec, &w, chunk);
+    assert!(parts.attention_bytes > 4 * parts.ffn_bytes, "the score matrix dominates: {parts:?}");
+    let ffn_on_gpu = |u: UnitId| match u {
+        UnitId::Ffn { .. } => Placement::Pinned,
+        _ => Placement::Cpu,
+    };
+    let attn_on_gpu = |u: UnitId| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Pinned,
+        _ => Placement::Cpu,
+    };
+    let prefill_scratch = |place: &dyn Fn(UnitId) -> Placement| {
+        let p = plan(&spec, &w, SHAPE, place);
+        Simulator::new(&spec, &p, &cost)
+            .unwrap()
+            .run(&pipeshard_sim::SimOptions::default())
+            .metrics
+            .vram_peak
+            .scratch_bytes
+    };
+    // The peak is over every chunk: FFN temporaries peak at a full chunk, scores at the longest context.
+    let peak = |term: &dyn Fn(&workload::ScratchParts) -> u64| {
+        w.prefill_chunks().into_iter().map(|c| term(&workload::scratch_parts(&spec, &w, c))).max().unwrap()
+    };
+    assert_eq!(prefill_scratch(&ffn_on_gpu), peak(&|p| p.residual_bytes + p.ffn_bytes));
+    assert_eq!(prefill_scratch(&attn_on_gpu), peak(&|p| p.residual_bytes + p.attention_bytes));
+    assert!(prefill_scratch(&ffn_on_gpu) < parts.attention_bytes);
+}
