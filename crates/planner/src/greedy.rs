@@ -15,14 +15,13 @@
 //! [`pipeshard_core::workload::scratch_bytes`] of the phase's worst step, with no margin.
 
 use pipeshard_core::cost::CostModel;
-use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
 
 use crate::estimate::{Estimator, Layout, objective_ns};
 use crate::space::{Choice, DEPTHS, Space};
-use crate::{Decision, Objective, PlanError, Planner, assemble, check_runtime_fits};
+use crate::{Decision, Objective, PlanError, Planner, assemble, prepare};
 
 /// The greedy planner (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,10 +50,7 @@ impl Planner for Greedy {
         cost: &dyn CostModel,
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
-        workload.validate()?;
-        let inv = Inventory::new(spec);
-        let est = Estimator::new(spec, &inv, workload, cost);
-        check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;
+        let (inv, est) = prepare(spec, workload, cost, budget_bytes)?;
         let space = Space::new(&est.structure);
         let (prefill, decode) = search(&est, &space, budget_bytes, self.objective, self.max_depth);
         let notes = vec![

@@ -53,14 +53,13 @@ use good_lp::{
 };
 use pipeshard_core::MIB;
 use pipeshard_core::cost::CostModel;
-use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
 
 use crate::estimate::{Estimator, Layout, UnitCost, objective_ns};
 use crate::space::{DEPTHS, Space};
-use crate::{Decision, Objective, PlanError, Planner, assemble, check_runtime_fits, greedy};
+use crate::{Decision, Objective, PlanError, Planner, assemble, greedy, prepare};
 
 /// The ILP planner (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -97,10 +96,7 @@ impl Planner for Ilp {
         cost: &dyn CostModel,
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
-        workload.validate()?;
-        let inv = Inventory::new(spec);
-        let est = Estimator::new(spec, &inv, workload, cost);
-        check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;
+        let (inv, est) = prepare(spec, workload, cost, budget_bytes)?;
         let space = Space::new(&est.structure);
         let classes = classes(&est);
         let solved = self.search(&est, &classes, budget_bytes)?;

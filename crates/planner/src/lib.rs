@@ -167,6 +167,21 @@ pub(crate) fn check_runtime_fits(budget_bytes: u64, runtime_overhead_bytes: u64)
     Ok(())
 }
 
+/// The common start of a searching planner: a valid workload, the inventory, the estimator, and a budget that
+/// holds at least the runtime.
+pub(crate) fn prepare(
+    spec: &ModelSpec,
+    workload: &Workload,
+    cost: &dyn CostModel,
+    budget_bytes: u64,
+) -> Result<(Inventory, Estimator), PlanError> {
+    workload.validate()?;
+    let inv = Inventory::new(spec);
+    let est = Estimator::new(spec, &inv, workload, cost);
+    check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;
+    Ok((inv, est))
+}
+
 /// What a planner decided, ready to become a [`Plan`].
 pub(crate) struct Decision {
     pub prefill: Layout,
