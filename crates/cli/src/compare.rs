@@ -263,6 +263,7 @@ mod tests {
                 batch: 1,
                 budget_bytes: 1 << 30,
                 planner: planner.into(),
+                depth: None,
             },
             status,
             reason: "needs at least 2 GiB".into(),

@@ -17,6 +17,7 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
+use pipeshard_core::profile::Profile;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::host::Elem;
@@ -89,7 +90,8 @@ pub struct RunArgs {
     check: bool,
 }
 
-fn provenance() -> (String, String, String) {
+/// Commit (`PIPESHARD_COMMIT` on machines without the git checkout), date and command line of this run.
+pub(crate) fn provenance() -> (String, String, String) {
     let commit = std::env::var("PIPESHARD_COMMIT").ok().or_else(|| {
         std::process::Command::new("git")
             .args(["rev-parse", "--short=12", "HEAD"])
@@ -105,6 +107,21 @@ fn provenance() -> (String, String, String) {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
     (commit.unwrap_or_else(|| "unknown".into()), date.unwrap_or_default(), cmd)
+}
+
+/// `profile` with the runtime overhead this machine measures for `spec` and `workload`, so that planner,
+/// simulator and executor agree on every line of the VRAM breakdown.
+pub(crate) fn with_measured_overhead(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    workload: &Workload,
+    profile: &Profile,
+) -> anyhow::Result<Profile> {
+    let dims = Dims::new(spec)?;
+    let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
+    let overhead =
+        runtime_overhead_bytes(gpu, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
+    Ok(Profile { runtime_overhead_bytes: overhead, ..profile.clone() })
 }
 
 fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
@@ -238,16 +255,12 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     if args.plan.is_empty() {
         let mut profile = load_profile(&args.profile)?;
         if let Some(g) = &gpu {
-            // Plan with this machine's measured runtime overhead, so planner and executor agree on every line.
-            let dims = Dims::new(&spec)?;
-            let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
-            let overhead =
-                runtime_overhead_bytes(g, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
+            let measured = with_measured_overhead(g, &spec, &workload, &profile)?;
             eprintln!(
-                "measured runtime overhead {overhead} bytes (incl. a {LAZY_LOAD_RESERVE_BYTES}-byte lazy-load reserve); profile {} assumed {}",
-                args.profile, profile.runtime_overhead_bytes
+                "measured runtime overhead {} bytes (incl. a {LAZY_LOAD_RESERVE_BYTES}-byte lazy-load reserve); profile {} assumed {}",
+                measured.runtime_overhead_bytes, args.profile, profile.runtime_overhead_bytes
             );
-            profile.runtime_overhead_bytes = overhead;
+            profile = measured;
         }
         let cost = TableCostModel::new(&profile);
         for planner in args.planner.split(',') {

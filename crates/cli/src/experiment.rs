@@ -14,6 +14,7 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use pipeshard_core::catalog;
+use pipeshard_core::dtype::DType;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::workload::Workload;
 use serde::Deserialize;
@@ -36,6 +37,8 @@ pub struct GridFile {
     pub ctx: Option<Vec<Quantity>>,
     pub budgets: Option<Vec<Quantity>>,
     pub ubatch: Option<Vec<Quantity>>,
+    /// Ring depths to force on every plan (each planner otherwise picks its own).
+    pub depths: Option<Vec<u32>>,
 }
 
 /// An experiment file as written.
@@ -58,6 +61,8 @@ pub struct ExperimentFile {
     pub batch: Option<u64>,
     /// Fixed prompt length; defaults to `ctx − gen_tokens`.
     pub prompt_tokens: Option<u64>,
+    /// Store every matrix in this format (`bf16`, `f16`) instead of the catalog's — the executor runs these.
+    pub weights: Option<String>,
 }
 
 /// One validated grid: models × contexts × budgets × ubatches.
@@ -67,6 +72,8 @@ pub struct Grid {
     pub ctx: Vec<u64>,
     pub budgets: Vec<u64>,
     pub ubatch: Vec<u64>,
+    /// `[None]`: each planner's own depth.
+    pub depths: Vec<Option<u32>>,
 }
 
 /// A validated experiment.
@@ -80,6 +87,7 @@ pub struct Experiment {
     pub gen_tokens: u64,
     pub batch: u64,
     pub prompt_tokens: Option<u64>,
+    pub weights: Option<DType>,
 }
 
 /// The generation length of the paper's Figure 2 (E2EL = TTFT + 100 / TPS).
@@ -139,6 +147,11 @@ impl Experiment {
                     Some(u) => quantities(&u, parse_tokens, "ubatch")?,
                     None => vec![DEFAULT_UBATCH],
                 },
+                depths: match g.depths.or_else(|| f.top.depths.clone()) {
+                    Some(d) if d.contains(&0) => bail!("{what}`depths` holds 0; a ring has at least 1 slot"),
+                    Some(d) if !d.is_empty() => d.into_iter().map(Some).collect(),
+                    _ => vec![None],
+                },
             });
         }
         let e = Experiment {
@@ -152,6 +165,10 @@ impl Experiment {
             gen_tokens: f.gen_tokens.unwrap_or(DEFAULT_GEN_TOKENS),
             batch: f.batch.unwrap_or(1),
             prompt_tokens: f.prompt_tokens,
+            weights: f
+                .weights
+                .map(|w| w.parse::<DType>().map_err(|e| anyhow::anyhow!("`weights`: {e}")))
+                .transpose()?,
         };
         e.check()?;
         Ok(e)
@@ -215,7 +232,9 @@ impl Experiment {
                 for &ctx in &g.ctx {
                     for &budget_bytes in &g.budgets {
                         for &ubatch in &g.ubatch {
-                            for p in &self.planners {
+                            for (p, &depth) in
+                                self.planners.iter().flat_map(|p| g.depths.iter().map(move |d| (p, d)))
+                            {
                                 v.push(Cell {
                                     model: m.clone(),
                                     ctx,
@@ -227,6 +246,7 @@ impl Experiment {
                                     batch: self.batch,
                                     budget_bytes,
                                     planner: p.clone(),
+                                    depth,
                                 });
                             }
                         }
@@ -237,9 +257,16 @@ impl Experiment {
         v
     }
 
-    /// The specs of every model, by the name the experiment uses.
+    /// The specs of every model (in the experiment's `weights` format, if it names one), by the name the
+    /// experiment uses.
     pub fn specs(&self) -> anyhow::Result<BTreeMap<String, ModelSpec>> {
-        self.models().into_iter().map(|m| Ok((m.clone(), resolve_model(m)?))).collect()
+        self.models()
+            .into_iter()
+            .map(|m| {
+                let spec = resolve_model(m)?;
+                Ok((m.clone(), if let Some(d) = self.weights { spec.with_uniform_weights(d) } else { spec }))
+            })
+            .collect()
     }
 }
 
@@ -273,6 +300,8 @@ pub struct Cell {
     pub batch: u64,
     pub budget_bytes: u64,
     pub planner: String,
+    /// Ring depth forced on the plan (`None`: the planner's own).
+    pub depth: Option<u32>,
 }
 
 impl Cell {
@@ -289,6 +318,7 @@ impl Cell {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pipeshard_core::inventory::Inventory;
 
     #[test]
     fn experiment_files_parse_and_expand() {
@@ -348,6 +378,49 @@ mod tests {
         assert!(
             Experiment::from_file(missing, "x").unwrap_err().to_string().contains("[[grid]] 1: `budgets`")
         );
+    }
+
+    #[test]
+    fn weights_and_forced_depths_expand_into_cells() {
+        let f: ExperimentFile = toml::from_str(
+            r#"
+            models = ["nemo-8b@2L"]
+            ctx = ["4K"]
+            budgets = ["2G"]
+            planners = ["pshard", "ilp"]
+            weights = "bf16"
+            [[grid]]
+            depths = [1, 3]
+            [[grid]]
+            ctx = ["1K"]
+            "#,
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "v").unwrap();
+        let cells = e.cells();
+        let depths: Vec<(&str, Option<u32>)> = cells.iter().map(|c| (c.planner.as_str(), c.depth)).collect();
+        assert_eq!(
+            depths,
+            vec![
+                ("pshard", Some(1)),
+                ("pshard", Some(3)),
+                ("ilp", Some(1)),
+                ("ilp", Some(3)),
+                ("pshard", None),
+                ("ilp", None)
+            ]
+        );
+        let spec = &e.specs().unwrap()["nemo-8b@2L"];
+        assert_eq!(spec.text.n_layers, 2);
+        assert!(Inventory::new(spec).tensors.iter().all(|t| t.dtype == DType::Bf16 || t.shape.len() == 1));
+        let parse = |extra: &str| {
+            let f: ExperimentFile =
+                toml::from_str(&format!("models = [\"nemo-4b\"]\nctx = [1024]\nbudgets = [\"2G\"]\n{extra}"))
+                    .unwrap();
+            Experiment::from_file(f, "x").map(|_| ()).unwrap_err().to_string()
+        };
+        assert!(parse("depths = [0, 2]").contains("`depths` holds 0"));
+        assert!(parse("weights = \"bf17\"").contains("`weights`"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod plots;
 mod profile;
 mod sim;
 mod sweep;
+mod validate;
 
 use std::process::ExitCode;
 
@@ -48,6 +49,9 @@ enum Command {
     Exec(exec::ExecCommand),
     /// Compare every planner in the simulator on an experiment's cells; fails if `ilp` falls behind.
     Compare(compare::CompareArgs),
+    /// Check the simulator against the executor: plan, predict and run every cell of an experiment on this
+    /// machine; CSV, error summary, scatter plot and the worst cells' traces side by side.
+    Validate(validate::ValidateArgs),
     /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
     Plan(plan::PlanArgs),
 }
@@ -61,6 +65,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => compare::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Exec(cmd) => exec::run(cmd),
+        Command::Validate(args) => validate::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

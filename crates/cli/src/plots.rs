@@ -19,7 +19,7 @@ use crate::sweep::{CellResult, gib};
 
 static FONT: Once = Once::new();
 
-fn register() {
+pub(crate) fn register() {
     FONT.call_once(|| {
         register_font("sans-serif", FontStyle::Normal, include_bytes!("../assets/DejaVuSans.ttf"))
             .unwrap_or_else(|_| panic!("the embedded DejaVu Sans is a valid font"));
@@ -27,7 +27,7 @@ fn register() {
 }
 
 /// Line colours, one per planner in the experiment's order.
-const COLOURS: [RGBColor; 6] = [
+pub(crate) const COLOURS: [RGBColor; 6] = [
     RGBColor(120, 120, 120),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),

@@ -118,12 +118,14 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                             ctx: Some(a.ctx.iter().cloned().map(experiment::Quantity::Text).collect()),
                             budgets: Some(a.budget.iter().cloned().map(experiment::Quantity::Text).collect()),
                             ubatch: Some(a.ubatch.iter().cloned().map(experiment::Quantity::Text).collect()),
+                            depths: None,
                         },
                         grid: Vec::new(),
                         planners: Some(a.planner.clone()),
                         gen_tokens: Some(a.gen_tokens),
                         batch: Some(a.batch),
                         prompt_tokens: None,
+                        weights: None,
                     },
                     "default",
                 )?,
@@ -165,6 +167,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             batch: a.batch,
             budget_bytes: parse_bytes(&a.budget)?,
             planner: a.planner.clone(),
+            depth: None,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");
         let plan = planner

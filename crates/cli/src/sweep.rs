@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
-use pipeshard_core::plan::{PhasePlan, Placement, Plan};
+use pipeshard_core::plan::{PhasePlan, Placement, Plan, PlanInvalid};
 use pipeshard_planner::PlanError;
 use pipeshard_sim::{SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
@@ -104,6 +104,16 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
         }
         Err(e @ PlanError::Unsupported { .. }) => return failed(Status::Unsupported, e.to_string(), plan_ms),
         Err(e) => return failed(Status::Error, e.to_string(), plan_ms),
+    };
+    let plan = match cell.depth {
+        None => plan,
+        Some(d) => match plan.with_pipeline_depth(d, inv) {
+            Ok(deeper) => deeper,
+            Err(e @ PlanInvalid::OverBudget { .. }) => {
+                return failed(Status::Infeasible, format!("depth {d}: {e}"), plan_ms);
+            }
+            Err(e) => return failed(Status::Error, format!("depth {d}: {e}"), plan_ms),
+        },
     };
     let t1 = Instant::now();
     let sim = match Simulator::with_inventory(spec, inv, &plan, cost).map(|s| s.run(&SimOptions::default())) {

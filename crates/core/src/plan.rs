@@ -209,6 +209,28 @@ impl Plan {
         self.prefill.vram.total().max(self.decode.vram.total())
     }
 
+    /// The same plan with `depth` ring slots in every phase that streams (phases that stream nothing keep no
+    /// ring). The slots grow or shrink with it, the prediction is dropped (it was for the planner's depth) and
+    /// the result is checked, so a depth that does not fit the budget is an `OverBudget` error.
+    pub fn with_pipeline_depth(&self, depth: u32, inv: &Inventory) -> Result<Plan, PlanInvalid> {
+        let mut plan = self.clone();
+        for p in [&mut plan.prefill, &mut plan.decode] {
+            if p.pipeline_depth > 0 {
+                p.pipeline_depth = depth;
+                p.vram.streaming_slots_bytes = u64::from(p.pipeline_depth) * p.slot_bytes;
+            }
+        }
+        if plan != *self {
+            plan.prediction = None;
+            plan.notes.push(format!(
+                "pipeline depth set to {depth} (planner chose {}/{})",
+                self.prefill.pipeline_depth, self.decode.pipeline_depth
+            ));
+        }
+        plan.validate(inv)?;
+        Ok(plan)
+    }
+
     /// Checks the invariants every consumer relies on: each unit exactly once per phase, KV consistent with
     /// attention, slots large enough, and the breakdown within budget.
     pub fn validate(&self, inv: &Inventory) -> Result<(), PlanInvalid> {
@@ -394,6 +416,27 @@ mod tests {
         p.decode.slot_bytes = expert;
         p.decode.vram.streaming_slots_bytes = 2 * expert;
         p.validate(&inv).unwrap();
+    }
+
+    #[test]
+    fn pipeline_depth_can_be_set_within_the_budget() {
+        let (mut p, inv) = plan();
+        p.decode = phase(&inv, PhaseKind::Decode, |u| {
+            if matches!(u, UnitId::Expert { .. }) { Placement::Streamed } else { Placement::Cpu }
+        });
+        let expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 });
+        (p.decode.pipeline_depth, p.decode.slot_bytes) = (2, expert);
+        p.decode.vram.streaming_slots_bytes = 2 * expert;
+        let deeper = p.with_pipeline_depth(3, &inv).unwrap();
+        assert_eq!((deeper.decode.pipeline_depth, deeper.decode.vram.streaming_slots_bytes), (3, 3 * expert));
+        // The prefill phase streams nothing, so it keeps no ring.
+        assert_eq!((deeper.prefill.pipeline_depth, deeper.prefill.vram.streaming_slots_bytes), (0, 0));
+        assert!(deeper.notes.iter().any(|n| n.contains("set to 3")));
+        assert_eq!(p.with_pipeline_depth(2, &inv).unwrap(), p, "the planner's own depth changes nothing");
+        let spare = p.budget_bytes - p.decode.vram.total();
+        let too_deep = 2 + u32::try_from(spare / expert).unwrap() + 1;
+        assert!(matches!(p.with_pipeline_depth(too_deep, &inv), Err(PlanInvalid::OverBudget { .. })));
+        assert!(p.with_pipeline_depth(0, &inv).unwrap_err().to_string().contains("pipeline_depth is 0"));
     }
 
     #[test]

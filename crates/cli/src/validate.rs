@@ -1,0 +1,645 @@
+//! `pipeshard validate`: the simulator's predictions against real executions, cell by cell.
+//!
+//! For every cell of an experiment (models in the experiment's `weights` format, contexts, budgets, ubatches,
+//! planners and forced pipeline depths) it plans with the runtime overhead this machine measures, predicts with
+//! the simulator, runs the same plan with the executor, and records both: TTFT, TPS, E2EL, peak VRAM and busy
+//! time per resource. It writes, under `<out>/<date>-<gpu>/`:
+//! - `cells.csv`: `X_pred` and `X_meas` for X in ttft_ms, tps, e2el_ms, vram_peak_bytes (and busy times);
+//!   `calibration` is false on every row because nothing is fitted to these cells;
+//! - `summary.md`: median and p90 of |error| per metric, overall, per planner and per model kind;
+//! - `scatter.png`: predicted against measured, log axes, the y = x line;
+//! - `worst-N.json`: the simulator's and the executor's traces of the worst cells in one Perfetto file;
+//! - `provenance.json`.
+//!
+//! Measured VRAM is what the executor carved from its arena in the larger phase plus the runtime overhead it
+//! measured (the arena itself is allocated whole, so the process peak is always near the budget; it is kept
+//! in its own column and must stay under the budget).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::inventory::Inventory;
+use pipeshard_core::metrics::{Metrics, Resource};
+use pipeshard_core::plan::{Plan, VramBreakdown};
+use pipeshard_core::trace::Trace;
+use pipeshard_exec::RunOptions;
+use pipeshard_exec::cuda::{Gpu, probe};
+use pipeshard_exec::testing::random_tokens;
+use pipeshard_exec::weights::ModelWeights;
+use pipeshard_sim::{SimOptions, Simulator};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::args::{format_bytes, format_tokens, load_profile};
+use crate::exec::{provenance, with_measured_overhead};
+use crate::experiment::{Cell, Experiment};
+use crate::plots::{COLOURS, register};
+use crate::sweep::run_cell;
+
+/// Arguments of `validate`.
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// The cells: an experiment file (`weights`, `depths` and the usual grid fields).
+    #[arg(long, default_value = "experiments/validate-h200.toml")]
+    experiment: PathBuf,
+    /// Profile the planners and the simulator use instead of the experiment's (a path or `profiles/NAME.json`).
+    #[arg(long)]
+    profile: Option<String>,
+    /// Results go to `OUT/<date>-<gpu>/`.
+    #[arg(long, default_value = "results/validation")]
+    out: PathBuf,
+    /// Seed of the random weights and prompts.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How many of the worst cells get their traces written side by side.
+    #[arg(long, default_value_t = 3)]
+    worst: usize,
+}
+
+/// What one side (simulator or executor) says about a cell.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub ttft_ms: f64,
+    pub tps: f64,
+    pub e2el_ms: f64,
+    pub vram_peak_bytes: u64,
+    /// Busy time per [`Resource::ALL`] entry.
+    pub busy_ms: [f64; 4],
+}
+
+impl Sample {
+    fn new(m: &Metrics, vram_peak_bytes: u64) -> Sample {
+        Sample {
+            ttft_ms: m.ttft_ms(),
+            tps: m.tps,
+            e2el_ms: m.e2el_ms(),
+            vram_peak_bytes,
+            busy_ms: Resource::ALL.map(|r| m.busy(r) as f64 / 1e6),
+        }
+    }
+}
+
+/// The metrics the goal is stated for: TTFT, TPS, E2EL, peak VRAM (the columns of the summary and the panels
+/// of the scatter plot, in this order).
+const METRICS: [fn(&Sample) -> f64; 4] =
+    [|s| s.ttft_ms, |s| s.tps, |s| s.e2el_ms, |s| s.vram_peak_bytes as f64];
+
+/// One validated cell.
+#[derive(Debug)]
+pub struct Outcome {
+    pub cell: Cell,
+    /// `dense` or `moe`.
+    pub kind: &'static str,
+    pub status: String,
+    pub pred: Option<Sample>,
+    pub meas: Option<Sample>,
+    /// Depths of the plan that ran (prefill, decode).
+    pub depths: Option<(u32, u32)>,
+    /// Measured process VRAM peak (context and arena included).
+    pub process_peak_bytes: Option<u64>,
+    pub runtime_overhead_bytes: u64,
+    /// What is kept to draw the worst cells: the plan and the executor's trace.
+    pub run: Option<(Plan, Trace)>,
+}
+
+impl Outcome {
+    /// Relative error pred / meas − 1 of metric `i` of [`METRICS`].
+    fn error(&self, i: usize) -> Option<f64> {
+        let (p, m) = (self.pred?, self.meas?);
+        let (p, m) = (METRICS[i](&p), METRICS[i](&m));
+        (m > 0.0 && p.is_finite()).then(|| p / m - 1.0)
+    }
+
+    /// The larger of the TTFT and TPS errors: how the worst cells are ranked.
+    fn worst_error(&self) -> f64 {
+        [0, 1].iter().filter_map(|&i| self.error(i)).map(f64::abs).fold(0.0, f64::max)
+    }
+}
+
+/// Median and p90 (nearest rank) of |x|, or `None` for no values.
+#[must_use]
+pub fn median_p90(values: &[f64]) -> Option<(f64, f64)> {
+    let mut v: Vec<f64> = values.iter().map(|x| x.abs()).filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    let median =
+        if v.len() % 2 == 1 { v[v.len() / 2] } else { f64::midpoint(v[v.len() / 2 - 1], v[v.len() / 2]) };
+    Some((median, rank(0.9)))
+}
+
+/// The summary table (Markdown): one row per group, median / p90 of |error| per metric.
+#[must_use]
+pub fn summary(outcomes: &[Outcome]) -> String {
+    let mut groups: Vec<(String, Vec<&Outcome>)> = vec![("all".into(), outcomes.iter().collect())];
+    let mut by: BTreeMap<String, Vec<&Outcome>> = BTreeMap::new();
+    for o in outcomes {
+        by.entry(format!("planner {}", o.cell.planner)).or_default().push(o);
+        by.entry(format!("{} models", o.kind)).or_default().push(o);
+    }
+    groups.extend(by);
+    let mut s = String::from(
+        "| cells | validated | TTFT (prefill) | TPS (decode) | E2EL | peak VRAM |\n|---|---|---|---|---|---|\n",
+    );
+    for (name, members) in groups {
+        let ok = members.iter().filter(|o| o.pred.is_some() && o.meas.is_some()).count();
+        let _ = write!(s, "| {name} ({}) | {ok} |", members.len());
+        for i in 0..METRICS.len() {
+            let errors: Vec<f64> = members.iter().filter_map(|o| o.error(i)).collect();
+            match median_p90(&errors) {
+                Some((m, p)) => {
+                    let _ = write!(s, " {:.1}% / {:.1}% |", 100.0 * m, 100.0 * p);
+                }
+                None => s.push_str(" – |"),
+            }
+        }
+        s.push('\n');
+    }
+    s.push_str(
+        "\nEach entry: median / p90 of |predicted ÷ measured − 1| over the validated cells of the group.\n",
+    );
+    s
+}
+
+/// One row of `cells.csv`.
+#[derive(Debug, Serialize)]
+struct Row<'a> {
+    model: &'a str,
+    kind: &'a str,
+    ctx: u64,
+    prompt_tokens: u64,
+    gen_tokens: u64,
+    ubatch: u64,
+    vram_budget_bytes: u64,
+    planner: &'a str,
+    depth: Option<u32>,
+    prefill_pipeline_depth: Option<u32>,
+    decode_pipeline_depth: Option<u32>,
+    status: &'a str,
+    ttft_ms_pred: Option<f64>,
+    ttft_ms_meas: Option<f64>,
+    tps_pred: Option<f64>,
+    tps_meas: Option<f64>,
+    e2el_ms_pred: Option<f64>,
+    e2el_ms_meas: Option<f64>,
+    vram_peak_bytes_pred: Option<u64>,
+    vram_peak_bytes_meas: Option<u64>,
+    busy_gpu_ms_pred: Option<f64>,
+    busy_gpu_ms_meas: Option<f64>,
+    busy_h2d_ms_pred: Option<f64>,
+    busy_h2d_ms_meas: Option<f64>,
+    busy_d2h_ms_pred: Option<f64>,
+    busy_d2h_ms_meas: Option<f64>,
+    busy_cpu_ms_pred: Option<f64>,
+    busy_cpu_ms_meas: Option<f64>,
+    process_vram_peak_bytes: Option<u64>,
+    runtime_overhead_bytes: u64,
+    calibration: bool,
+}
+
+fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("writing {}", path.display()))?;
+    for o in outcomes {
+        let (p, m) = (o.pred.as_ref(), o.meas.as_ref());
+        let busy = |s: Option<&Sample>, i: usize| s.map(|s| s.busy_ms[i]);
+        w.serialize(Row {
+            model: &o.cell.model,
+            kind: o.kind,
+            ctx: o.cell.ctx,
+            prompt_tokens: o.cell.prompt_tokens,
+            gen_tokens: o.cell.gen_tokens,
+            ubatch: o.cell.ubatch,
+            vram_budget_bytes: o.cell.budget_bytes,
+            planner: &o.cell.planner,
+            depth: o.cell.depth,
+            prefill_pipeline_depth: o.depths.map(|d| d.0),
+            decode_pipeline_depth: o.depths.map(|d| d.1),
+            status: &o.status,
+            ttft_ms_pred: p.map(|s| s.ttft_ms),
+            ttft_ms_meas: m.map(|s| s.ttft_ms),
+            tps_pred: p.map(|s| s.tps),
+            tps_meas: m.map(|s| s.tps),
+            e2el_ms_pred: p.map(|s| s.e2el_ms),
+            e2el_ms_meas: m.map(|s| s.e2el_ms),
+            vram_peak_bytes_pred: p.map(|s| s.vram_peak_bytes),
+            vram_peak_bytes_meas: m.map(|s| s.vram_peak_bytes),
+            busy_gpu_ms_pred: busy(p, 0),
+            busy_gpu_ms_meas: busy(m, 0),
+            busy_h2d_ms_pred: busy(p, 1),
+            busy_h2d_ms_meas: busy(m, 1),
+            busy_d2h_ms_pred: busy(p, 2),
+            busy_d2h_ms_meas: busy(m, 2),
+            busy_cpu_ms_pred: busy(p, 3),
+            busy_cpu_ms_meas: busy(m, 3),
+            process_vram_peak_bytes: o.process_peak_bytes,
+            runtime_overhead_bytes: o.runtime_overhead_bytes,
+            calibration: false,
+        })?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// The simulator's and the executor's traces in one file: the prediction's tracks first, the measurement's
+/// below them (process ids shifted), each process name saying which side it is.
+#[must_use]
+pub fn side_by_side(pred: &Trace, meas: &Trace) -> Trace {
+    let offset = pred.events.iter().map(|e| e.pid).max().map_or(0, |p| p + 1);
+    let mut out = Trace::new();
+    for (side, trace, shift) in [("predicted", pred, 0), ("measured", meas, offset)] {
+        for e in &trace.events {
+            let mut e = e.clone();
+            e.pid += shift;
+            if e.name == "process_name"
+                && let Some(name) = e.args.get_mut("name")
+            {
+                *name = format!("{side} · {}", name.as_str().unwrap_or_default()).into();
+            }
+            out.events.push(e);
+        }
+    }
+    out
+}
+
+/// Predicted against measured, one panel per metric, log axes, the y = x line, a colour per planner.
+fn scatter(outcomes: &[Outcome], planners: &[String], path: &Path) -> anyhow::Result<()> {
+    register();
+    let root = BitMapBackend::new(path, (1200, 1060)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (header, body) = root.split_vertically(60);
+    header.draw(&Text::new(
+        "simulator vs executor: predicted (y) against measured (x)",
+        (16, 8),
+        ("sans-serif", 22).into_font(),
+    ))?;
+    let mut x = 16;
+    for (i, p) in planners.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        header.draw(&Circle::new((x + 6, 44), 5, colour.filled()))?;
+        header.draw(&Text::new(p.clone(), (x + 16, 36), ("sans-serif", 16).into_font()))?;
+        x += 40 + 9 * p.len() as i32;
+    }
+    let units = ["TTFT (ms)", "TPS (tokens/s)", "E2EL (ms)", "peak VRAM (GiB)"];
+    for (i, area) in body.split_evenly((2, 2)).iter().enumerate() {
+        let scale = if i == 3 { 1.0 / f64::from(1u32 << 30) } else { 1.0 };
+        let points: Vec<(f64, f64, usize)> = outcomes
+            .iter()
+            .filter_map(|o| {
+                let (p, m) = (o.pred?, o.meas?);
+                let planner = planners.iter().position(|x| *x == o.cell.planner).unwrap_or(0);
+                Some((METRICS[i](&m) * scale, METRICS[i](&p) * scale, planner))
+            })
+            .filter(|(m, p, _)| *m > 0.0 && *p > 0.0)
+            .collect();
+        let (lo, hi) = points
+            .iter()
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), (m, p, _)| (lo.min(m.min(*p)), hi.max(m.max(*p))));
+        let (lo, hi) = if points.is_empty() { (0.1, 10.0) } else { (lo / 1.3, hi * 1.3) };
+        let mut chart = ChartBuilder::on(area)
+            .caption(units[i], ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(60)
+            .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())
+            .context("building a scatter panel")?;
+        chart
+            .configure_mesh()
+            .x_desc("measured")
+            .y_desc("predicted")
+            .light_line_style(WHITE)
+            .label_style(("sans-serif", 12))
+            .draw()?;
+        chart.draw_series(LineSeries::new([(lo, lo), (hi, hi)], BLACK.stroke_width(1)))?;
+        chart.draw_series(
+            points.iter().map(|&(m, p, c)| Circle::new((m, p), 4, COLOURS[c % COLOURS.len()].filled())),
+        )?;
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A file-name-safe slug of the GPU's name (`NVIDIA H200` → `nvidia-h200`).
+fn slug(name: &str) -> String {
+    let s: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+    s.split('-').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("-")
+}
+
+/// Where a validation came from.
+#[derive(Debug, Serialize)]
+struct Provenance {
+    command: String,
+    commit: String,
+    date_utc: String,
+    experiment: String,
+    profile: String,
+    profile_source: serde_json::Value,
+    machine: String,
+    cells: usize,
+    validated_cells: usize,
+    wall_time_s: f64,
+    fitted: &'static str,
+}
+
+/// Runs `validate`.
+pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
+    let (commit, date, command) = provenance();
+    let t0 = Instant::now();
+    let e = Experiment::load(&a.experiment)?;
+    let profile_name = a.profile.clone().unwrap_or_else(|| e.profile.clone());
+    let profile = load_profile(&profile_name)?;
+    let gpu = match probe() {
+        Ok(_) => Gpu::new().context("opening the CUDA device")?,
+        Err(reason) => bail!(
+            "validate runs every cell on a CUDA GPU and none is usable here ({reason}); \
+             `pipeshard sim sweep --experiment {}` gives the predictions alone",
+            a.experiment.display()
+        ),
+    };
+    let machine = format!(
+        "{} + {} CPU threads (profile: {} threads)",
+        gpu.name(),
+        num_cpus(),
+        profile.machine.cpu_threads
+    );
+    let dir = a.out.join(format!("{}-{}", &date[..date.len().min(10)], slug(gpu.name())));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+
+    let specs = e.specs()?;
+    let cells = e.cells();
+    let bar = ProgressBar::new(cells.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} cells {elapsed} {msg}").expect("a valid template"),
+    );
+    let mut outcomes = Vec::with_capacity(cells.len());
+    // Cells come model by model: the weights of one model at a time.
+    let mut model: Option<(String, Inventory, ModelWeights)> = None;
+    for cell in cells {
+        let spec = &specs[&cell.model];
+        if model.as_ref().is_none_or(|(name, _, _)| *name != cell.model) {
+            drop(model.take()); // the previous model's weights go before the next one's are made
+            bar.set_message(format!("generating {} weights", cell.model));
+            let weights = ModelWeights::random(spec, a.seed)
+                .with_context(|| format!("{}: the executor cannot hold this model", cell.model))?;
+            model = Some((cell.model.clone(), Inventory::new(spec), weights));
+        }
+        let (_, inv, weights) = model.as_ref().expect("set above");
+        bar.set_message(format!(
+            "{} ctx {} {} {}",
+            cell.model,
+            format_tokens(cell.ctx),
+            format_bytes(cell.budget_bytes),
+            cell.planner
+        ));
+        outcomes.push(validate_cell(cell, spec, inv, weights, &gpu, &profile, a.seed)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    write_csv(&outcomes, &dir.join("cells.csv"))?;
+    let table = summary(&outcomes);
+    let validated = outcomes.iter().filter(|o| o.pred.is_some() && o.meas.is_some()).count();
+    let mut md = format!(
+        "# Validation: {} on {machine}\n\nProfile `{profile_name}`; {validated} of {} cells validated; nothing \
+         fitted (no calibration cells).\n\n{table}",
+        e.name,
+        outcomes.len()
+    );
+    scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
+
+    let mut ranked: Vec<&Outcome> = outcomes.iter().filter(|o| o.run.is_some() && o.pred.is_some()).collect();
+    ranked.sort_by(|x, y| y.worst_error().total_cmp(&x.worst_error()));
+    md.push_str("\n## Worst cells (largest TTFT or TPS error)\n\n");
+    for (k, o) in ranked.iter().take(a.worst).enumerate() {
+        let (plan, measured) = o.run.as_ref().expect("filtered");
+        let mut prof = profile.clone();
+        prof.runtime_overhead_bytes = o.runtime_overhead_bytes;
+        let cost = TableCostModel::new(&prof);
+        let spec = &specs[&o.cell.model];
+        let predicted = Simulator::new(spec, plan, &cost)?
+            .run(&SimOptions { trace: true, ..SimOptions::default() })
+            .trace
+            .unwrap_or_default();
+        let file = dir.join(format!("worst-{}.json", k + 1));
+        std::fs::write(&file, side_by_side(&predicted, measured).to_json())
+            .with_context(|| format!("writing {}", file.display()))?;
+        let (p, m) = (o.pred.expect("filtered"), o.meas.expect("filtered"));
+        let _ = writeln!(
+            md,
+            "{}. `{}` — {} ctx {} budget {} depth {:?}: TTFT {:.1} ms predicted vs {:.1} measured ({:+.1}%), \
+             TPS {:.2} vs {:.2} ({:+.1}%); traces: {}",
+            k + 1,
+            file.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+            o.cell.model,
+            format_tokens(o.cell.ctx),
+            format_bytes(o.cell.budget_bytes),
+            o.depths,
+            p.ttft_ms,
+            m.ttft_ms,
+            100.0 * o.error(0).unwrap_or(f64::NAN),
+            p.tps,
+            m.tps,
+            100.0 * o.error(1).unwrap_or(f64::NAN),
+            o.cell.planner
+        );
+    }
+    std::fs::write(dir.join("summary.md"), &md)
+        .with_context(|| format!("writing {}/summary.md", dir.display()))?;
+    let prov = Provenance {
+        command,
+        commit,
+        date_utc: date,
+        experiment: a.experiment.display().to_string(),
+        profile: profile_name,
+        profile_source: serde_json::to_value(&profile.provenance)?,
+        machine,
+        cells: outcomes.len(),
+        validated_cells: validated,
+        wall_time_s: t0.elapsed().as_secs_f64(),
+        fitted: "nothing: every prediction comes from the profile as measured",
+    };
+    std::fs::write(dir.join("provenance.json"), serde_json::to_string_pretty(&prov)? + "\n")
+        .with_context(|| format!("writing {}/provenance.json", dir.display()))?;
+    print!("{md}");
+    println!("\nwrote {}", dir.display());
+    Ok(())
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
+}
+
+/// Plans, predicts and runs one cell. Errors of the cell (no plan, a run that fails) are its status; only a
+/// broken machine (the overhead cannot be measured) stops the whole validation.
+fn validate_cell(
+    cell: Cell,
+    spec: &pipeshard_core::model::ModelSpec,
+    inv: &Inventory,
+    weights: &ModelWeights,
+    gpu: &Gpu,
+    profile: &pipeshard_core::profile::Profile,
+    seed: u64,
+) -> anyhow::Result<Outcome> {
+    let workload = cell.workload();
+    let prof = with_measured_overhead(gpu, spec, &workload, profile)?;
+    let cost = TableCostModel::new(&prof);
+    let mut outcome = Outcome {
+        kind: if spec.is_moe() { "moe" } else { "dense" },
+        status: String::new(),
+        pred: None,
+        meas: None,
+        depths: None,
+        process_peak_bytes: None,
+        runtime_overhead_bytes: prof.runtime_overhead_bytes,
+        run: None,
+        cell,
+    };
+    let planned = run_cell(&outcome.cell, spec, inv, &cost);
+    let Some(run) = planned.run else {
+        let status = serde_json::to_value(planned.status)?;
+        outcome.status = format!("{}: {}", status.as_str().unwrap_or_default(), planned.reason);
+        return Ok(outcome);
+    };
+    let (plan, sim) = (run.plan, run.sim);
+    outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
+    outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
+    let opts = RunOptions {
+        prompt: random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed),
+        gen_tokens: workload.gen_tokens as usize,
+        force_tokens: None,
+        keep_logits: false,
+    };
+    match pipeshard_exec::run(weights, &plan, Some(gpu), &opts) {
+        Ok(out) => {
+            let v = out.vram.as_ref();
+            let carved = v
+                .map_or(0, |v| v.used.iter().map(VramBreakdown::total).max().unwrap_or(0) + v.overhead_bytes);
+            outcome.meas = Some(Sample::new(&out.metrics, carved));
+            outcome.process_peak_bytes = v.map(|v| v.peak_process_bytes);
+            outcome.status = "ok".into();
+            outcome.run = Some((plan, out.trace));
+        }
+        Err(e) => outcome.status = format!("exec error: {e}"),
+    }
+    Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(planner: &str, kind: &'static str, pred: f64, meas: f64) -> Outcome {
+        let s = |x: f64| Sample {
+            ttft_ms: x,
+            tps: 100.0 / x,
+            e2el_ms: 2.0 * x,
+            vram_peak_bytes: 1 << 30,
+            busy_ms: [x, 0.0, 0.0, 0.0],
+        };
+        Outcome {
+            cell: Cell {
+                model: "nemo-8b@4L".into(),
+                ctx: 4096,
+                prompt_tokens: 4000,
+                gen_tokens: 16,
+                ubatch: 1024,
+                batch: 1,
+                budget_bytes: 2 << 30,
+                planner: planner.into(),
+                depth: None,
+            },
+            kind,
+            status: "ok".into(),
+            pred: Some(s(pred)),
+            meas: Some(s(meas)),
+            depths: Some((2, 2)),
+            process_peak_bytes: Some(2 << 30),
+            runtime_overhead_bytes: 500 << 20,
+            run: None,
+        }
+    }
+
+    #[test]
+    fn median_and_p90_of_absolute_errors() {
+        assert_eq!(median_p90(&[]), None);
+        assert_eq!(median_p90(&[-0.5]), Some((0.5, 0.5)));
+        let v: Vec<f64> = (1..=10).map(|i| f64::from(i) * if i % 2 == 0 { -0.01 } else { 0.01 }).collect();
+        let (m, p) = median_p90(&v).unwrap();
+        assert!((m - 0.055).abs() < 1e-12, "{m}");
+        assert!((p - 0.09).abs() < 1e-12, "{p}");
+    }
+
+    #[test]
+    fn errors_and_summary_groups() {
+        let outcomes = vec![
+            outcome("ilp", "dense", 110.0, 100.0),
+            outcome("ngl", "dense", 95.0, 100.0),
+            outcome("ilp", "moe", 100.0, 100.0),
+        ];
+        let e = outcomes[0].error(0).unwrap();
+        assert!((e - 0.1).abs() < 1e-12);
+        // TPS is 100/x on both sides: the error is the inverse ratio.
+        assert!((outcomes[0].error(1).unwrap() - (100.0 / 110.0 - 1.0)).abs() < 1e-12);
+        assert!((outcomes[0].worst_error() - 0.1).abs() < 1e-12);
+        let t = summary(&outcomes);
+        assert!(t.contains("| all (3) | 3 | 5.0% / 10.0% |"), "{t}");
+        assert!(t.contains("| planner ilp (2) | 2 | 5.0% / 10.0% |"), "{t}");
+        assert!(t.contains("| moe models (1) | 1 | 0.0% / 0.0% |"), "{t}");
+        assert!(t.contains("| dense models (2) | 2 | 7.5% / 10.0% |"), "{t}");
+    }
+
+    #[test]
+    fn csv_has_predicted_and_measured_columns_and_a_scatter_plot_is_drawn() {
+        let dir = std::env::temp_dir().join(format!("pipeshard-validate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut failed = outcome("ilp", "dense", 1.0, 1.0);
+        (failed.pred, failed.meas, failed.status) = (None, None, "infeasible: needs at least 3 GiB".into());
+        let outcomes = vec![outcome("ilp", "dense", 110.0, 100.0), failed];
+        write_csv(&outcomes, &dir.join("cells.csv")).unwrap();
+        let text = std::fs::read_to_string(dir.join("cells.csv")).unwrap();
+        let header = text.lines().next().unwrap();
+        for x in ["ttft_ms", "tps", "e2el_ms", "vram_peak_bytes"] {
+            assert!(header.contains(&format!("{x}_pred,{x}_meas")), "{header}");
+        }
+        assert!(header.ends_with(",calibration"));
+        assert_eq!(text.lines().count(), 3);
+        assert!(text.contains("infeasible: needs at least 3 GiB"));
+        scatter(&outcomes, &["ngl".into(), "ilp".into()], &dir.join("scatter.png")).unwrap();
+        assert!(std::fs::metadata(dir.join("scatter.png")).unwrap().len() > 10_000);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn traces_side_by_side_keep_both_sides_apart() {
+        let mut pred = Trace::new();
+        pred.name_track(0, "GPU", 0, "compute");
+        pred.span(0, 0, "attn", "gpu", 0, 1000);
+        pred.name_track(1, "PCIe", 0, "h2d");
+        let mut meas = Trace::new();
+        meas.name_track(0, "GPU", 0, "compute");
+        meas.span(0, 0, "attn", "gpu", 0, 1200);
+        let both = side_by_side(&pred, &meas);
+        assert_eq!(both.events.len(), pred.events.len() + meas.events.len());
+        let names: Vec<(u32, &str)> = both
+            .events
+            .iter()
+            .filter(|e| e.name == "process_name")
+            .map(|e| (e.pid, e.args["name"].as_str().unwrap()))
+            .collect();
+        assert_eq!(names, vec![(0, "predicted · GPU"), (1, "predicted · PCIe"), (2, "measured · GPU")]);
+        assert_eq!(both.events.iter().filter(|e| e.ph == "X" && e.pid == 2).count(), 1);
+    }
+
+    #[test]
+    fn gpu_names_become_folder_names() {
+        assert_eq!(slug("NVIDIA H200"), "nvidia-h200");
+        assert_eq!(slug(" GeForce RTX 5090 (32 GB) "), "geforce-rtx-5090-32-gb");
+    }
+}
