@@ -89,7 +89,7 @@ pub struct RunArgs {
     check: bool,
 }
 
-fn provenance() -> (String, String, String) {
+pub(crate) fn provenance() -> (String, String, String) {
     let commit = std::env::var("PIPESHARD_COMMIT").ok().or_else(|| {
         std::process::Command::new("git")
             .args(["rev-parse", "--short=12", "HEAD"])
