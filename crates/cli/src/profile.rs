@@ -174,6 +174,7 @@ fn show(p: &Profile, plot: &Path) -> anyhow::Result<()> {
     println!("PCIe {}", m.pcie);
     println!();
     let sizes: Vec<u64> = p.pcie.h2d_pinned.iter().map(|x| x.bytes).collect();
+    let model = pipeshard_core::cost::TableCostModel::new(p);
     print!("{:<14}", "copies GB/s");
     for s in &sizes {
         print!("{:>8}", size_label(*s));
@@ -187,11 +188,14 @@ fn show(p: &Profile, plot: &Path) -> anyhow::Result<()> {
     ] {
         print!("{label:<14}");
         for &s in &sizes {
-            let g = if h2d { p.h2d_gbps(s, pinned) } else { p.d2h_gbps(s, pinned) };
+            use pipeshard_core::cost::CostModel;
+            let ns = if h2d { model.h2d_ns(s, pinned) } else { model.d2h_ns(s, pinned) };
+            let g = s as f64 / ns as f64;
             print!("{g:>8.1}");
         }
         println!();
     }
+    println!("(achieved: bytes / (latency + bytes / curve rate), as the cost model predicts)");
     println!(
         "both directions {:.1} GB/s · copy latency {:.1} µs{}",
         p.pcie.bidirectional_gbps,
