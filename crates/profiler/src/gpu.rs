@@ -250,6 +250,18 @@ pub fn measure_all(
             })
             .collect::<Vec<_>>()
     });
+    let mut pcie_notes = Vec::new();
+    let [mut h2d_pinned, mut d2h_pinned, mut h2d_pageable, mut d2h_pageable] =
+        [h2d_pinned, d2h_pinned, h2d_pageable, d2h_pageable];
+    for (name, curve) in [
+        ("pinned H2D", &mut h2d_pinned),
+        ("pinned D2H", &mut d2h_pinned),
+        ("pageable H2D", &mut h2d_pageable),
+        ("pageable D2H", &mut d2h_pageable),
+    ] {
+        pcie_notes.extend(monotone_copy_curve(name, curve));
+    }
+    notes.extend(pcie_notes);
     let big = (256 * MIB).min(host_bytes / 2);
     let bidir = sample(rule, || -> Result<f64> {
         let t0 = Instant::now();
@@ -627,6 +639,28 @@ pub fn measure_all(
         measurements: Vec::new(),
         notes: Vec::new(),
     })
+}
+
+/// Caps points so that the cost model's copy time, `latency + bytes / gbps(bytes)` with `gbps` linear in
+/// log(bytes) between points, never falls as bytes grow: between points `a < b` that holds iff
+/// `gbps_b ≤ gbps_a · (1 + ln(b / a))`. A point above that is lowered to it (its copies are then predicted a
+/// little slower than measured, never faster); each lowered point is returned as a note.
+pub fn monotone_copy_curve(name: &str, curve: &mut [BwPoint]) -> Vec<String> {
+    let mut notes = Vec::new();
+    for i in 1..curve.len() {
+        let (a, b) = (curve[i - 1], curve[i]);
+        let cap = a.gbps * (1.0 + (b.bytes as f64 / a.bytes as f64).ln());
+        if b.gbps > cap {
+            notes.push(format!(
+                "{name} {} KiB: effective rate {:.2} GB/s lowered to {cap:.2} GB/s so that interpolation never \
+                 predicts a larger copy faster than a smaller one",
+                b.bytes >> 10,
+                b.gbps
+            ));
+            curve[i].gbps = cap;
+        }
+    }
+    notes
 }
 
 fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {

@@ -105,3 +105,19 @@ fn committed_profiles_never_copy_more_bytes_faster() {
     }
     assert!(n >= 3, "found only {n} profiles in {}", dir.display());
 }
+
+#[test]
+fn copy_curves_are_capped_where_interpolation_would_make_more_bytes_faster() {
+    use pipeshard_core::profile::BwPoint;
+    let pt = |kib: u64, gbps: f64| BwPoint { bytes: kib << 10, gbps, spread: None };
+    // 2.9 → 9.3 GB/s from 64 to 256 KiB: more than 1 + ln 4 times, so 256 KiB is lowered; the rest stands.
+    let mut curve = vec![pt(64, 2.9), pt(256, 9.3), pt(1024, 11.0), pt(4096, 12.0)];
+    let notes = pipeshard_profiler::gpu::monotone_copy_curve("pageable H2D", &mut curve);
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].contains("256 KiB"), "{}", notes[0]);
+    assert!((curve[1].gbps - 2.9 * (1.0 + 4f64.ln())).abs() < 1e-12);
+    assert_eq!((curve[2].gbps, curve[3].gbps), (11.0, 12.0));
+    let mut p = reference::derived("cli3").unwrap();
+    p.pcie.h2d_pageable = curve;
+    assert_copies_monotone("capped", &p);
+}
