@@ -165,7 +165,7 @@ fn show(p: &Profile, plot: &Path) -> anyhow::Result<()> {
     println!("profile `{}` (schema {})", m.name, p.schema_version);
     match &p.provenance {
         Provenance::Measured { command, commit, date } => {
-            println!("measured {date}, commit {commit}: {command}")
+            println!("measured {date}, commit {commit}: {command}");
         }
         Provenance::Derived { calibration, .. } => println!("derived: {calibration}"),
     }

@@ -127,7 +127,7 @@ pub type Result<T> = std::result::Result<T, ProfilerError>;
 /// Thread counts to sweep on a machine with `max` threads.
 #[must_use]
 pub fn default_threads(max: u32) -> Vec<u32> {
-    let mut t: Vec<u32> = (0..).map(|i| 1u32 << i).take_while(|&x| x < max).collect();
+    let mut t: Vec<u32> = (0..31).map(|i| 1u32 << i).take_while(|&x| x < max).collect();
     t.push(max.max(1));
     t
 }

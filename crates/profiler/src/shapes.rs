@@ -59,28 +59,15 @@ pub fn from_catalog() -> Shapes {
         }
         let inv = Inventory::new(spec);
         for tensor in &inv.tensors {
-            match (tensor.role, tensor.shape.as_slice()) {
-                (Role::TokenEmbd, _) => {}
-                (Role::ExpertGate | Role::ExpertUp, [_, n, k]) => {
-                    if experts_seen.insert((*n, *k)) {
-                        exp.insert(MatShape {
-                            n: *n,
-                            k: *k,
-                            example: format!("{}:{}", spec.name, tensor.name),
-                        });
-                    }
-                }
-                (Role::ExpertDown, _) => {}
-                (_, [n, k]) => {
-                    if seen.insert((*n, *k)) {
-                        mat.insert(MatShape {
-                            n: *n,
-                            k: *k,
-                            example: format!("{}:{}", spec.name, tensor.name),
-                        });
-                    }
-                }
-                _ => {}
+            // Embeddings are lookups; an expert's down is its gate/up transposed.
+            let (seen_set, out, n, k) = match (tensor.role, tensor.shape.as_slice()) {
+                (Role::TokenEmbd | Role::ExpertDown, _) => continue,
+                (Role::ExpertGate | Role::ExpertUp, [_, n, k]) => (&mut experts_seen, &mut exp, *n, *k),
+                (_, [n, k]) => (&mut seen, &mut mat, *n, *k),
+                _ => continue,
+            };
+            if seen_set.insert((n, k)) {
+                out.insert(MatShape { n, k, example: format!("{}:{}", spec.name, tensor.name) });
             }
         }
     }
