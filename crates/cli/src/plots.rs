@@ -146,3 +146,188 @@ fn draw(
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// One line of a profile panel.
+type Line = (String, Vec<(f64, f64)>);
+
+/// Draws one log-log (or log-x) panel of a profile.
+fn profile_panel(
+    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
+    title: &str,
+    (x_desc, y_desc): (&str, &str),
+    lines: &[Line],
+    log_y: bool,
+) -> anyhow::Result<()> {
+    let pts: Vec<(f64, f64)> = lines.iter().flat_map(|l| l.1.iter().copied()).filter(|p| p.1 > 0.0).collect();
+    if pts.is_empty() {
+        area.draw(&Text::new(format!("{title}: no data"), (20, 20), ("sans-serif", 16).into_font()))?;
+        return Ok(());
+    }
+    let (x0, x1) = pts.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (y0, y1) = pts.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let (x0, x1) = (x0 / 1.3, x1 * 1.3);
+    let mut chart = ChartBuilder::on(area);
+    chart.caption(title, ("sans-serif", 18)).margin(10).x_label_area_size(38).y_label_area_size(60);
+    let fmt = |v: &f64| {
+        if *v >= 1e9 {
+            format!("{:.0}G", v / 1e9)
+        } else if *v >= 1e6 {
+            format!("{:.0}M", v / 1e6)
+        } else if *v >= 1e3 {
+            format!("{:.0}K", v / 1e3)
+        } else if *v >= 10.0 || (*v >= 1.0 && v.fract().abs() < 1e-9) {
+            format!("{v:.0}")
+        } else {
+            format!("{v:.2}")
+        }
+    };
+    macro_rules! body {
+        ($c:expr) => {{
+            let mut c = $c;
+            c.configure_mesh()
+                .x_desc(x_desc)
+                .y_desc(y_desc)
+                .light_line_style(WHITE.mix(0.0))
+                .x_label_formatter(&fmt)
+                .y_label_formatter(&fmt)
+                .label_style(("sans-serif", 12))
+                .draw()?;
+            for (i, (name, l)) in lines.iter().enumerate() {
+                let colour = COLOURS[i % COLOURS.len()];
+                let style = if i >= COLOURS.len() { colour.stroke_width(1) } else { colour.stroke_width(2) };
+                c.draw_series(LineSeries::new(l.iter().copied(), style))?.label(name.clone()).legend(
+                    move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2)),
+                );
+                c.draw_series(l.iter().map(|&p| Circle::new(p, 2, colour.filled())))?;
+            }
+            c.configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 11))
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()?;
+        }};
+    }
+    if log_y {
+        body!(
+            chart.build_cartesian_2d((x0..x1).log_scale().base(2.0), ((y0 / 1.5)..(y1 * 1.5)).log_scale())?
+        );
+    } else {
+        body!(chart.build_cartesian_2d((x0..x1).log_scale().base(2.0), 0.0..(y1 * 1.15))?);
+    }
+    Ok(())
+}
+
+/// The summary plot of a profile: PCIe by size, host bandwidth by threads, GPU GEMM rate by tokens, GPU
+/// attention time by context.
+pub fn profile_plot(p: &pipeshard_core::profile::Profile, path: &Path) -> anyhow::Result<()> {
+    use pipeshard_core::cost::{CostModel, TableCostModel};
+    use pipeshard_core::dtype::DType;
+    use pipeshard_core::workload::OpClass;
+    register();
+    let m = TableCostModel::new(p);
+    let root = BitMapBackend::new(path, (1500, 1060)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (header, body) = root.split_vertically(44);
+    let title = format!("profile `{}` — {} · {}", p.machine.name, p.machine.gpu, p.machine.cpu);
+    header.draw(&Text::new(title, (16, 12), ("sans-serif", 20).into_font()))?;
+    let panels = body.split_evenly((2, 2));
+
+    let sizes: Vec<u64> = p.pcie.h2d_pinned.iter().map(|x| x.bytes).collect();
+    let copy = |f: &dyn Fn(u64) -> u64| {
+        sizes.iter().map(|&b| (b as f64, b as f64 / f(b) as f64)).collect::<Vec<_>>()
+    };
+    let pcie = vec![
+        ("H2D pinned".to_string(), copy(&|b| m.h2d_ns(b, true))),
+        ("D2H pinned".to_string(), copy(&|b| m.d2h_ns(b, true))),
+        ("H2D pageable".to_string(), copy(&|b| m.h2d_ns(b, false))),
+        ("D2H pageable".to_string(), copy(&|b| m.d2h_ns(b, false))),
+    ];
+    profile_panel(
+        &panels[0],
+        "PCIe copies (achieved, latency included)",
+        ("bytes per copy", "GB/s"),
+        &pcie,
+        true,
+    )?;
+
+    let gemv = |under: bool| {
+        p.dram
+            .iter()
+            .filter_map(|d| {
+                let g = crate::profile::best_cpu_gemv(p, d.threads)?;
+                Some((f64::from(d.threads), if under { g.1? } else { g.0 }))
+            })
+            .collect::<Vec<_>>()
+    };
+    let host = vec![
+        ("DRAM read".to_string(), p.dram.iter().map(|d| (f64::from(d.threads), d.gbps)).collect()),
+        (
+            "DRAM read under H2D".to_string(),
+            p.dram.iter().map(|d| (f64::from(d.threads), d.gbps_under_dma)).collect(),
+        ),
+        ("CPU GEMV bf16 (weights)".to_string(), gemv(false)),
+        ("CPU GEMV under H2D".to_string(), gemv(true)),
+    ];
+    profile_panel(&panels[1], "host: DRAM and CPU GEMV by threads", ("threads", "GB/s"), &host, false)?;
+
+    // GEMM rate by tokens for up to six bf16 shapes spread over the sizes measured.
+    let mut shapes: Vec<(u64, u64)> = p
+        .gpu
+        .ops
+        .iter()
+        .filter(|r| r.op == OpClass::MatMul && r.dtype == DType::Bf16)
+        .map(|r| (r.n, r.k))
+        .collect();
+    shapes.sort_by_key(|s| (s.0 * s.1, s.0));
+    shapes.dedup();
+    let pick: Vec<(u64, u64)> = if shapes.len() <= 6 {
+        shapes.clone()
+    } else {
+        (0..6).map(|i| shapes[i * (shapes.len() - 1) / 5]).collect()
+    };
+    let gemm: Vec<Line> = pick
+        .iter()
+        .map(|&(n, k)| {
+            let mut pts: Vec<(f64, f64)> = p
+                .gpu
+                .ops
+                .iter()
+                .filter(|r| r.op == OpClass::MatMul && r.dtype == DType::Bf16 && (r.n, r.k) == (n, k))
+                .map(|r| (r.tokens as f64, 2.0 * (r.tokens * n * k) as f64 / r.time_ns as f64 / 1e3))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (format!("{n}×{k}"), pts)
+        })
+        .collect();
+    profile_panel(&panels[2], "GPU bf16 GEMM (exec cuBLAS)", ("tokens", "TFLOP/s"), &gemm, true)?;
+
+    let mut layouts: Vec<u64> =
+        p.gpu.ops.iter().filter(|r| r.op == OpClass::Attention).map(|r| r.n).collect();
+    layouts.sort_unstable();
+    layouts.dedup();
+    let mut attn: Vec<Line> = Vec::new();
+    for decode in [true, false] {
+        for &n in &layouts {
+            let mut pts: Vec<(f64, f64)> = p
+                .gpu
+                .ops
+                .iter()
+                .filter(|r| {
+                    r.op == OpClass::Attention
+                        && r.n == n
+                        && r.dtype == DType::F16
+                        && (r.tokens == 1) == decode
+                })
+                .map(|r| (r.k as f64, r.time_ns as f64 / 1e3))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            if !pts.is_empty() {
+                attn.push((format!("{} q-dim {n}", if decode { "decode" } else { "prefill 512" }), pts));
+            }
+        }
+    }
+    profile_panel(&panels[3], "GPU attention (exec kernel, f16 KV)", ("keys attended", "µs"), &attn, true)?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

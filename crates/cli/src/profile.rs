@@ -1,10 +1,15 @@
-//! `pipeshard profile`: machine profiles.
+//! `pipeshard profile`: machine profiles — measure this machine, derive the paper's reference systems, show one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressStyle};
+use pipeshard_core::dtype::DType;
+use pipeshard_core::profile::{Profile, Provenance};
 use pipeshard_core::reference;
+use pipeshard_core::workload::OpClass;
+use pipeshard_profiler::{Config, Mode, Progress};
 
 #[derive(Debug, Subcommand)]
 pub enum ProfileCommand {
@@ -16,6 +21,69 @@ pub enum ProfileCommand {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Measure this machine with the executor's kernels and write its profile.
+    Measure {
+        /// Coarse grids and bf16 only: a few minutes instead of the full sweep.
+        #[arg(long)]
+        fast: bool,
+        /// Output file (default: `profiles/NAME.json`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// The machine's name in the profile (default: the output file's stem, else `local`).
+        #[arg(long)]
+        name: Option<String>,
+        /// CPU thread counts to sweep, comma-separated (default: powers of two up to all threads, and all).
+        #[arg(long, value_delimiter = ',')]
+        threads: Vec<u32>,
+        /// Measure the CPU only (no GPU needed); the GPU and PCIe sections come from `--gpu-from`.
+        #[arg(long, requires = "gpu_from")]
+        cpu_only: bool,
+        /// The profile whose GPU and PCIe sections a `--cpu-only` run keeps.
+        #[arg(long)]
+        gpu_from: Option<PathBuf>,
+        /// Also write the summary plot (default: beside the output, `.png`).
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+    /// Print a profile's summary and plot its curves as PNG.
+    Show {
+        /// The profile (JSON).
+        profile: PathBuf,
+        /// PNG to write (default: beside the profile, `.png`).
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+/// indicatif bars, one per section.
+struct Bars {
+    bar: std::cell::RefCell<Option<ProgressBar>>,
+}
+
+impl Progress for Bars {
+    fn section(&self, name: &str, steps: u64) {
+        if let Some(b) = self.bar.borrow_mut().take() {
+            b.finish();
+        }
+        eprintln!("== {name}");
+        let b = ProgressBar::new(steps);
+        b.set_style(
+            ProgressStyle::with_template("{elapsed:>4} [{bar:40}] {pos}/{len} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        *self.bar.borrow_mut() = Some(b);
+    }
+
+    fn step(&self, detail: &str) {
+        if let Some(b) = self.bar.borrow().as_ref() {
+            b.set_message(detail.to_string());
+            b.inc(1);
+            if b.is_hidden() {
+                eprintln!("  {detail}");
+            }
+        }
+    }
 }
 
 pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
@@ -33,5 +101,186 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             println!("wrote {}", out.display());
             Ok(())
         }
+        ProfileCommand::Measure { fast, out, name, threads, cpu_only, gpu_from, plot } => {
+            let name = name
+                .or_else(|| {
+                    out.as_ref().and_then(|o| o.file_stem()).map(|s| s.to_string_lossy().into_owned())
+                })
+                .unwrap_or_else(|| "local".into());
+            let out = out.unwrap_or_else(|| PathBuf::from(format!("profiles/{name}.json")));
+            let gpu_from = match (cpu_only, gpu_from) {
+                (true, Some(p)) => Some(Profile::load(&p)?),
+                (false, Some(_)) => anyhow::bail!("--gpu-from only goes with --cpu-only"),
+                _ => None,
+            };
+            let (commit, date, command) = crate::exec::provenance();
+            let cfg = Config {
+                mode: if fast { Mode::Fast } else { Mode::Full },
+                name,
+                threads,
+                gpu_from,
+                command,
+                commit,
+                date,
+            };
+            let bars = Bars { bar: std::cell::RefCell::new(None) };
+            let profile = pipeshard_profiler::measure(&cfg, &bars)?;
+            if let Some(b) = bars.bar.borrow_mut().take() {
+                b.finish();
+            }
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
+            std::fs::write(&out, profile.to_json() + "\n")
+                .with_context(|| format!("writing {}", out.display()))?;
+            // Read it back: what was written is a valid profile.
+            let profile = Profile::load(&out)?;
+            println!("wrote {}", out.display());
+            show(&profile, &plot.unwrap_or_else(|| out.with_extension("png")))
+        }
+        ProfileCommand::Show { profile, plot } => {
+            let p = Profile::load(&profile)?;
+            show(&p, &plot.unwrap_or_else(|| profile.with_extension("png")))
+        }
     }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / f64::from(1u32 << 30)
+}
+
+fn size_label(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{}G", b >> 30)
+    } else if b >= 1 << 20 {
+        format!("{}M", b >> 20)
+    } else {
+        format!("{}K", b >> 10)
+    }
+}
+
+/// Prints the summary and writes the plot.
+fn show(p: &Profile, plot: &Path) -> anyhow::Result<()> {
+    let m = &p.machine;
+    println!("profile `{}` (schema {})", m.name, p.schema_version);
+    match &p.provenance {
+        Provenance::Measured { command, commit, date } => {
+            println!("measured {date}, commit {commit}: {command}");
+        }
+        Provenance::Derived { calibration, .. } => println!("derived: {calibration}"),
+    }
+    println!("GPU  {} · {:.1} GiB", m.gpu, gib(m.gpu_vram_bytes));
+    println!("CPU  {} · {} threads · {:.1} GiB RAM", m.cpu, m.cpu_threads, gib(m.host_ram_bytes));
+    println!("PCIe {}", m.pcie);
+    println!();
+    let sizes: Vec<u64> = p.pcie.h2d_pinned.iter().map(|x| x.bytes).collect();
+    let model = pipeshard_core::cost::TableCostModel::new(p);
+    print!("{:<14}", "copies GB/s");
+    for s in &sizes {
+        print!("{:>8}", size_label(*s));
+    }
+    println!();
+    for (label, pinned, h2d) in [
+        ("H2D pinned", true, true),
+        ("D2H pinned", true, false),
+        ("H2D pageable", false, true),
+        ("D2H pageable", false, false),
+    ] {
+        print!("{label:<14}");
+        for &s in &sizes {
+            use pipeshard_core::cost::CostModel;
+            let ns = if h2d { model.h2d_ns(s, pinned) } else { model.d2h_ns(s, pinned) };
+            let g = s as f64 / ns as f64;
+            print!("{g:>8.1}");
+        }
+        println!();
+    }
+    println!("(achieved: bytes / (latency + bytes / curve rate), as the cost model predicts)");
+    println!(
+        "both directions {:.1} GB/s · copy latency {:.1} µs{}",
+        p.pcie.bidirectional_gbps,
+        p.pcie.copy_latency_ns as f64 / 1e3,
+        p.pcie
+            .h2d_under_compute_gbps
+            .map_or(String::new(), |g| format!(" · H2D while the GPU computes {g:.1} GB/s"))
+    );
+    println!();
+    println!(
+        "{:<8}{:>12}{:>14}{:>16}{:>18}",
+        "threads", "DRAM GB/s", "under DMA", "CPU GEMV GB/s", "GEMV under DMA"
+    );
+    for d in &p.dram {
+        let gemv = best_cpu_gemv(p, d.threads);
+        println!(
+            "{:<8}{:>12.1}{:>14.1}{:>16}{:>18}",
+            d.threads,
+            d.gbps,
+            d.gbps_under_dma,
+            gemv.map_or("-".into(), |g| format!("{:.1}", g.0)),
+            gemv.and_then(|g| g.1).map_or("-".into(), |g| format!("{g:.1}")),
+        );
+    }
+    println!();
+    for (d, f) in &p.gpu.roofline.matmul_flops {
+        println!("GPU {d:?} GEMM peak (best row) {:.0} TFLOP/s", f / 1e12);
+    }
+    let gemv = p
+        .gpu
+        .ops
+        .iter()
+        .filter(|r| r.op == OpClass::MatMul && r.tokens == 1)
+        .filter_map(|r| Some((r.dtype.tensor_bytes(r.k, r.n).ok()? as f64 / r.time_ns as f64, r)))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    if let Some((g, r)) = gemv {
+        println!("GPU GEMV best {:.2} TB/s of weights ({:?} {}×{})", g / 1e3, r.dtype, r.n, r.k);
+    }
+    println!(
+        "GPU memory roofline {:.0} GB/s · launch {:.1} µs · host sync {:.1} µs · memory-bound ops ×{:.3} under DMA · \
+         runtime VRAM {:.2} GiB",
+        p.gpu.roofline.mem_gbps,
+        p.launch_ns as f64 / 1e3,
+        p.host_sync_ns as f64 / 1e3,
+        p.gpu.dma_slowdown,
+        gib(p.runtime_overhead_bytes)
+    );
+    println!(
+        "CPU ops ×{:.3} under DMA (median) · {} GPU rows, {} CPU rows",
+        p.cpu.dma_slowdown,
+        p.gpu.ops.len(),
+        p.cpu.ops.len()
+    );
+    if !p.measurements.is_empty() {
+        println!();
+        for x in &p.measurements {
+            println!(
+                "  {:<64} {:>10.3} {:<5} ±{:.1}% ({} samples)",
+                x.name,
+                x.value,
+                x.unit,
+                x.spread * 100.0,
+                x.samples
+            );
+        }
+    }
+    for n in &p.notes {
+        println!("note: {n}");
+    }
+    crate::plots::profile_plot(p, plot)?;
+    println!("wrote {}", plot.display());
+    Ok(())
+}
+
+/// Best CPU GEMV (1 token, bf16) weight GB/s at `threads`, alone and under DMA.
+pub fn best_cpu_gemv(p: &Profile, threads: u32) -> Option<(f64, Option<f64>)> {
+    p.cpu
+        .ops
+        .iter()
+        .filter(|r| {
+            r.op == OpClass::MatMul && r.tokens == 1 && r.threads == threads && r.dtype == DType::Bf16
+        })
+        .map(|r| {
+            let bytes = (2 * r.n * r.k) as f64;
+            (bytes / r.time_ns as f64, r.time_ns_under_dma.map(|t| bytes / t as f64))
+        })
+        .max_by(|a, b| a.0.total_cmp(&b.0))
 }

@@ -5,6 +5,11 @@
 //! and the CPU (alone and under concurrent DMA), launch and host-sync latencies, and the VRAM the runtime takes
 //! before any weight (CUDA context, cuBLAS workspace). The schema is versioned: readers reject other versions
 //! with a message naming the file, the version found and the one expected.
+//!
+//! Version 2 (this build) adds what a measured profile records beyond version 1: the spread of every measured
+//! point (`spread`: interquartile range over the median), the H2D bandwidth while the GPU computes, a list of
+//! scalar `measurements` (each with its spread and sample count) and free-text `notes`. Every addition is
+//! optional, so version-1 files load unchanged (read as version 2 with the additions absent).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,7 +17,10 @@ use crate::dtype::DType;
 use crate::workload::OpClass;
 
 /// The schema version this build reads and writes.
-pub const PROFILE_SCHEMA_VERSION: u32 = 1;
+pub const PROFILE_SCHEMA_VERSION: u32 = 2;
+
+/// Older schema versions this build still reads (their files lack only optional fields).
+pub const PROFILE_SCHEMA_READABLE: [u32; 2] = [1, 2];
 
 /// Where a profile's numbers come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +50,9 @@ pub struct Machine {
 pub struct BwPoint {
     pub bytes: u64,
     pub gbps: f64,
+    /// Relative spread of the measurement (interquartile range / median); `None` for derived points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread: Option<f64>,
 }
 
 /// The host↔device link. Curves are sorted by `bytes`; between points bandwidth is interpolated in log size.
@@ -55,6 +66,9 @@ pub struct PcieProfile {
     pub bidirectional_gbps: f64,
     /// Fixed cost of issuing one copy (driver call + DMA setup).
     pub copy_latency_ns: u64,
+    /// Pinned H2D GB/s (large copies) while the GPU computes on another stream (`None`: not measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub h2d_under_compute_gbps: Option<f64>,
 }
 
 /// DRAM read bandwidth at a thread count.
@@ -64,6 +78,9 @@ pub struct DramPoint {
     pub gbps: f64,
     /// The same while a pinned H2D copy streams from host memory.
     pub gbps_under_dma: f64,
+    /// Relative spread of `gbps` (interquartile range / median); `None` for derived points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread: Option<f64>,
 }
 
 /// One measured op timing.
@@ -82,6 +99,20 @@ pub struct OpRow {
     pub time_ns: u64,
     /// Time while a copy runs on the link (`None`: not measured).
     pub time_ns_under_dma: Option<u64>,
+    /// Relative spread of `time_ns` (interquartile range / median); `None` for derived rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread: Option<f64>,
+}
+
+/// One scalar measurement a profile keeps beside its tables (slowdowns, latencies, section timings).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    pub name: String,
+    pub value: f64,
+    pub unit: String,
+    /// Relative spread (interquartile range / median) over `samples` samples.
+    pub spread: f64,
+    pub samples: u32,
 }
 
 /// Peak rates of one device: the roofline.
@@ -127,6 +158,12 @@ pub struct Profile {
     pub host_sync_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
+    /// Scalar measurements beside the tables (schema 2; empty for derived profiles).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub measurements: Vec<Measurement>,
+    /// What a reader should know about how the numbers were taken (schema 2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// A profile that cannot be used.
@@ -137,7 +174,7 @@ pub enum ProfileError {
     #[error("{file}: not a valid profile: {reason}")]
     Json { file: String, reason: String },
     #[error(
-        "{file}: schema_version {found}, this build reads {expected}: re-run `pipeshard profile` or convert the file"
+        "{file}: schema_version {found}, this build reads 1 to {expected}: re-run `pipeshard profile measure` or convert the file"
     )]
     Version { file: String, found: u32, expected: u32 },
     #[error("{file}: `{field}` {problem}")]
@@ -153,15 +190,17 @@ impl Profile {
         }
         let v: Version = serde_json::from_str(json)
             .map_err(|e| ProfileError::Json { file: file.into(), reason: e.to_string() })?;
-        if v.schema_version != PROFILE_SCHEMA_VERSION {
+        if !PROFILE_SCHEMA_READABLE.contains(&v.schema_version) {
             return Err(ProfileError::Version {
                 file: file.into(),
                 found: v.schema_version,
                 expected: PROFILE_SCHEMA_VERSION,
             });
         }
-        let p: Profile = serde_json::from_str(json)
+        let mut p: Profile = serde_json::from_str(json)
             .map_err(|e| ProfileError::Json { file: file.into(), reason: e.to_string() })?;
+        // Older versions differ only by absent optional fields: read them as the current version.
+        p.schema_version = PROFILE_SCHEMA_VERSION;
         p.validate(file)?;
         Ok(p)
     }
@@ -229,6 +268,12 @@ impl Profile {
             if let Some(row) = dev.ops.iter().find(|o| o.time_ns == 0 || o.tokens == 0) {
                 return bad(&format!("{name}.ops"), format!("has a row with zero time or tokens: {row:?}"));
             }
+        }
+        if let Some(m) = self.measurements.iter().find(|m| !m.value.is_finite() || !m.spread.is_finite()) {
+            return bad(
+                "measurements",
+                format!("`{}` is not a finite number ({} ± {})", m.name, m.value, m.spread),
+            );
         }
         if self.machine.cpu_threads == 0 {
             return bad("machine.cpu_threads", "is 0; it must be ≥ 1".into());

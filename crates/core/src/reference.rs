@@ -133,10 +133,10 @@ pub fn derived(name: &str) -> Option<Profile> {
     // Small copies pay a fixed setup cost; the measured figure is reached from ~16 MiB on.
     let curve = |peak: f64| {
         vec![
-            BwPoint { bytes: 64 << 10, gbps: peak * 0.35 },
-            BwPoint { bytes: MIB, gbps: peak * 0.88 },
-            BwPoint { bytes: 16 * MIB, gbps: peak },
-            BwPoint { bytes: GIB, gbps: peak },
+            BwPoint { bytes: 64 << 10, gbps: peak * 0.35, spread: None },
+            BwPoint { bytes: MIB, gbps: peak * 0.88, spread: None },
+            BwPoint { bytes: 16 * MIB, gbps: peak, spread: None },
+            BwPoint { bytes: GIB, gbps: peak, spread: None },
         ]
     };
     let pageable = |peak: f64| curve((peak * 0.3).min(15.0));
@@ -147,7 +147,12 @@ pub fn derived(name: &str) -> Option<Profile> {
         .map(|t| {
             // One core streams ~15 GB/s; bandwidth saturates at the achievable figure.
             let g = (15.0 * f64::from(t)).min(dram_gbps);
-            DramPoint { threads: t, gbps: g, gbps_under_dma: g.min(dram_gbps * e.dram_under_dma) }
+            DramPoint {
+                threads: t,
+                gbps: g,
+                gbps_under_dma: g.min(dram_gbps * e.dram_under_dma),
+                spread: None,
+            }
         })
         .collect::<Vec<_>>();
     let mut dram = dram;
@@ -175,6 +180,7 @@ pub fn derived(name: &str) -> Option<Profile> {
                 threads: 0,
                 time_ns: gpu_t.ceil() as u64,
                 time_ns_under_dma: None,
+                spread: None,
             });
             cpu_ops.push(OpRow {
                 op: OpClass::MatMul,
@@ -185,6 +191,7 @@ pub fn derived(name: &str) -> Option<Profile> {
                 threads,
                 time_ns: cpu_t.ceil() as u64,
                 time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
+                spread: None,
             });
         }
     }
@@ -221,6 +228,7 @@ pub fn derived(name: &str) -> Option<Profile> {
             d2h_pageable: pageable(pcie),
             bidirectional_gbps: pcie * 1.8,
             copy_latency_ns: 8_000,
+            h2d_under_compute_gbps: None,
         },
         dram,
         gpu: DeviceProfile {
@@ -240,6 +248,8 @@ pub fn derived(name: &str) -> Option<Profile> {
         launch_ns: 4_000,
         host_sync_ns: 15_000,
         runtime_overhead_bytes: 500 * MIB,
+        measurements: Vec::new(),
+        notes: Vec::new(),
     })
 }
 
@@ -265,9 +275,17 @@ mod tests {
         let p = derived("cli3").unwrap();
         let back = Profile::from_json("cli3.json", &p.to_json()).unwrap();
         assert_eq!(back, p);
-        let bumped = p.to_json().replacen("\"schema_version\": 1", "\"schema_version\": 9", 1);
+        let bumped = p.to_json().replacen("\"schema_version\": 2", "\"schema_version\": 9", 1);
         let e = Profile::from_json("x.json", &bumped).unwrap_err().to_string();
         assert!(e.contains("x.json") && e.contains('9'), "{e}");
         assert!(derived("cli9").is_none());
+    }
+
+    #[test]
+    fn version_1_files_load_as_version_2() {
+        let p = derived("cli2").unwrap();
+        let v1 = p.to_json().replacen("\"schema_version\": 2", "\"schema_version\": 1", 1);
+        let back = Profile::from_json("cli2-v1.json", &v1).unwrap();
+        assert_eq!(back, p, "a version-1 file reads as the same profile, upgraded");
     }
 }

@@ -1,4 +1,208 @@
-//! pipeshard-profiler: measures a Profile (PCIe, DRAM, GPU and CPU op throughput, their interference) on the
-//! machine it runs on, using exec's own kernels so that what is profiled is what runs.
+//! pipeshard-profiler: measures a [`Profile`] (PCIe, DRAM, GPU and CPU op throughput, and how they slow each
+//! other) on the machine it runs on, using exec's own kernels so that what is profiled is what runs.
 //!
 //! It depends on pipeshard-core and pipeshard-exec; it must never depend on planner or sim.
+//!
+//! # Job
+//! [`measure`] runs every section below and returns a schema-2 [`Profile`] that
+//! [`pipeshard_core::cost::TableCostModel`] consumes:
+//! - **PCIe** ([`gpu`]): pinned and pageable H2D and D2H over transfer sizes 64 KiB … 1 GiB, the fixed copy
+//!   latency, both directions at once, H2D while the GPU computes (a GEMV queue and a GEMM queue), and the
+//!   slowdown of a GEMV and a GEMM while a copy streams.
+//! - **DRAM** ([`cpu`]): read bandwidth by thread count, alone and while pinned H2D copies stream.
+//! - **GPU ops**: exec's cuBLAS GEMM over log-spaced token counts for every matrix shape of every catalog model
+//!   ([`shapes`]) and both executor formats; routed experts as three GEMMs per expert (gate, up, down);
+//!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
+//!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
+//! - **CPU ops**: exec's CPU matmul and attention by thread count, alone and under DMA, and its elementwise
+//!   kernels.
+//!
+//! Every figure is sampled until its spread (interquartile range / median) is small or its time budget is
+//! spent ([`stats`]); the median is kept and the spread recorded beside it.
+//!
+//! # Decisions
+//! - **Effective copy bandwidth.** A curve point's `gbps` is `bytes / (time − copy_latency)`, so that the cost
+//!   model's `latency + bytes / gbps` reproduces the measured time at every size.
+//! - **Rooflines are the best measured**, not datasheet figures: the GPU's FLOP/s per format is its fastest
+//!   GEMM row, its memory bandwidth the larger of a device-to-device copy and its fastest GEMV; the CPU's are its
+//!   fastest matmul row and the DRAM read bandwidth at all threads.
+//! - **Caches are defeated**: weights rotate among copies totalling several times the last-level cache, and
+//!   every buffer holds random values, never zeros.
+//! - **No GPU** ([`Mode::Tiny`] in tests, or `--cpu-only` on a development machine): the CPU sections are
+//!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name.
+//!
+//! # Not measured (notes say so)
+//! Quantised formats (exec runs f16/bf16 only: their families fall back to the roofline); a grouped expert
+//! kernel (exec has none yet: experts are per-expert GEMMs).
+
+pub mod cpu;
+pub mod gpu;
+pub mod machine;
+pub mod shapes;
+pub mod stats;
+
+use std::time::{Duration, Instant};
+
+use pipeshard_core::profile::{Machine, Measurement, PROFILE_SCHEMA_VERSION, Profile, Provenance};
+use pipeshard_exec::ExecError;
+
+use stats::{Rule, Stat};
+
+/// How much to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Seconds, small buffers: for tests (CPU sections only make sense here).
+    Tiny,
+    /// A few minutes: coarse grids, bf16 only.
+    Fast,
+    /// The full grids of the issue: every token count 1 … 4096, both formats, every context and layout.
+    Full,
+}
+
+impl Mode {
+    /// The sampling rule of this mode.
+    #[must_use]
+    pub fn rule(self) -> Rule {
+        match self {
+            Mode::Tiny => {
+                Rule { min_samples: 3, max_samples: 5, target_spread: 0.1, budget: Duration::from_millis(50) }
+            }
+            Mode::Fast => Rule {
+                min_samples: 5,
+                max_samples: 12,
+                target_spread: 0.03,
+                budget: Duration::from_millis(150),
+            },
+            Mode::Full => Rule {
+                min_samples: 7,
+                max_samples: 25,
+                target_spread: 0.02,
+                budget: Duration::from_millis(250),
+            },
+        }
+    }
+}
+
+/// What to measure and how to label it.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub mode: Mode,
+    /// The machine's name in the profile (e.g. `h200`).
+    pub name: String,
+    /// CPU thread counts to sweep; empty: powers of two up to the machine's threads, and the machine's threads.
+    pub threads: Vec<u32>,
+    /// `None`: measure the GPU (an error without one). `Some(p)`: CPU only; GPU and PCIe sections from `p`.
+    pub gpu_from: Option<Profile>,
+    /// Provenance: the command line, commit and date that produced the profile.
+    pub command: String,
+    pub commit: String,
+    pub date: String,
+}
+
+/// Receives progress: one section at a time, a known number of steps each.
+pub trait Progress {
+    /// A new section with `steps` steps begins.
+    fn section(&self, name: &str, steps: u64);
+    /// One step of the current section is done.
+    fn step(&self, detail: &str);
+}
+
+/// A profiling failure.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfilerError {
+    #[error(
+        "no usable GPU ({0}); run `pipeshard profile measure` on the GPU machine, or pass `--cpu-only --gpu-from \
+         PROFILE` to measure only this machine's CPU"
+    )]
+    NoGpu(String),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A result of this crate.
+pub type Result<T> = std::result::Result<T, ProfilerError>;
+
+/// Thread counts to sweep on a machine with `max` threads.
+#[must_use]
+pub fn default_threads(max: u32) -> Vec<u32> {
+    let mut t: Vec<u32> = (0..31).map(|i| 1u32 << i).take_while(|&x| x < max).collect();
+    t.push(max.max(1));
+    t
+}
+
+/// The scalar measurements a run collects for the profile's `measurements`.
+#[derive(Debug, Default)]
+pub struct Figures(pub Vec<Measurement>);
+
+impl Figures {
+    /// Records `s` under `name`.
+    pub fn add(&mut self, name: &str, unit: &str, s: Stat) {
+        self.0.push(Measurement {
+            name: name.into(),
+            value: s.median,
+            unit: unit.into(),
+            spread: s.spread,
+            samples: s.samples,
+        });
+    }
+}
+
+/// Measures this machine.
+pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
+    let started = Instant::now();
+    let max_threads = machine::cpu_threads();
+    let threads = if cfg.threads.is_empty() { default_threads(max_threads) } else { cfg.threads.clone() };
+    if let Some(&t) = threads.iter().find(|&&t| t == 0) {
+        return Err(ProfilerError::Input(format!("thread count {t}: every thread count must be ≥ 1")));
+    }
+    let mut figures = Figures::default();
+    let mut notes = vec![
+        "exec runs f16/bf16 matrices only: quantised formats have no rows and fall back to the roofline".into(),
+        "routed experts: no grouped kernel in exec yet; an `experts` row is one expert's gate, up and down as \
+         three exec GEMMs"
+            .into(),
+        "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
+    ];
+    let cpu_threads = *threads.iter().max().expect("at least one thread count");
+    let mut profile = match &cfg.gpu_from {
+        Some(base) => {
+            notes.push(format!(
+                "CPU-only run: GPU, PCIe, launch and host-sync figures are those of the base profile `{}`; DRAM and \
+                 CPU rows under DMA were not measured (no device) and equal the rows alone",
+                base.machine.name
+            ));
+            let cpu = cpu::measure(cfg.mode, &threads, None, &mut figures, progress)?;
+            let mut p = base.clone();
+            p.dram = cpu.dram;
+            p.cpu = cpu.device;
+            p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
+            p
+        }
+        None => gpu::measure_all(cfg.mode, &threads, &mut figures, &mut notes, progress)?,
+    };
+    profile.schema_version = PROFILE_SCHEMA_VERSION;
+    profile.machine = Machine {
+        name: cfg.name.clone(),
+        gpu: profile.machine.gpu.clone(),
+        gpu_vram_bytes: profile.machine.gpu_vram_bytes,
+        cpu: machine::cpu_model(),
+        cpu_threads,
+        host_ram_bytes: machine::host_ram_bytes(),
+        pcie: profile.machine.pcie.clone(),
+    };
+    profile.provenance = Provenance::Measured {
+        command: cfg.command.clone(),
+        commit: cfg.commit.clone(),
+        date: cfg.date.clone(),
+    };
+    figures.add(
+        "profiler wall time",
+        "s",
+        Stat { median: started.elapsed().as_secs_f64(), spread: 0.0, samples: 1 },
+    );
+    profile.measurements = figures.0;
+    profile.notes = notes;
+    Ok(profile)
+}

@@ -269,7 +269,8 @@ impl Gpu {
         }
     }
 
-    fn bind(&self) -> Result<()> {
+    /// Makes the context current on the calling thread (needed once per thread before copies or launches).
+    pub fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
     }
 

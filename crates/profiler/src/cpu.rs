@@ -1,0 +1,488 @@
+//! Host sections: DRAM read bandwidth by thread count and exec's CPU kernels by thread count, each alone and,
+//! when a device is present, while pinned H2D copies stream ([`Background`]).
+
+use std::time::Instant;
+
+use pipeshard_core::dtype::DType;
+use pipeshard_core::model::{FfnKind, NormKind};
+use pipeshard_core::profile::{DeviceProfile, DramPoint, OpRow, Roofline};
+use pipeshard_core::workload::OpClass;
+use pipeshard_exec::cpu::{self as kernels, CpuPool, KvLayout};
+use pipeshard_exec::host::Elem;
+use pipeshard_exec::weights::Dims;
+use rayon::prelude::*;
+
+use crate::shapes::{self, HeadLayout};
+use crate::stats::{Stat, sample};
+use crate::{Figures, Mode, Progress, Result};
+
+/// Load that runs beside a measurement (pinned H2D copies on the GPU side).
+pub trait Background {
+    /// Runs `body` while the load runs.
+    fn during(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
+}
+
+/// What the host sections produce.
+#[derive(Debug)]
+pub struct HostProfile {
+    pub dram: Vec<DramPoint>,
+    pub device: DeviceProfile,
+}
+
+/// Fills `bytes` with random non-zero values of `elem` (magnitudes 1/8 … 1, random signs).
+pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
+    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    match elem {
+        Elem::F32 => {
+            for c in bytes.chunks_exact_mut(4) {
+                let r = next();
+                let x = (r >> 40) as f32 / (1u64 << 24) as f32 * 0.875 + 0.125;
+                let x = if r & 1 == 0 { x } else { -x };
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        Elem::Bf16 | Elem::F16 => {
+            for c in bytes.chunks_exact_mut(8) {
+                let r = next();
+                for (i, h) in c.chunks_exact_mut(2).enumerate() {
+                    let b = (r >> (16 * i)) as u16;
+                    let sign = b & 0x8000;
+                    let bits = if elem == Elem::Bf16 {
+                        sign | ((0x7C + (b >> 7) % 3) << 7) | (b & 0x7F)
+                    } else {
+                        sign | ((12 + (b >> 10) % 3) << 10) | (b & 0x3FF)
+                    };
+                    h.copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// A random buffer of `len_bytes`.
+fn random_vec(len_bytes: usize, elem: Elem, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len_bytes.next_multiple_of(8)];
+    fill_random(&mut v, elem, seed);
+    v.truncate(len_bytes);
+    v
+}
+
+fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    random_vec(n * 4, Elem::F32, seed)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// A dense-decoder `Dims` with a catalog head layout, for the attention kernels.
+#[must_use]
+pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
+    let head_dim = h.head_dim as usize;
+    Dims {
+        model: format!("profile {}q/{}kv×{}", h.q_heads, h.kv_heads, h.head_dim),
+        n_layers: 1,
+        hidden,
+        n_heads: h.q_heads as usize,
+        n_kv_heads: h.kv_heads as usize,
+        head_dim,
+        q_dim: h.q_heads as usize * head_dim,
+        kv_dim: h.kv_heads as usize * head_dim,
+        ffn: hidden,
+        vocab: 1,
+        rot_dims: head_dim,
+        rope_theta: 1.0e6,
+        norm_eps: 1e-5,
+        norm: NormKind::RmsNorm,
+        ffn_kind: FfnKind::SwiGlu,
+        qk_norm: false,
+        qkv_bias: false,
+        mat,
+    }
+}
+
+/// The sum of a slice read as u64 words (the DRAM read kernel): 64-byte AVX-512 loads where available, as
+/// exec's matmul uses, so that DRAM bandwidth is the CPU kernels' real ceiling; eight plain lanes otherwise.
+fn read_sum(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was just detected.
+            return unsafe { read_sum_avx512(words) };
+        }
+    }
+    read_sum_portable(words)
+}
+
+fn read_sum_portable(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let chunks = words.chunks_exact(8);
+    let tail: u64 = chunks.remainder().iter().fold(0, |a, &b| a.wrapping_add(b));
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] = acc[i].wrapping_add(c[i]);
+        }
+    }
+    acc.iter().fold(tail, |a, &b| a.wrapping_add(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn read_sum_avx512(words: &[u64]) -> u64 {
+    use std::arch::x86_64::{
+        __m512i, _mm512_add_epi64, _mm512_loadu_si512, _mm512_reduce_add_epi64, _mm512_setzero_si512,
+    };
+    let blocks = words.len() / 32;
+    let p = words.as_ptr();
+    let mut acc = [_mm512_setzero_si512(); 4];
+    for i in 0..blocks {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: block i covers words[32i .. 32i + 32], inside the slice; `loadu` takes any alignment.
+            #[allow(clippy::cast_ptr_alignment)]
+            let v = unsafe { _mm512_loadu_si512(p.add(32 * i + 8 * j).cast::<__m512i>()) };
+            *a = _mm512_add_epi64(*a, v);
+        }
+    }
+    let s = _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3]));
+    (_mm512_reduce_add_epi64(s) as u64).wrapping_add(read_sum_portable(&words[blocks * 32..]))
+}
+
+struct Grid {
+    dram_bytes: usize,
+    rotation_bytes: usize,
+    matmul: Vec<(u64, u64)>,
+    dtypes: Vec<DType>,
+    tokens: Vec<usize>,
+    attn_ctx: Vec<usize>,
+    heads: Vec<HeadLayout>,
+    elementwise_tokens: Vec<usize>,
+    hidden: Vec<u64>,
+    ffn: Vec<u64>,
+}
+
+fn grid(mode: Mode) -> Grid {
+    let cat = shapes::from_catalog();
+    let nemo = pipeshard_core::catalog::get("nemo-8b").expect("nemo-8b is in the catalog");
+    let t = &nemo.text;
+    let q_dim = u64::from(t.n_heads) * t.head_dim;
+    match mode {
+        Mode::Tiny => Grid {
+            dram_bytes: 16 << 20,
+            rotation_bytes: 4 << 20,
+            matmul: vec![(256, 128), (1024, 256)],
+            dtypes: vec![DType::Bf16],
+            tokens: vec![1, 4],
+            attn_ctx: vec![64, 256],
+            heads: vec![HeadLayout { q_heads: 4, kv_heads: 2, head_dim: 64 }],
+            elementwise_tokens: vec![1, 16],
+            hidden: vec![256],
+            ffn: vec![512],
+        },
+        Mode::Fast => Grid {
+            dram_bytes: 1 << 30,
+            rotation_bytes: 512 << 20,
+            matmul: vec![(t.ffn, t.hidden), (q_dim, t.hidden)],
+            dtypes: vec![DType::Bf16],
+            tokens: vec![1, 16],
+            attn_ctx: vec![1024, 16384],
+            heads: vec![HeadLayout { q_heads: t.n_heads, kv_heads: t.n_kv_heads, head_dim: t.head_dim }],
+            elementwise_tokens: vec![1, 64],
+            hidden: vec![t.hidden],
+            ffn: vec![t.ffn],
+        },
+        Mode::Full => Grid {
+            dram_bytes: 1 << 30,
+            rotation_bytes: 512 << 20,
+            // nemo-8b's four dense projections and every routed expert shape: the CPU grid is coarser than
+            // the GPU's (a 64-token matmul on one thread takes a fifth of a second).
+            matmul: [
+                (t.ffn, t.hidden),
+                (t.hidden, t.ffn),
+                (q_dim, t.hidden),
+                (u64::from(t.n_kv_heads) * t.head_dim, t.hidden),
+            ]
+            .into_iter()
+            .chain(cat.experts.iter().map(|s| (s.n, s.k)))
+            .collect(),
+            dtypes: vec![DType::Bf16],
+            tokens: vec![1, 4, 16, 64],
+            attn_ctx: vec![1024, 4096, 16384, 65536],
+            heads: cat.heads.iter().copied().filter(|h| h.head_dim % 32 == 0).collect(),
+            elementwise_tokens: vec![1, 4, 16, 64, 256],
+            hidden: cat.hidden.clone(),
+            ffn: cat.ffn.clone(),
+        },
+    }
+}
+
+fn secs_ns(t: Instant) -> f64 {
+    t.elapsed().as_nanos() as f64
+}
+
+/// Alone and (with a background load) under it.
+fn both(
+    rule: crate::stats::Rule,
+    dma: Option<&dyn Background>,
+    f: &mut dyn FnMut() -> Result<f64>,
+) -> Result<(Stat, Option<Stat>)> {
+    // Calls of over 50 ms (one-thread matmuls and long-context attention) vary little: three samples do.
+    let t0 = Instant::now();
+    f()?;
+    let rule = if t0.elapsed().as_millis() > 50 {
+        crate::stats::Rule { min_samples: 3, max_samples: 3, ..rule }
+    } else {
+        rule
+    };
+    let alone = sample(rule, &mut *f)?;
+    let under = match dma {
+        Some(bg) => {
+            let mut s = None;
+            bg.during(&mut || {
+                s = Some(sample(rule, &mut *f)?);
+                Ok(())
+            })?;
+            s
+        }
+        None => None,
+    };
+    Ok((alone, under))
+}
+
+/// Measures DRAM and the CPU kernels with every thread count in `threads`.
+pub fn measure(
+    mode: Mode,
+    threads: &[u32],
+    dma: Option<&dyn Background>,
+    figures: &mut Figures,
+    progress: &dyn Progress,
+) -> Result<HostProfile> {
+    let g = grid(mode);
+    let rule = mode.rule();
+    let pools: Vec<CpuPool> =
+        threads.iter().map(|&t| CpuPool::new(t as usize)).collect::<std::result::Result<_, _>>()?;
+
+    // DRAM read bandwidth.
+    progress.section("host DRAM read bandwidth", pools.len() as u64);
+    let words: Vec<u64> = random_vec(g.dram_bytes, Elem::F32, 1)
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let bytes = (words.len() * 8) as f64;
+    let mut dram = Vec::new();
+    for pool in &pools {
+        let chunk = words.len().div_ceil(pool.threads());
+        let mut read = || -> Result<f64> {
+            let t0 = Instant::now();
+            let s = pool.install(|| words.par_chunks(chunk).map(read_sum).reduce(|| 0, u64::wrapping_add));
+            std::hint::black_box(s);
+            Ok(bytes / secs_ns(t0))
+        };
+        let (alone, under) = both(rule, dma, &mut read)?;
+        dram.push(DramPoint {
+            threads: pool.threads() as u32,
+            gbps: alone.median,
+            gbps_under_dma: under.map_or(alone.median, |u| u.median),
+            spread: Some(alone.spread),
+        });
+        progress.step(&format!("{} threads: {:.1} GB/s", pool.threads(), alone.median));
+    }
+    drop(words);
+
+    // Matmuls.
+    let mut rows = Vec::new();
+    let steps = g.dtypes.len() * g.matmul.len() * g.tokens.len() * pools.len();
+    progress.section("CPU matmul (exec kernels) by threads, alone and under DMA", steps as u64);
+    for &dtype in &g.dtypes {
+        let elem = Elem::from_dtype(dtype).expect("f16/bf16");
+        let max_w = g.matmul.iter().map(|&(n, k)| (n * k * 2) as usize).max().unwrap_or(0);
+        let wall = random_vec(g.rotation_bytes.max(max_w), elem, 2);
+        let max_k = g.matmul.iter().map(|s| s.1).max().unwrap_or(1) as usize;
+        let max_n = g.matmul.iter().map(|s| s.0).max().unwrap_or(1) as usize;
+        let max_m = *g.tokens.iter().max().unwrap_or(&1);
+        let x: Vec<f32> = random_f32(max_m * max_k, 3).iter().map(|&v| elem.round(v)).collect();
+        let mut y = vec![0f32; max_m * max_n];
+        for &(n, k) in &g.matmul {
+            let wbytes = (n * k * 2) as usize;
+            let copies = (wall.len() / wbytes).max(1);
+            for &m in &g.tokens {
+                for pool in &pools {
+                    let mut i = 0;
+                    let mut run = || -> Result<f64> {
+                        i = (i + 1) % copies;
+                        let w = &wall[i * wbytes..(i + 1) * wbytes];
+                        let t0 = Instant::now();
+                        kernels::matmul(pool, &x, m, k as usize, w, elem, n as usize, &mut y, false);
+                        Ok(secs_ns(t0))
+                    };
+                    let (alone, under) = both(rule, dma, &mut run)?;
+                    rows.push(OpRow {
+                        op: OpClass::MatMul,
+                        dtype,
+                        n,
+                        k,
+                        tokens: m as u64,
+                        threads: pool.threads() as u32,
+                        time_ns: alone.median.ceil() as u64,
+                        time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+                        spread: Some(alone.spread),
+                    });
+                    progress.step(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()));
+                }
+            }
+        }
+    }
+
+    // Decode attention over the KV cache.
+    let steps = g.heads.len() * g.attn_ctx.len() * pools.len();
+    progress.section("CPU decode attention (exec kernel) by threads", steps as u64);
+    let kv_elem = Elem::F16;
+    for &h in &g.heads {
+        let d = dims_for(h, 1024, Elem::Bf16);
+        let ctx_max = *g.attn_ctx.iter().max().unwrap_or(&1);
+        let lay_max = KvLayout { ctx: ctx_max, kv_dim: d.kv_dim, elem: kv_elem };
+        let kv = random_vec(lay_max.bytes(), kv_elem, 4);
+        let q = random_f32(d.q_dim, 5);
+        let mut out = vec![0f32; d.q_dim];
+        for &ctx in &g.attn_ctx {
+            // The cache of `ctx` tokens: K then V, each `ctx × kv_dim`.
+            let lay = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
+            let cache = &kv[..lay.bytes()];
+            for pool in &pools {
+                let mut run = || -> Result<f64> {
+                    let t0 = Instant::now();
+                    kernels::attention(pool, &d, &q, cache, lay, 1, ctx - 1, Elem::Bf16, &mut out);
+                    Ok(secs_ns(t0))
+                };
+                let (alone, under) = both(rule, dma, &mut run)?;
+                rows.push(OpRow {
+                    op: OpClass::Attention,
+                    dtype: DType::F16,
+                    n: d.q_dim as u64,
+                    k: ctx as u64,
+                    tokens: 1,
+                    threads: pool.threads() as u32,
+                    time_ns: alone.median.ceil() as u64,
+                    time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+                    spread: Some(alone.spread),
+                });
+                progress.step(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()));
+            }
+        }
+    }
+
+    // Elementwise kernels (single-threaded in exec).
+    let steps = g.elementwise_tokens.len() * (g.hidden.len() * 2 + g.ffn.len());
+    progress.section("CPU norm / RoPE / activation (exec kernels)", steps as u64);
+    for &m in &g.elementwise_tokens {
+        for &hid in &g.hidden {
+            let hid = hid as usize;
+            let x = random_f32(m * hid, 6);
+            let w = random_f32(hid, 7);
+            let mut out = vec![0f32; m * hid];
+            let s = sample(rule, || -> Result<f64> {
+                let t0 = Instant::now();
+                kernels::norm_rows(NormKind::RmsNorm, &x, hid, &w, None, 1e-5, Elem::Bf16, &mut out);
+                Ok(secs_ns(t0))
+            })?;
+            rows.push(elementwise_row(OpClass::Norm, hid as u64, m, s));
+            progress.step(&format!("norm {hid} m={m}"));
+            // RoPE over `hidden` worth of q (128-dim heads): the shape the layer rotates.
+            let head_dim = 128usize;
+            let heads = (hid / head_dim).max(1);
+            let inv: Vec<f32> =
+                (0..head_dim / 2).map(|i| 1.0 / 1.0e6f32.powf(2.0 * i as f32 / head_dim as f32)).collect();
+            let mut q = random_f32(m * heads * head_dim, 8);
+            let s = sample(rule, || -> Result<f64> {
+                let t0 = Instant::now();
+                kernels::rope(&mut q, m, heads, head_dim, &inv, 1000);
+                Ok(secs_ns(t0))
+            })?;
+            rows.push(elementwise_row(OpClass::Rope, (heads * head_dim) as u64, m, s));
+            progress.step(&format!("rope {hid} m={m}"));
+        }
+        for &f in &g.ffn {
+            let f = f as usize;
+            let mut gate = random_f32(m * f, 9);
+            let up = random_f32(m * f, 10);
+            let s = sample(rule, || -> Result<f64> {
+                let t0 = Instant::now();
+                kernels::swiglu(&mut gate, &up, Elem::Bf16);
+                Ok(secs_ns(t0))
+            })?;
+            rows.push(elementwise_row(OpClass::Activation, f as u64, m, s));
+            progress.step(&format!("swiglu {f} m={m}"));
+        }
+    }
+
+    // Rooflines: the best measured rates.
+    let max_t = threads.iter().copied().max().unwrap_or(1);
+    let mut matmul_flops = Vec::new();
+    for &dtype in &g.dtypes {
+        let best = rows
+            .iter()
+            .filter(|r| r.op == OpClass::MatMul && r.dtype == dtype && r.threads == max_t)
+            .map(|r| 2.0 * (r.tokens * r.n * r.k) as f64 / r.time_ns as f64 * 1e9)
+            .fold(0.0, f64::max);
+        matmul_flops.push((dtype, best));
+    }
+    let default_flops = matmul_flops.iter().map(|x| x.1).fold(0.0, f64::max);
+    let mem_gbps = dram.iter().map(|d| d.gbps).fold(0.0, f64::max);
+    let ratios: Vec<f64> =
+        rows.iter().filter_map(|r| r.time_ns_under_dma.map(|u| u as f64 / r.time_ns as f64)).collect();
+    let dma_slowdown = if ratios.is_empty() { 1.0 } else { Stat::of(&ratios).median.max(1.0) };
+    if !ratios.is_empty() {
+        figures.add("CPU op slowdown under H2D DMA (median over rows)", "x", Stat::of(&ratios));
+    }
+    Ok(HostProfile {
+        dram,
+        device: DeviceProfile {
+            roofline: Roofline { matmul_flops, default_flops, mem_gbps },
+            ops: rows,
+            dma_slowdown,
+        },
+    })
+}
+
+fn elementwise_row(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
+    OpRow {
+        op,
+        dtype: DType::F32,
+        n,
+        k: 1,
+        tokens: m as u64,
+        threads: 1,
+        time_ns: s.median.ceil().max(1.0) as u64,
+        time_ns_under_dma: None,
+        spread: Some(s.spread),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dram_reader_sums_every_word() {
+        let v: Vec<u64> = (0..1003u64).map(|i| i * 0x9E37_79B9 + 7).collect();
+        let want = v.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+        assert_eq!(read_sum(&v), want);
+        assert_eq!(read_sum_portable(&v), want);
+    }
+
+    #[test]
+    fn random_fill_is_never_zero_and_stays_in_range() {
+        for e in [Elem::Bf16, Elem::F16, Elem::F32] {
+            let v = random_vec(4096, e, 3);
+            for i in 0..4096 / e.size_bytes() {
+                let x = e.read(&v, i).abs();
+                assert!((0.124..=1.0).contains(&x), "{e:?}[{i}] = {x}");
+            }
+        }
+    }
+}

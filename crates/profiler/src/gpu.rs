@@ -1,0 +1,678 @@
+//! Device sections: the PCIe link, exec's GPU kernels, launch and sync latency, and the interference between
+//! copies and compute. Also runs the host sections ([`crate::cpu`]) with pinned H2D copies as the background
+//! load, since copies need the device.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use pipeshard_core::catalog;
+use pipeshard_core::dtype::DType;
+use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
+use pipeshard_core::workload::OpClass;
+use pipeshard_exec::cuda::{Event, Gpu, KernelKey, Stream};
+use pipeshard_exec::host::{Elem, HostBuf};
+use pipeshard_exec::layout::scratch_layout;
+use pipeshard_exec::weights::Dims;
+
+use crate::cpu::{self, Background, dims_for, fill_random};
+use crate::shapes::{self, HeadLayout};
+use crate::stats::{Rule, Stat, sample};
+use crate::{Figures, Mode, ProfilerError, Progress, Result};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// GPU timings aim at this much work per sample, so that launch gaps and event resolution stay small.
+const SAMPLE_TARGET_NS: f64 = 50_000.0;
+
+struct Grid {
+    copy_sizes: Vec<usize>,
+    tokens: Vec<usize>,
+    dtypes: Vec<DType>,
+    attn_ctx: Vec<usize>,
+    kv_dtypes: Vec<DType>,
+    elementwise_tokens: Vec<usize>,
+    prefill_chunk: usize,
+}
+
+fn grid(mode: Mode) -> Grid {
+    let pow2 =
+        |lo: u32, hi: u32, step: usize| (lo..=hi).step_by(step).map(|i| 1usize << i).collect::<Vec<_>>();
+    match mode {
+        Mode::Full => Grid {
+            copy_sizes: pow2(16, 30, 2),
+            tokens: pow2(0, 12, 1),
+            dtypes: vec![DType::Bf16, DType::F16],
+            attn_ctx: pow2(10, 17, 1),
+            // The workloads' KV format; a 128K prefill chunk takes ~1-2 s with exec's kernel, so one format.
+            kv_dtypes: vec![DType::F16],
+            elementwise_tokens: pow2(0, 12, 2),
+            prefill_chunk: 512,
+        },
+        Mode::Fast | Mode::Tiny => Grid {
+            copy_sizes: pow2(16, 28, 4),
+            tokens: vec![1, 16, 256, 4096],
+            dtypes: vec![DType::Bf16],
+            attn_ctx: vec![1024, 16384, 131_072],
+            kv_dtypes: vec![DType::F16],
+            elementwise_tokens: vec![1, 64, 4096],
+            prefill_chunk: 512,
+        },
+    }
+}
+
+/// Device buffers and events the sections share.
+struct Bench<'g> {
+    gpu: &'g Gpu,
+    rule: Rule,
+    ev0: Event,
+    ev1: Event,
+}
+
+impl Bench<'_> {
+    /// Nanoseconds per call of `f`, timed with events on `stream` over enough calls to reach
+    /// [`SAMPLE_TARGET_NS`]; sampled per the rule. `f(i)` gets the call's index (for buffer rotation).
+    fn events(&self, stream: Stream, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Stat> {
+        let mut once = |reps: usize, base: usize| -> Result<f64> {
+            self.gpu.record(&self.ev0, stream)?;
+            for i in 0..reps {
+                f(base + i)?;
+            }
+            self.gpu.record(&self.ev1, stream)?;
+            self.gpu.sync(stream)?;
+            Ok(f64::from(self.gpu.elapsed_ms(&self.ev0, &self.ev1)?) * 1e6 / reps as f64)
+        };
+        let est = once(1, 0)?.max(1.0);
+        let reps = ((SAMPLE_TARGET_NS / est).ceil() as usize).clamp(1, 256);
+        let mut base = 1;
+        // Ops of over 50 ms (long-context prefill attention) vary little: three samples do.
+        let rule = if est > 5e7 { Rule { min_samples: 3, max_samples: 3, ..self.rule } } else { self.rule };
+        sample(rule, || {
+            base += reps;
+            once(reps, base)
+        })
+    }
+}
+
+/// Pinned H2D copies looping on the H2D stream from a second thread.
+struct DmaLoad<'a> {
+    gpu: &'a Gpu,
+    src: &'a [u8],
+    dst: u64,
+    /// Expected time of one copy (the thread sleeps most of it instead of spinning in a sync).
+    copy_time: Duration,
+    copies: AtomicU64,
+}
+
+impl Background for DmaLoad<'_> {
+    fn during(&self, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| -> Result<()> {
+                self.gpu.bind()?;
+                while !stop.load(Ordering::Relaxed) {
+                    // SAFETY: `dst` spans `src.len()` bytes of a live device buffer and `src` is registered host
+                    // memory alive for this scope; the stream is synchronised before the next pair.
+                    unsafe {
+                        self.gpu.h2d(Stream::H2d, self.dst, self.src)?;
+                        self.gpu.h2d(Stream::H2d, self.dst, self.src)?;
+                    }
+                    std::thread::sleep(self.copy_time.mul_f64(1.8));
+                    self.gpu.sync(Stream::H2d)?;
+                    self.copies.fetch_add(2, Ordering::Relaxed);
+                }
+                Ok(())
+            });
+            std::thread::sleep(Duration::from_millis(3));
+            let r = body();
+            stop.store(true, Ordering::Relaxed);
+            let t = h.join().map_err(|_| ProfilerError::Input("the DMA load thread panicked".into()))?;
+            r.and(t)
+        })
+    }
+}
+
+fn elem(d: DType) -> Elem {
+    Elem::from_dtype(d).expect("the profiler sweeps f16/bf16 only")
+}
+
+/// Uploads random values of `e` into `dev[off..off+bytes]` through the pinned staging buffer.
+fn upload_random(gpu: &Gpu, staging: &mut HostBuf, e: Elem, dst: u64, bytes: usize, seed: u64) -> Result<()> {
+    let chunk = staging.len_bytes();
+    let mut done = 0;
+    let mut seed = seed;
+    while done < bytes {
+        let n = chunk.min(bytes - done);
+        fill_random(&mut staging.as_mut_slice()[..n.next_multiple_of(8).min(chunk)], e, seed);
+        seed += 1;
+        // SAFETY: dst+done..+n lies inside the caller's buffer; the staging buffer is synchronised before reuse.
+        unsafe { gpu.h2d(Stream::H2d, dst + done as u64, &staging.as_slice()[..n])? };
+        gpu.sync(Stream::H2d)?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// Measures everything with the device: returns the whole profile (machine facts filled by the caller).
+pub fn measure_all(
+    mode: Mode,
+    threads: &[u32],
+    figures: &mut Figures,
+    notes: &mut Vec<String>,
+    progress: &dyn Progress,
+) -> Result<Profile> {
+    let name = pipeshard_exec::cuda::probe().map_err(ProfilerError::NoGpu)?;
+    let gpu = Gpu::new()?;
+    let g = grid(mode);
+    let rule = mode.rule();
+
+    // Runtime VRAM first, before the profiler allocates anything: exec's own measurement for nemo-8b in bf16.
+    let nemo = catalog::get("nemo-8b").expect("catalog model").with_uniform_weights(DType::Bf16);
+    let runtime_overhead_bytes =
+        pipeshard_exec::runtime_overhead_bytes(&gpu, &Dims::new(&nemo)?, Elem::F16, g.prefill_chunk)?;
+    let (_, vram_total) = gpu.mem_info()?;
+    let b = Bench { gpu: &gpu, rule, ev0: gpu.event(true)?, ev1: gpu.event(true)? };
+
+    // ---- PCIe ----
+    let max_copy = *g.copy_sizes.iter().max().expect("sizes");
+    let host_bytes = max_copy.max(512 * MIB);
+    progress.section(
+        "PCIe: pinned/pageable H2D and D2H by size, both ways, latency",
+        (g.copy_sizes.len() * 4 + 3) as u64,
+    );
+    let mut pinned = HostBuf::zeroed(host_bytes);
+    fill_random(pinned.as_mut_slice(), Elem::F32, 11);
+    // SAFETY: `pinned` outlives `_reg` (dropped first: declared after it).
+    let _reg = unsafe { gpu.register(&pinned)? };
+    let mut pageable = vec![0u8; max_copy];
+    fill_random(&mut pageable, Elem::F32, 12);
+    let dev = gpu.alloc(host_bytes)?;
+
+    let tiny_h2d = b.events(Stream::H2d, &mut |_| {
+        // SAFETY: 4 bytes inside both buffers.
+        unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..4]) }.map_err(Into::into)
+    })?;
+    let tiny_d2h = b.events(Stream::D2h, &mut |_| {
+        // SAFETY: 4 bytes inside both buffers; the host bytes are not read meanwhile.
+        let dst = unsafe { std::slice::from_raw_parts_mut(pinned.as_ptr(), 4) };
+        unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr()) }.map_err(Into::into)
+    })?;
+    figures.add("copy latency (4-byte pinned H2D)", "ns", tiny_h2d);
+    figures.add("copy latency (4-byte pinned D2H)", "ns", tiny_d2h);
+    progress.step(&format!("copy latency {:.1} / {:.1} µs", tiny_h2d.median / 1e3, tiny_d2h.median / 1e3));
+    // The fixed cost both directions pay: the smaller of the two.
+    let latency_ns = tiny_h2d.median.min(tiny_d2h.median);
+    let mut raw: [Vec<(usize, Stat)>; 4] = Default::default();
+    for &size in &g.copy_sizes {
+        let s = b.events(Stream::H2d, &mut |_| {
+            // SAFETY: `size` ≤ both buffers' lengths; events order the reuse.
+            unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..size]) }.map_err(Into::into)
+        })?;
+        raw[0].push((size, s));
+        progress.step(&format!("pinned H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        let s = b.events(Stream::D2h, &mut |_| {
+            // SAFETY: as above; the host buffer is not read meanwhile.
+            let dst = unsafe { std::slice::from_raw_parts_mut(pinned.as_ptr(), size) };
+            unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr()) }.map_err(Into::into)
+        })?;
+        raw[1].push((size, s));
+        progress.step(&format!("pinned D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        // Pageable copies stage through the driver's buffers and hold the host thread: time them on the host.
+        let s = sample(rule, || -> Result<f64> {
+            let t0 = Instant::now();
+            // SAFETY: as above.
+            unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pageable[..size])? };
+            gpu.sync(Stream::H2d)?;
+            Ok(t0.elapsed().as_nanos() as f64)
+        })?;
+        raw[2].push((size, s));
+        progress.step(&format!("pageable H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        let s = sample(rule, || -> Result<f64> {
+            let t0 = Instant::now();
+            // SAFETY: as above.
+            unsafe { gpu.d2h(Stream::D2h, &mut pageable[..size], dev.ptr())? };
+            gpu.sync(Stream::D2h)?;
+            Ok(t0.elapsed().as_nanos() as f64)
+        })?;
+        raw[3].push((size, s));
+        progress.step(&format!("pageable D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+    }
+    // Effective rate after the fixed latency, never above the curve's best raw rate (no copy streams faster
+    // than the link; a copy that beats latency + bytes at that rate is predicted slightly slow).
+    let [h2d_pinned, d2h_pinned, h2d_pageable, d2h_pageable] = raw.map(|curve| {
+        let peak = curve.iter().map(|(b, s)| *b as f64 / s.median).fold(0.0, f64::max);
+        curve
+            .iter()
+            .map(|&(bytes, s)| BwPoint {
+                bytes: bytes as u64,
+                gbps: (bytes as f64 / (s.median - latency_ns).max(1.0)).min(peak),
+                spread: Some(s.spread),
+            })
+            .collect::<Vec<_>>()
+    });
+    let mut pcie_notes = Vec::new();
+    let [mut h2d_pinned, mut d2h_pinned, mut h2d_pageable, mut d2h_pageable] =
+        [h2d_pinned, d2h_pinned, h2d_pageable, d2h_pageable];
+    for (name, curve) in [
+        ("pinned H2D", &mut h2d_pinned),
+        ("pinned D2H", &mut d2h_pinned),
+        ("pageable H2D", &mut h2d_pageable),
+        ("pageable D2H", &mut d2h_pageable),
+    ] {
+        pcie_notes.extend(monotone_copy_curve(name, curve));
+    }
+    notes.extend(pcie_notes);
+    let big = (256 * MIB).min(host_bytes / 2);
+    let bidir = sample(rule, || -> Result<f64> {
+        let t0 = Instant::now();
+        // SAFETY: H2D reads the first half of `pinned`, D2H writes the second; device halves are disjoint.
+        unsafe {
+            let (lo, hi) = (pinned.as_ptr(), pinned.as_ptr().add(big));
+            gpu.h2d(Stream::H2d, dev.ptr(), std::slice::from_raw_parts(lo, big))?;
+            gpu.d2h(Stream::D2h, std::slice::from_raw_parts_mut(hi, big), dev.ptr() + big as u64)?;
+        }
+        gpu.sync(Stream::H2d)?;
+        gpu.sync(Stream::D2h)?;
+        Ok(2.0 * big as f64 / t0.elapsed().as_nanos() as f64)
+    })?;
+    figures.add("H2D + D2H at once, aggregate (256 MiB each)", "GB/s", bidir);
+    progress.step(&format!("both directions: {:.1} GB/s", bidir.median));
+
+    // Device memory bandwidth: a device-to-device copy, bytes read + written.
+    let half = host_bytes / 2;
+    let d2d = b.events(Stream::Compute, &mut |_| {
+        // SAFETY: two disjoint halves of `dev`.
+        unsafe { gpu.d2d(Stream::Compute, dev.ptr() + half as u64, dev.ptr(), half) }.map_err(Into::into)
+    })?;
+    let d2d_gbps = 2.0 * half as f64 / d2d.median;
+    figures.add("device memory: D2D copy, read + written", "GB/s", Stat { median: d2d_gbps, ..d2d });
+    progress.step(&format!("device D2D copy: {d2d_gbps:.0} GB/s"));
+    progress.step("PCIe done");
+
+    let h2d_big = h2d_pinned.last().expect("sizes").gbps;
+    let dma_chunk = (256 * MIB).min(host_bytes / 2);
+    let dma = DmaLoad {
+        gpu: &gpu,
+        src: &pinned.as_slice()[..dma_chunk],
+        dst: dev.ptr(),
+        copy_time: Duration::from_nanos((dma_chunk as f64 / h2d_big) as u64),
+        copies: AtomicU64::new(0),
+    };
+
+    // ---- GPU ops ----
+    let cat = shapes::from_catalog();
+    let max_m = *g.tokens.iter().max().expect("tokens");
+    let max_w = cat.matmul.iter().chain(&cat.experts).map(|s| s.n * s.k * 2).max().unwrap_or(0) as usize;
+    let max_k = cat.matmul.iter().chain(&cat.experts).map(|s| s.k.max(s.n)).max().unwrap_or(1) as usize;
+    let max_n = cat.matmul.iter().chain(&cat.experts).map(|s| s.n.max(s.k)).max().unwrap_or(1) as usize;
+    let rot_bytes = (512 * MIB).max(max_w);
+    let wbuf = gpu.alloc(rot_bytes)?;
+    let xbuf = gpu.alloc(max_m * max_k * 2)?;
+    let ybuf = gpu.alloc(max_m * max_n * 4)?;
+    let mut staging = HostBuf::zeroed(64 * MIB);
+    // SAFETY: `staging` outlives the registration (dropped at the end of this function, after it).
+    let _sreg = unsafe { gpu.register(&staging)? };
+    let mut gpu_rows: Vec<OpRow> = Vec::new();
+    let steps = g.dtypes.len() * (cat.matmul.len() + cat.experts.len()) * g.tokens.len();
+    progress.section("GPU GEMM/GEMV (exec cuBLAS) over catalog shapes × tokens", steps as u64);
+    for &dtype in &g.dtypes {
+        let e = elem(dtype);
+        upload_random(&gpu, &mut staging, e, wbuf.ptr(), rot_bytes, 20)?;
+        upload_random(&gpu, &mut staging, e, xbuf.ptr(), max_m * max_k * 2, 21)?;
+        for (shape, experts) in
+            cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true)))
+        {
+            let (n, k) = (shape.n as usize, shape.k as usize);
+            let wbytes = (n * k * 2).next_multiple_of(256);
+            let copies = (rot_bytes / wbytes).max(1);
+            for &m in &g.tokens {
+                let s = b.events(Stream::Compute, &mut |i| {
+                    let slot = |j: usize| wbuf.ptr() + ((j % copies) * wbytes) as u64;
+                    // SAFETY: each slot holds n·k elements (rotation slots of wbytes inside wbuf), x m·k and
+                    // y m·n elements.
+                    unsafe {
+                        gpu.gemm(e, slot(3 * i), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
+                        if experts {
+                            // Up (same shape) and down (k × n) of the same expert, from other slots so that
+                            // none is read from L2.
+                            gpu.gemm(e, slot(3 * i + 1), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
+                            gpu.gemm(e, slot(3 * i + 2), xbuf.ptr(), ybuf.ptr(), m, k, n, false)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                gpu_rows.push(OpRow {
+                    op: if experts { OpClass::Experts } else { OpClass::MatMul },
+                    dtype,
+                    n: n as u64,
+                    k: k as u64,
+                    tokens: m as u64,
+                    threads: 0,
+                    time_ns: s.median.ceil() as u64,
+                    time_ns_under_dma: None,
+                    spread: Some(s.spread),
+                });
+                let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
+                progress.step(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3));
+            }
+        }
+    }
+
+    // Attention: exec's kernel, prefill chunks and decode, over contexts and head layouts.
+    let heads: Vec<HeadLayout> =
+        cat.heads.iter().copied().filter(|h| h.head_dim % 32 == 0 && h.head_dim <= 256).collect();
+    let skipped: Vec<String> =
+        cat.heads.iter().filter(|h| !heads.contains(h)).map(|h| format!("{h:?}")).collect();
+    if !skipped.is_empty() {
+        notes.push(format!(
+            "attention layouts exec's kernel cannot run (head_dim not a multiple of 32 ≤ 256): {}",
+            skipped.join(", ")
+        ));
+    }
+    let ctx_max = *g.attn_ctx.iter().max().expect("contexts");
+    let steps = g.kv_dtypes.len() * heads.len() * g.attn_ctx.len() * 2;
+    progress
+        .section("GPU attention (exec kernel): prefill chunk and decode × context × layout", steps as u64);
+    let max_kv_dim = heads.iter().map(|h| h.kv_heads as usize * h.head_dim as usize).max().unwrap_or(1);
+    let max_q_dim = heads.iter().map(|h| h.q_heads as usize * h.head_dim as usize).max().unwrap_or(1);
+    let kv_half = ctx_max * max_kv_dim * 2;
+    let kvbuf = gpu.alloc(2 * kv_half)?;
+    let chunk = g.prefill_chunk;
+    let qbuf = gpu.alloc(chunk * max_q_dim * 4)?;
+    let obuf = gpu.alloc(chunk * max_q_dim * 2)?;
+    let part_o = gpu.alloc(64 * max_q_dim * 4)?;
+    let part_ml = gpu.alloc(64 * max_q_dim / 32 * 2 * 4 + 4096)?;
+    upload_random(&gpu, &mut staging, Elem::F32, qbuf.ptr(), chunk * max_q_dim * 4, 30)?;
+    for &kv_dtype in &g.kv_dtypes {
+        let kv_e = elem(kv_dtype);
+        upload_random(&gpu, &mut staging, kv_e, kvbuf.ptr(), 2 * kv_half, 31)?;
+        for &h in &heads {
+            let d = dims_for(h, 4096, Elem::Bf16);
+            let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: kv_e, head_dim: d.head_dim })?;
+            for &ctx in &g.attn_ctx {
+                for decode in [true, false] {
+                    let m = if decode { 1 } else { chunk.min(ctx) };
+                    let pos0 = ctx - m;
+                    let splits = scratch_layout(&d, m, ctx, 0).attn_splits;
+                    let s = b.events(Stream::Compute, &mut |_| {
+                        // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
+                        // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
+                        unsafe {
+                            gpu.attention(
+                                &kn,
+                                qbuf.ptr(),
+                                kvbuf.ptr(),
+                                kvbuf.ptr() + kv_half as u64,
+                                obuf.ptr(),
+                                part_o.ptr(),
+                                part_ml.ptr(),
+                                m,
+                                pos0,
+                                d.n_heads,
+                                d.n_kv_heads,
+                                d.attn_scale(),
+                                splits,
+                            )
+                        }
+                        .map_err(Into::into)
+                    })?;
+                    let keys = if decode { ctx } else { pos0 + m.div_ceil(2) };
+                    gpu_rows.push(OpRow {
+                        op: OpClass::Attention,
+                        dtype: kv_dtype,
+                        n: d.q_dim as u64,
+                        k: keys as u64,
+                        tokens: m as u64,
+                        threads: 0,
+                        time_ns: s.median.ceil() as u64,
+                        time_ns_under_dma: None,
+                        spread: Some(s.spread),
+                    });
+                    progress.step(&format!(
+                        "{kv_dtype:?} {}q/{}kv×{} ctx {ctx} {}: {:.1} µs",
+                        h.q_heads,
+                        h.kv_heads,
+                        h.head_dim,
+                        if decode { "decode" } else { "prefill" },
+                        s.median / 1e3
+                    ));
+                }
+            }
+        }
+    }
+    drop((kvbuf, part_o, part_ml));
+
+    // Elementwise kernels.
+    let max_ffn = cat.ffn.iter().copied().max().unwrap_or(1) as usize;
+    let max_hidden = cat.hidden.iter().copied().max().unwrap_or(1) as usize;
+    let em = *g.elementwise_tokens.iter().max().expect("tokens");
+    let steps = g.elementwise_tokens.len() * (cat.hidden.len() * 2 + cat.ffn.len());
+    progress.section("GPU norm / RoPE / SwiGLU (exec kernels)", steps as u64);
+    let ew = gpu.alloc(em * max_ffn.max(max_hidden) * 4 * 3)?;
+    upload_random(&gpu, &mut staging, Elem::F32, ew.ptr(), em * max_ffn.max(max_hidden) * 4 * 3, 40)?;
+    let stride = (em * max_ffn.max(max_hidden) * 4) as u64;
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
+    for &m in &g.elementwise_tokens {
+        for &hid in &cat.hidden {
+            let hid = hid as usize;
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: x holds m·hid f32 (region 0), w hid f32 (region 1), out m·hid activations (region 2).
+                unsafe {
+                    gpu.norm_act(
+                        &kn,
+                        ew.ptr(),
+                        ew.ptr() + stride,
+                        0,
+                        ew.ptr() + 2 * stride,
+                        m,
+                        hid,
+                        1e-5,
+                        false,
+                    )
+                }
+                .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Norm, hid as u64, m, s));
+            progress.step(&format!("norm {hid} m={m}"));
+            let heads = (hid / 128).max(1);
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
+                unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, 1000) }
+                    .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Rope, (heads * 128) as u64, m, s));
+            progress.step(&format!("rope {hid} m={m}"));
+        }
+        for &f in &cat.ffn {
+            let f = f as usize;
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
+                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
+                    .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));
+            progress.step(&format!("swiglu {f} m={m}"));
+        }
+    }
+
+    // ---- Latencies and interference ----
+    progress.section("launch, host sync, copies vs compute", 6);
+    let launches = 1000;
+    let s = b.events(Stream::Compute, &mut |_| {
+        for _ in 0..launches {
+            // SAFETY: one f32 element of x and b (regions 0 and 1).
+            unsafe { gpu.add_bias(&kn, ew.ptr(), ew.ptr() + stride, 1, 1)? };
+        }
+        Ok(())
+    })?;
+    let launch = Stat { median: s.median / f64::from(launches), ..s };
+    figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
+    progress.step(&format!("launch {:.2} µs", launch.median / 1e3));
+    let sync = sample(rule, || -> Result<f64> {
+        let t0 = Instant::now();
+        // SAFETY: as above.
+        unsafe { gpu.add_bias(&kn, ew.ptr(), ew.ptr() + stride, 1, 1)? };
+        gpu.sync(Stream::Compute)?;
+        Ok(t0.elapsed().as_nanos() as f64)
+    })?;
+    figures.add("host sync (launch a tiny kernel, wait for it on the host)", "ns", sync);
+    progress.step(&format!("host sync {:.1} µs", sync.median / 1e3));
+
+    // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
+    let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
+    let wbytes = (fn_ * fk * 2).next_multiple_of(256);
+    let copies = (rot_bytes / wbytes).max(1);
+    let e = Elem::Bf16;
+    upload_random(&gpu, &mut staging, e, wbuf.ptr(), rot_bytes, 50)?;
+    let mut op_stats = Vec::new();
+    for m in [1usize, 4096.min(max_m)] {
+        let mut run = |i: usize| -> Result<()> {
+            let w = wbuf.ptr() + ((i % copies) * wbytes) as u64;
+            // SAFETY: as in the GEMM sweep.
+            unsafe { gpu.gemm(e, w, xbuf.ptr(), ybuf.ptr(), m, fn_, fk, false) }.map_err(Into::into)
+        };
+        let alone = b.events(Stream::Compute, &mut run)?;
+        let mut under = None;
+        dma.during(&mut || {
+            under = Some(b.events(Stream::Compute, &mut run)?);
+            Ok(())
+        })?;
+        let under = under.expect("measured under DMA");
+        let ratio = under.median / alone.median;
+        let label = if m == 1 { "GEMV" } else { "GEMM" };
+        figures.add(
+            &format!("GPU {label} {fn_}×{fk} m={m} slowdown under H2D copies"),
+            "x",
+            Stat { median: ratio, spread: alone.spread.max(under.spread), samples: under.samples },
+        );
+        progress.step(&format!("{label} under H2D: ×{ratio:.3}"));
+        op_stats.push((m, alone, ratio));
+    }
+    let gemv_slowdown = op_stats[0].2.max(1.0);
+    // H2D while the compute stream runs a queue of GEMVs (then GEMMs) three times as long as the copy.
+    let copy_bytes = dma_chunk;
+    let mut h2d_under = Vec::new();
+    for (m, alone, _) in &op_stats {
+        let queue = ((3.0 * copy_bytes as f64 / h2d_big / alone.median).ceil() as usize).max(1);
+        let s = sample(rule, || -> Result<f64> {
+            for i in 0..queue {
+                let w = wbuf.ptr() + ((i % copies) * wbytes) as u64;
+                // SAFETY: as in the GEMM sweep.
+                unsafe { gpu.gemm(e, w, xbuf.ptr(), ybuf.ptr(), *m, fn_, fk, false)? };
+            }
+            gpu.record(&b.ev0, Stream::H2d)?;
+            // SAFETY: copy_bytes of the pinned buffer into `dev`.
+            unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..copy_bytes])? };
+            gpu.record(&b.ev1, Stream::H2d)?;
+            gpu.sync(Stream::H2d)?;
+            let ms = gpu.elapsed_ms(&b.ev0, &b.ev1)?;
+            gpu.sync(Stream::Compute)?;
+            Ok(copy_bytes as f64 / (f64::from(ms) * 1e6))
+        })?;
+        let label = if *m == 1 { "GEMV" } else { "GEMM" };
+        figures.add(&format!("pinned H2D (256 MiB) while GPU runs {label}s"), "GB/s", s);
+        progress.step(&format!("H2D during {label}s: {:.1} GB/s", s.median));
+        h2d_under.push(s.median);
+    }
+    drop((wbuf, xbuf, ybuf, ew));
+
+    // ---- Host sections, with H2D copies as the background load ----
+    let host = cpu::measure(mode, threads, Some(&dma), figures, progress)?;
+    let copies_done = dma.copies.load(Ordering::Relaxed);
+    notes.push(format!(
+        "under DMA = while 256 MiB pinned H2D copies loop on the copy stream ({copies_done} copies ran in all)"
+    ));
+
+    // Rooflines: best measured.
+    let mut matmul_flops = Vec::new();
+    for &dtype in &g.dtypes {
+        let best = gpu_rows
+            .iter()
+            .filter(|r| r.op == OpClass::MatMul && r.dtype == dtype)
+            .map(|r| 2.0 * (r.tokens * r.n * r.k) as f64 / r.time_ns as f64 * 1e9)
+            .fold(0.0, f64::max);
+        matmul_flops.push((dtype, best));
+    }
+    let default_flops = matmul_flops.iter().map(|x| x.1).fold(0.0, f64::max);
+    let gemv_gbps = gpu_rows
+        .iter()
+        .filter(|r| r.op == OpClass::MatMul && r.tokens == 1)
+        .map(|r| (2 * r.n * r.k + 4 * (r.n + r.k)) as f64 / r.time_ns as f64)
+        .fold(0.0, f64::max);
+    figures.add("best GPU GEMV weight stream", "GB/s", Stat { median: gemv_gbps, spread: 0.0, samples: 1 });
+    let driver = crate::machine::nvidia_driver().map_or_else(String::new, |d| format!(", driver {d}"));
+    let link = crate::machine::nvidia_pcie_link().unwrap_or_else(|| "link speed not readable".into());
+    Ok(Profile {
+        schema_version: pipeshard_core::profile::PROFILE_SCHEMA_VERSION,
+        machine: Machine {
+            name: String::new(),
+            gpu: format!("{name}{driver}"),
+            gpu_vram_bytes: vram_total,
+            cpu: String::new(),
+            cpu_threads: 1,
+            host_ram_bytes: 0,
+            pcie: format!("{link}; measured pinned H2D {h2d_big:.1} GB/s at {} MiB", max_copy / MIB),
+        },
+        provenance: pipeshard_core::profile::Provenance::Derived {
+            sources: vec![],
+            calibration: String::new(),
+        },
+        pcie: PcieProfile {
+            h2d_pinned,
+            d2h_pinned,
+            h2d_pageable,
+            d2h_pageable,
+            bidirectional_gbps: bidir.median,
+            copy_latency_ns: latency_ns.round() as u64,
+            h2d_under_compute_gbps: h2d_under.iter().copied().reduce(f64::min),
+        },
+        dram: host.dram,
+        gpu: DeviceProfile {
+            roofline: Roofline { matmul_flops, default_flops, mem_gbps: d2d_gbps.max(gemv_gbps) },
+            ops: gpu_rows,
+            dma_slowdown: gemv_slowdown,
+        },
+        cpu: host.device,
+        launch_ns: launch.median.round() as u64,
+        host_sync_ns: sync.median.round() as u64,
+        runtime_overhead_bytes,
+        measurements: Vec::new(),
+        notes: Vec::new(),
+    })
+}
+
+/// Caps points so that the cost model's copy time, `latency + bytes / gbps(bytes)` with `gbps` linear in
+/// log(bytes) between points, never falls as bytes grow: between points `a < b` that holds iff
+/// `gbps_b ≤ gbps_a · (1 + ln(b / a))`. A point above that is lowered to it (its copies are then predicted a
+/// little slower than measured, never faster); each lowered point is returned as a note.
+pub fn monotone_copy_curve(name: &str, curve: &mut [BwPoint]) -> Vec<String> {
+    let mut notes = Vec::new();
+    for i in 1..curve.len() {
+        let (a, b) = (curve[i - 1], curve[i]);
+        let cap = a.gbps * (1.0 + (b.bytes as f64 / a.bytes as f64).ln());
+        if b.gbps > cap {
+            notes.push(format!(
+                "{name} {} KiB: effective rate {:.2} GB/s lowered to {cap:.2} GB/s so that interpolation never \
+                 predicts a larger copy faster than a smaller one",
+                b.bytes >> 10,
+                b.gbps
+            ));
+            curve[i].gbps = cap;
+        }
+    }
+    notes
+}
+
+fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
+    OpRow {
+        op,
+        dtype: DType::F32,
+        n,
+        k: 1,
+        tokens: m as u64,
+        threads: 0,
+        time_ns: s.median.ceil().max(1.0) as u64,
+        time_ns_under_dma: None,
+        spread: Some(s.spread),
+    }
+}

@@ -1,0 +1,123 @@
+//! The CPU sections in tiny mode, with the GPU side from a derived profile: what CI can run without a device.
+
+use std::path::Path;
+
+use pipeshard_core::cost::{CostModel, OpContext, TableCostModel};
+use pipeshard_core::inventory::UnitId;
+use pipeshard_core::profile::{Profile, Provenance};
+use pipeshard_core::reference;
+use pipeshard_core::workload::{Op, OpClass, OpKind};
+use pipeshard_profiler::{Config, Mode, Progress, measure};
+
+struct Quiet;
+
+impl Progress for Quiet {
+    fn section(&self, _: &str, _: u64) {}
+    fn step(&self, _: &str) {}
+}
+
+fn tiny_profile() -> Profile {
+    let cfg = Config {
+        mode: Mode::Tiny,
+        name: "ci".into(),
+        threads: vec![1, 2],
+        gpu_from: Some(reference::derived("cli3").unwrap()),
+        command: "test".into(),
+        commit: "test".into(),
+        date: "2026-11-30T00:00:00Z".into(),
+    };
+    measure(&cfg, &Quiet).unwrap()
+}
+
+/// Copies of more bytes never take less time, on every committed profile and the tiny one.
+fn assert_copies_monotone(name: &str, p: &Profile) {
+    let m = TableCostModel::new(p);
+    let mut prev = [0u64; 4];
+    let mut bytes = 1u64;
+    while bytes <= 4 << 30 {
+        let t =
+            [m.h2d_ns(bytes, true), m.d2h_ns(bytes, true), m.h2d_ns(bytes, false), m.d2h_ns(bytes, false)];
+        for i in 0..4 {
+            assert!(
+                t[i] >= prev[i],
+                "{name}: copy {i} of {bytes} bytes takes {} ns < {} ns for fewer",
+                t[i],
+                prev[i]
+            );
+        }
+        prev = t;
+        bytes = bytes * 5 / 4 + 1;
+    }
+}
+
+#[test]
+fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
+    let p = tiny_profile();
+    // Valid and stable through JSON.
+    let back = Profile::from_json("tiny.json", &p.to_json()).unwrap();
+    assert_eq!(back, p);
+    assert!(matches!(p.provenance, Provenance::Measured { .. }));
+    assert!(p.notes.iter().any(|n| n.contains("cli3")), "the base profile is named: {:?}", p.notes);
+    // Every thread count measured the DRAM and the matmul grid, with spreads.
+    assert_eq!(p.dram.iter().map(|d| d.threads).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
+    for t in [1, 2] {
+        let n = p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul && r.threads == t).count();
+        assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads");
+    }
+    assert!(p.cpu.ops.iter().any(|r| r.op == OpClass::Attention));
+    assert!(p.cpu.ops.iter().all(|r| r.spread.is_some_and(|s| s >= 0.0)));
+
+    // The cost model reproduces every measured matmul row, unless the row beat the measured roofline (small
+    // matrices served from cache), where it predicts the roofline.
+    let m = TableCostModel::new(&p);
+    for r in p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul) {
+        let (mf, n, k) = (r.tokens as f64, r.n as f64, r.k as f64);
+        let op = Op {
+            kind: OpKind::MatMul { n: r.n, k: r.k },
+            unit: UnitId::TokenEmbd,
+            tokens: r.tokens,
+            dtype: r.dtype,
+            flops: 2.0 * mf * n * k,
+            weight_bytes: 2.0 * n * k,
+            act_bytes: 4.0 * mf * (n + k),
+            kv_bytes: 0.0,
+        };
+        let ctx = OpContext::cpu(r.threads);
+        let want = (r.time_ns as f64).max(m.roofline_ns(&op, ctx) as f64);
+        let got = m.op_ns(&op, ctx) as f64;
+        assert!((got - want).abs() <= 0.01 * want + 1.0, "{r:?}: predicted {got} ns, expected {want} ns");
+    }
+    assert_copies_monotone("tiny", &p);
+}
+
+#[test]
+fn committed_profiles_never_copy_more_bytes_faster() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "json") {
+            let p = Profile::load(&path).unwrap();
+            assert_copies_monotone(&path.display().to_string(), &p);
+            n += 1;
+        }
+    }
+    assert!(n >= 3, "found only {n} profiles in {}", dir.display());
+}
+
+#[test]
+fn copy_curves_are_capped_where_interpolation_would_make_more_bytes_faster() {
+    use pipeshard_core::profile::BwPoint;
+    let pt = |kib: u64, gbps: f64| BwPoint { bytes: kib << 10, gbps, spread: None };
+    // 2.9 → 9.3 GB/s from 64 to 256 KiB: more than 1 + ln 4 times, so 256 KiB is lowered; the rest stands.
+    let mut curve = vec![pt(64, 2.9), pt(256, 9.3), pt(1024, 11.0), pt(4096, 12.0)];
+    let notes = pipeshard_profiler::gpu::monotone_copy_curve("pageable H2D", &mut curve);
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].contains("256 KiB"), "{}", notes[0]);
+    assert!((curve[1].gbps - 2.9 * (1.0 + 4f64.ln())).abs() < 1e-12);
+    assert_eq!((curve[2].gbps, curve[3].gbps), (11.0, 12.0));
+    let mut p = reference::derived("cli3").unwrap();
+    p.pcie.h2d_pageable = curve;
+    assert_copies_monotone("capped", &p);
+}
