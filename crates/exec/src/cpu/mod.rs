@@ -489,6 +489,9 @@ pub fn router_block(
     (xn, logits)
 }
 
+/// One expert's work on the CPU: its unit's bytes, its slices' offsets, and its `(token, weight)` pairs.
+pub type ExpertWork<'a> = (&'a [u8], ExpertOffsets, &'a [(u32, f32)]);
+
 /// Routed experts on the CPU: for each `(expert unit bytes, offsets, tokens)` in order,
 /// `out[t] += w · down(silu(gate(xn[t])) · up(xn[t]))` over the expert's `(t, w)` tokens.
 pub fn experts_block(
@@ -496,7 +499,7 @@ pub fn experts_block(
     d: &Dims,
     expert_ffn: usize,
     xn: &[f32],
-    experts: &[(&[u8], ExpertOffsets, &[(u32, f32)])],
+    experts: &[ExpertWork<'_>],
     out: &mut [f32],
 ) {
     let (hd, fe) = (d.hidden, expert_ffn);
