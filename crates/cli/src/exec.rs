@@ -450,7 +450,7 @@ mod tests {
         let profile = load_profile("cli3").unwrap();
         let cost = TableCostModel::new(&profile);
         let mut checked = 0;
-        for model in ["nemo-8b@4L", "llama-3.1-8b@4L"] {
+        for model in ["nemo-8b@4L", "llama-3.1-8b@4L", "qwen3-30b-a3b@4L"] {
             let spec = resolve_model(model).unwrap().with_uniform_weights(DType::Bf16);
             let inv = Inventory::new(&spec);
             let workload = Workload::single(1024, 4096, 16, 1024);
