@@ -78,7 +78,7 @@ fn expert_of(u: UnitId) -> u32 {
 /// MoE placement mixes: experts (and the router) pinned, streamed (copied only when picked), on the CPU, and
 /// split between the three inside one layer.
 const MOE_MIXES: &[(&str, u32, bool, Rule)] = &[
-    ("moe: all pinned", 0, false, |_, _| Placement::Pinned),
+    ("all-pinned", 0, false, |_, _| Placement::Pinned),
     ("moe: experts streamed d2, the rest pinned", 2, false, |_, u| match u {
         UnitId::Expert { .. } => Placement::Streamed,
         _ => Placement::Pinned,
