@@ -23,7 +23,7 @@ use pipeshard_exec::host::Elem;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, runtime_overhead_bytes};
+use pipeshard_exec::{RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::resolve_model;
@@ -244,8 +244,10 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
             let overhead =
                 runtime_overhead_bytes(g, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
             eprintln!(
-                "measured runtime overhead {overhead} bytes (incl. a {LAZY_LOAD_RESERVE_BYTES}-byte lazy-load reserve); profile {} assumed {}",
-                args.profile, profile.runtime_overhead_bytes
+                "measured runtime overhead {overhead} bytes (incl. a {}-byte lazy-load reserve); profile {} assumed {}",
+                lazy_load_reserve_bytes(&dims),
+                args.profile,
+                profile.runtime_overhead_bytes
             );
             profile.runtime_overhead_bytes = overhead;
         }

@@ -14,7 +14,7 @@
 //!
 //! VRAM: after the context, cuBLAS (with its workspace) and the kernels are up and the GEMM shapes are warmed,
 //! the process's VRAM is measured (device total − free) as the runtime overhead; one arena of
-//! `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is allocated and carved per phase (see `layout`); device free
+//! `budget − overhead − lazy_load_reserve_bytes` is allocated and carved per phase (see `layout`); device free
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
 use std::collections::VecDeque;
@@ -36,6 +36,17 @@ use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
 pub const LAZY_LOAD_RESERVE_BYTES: u64 = 64 << 20;
+
+/// More lazily loaded kernel code for MoE models: their expert GEMMs come in every token count from 1 to the
+/// chunk, and cuBLAS loads a kernel per shape class on first use. Measured on the H200 with qwen3-30b-a3b: the
+/// all-pinned run's peak went 55 MB past the dense reserve after warming four token counts.
+pub const MOE_LAZY_LOAD_EXTRA_BYTES: u64 = 128 << 20;
+
+/// The lazy-load reserve for a model: [`LAZY_LOAD_RESERVE_BYTES`], plus [`MOE_LAZY_LOAD_EXTRA_BYTES`] for MoE.
+#[must_use]
+pub fn lazy_load_reserve_bytes(d: &Dims) -> u64 {
+    LAZY_LOAD_RESERVE_BYTES + if d.moe.is_some() { MOE_LAZY_LOAD_EXTRA_BYTES } else { 0 }
+}
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -292,9 +303,12 @@ fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
     let wb = gpu.alloc(max_w)?;
     let xb = gpu.alloc(m_prefill * max_k * 2)?;
     let yb = gpu.alloc(m_prefill * max_k * 4)?;
-    // Experts see every token count up to the chunk: warm a spread of them too.
-    let counts: Vec<usize> = if d.moe.is_some() { vec![m_prefill, 1, 8, 64] } else { vec![m_prefill, 1] };
-    for m in counts.into_iter().filter(|&m| m <= m_prefill) {
+    // Experts see every token count up to the chunk: warm every power of two too.
+    let mut counts = vec![m_prefill, 1];
+    if d.moe.is_some() {
+        counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
+    }
+    for m in counts {
         for &(n, k) in &shapes {
             // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
             unsafe { gpu.gemm(d.mat, wb.ptr(), xb.ptr(), yb.ptr(), m, n, k, false)? };
@@ -305,13 +319,13 @@ fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
 }
 
 /// The VRAM a run of `w` will find taken before its arena (CUDA context, cuBLAS and its workspace, the compiled
-/// kernels, warmed GEMMs), plus [`LAZY_LOAD_RESERVE_BYTES`]: what a planner should assume as runtime overhead
+/// kernels, warmed GEMMs), plus [`lazy_load_reserve_bytes`]: what a planner should assume as runtime overhead
 /// on this machine. Measured as device total − free, so other processes on the device count too.
 pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usize) -> Result<u64> {
     gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
     warm_up(gpu, w, prefill_tokens)?;
     let (free, total) = gpu.mem_info()?;
-    Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
+    Ok(total - free + lazy_load_reserve_bytes(w))
 }
 
 fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
@@ -398,19 +412,20 @@ impl<'a> Exec<'a> {
         let min_free = min_free.min(free);
         let overhead = total - free;
         let budget = plan.budget_bytes;
-        if overhead + LAZY_LOAD_RESERVE_BYTES >= budget {
+        let reserve = lazy_load_reserve_bytes(d);
+        if overhead + reserve >= budget {
             return Err(ExecError::OverBudget {
                 phase: PhaseKind::Prefill,
                 line: "runtime overhead + lazy-load reserve".into(),
-                needed_bytes: overhead + LAZY_LOAD_RESERVE_BYTES,
+                needed_bytes: overhead + reserve,
                 available_bytes: budget,
-                over_bytes: overhead + LAZY_LOAD_RESERVE_BYTES - budget,
+                over_bytes: overhead + reserve - budget,
                 budget_bytes: budget,
                 overhead_bytes: overhead,
                 detail: "the CUDA context, cuBLAS and kernels alone exceed the budget".into(),
             });
         }
-        let arena_bytes = budget - overhead - LAZY_LOAD_RESERVE_BYTES;
+        let arena_bytes = budget - overhead - reserve;
         // Check both layouts before taking the arena.
         layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes as usize, budget, overhead)?;
         layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes as usize, budget, overhead)?;
