@@ -153,7 +153,8 @@ pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> Scrat
     let up = union_base;
     let gate = align(up + m * d.ffn * 4);
     let act_off = if d.ffn_kind == FfnKind::SwiGlu { align(gate + m * d.ffn * 4) } else { gate };
-    let ffn_end = align(act_off + m * d.ffn * act);
+    // A model whose every layer routes to experts has no dense FFN temporaries.
+    let ffn_end = if d.dense_ffn { align(act_off + m * d.ffn * act) } else { union_base };
     let mut moe_end = union_base;
     if let Some(moe) = d.moe {
         let mut take = |bytes: usize| {
@@ -507,6 +508,8 @@ mod tests {
             "MoE temporaries leave the normed input alone"
         );
         assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
+        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 64, 0);
+        assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
     }
 
     #[test]

@@ -63,6 +63,8 @@ pub struct Dims {
     pub mat: Elem,
     /// Routed experts of the MoE layers (`None` for a dense decoder).
     pub moe: Option<MoeDims>,
+    /// Whether any layer has a dense FFN (false when every layer routes to experts, as in Qwen3-MoE).
+    pub dense_ffn: bool,
 }
 
 /// The routed-expert geometry of a Qwen3-MoE-style decoder.
@@ -156,6 +158,7 @@ impl Dims {
             qk_norm: t.qk_norm,
             qkv_bias: t.qkv_bias,
             mat,
+            dense_ffn: (0..t.n_layers).any(|l| !spec.layer_is_moe(l)),
             moe: t.moe.as_ref().map(|m| MoeDims {
                 n_experts: m.n_experts as usize,
                 top_k: m.top_k as usize,
