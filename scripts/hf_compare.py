@@ -9,12 +9,30 @@ Exit status 1 if any rel err >= 1e-2.  Usage: hf_compare.py DIR
 """
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
 import torch
 import transformers
 from safetensors.torch import load_file
+
+
+def fuse_experts(state, model_keys):
+    """Our export keeps one module per expert (mlp.experts.E.{gate,up,down}_proj.weight, the classic checkpoint
+    layout). transformers >= 5 keeps a layer's experts as 3-D tensors: experts.gate_up_proj [E, 2F, H] (gate rows
+    first) and experts.down_proj [E, H, F]. Stack ours into that form when the model has it."""
+    if not any(k.endswith("mlp.experts.gate_up_proj") for k in model_keys):
+        return state
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.", k))})
+    for layer in layers:
+        p = f"model.layers.{layer}.mlp.experts"
+        n = sum(1 for k in state if k.startswith(p + ".") and k.endswith(".gate_proj.weight"))
+        stack = lambda proj: torch.stack([state[f"{p}.{e}.{proj}.weight"] for e in range(n)])
+        out[f"{p}.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+        out[f"{p}.down_proj"] = stack("down_proj")
+    return out
 
 
 def main(root):
@@ -32,6 +50,7 @@ def main(root):
         with torch.device("cuda"):
             model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
         state = {k: v.to(torch.float32) for k, v in load_file(str(d / "model.safetensors"), device="cuda").items()}
+        state = fuse_experts(state, model.state_dict().keys())
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if "rotary" not in m]
         if missing or unexpected:

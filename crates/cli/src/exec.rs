@@ -24,7 +24,7 @@ use pipeshard_exec::host::Elem;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, runtime_overhead_bytes};
+use pipeshard_exec::{RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::resolve_model;
@@ -257,8 +257,11 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         if let Some(g) = &gpu {
             let measured = with_measured_overhead(g, &spec, &workload, &profile)?;
             eprintln!(
-                "measured runtime overhead {} bytes (incl. a {LAZY_LOAD_RESERVE_BYTES}-byte lazy-load reserve); profile {} assumed {}",
-                measured.runtime_overhead_bytes, args.profile, profile.runtime_overhead_bytes
+                "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve); profile {} assumed {}",
+                measured.runtime_overhead_bytes,
+                lazy_load_reserve_bytes(&Dims::new(&spec)?),
+                args.profile,
+                profile.runtime_overhead_bytes
             );
             profile = measured;
         }
@@ -463,7 +466,7 @@ mod tests {
         let profile = load_profile("cli3").unwrap();
         let cost = TableCostModel::new(&profile);
         let mut checked = 0;
-        for model in ["nemo-8b@4L", "llama-3.1-8b@4L"] {
+        for model in ["nemo-8b@4L", "llama-3.1-8b@4L", "qwen3-30b-a3b@4L"] {
             let spec = resolve_model(model).unwrap().with_uniform_weights(DType::Bf16);
             let inv = Inventory::new(&spec);
             let workload = Workload::single(1024, 4096, 16, 1024);

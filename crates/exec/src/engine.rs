@@ -14,7 +14,7 @@
 //!
 //! VRAM: after the context, cuBLAS (with its workspace) and the kernels are up and the GEMM shapes are warmed,
 //! the process's VRAM is measured (device total − free) as the runtime overhead; one arena of
-//! `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is allocated and carved per phase (see `layout`); device free
+//! `budget − overhead − lazy_load_reserve_bytes` is allocated and carved per phase (see `layout`); device free
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
 use std::collections::VecDeque;
@@ -27,15 +27,26 @@ use pipeshard_core::plan::{PhaseKind, PhasePlan, Plan, VramBreakdown};
 use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{self, CpuPool, KvLayout};
+use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{KvLoc, PhaseLayout, RingItem, Step, WeightLoc, layout_phase};
-use crate::weights::{Dims, ModelWeights, UnitKind};
+use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
 pub const LAZY_LOAD_RESERVE_BYTES: u64 = 64 << 20;
+
+/// More lazily loaded kernel code for MoE models: their expert GEMMs come in every token count from 1 to the
+/// chunk, and cuBLAS loads a kernel per shape class on first use. Measured on the H200 with qwen3-30b-a3b: the
+/// all-pinned run's peak went 55 MB past the dense reserve after warming four token counts.
+pub const MOE_LAZY_LOAD_EXTRA_BYTES: u64 = 128 << 20;
+
+/// The lazy-load reserve for a model: [`LAZY_LOAD_RESERVE_BYTES`], plus [`MOE_LAZY_LOAD_EXTRA_BYTES`] for MoE.
+#[must_use]
+pub fn lazy_load_reserve_bytes(d: &Dims) -> u64 {
+    LAZY_LOAD_RESERVE_BYTES + if d.moe.is_some() { MOE_LAZY_LOAD_EXTRA_BYTES } else { 0 }
+}
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,6 +175,8 @@ struct GpuSide<'a> {
     ring: Option<Ring>,
     kv_wb: Vec<Event>,
     kv_wb_pass: Vec<Option<usize>>,
+    /// Recorded after the last upload from [`MoeIo`]; the host waits for it before rewriting that buffer.
+    moe_uploaded: Event,
     mark: Event,
     t0: Event,
     t0_ns: u64,
@@ -228,6 +241,37 @@ impl Io {
     }
 }
 
+/// Host-side staging of MoE layers (page-locked): router logits and normed input coming from the GPU, the
+/// token permutation and the CPU experts' partial sum going to it. Empty for dense models.
+struct MoeIo {
+    buf: HostBuf,
+    logits: usize,
+    xn: usize,
+    idx: usize,
+    w: usize,
+    part: usize,
+}
+
+impl MoeIo {
+    fn new(d: &Dims, tokens: usize) -> MoeIo {
+        let Some(moe) = d.moe else {
+            return MoeIo { buf: HostBuf::zeroed(0), logits: 0, xn: 0, idx: 0, w: 0, part: 0 };
+        };
+        let mut at = 0;
+        let mut take = |bytes: usize| {
+            let off = at;
+            at = (at + bytes).next_multiple_of(64);
+            off
+        };
+        let logits = take(tokens * moe.n_experts * 4);
+        let xn = take(tokens * d.hidden * 2);
+        let idx = take(tokens * moe.top_k * 4);
+        let w = take(tokens * moe.top_k * 4);
+        let part = take(tokens * d.hidden * 4);
+        MoeIo { buf: HostBuf::zeroed(at), logits, xn, idx, w, part }
+    }
+}
+
 struct Exec<'a> {
     w: &'a ModelWeights,
     d: &'a Dims,
@@ -237,26 +281,35 @@ struct Exec<'a> {
     host_kv: Vec<HostBuf>,
     h_host: HostBuf,
     io: Io,
+    moe_io: MoeIo,
     tl: Timeline,
     h_on_dev: bool,
 }
 
 /// Runs the GEMM shapes of a model once so cuBLAS loads its kernels; returns the lowest device free memory seen.
 fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
-    let shapes = [
+    let mut shapes = vec![
         (d.q_dim, d.hidden),
         (d.kv_dim, d.hidden),
         (d.hidden, d.q_dim),
         (d.ffn, d.hidden),
         (d.hidden, d.ffn),
     ];
+    if let Some(moe) = d.moe {
+        shapes.extend([(moe.n_experts, d.hidden), (moe.expert_ffn, d.hidden), (d.hidden, moe.expert_ffn)]);
+    }
     let max_w = shapes.iter().map(|(n, k)| n * k).max().unwrap_or(0) * 2;
     let max_k = d.hidden.max(d.q_dim).max(d.ffn);
     let wb = gpu.alloc(max_w)?;
     let xb = gpu.alloc(m_prefill * max_k * 2)?;
     let yb = gpu.alloc(m_prefill * max_k * 4)?;
-    for m in [m_prefill, 1] {
-        for (n, k) in shapes {
+    // Experts see every token count up to the chunk: warm every power of two too.
+    let mut counts = vec![m_prefill, 1];
+    if d.moe.is_some() {
+        counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
+    }
+    for m in counts {
+        for &(n, k) in &shapes {
             // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
             unsafe { gpu.gemm(d.mat, wb.ptr(), xb.ptr(), yb.ptr(), m, n, k, false)? };
         }
@@ -266,13 +319,13 @@ fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
 }
 
 /// The VRAM a run of `w` will find taken before its arena (CUDA context, cuBLAS and its workspace, the compiled
-/// kernels, warmed GEMMs), plus [`LAZY_LOAD_RESERVE_BYTES`]: what a planner should assume as runtime overhead
+/// kernels, warmed GEMMs), plus [`lazy_load_reserve_bytes`]: what a planner should assume as runtime overhead
 /// on this machine. Measured as device total − free, so other processes on the device count too.
 pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usize) -> Result<u64> {
     gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
     warm_up(gpu, w, prefill_tokens)?;
     let (free, total) = gpu.mem_info()?;
-    Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
+    Ok(total - free + lazy_load_reserve_bytes(w))
 }
 
 fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
@@ -336,6 +389,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         host_kv: (0..d.n_layers).map(|_| HostBuf::zeroed(kv.bytes())).collect(),
         h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
         io: Io::new(d, m_prefill),
+        moe_io: MoeIo::new(d, m_prefill),
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
     };
@@ -358,19 +412,20 @@ impl<'a> Exec<'a> {
         let min_free = min_free.min(free);
         let overhead = total - free;
         let budget = plan.budget_bytes;
-        if overhead + LAZY_LOAD_RESERVE_BYTES >= budget {
+        let reserve = lazy_load_reserve_bytes(d);
+        if overhead + reserve >= budget {
             return Err(ExecError::OverBudget {
                 phase: PhaseKind::Prefill,
                 line: "runtime overhead + lazy-load reserve".into(),
-                needed_bytes: overhead + LAZY_LOAD_RESERVE_BYTES,
+                needed_bytes: overhead + reserve,
                 available_bytes: budget,
-                over_bytes: overhead + LAZY_LOAD_RESERVE_BYTES - budget,
+                over_bytes: overhead + reserve - budget,
                 budget_bytes: budget,
                 overhead_bytes: overhead,
                 detail: "the CUDA context, cuBLAS and kernels alone exceed the budget".into(),
             });
         }
-        let arena_bytes = budget - overhead - LAZY_LOAD_RESERVE_BYTES;
+        let arena_bytes = budget - overhead - reserve;
         // Check both layouts before taking the arena.
         layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes as usize, budget, overhead)?;
         layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes as usize, budget, overhead)?;
@@ -380,13 +435,14 @@ impl<'a> Exec<'a> {
             // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
             regs.push(unsafe { gpu.register(&u.buf)? });
         }
-        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf]) {
+        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf]) {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
         let kv_wb = (0..d.n_layers).map(|_| gpu.event(false)).collect::<Result<Vec<_>>>()?;
         let t0 = gpu.event(true)?;
         let mark = gpu.event(false)?;
+        let moe_uploaded = gpu.event(false)?;
         let mut side = GpuSide {
             gpu,
             k,
@@ -397,6 +453,7 @@ impl<'a> Exec<'a> {
             ring: None,
             kv_wb,
             kv_wb_pass: vec![None; d.n_layers],
+            moe_uploaded,
             mark,
             t0,
             t0_ns: 0,
@@ -649,7 +706,8 @@ impl<'a> Exec<'a> {
         let Some(ring) = &mut g.ring else { return Ok(()) };
         let depth = ring.slots.len();
         while let Some(&(item, pass, rows)) = ring.pending.front() {
-            if ring.issued >= ring.released + depth {
+            // A layer's streamed experts are known only once its router has run (`expand_experts`).
+            if ring.issued >= ring.released + depth || matches!(item, RingItem::Experts(_)) {
                 break;
             }
             if let RingItem::Kv(l) | RingItem::AttnKv(l) = item
@@ -697,6 +755,7 @@ impl<'a> Exec<'a> {
                         format!("copy blk.{l}.kv ({rows} rows)")
                     }
                 }
+                RingItem::Experts(_) => unreachable!("placeholders are expanded before they are issued"),
             };
             let end = g.gpu.event(true)?;
             g.gpu.record(&end, Stream::H2d)?;
@@ -834,6 +893,9 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => self.gpu_block(lay, step, m, pos0, pass)?,
+                (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
+                // Experts run inside their layer's MoE block (at the router step), only where picked.
+                (UnitKind::Expert(_), _) => {}
                 (UnitKind::Output(off), on_gpu) => {
                     if !output {
                         continue;
@@ -857,6 +919,238 @@ impl<'a> Exec<'a> {
             g.sample_vram()?;
         }
         Ok(result)
+    }
+
+    /// Replaces the front ring placeholder of `layer`'s streamed experts by the experts the router picked (in
+    /// expert order) and issues their copies as slots free up.
+    fn expand_experts(&mut self, layer: u32, picked: &[u32]) -> Result<()> {
+        let ring = self.gpu.as_mut().and_then(|g| g.ring.as_mut()).expect("streamed experts imply a ring");
+        let Some(&(RingItem::Experts(l), pass, rows)) = ring.pending.front() else {
+            return Err(ExecError::Input(format!(
+                "ring out of order: layer {layer}'s experts are not next (front {:?})",
+                ring.pending.front()
+            )));
+        };
+        debug_assert_eq!(l, layer, "the front placeholder is this layer's");
+        ring.pending.pop_front();
+        for &expert in picked.iter().rev() {
+            ring.pending.push_front((RingItem::Weights(UnitId::Expert { layer, expert }), pass, rows));
+        }
+        self.pump()
+    }
+
+    /// One MoE layer, at its router step: the router where the router unit is placed, the routing on the host,
+    /// then the picked experts only — GPU experts (pinned, or streamed and copied now) as per-expert cuBLAS
+    /// calls over their gathered token rows, enqueued first, and CPU experts computed meanwhile on the host;
+    /// the CPU partial sum is added on the side that holds the residual stream.
+    fn moe_layer(&mut self, lay: &PhaseLayout, pool: &CpuPool, step: &Step, m: usize) -> Result<()> {
+        let d = self.d;
+        let moe: MoeDims = d.moe.expect("router units exist only in MoE models");
+        let UnitId::Router { layer } = step.unit else { unreachable!("router step") };
+        let UnitKind::Router(roff) = self.w.unit(step.unit).expect("router unit").kind else {
+            unreachable!("router unit kind")
+        };
+        let locs = &lay.experts[&layer];
+        let (hd, e_n, fe) = (d.hidden, moe.n_experts, moe.expert_ffn);
+        let has_cpu_experts = locs.iter().any(|l| !l.on_gpu());
+        if let Some(g) = &self.gpu {
+            // The host rewrites the MoE staging buffer below: the previous layer's uploads must be done.
+            g.gpu.sync_event(&g.moe_uploaded)?;
+        }
+        // 1. Router: normed input and logits, on the router's side; the logits come to the host.
+        let xn: Vec<f32>;
+        let logits: Vec<f32>;
+        let xn_on_dev;
+        if step.weights.on_gpu() {
+            self.ensure_dev(lay, m)?;
+            let (wb, slot) = self.weights_base(lay, step)?;
+            let g = self.gpu.as_ref().expect("gpu");
+            let (base, sc) = (g.base(), lay.scratch);
+            let at = |o: usize| base + o as u64;
+            let start = g.span_start(Stream::Compute)?;
+            let mio = &mut self.moe_io;
+            let buf = mio.buf.as_mut_slice();
+            let (lo, xo) = (mio.logits, mio.xn);
+            // SAFETY: h holds m rows, xb m·hidden activations, moe_logits m·n_experts f32 (scratch_layout); the
+            // router unit holds its norm and [n_experts, hidden] matrix at these offsets; moe_io is registered and
+            // read only after the sync below.
+            unsafe {
+                g.gpu.norm_act(
+                    &g.k,
+                    at(sc.h),
+                    wb + roff.norm_w as u64,
+                    roff.norm_b.map_or(0, |b| wb + b as u64),
+                    at(sc.xb),
+                    m,
+                    hd,
+                    d.norm_eps,
+                    d.norm == pipeshard_core::model::NormKind::LayerNorm,
+                )?;
+                g.gpu.gemm(
+                    d.mat,
+                    wb + roff.gate_inp as u64,
+                    at(sc.xb),
+                    at(sc.moe_logits),
+                    m,
+                    e_n,
+                    hd,
+                    false,
+                )?;
+                g.gpu.d2h(Stream::Compute, &mut buf[lo..lo + m * e_n * 4], at(sc.moe_logits))?;
+                if has_cpu_experts {
+                    g.gpu.d2h(Stream::Compute, &mut buf[xo..xo + m * hd * 2], at(sc.xb))?;
+                }
+            }
+            g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
+            if let Some(s) = slot {
+                self.release(s, Stream::Compute)?;
+            }
+            let g = self.gpu.as_ref().expect("gpu");
+            let t = self.tl.now_ns();
+            g.gpu.sync(Stream::Compute)?;
+            self.tl.host(format!("sync: blk.{layer} routing to host"), Track::Host, t);
+            let buf = self.moe_io.buf.as_slice();
+            logits = buf[lo..lo + m * e_n * 4]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            xn = if has_cpu_experts {
+                (0..m * hd).map(|i| d.mat.read(&buf[xo..], i)).collect()
+            } else {
+                Vec::new()
+            };
+            xn_on_dev = true;
+        } else {
+            self.ensure_host(lay, m)?;
+            let t = self.tl.now_ns();
+            let ru = self.w.unit(step.unit).expect("router unit");
+            (xn, logits) = cpu::router_block(pool, d, e_n, ru.buf.as_slice(), &roff, self.h_host.f32s(), m);
+            self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
+            xn_on_dev = false;
+        }
+        // 2. Routing and the token permutation (tokens ascending within each expert, experts ascending).
+        let lists = Routing::from_logits(&logits, e_n, moe.top_k, moe.norm_topk_prob).per_expert(e_n);
+        let picked = |on_gpu: bool| -> Vec<u32> {
+            (0..e_n as u32)
+                .filter(|&e| !lists[e as usize].is_empty() && locs[e as usize].on_gpu() == on_gpu)
+                .collect()
+        };
+        let (gpu_experts, cpu_experts) = (picked(true), picked(false));
+        if locs.contains(&WeightLoc::Streamed) {
+            let streamed: Vec<u32> =
+                gpu_experts.iter().copied().filter(|&e| locs[e as usize] == WeightLoc::Streamed).collect();
+            self.expand_experts(layer, &streamed)?;
+        }
+        // 3. GPU experts: enqueued now, they run while the host computes the CPU experts.
+        if !gpu_experts.is_empty() {
+            self.ensure_dev(lay, m)?;
+            let mio = &mut self.moe_io;
+            let (io_idx, io_w, io_xn) = (mio.idx, mio.w, mio.xn);
+            let buf = mio.buf.as_mut_slice();
+            let mut n = 0;
+            for &e in &gpu_experts {
+                for &(t, w) in &lists[e as usize] {
+                    buf[io_idx + 4 * n..io_idx + 4 * n + 4].copy_from_slice(&t.to_le_bytes());
+                    buf[io_w + 4 * n..io_w + 4 * n + 4].copy_from_slice(&w.to_le_bytes());
+                    n += 1;
+                }
+            }
+            if !xn_on_dev {
+                for (i, &x) in xn.iter().enumerate() {
+                    d.mat.write(&mut buf[io_xn..], i, x);
+                }
+            }
+            let g = self.gpu.as_ref().expect("gpu");
+            let (base, sc) = (g.base(), lay.scratch);
+            let at = |o: usize| base + o as u64;
+            let buf = self.moe_io.buf.as_slice();
+            // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is registered and
+            // rewritten only after `moe_uploaded` (recorded below) has completed.
+            unsafe {
+                g.gpu.h2d(Stream::Compute, at(sc.moe_idx), &buf[io_idx..io_idx + 4 * n])?;
+                g.gpu.h2d(Stream::Compute, at(sc.moe_w), &buf[io_w..io_w + 4 * n])?;
+                if !xn_on_dev {
+                    g.gpu.h2d(Stream::Compute, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
+                }
+            }
+            let mut first = 0usize;
+            for &e in &gpu_experts {
+                let c = lists[e as usize].len();
+                let unit = UnitId::Expert { layer, expert: e };
+                let (wb, slot) =
+                    self.weights_base(lay, &Step { unit, weights: locs[e as usize], kv: None })?;
+                let UnitKind::Expert(o) = self.w.unit(unit).expect("expert unit").kind else {
+                    unreachable!("expert unit kind")
+                };
+                let g = self.gpu.as_ref().expect("gpu");
+                let gpu = g.gpu;
+                let start = g.span_start(Stream::Compute)?;
+                let (idx, wts) = (at(sc.moe_idx) + 4 * first as u64, at(sc.moe_w) + 4 * first as u64);
+                // SAFETY: c ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c entries
+                // at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb and h.
+                unsafe {
+                    gpu.gather_rows(&g.k, at(sc.xb), idx, at(sc.moe_x), c, hd)?;
+                    gpu.gemm(d.mat, wb + o.gate as u64, at(sc.moe_x), at(sc.moe_gate), c, fe, hd, false)?;
+                    gpu.gemm(d.mat, wb + o.up as u64, at(sc.moe_x), at(sc.moe_up), c, fe, hd, false)?;
+                    gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), c * fe)?;
+                    gpu.gemm(d.mat, wb + o.down as u64, at(sc.moe_act), at(sc.moe_y), c, hd, fe, false)?;
+                    gpu.scatter_add_rows(&g.k, at(sc.moe_y), idx, wts, at(sc.h), c, hd)?;
+                }
+                g.span_end(
+                    &mut self.tl,
+                    format!("gpu {unit} ({c} tokens)"),
+                    Track::Compute,
+                    Stream::Compute,
+                    start,
+                )?;
+                if let Some(s) = slot {
+                    self.release(s, Stream::Compute)?;
+                }
+                first += c;
+            }
+        }
+        // 4. CPU experts, while the GPU works; their sum joins the residual stream where it is.
+        if !cpu_experts.is_empty() {
+            let t = self.tl.now_ns();
+            let units: Vec<_> = cpu_experts
+                .iter()
+                .map(|&e| {
+                    let u = self.w.unit(UnitId::Expert { layer, expert: e }).expect("expert unit");
+                    let UnitKind::Expert(o) = u.kind else { unreachable!("expert unit kind") };
+                    (u.buf.as_slice(), o, lists[e as usize].as_slice())
+                })
+                .collect();
+            if self.h_on_dev {
+                let mut part = vec![0f32; m * hd];
+                cpu::experts_block(pool, d, fe, &xn, &units, &mut part);
+                self.tl.host(format!("cpu blk.{layer} experts ({})", cpu_experts.len()), Track::Cpu, t);
+                let po = self.moe_io.part;
+                let buf = self.moe_io.buf.as_mut_slice();
+                for (i, x) in part.iter().enumerate() {
+                    buf[po + 4 * i..po + 4 * i + 4].copy_from_slice(&x.to_le_bytes());
+                }
+                let g = self.gpu.as_ref().expect("gpu");
+                let at = |o: usize| g.base() + o as u64;
+                let sc = lay.scratch;
+                // SAFETY: moe_y holds m·hidden f32 and is free again in stream order (the last expert's scatter
+                // precedes this copy on the compute stream); h holds m·hidden f32; moe_io is registered.
+                unsafe {
+                    g.gpu.h2d(
+                        Stream::Compute,
+                        at(sc.moe_y),
+                        &self.moe_io.buf.as_slice()[po..po + m * hd * 4],
+                    )?;
+                    g.gpu.add_bias(&g.k, at(sc.h), at(sc.moe_y), m * hd, m * hd)?;
+                }
+            } else {
+                cpu::experts_block(pool, d, fe, &xn, &units, self.h_host.f32s_mut());
+                self.tl.host(format!("cpu blk.{layer} experts ({})", cpu_experts.len()), Track::Cpu, t);
+            }
+        }
+        if let Some(g) = &self.gpu {
+            g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
+        }
+        Ok(())
     }
 
     /// Device address of a GPU step's weights, acquiring a ring slot or staging the unit as its location says.

@@ -2,7 +2,8 @@
 //! independent implementation (PyTorch/transformers on the GPU machine, `scripts/hf_compare.py`) can compute
 //! logits from exactly the same numbers.
 //!
-//! Names follow transformers' Llama/Qwen3/Nemotron modules. Mistral-style models (nemo-8b) are exported as
+//! Names follow transformers' Llama/Qwen3/Qwen3-MoE/Nemotron modules (experts one module each, the classic
+//! checkpoint layout; `scripts/hf_compare.py` fuses them where transformers keeps them as 3-D tensors). Mistral-style models (nemo-8b) are exported as
 //! `llama` with an explicit `head_dim`: without a sliding window the two compute the same function. Nemotron's
 //! `layernorm1p` stores `weight − 1` (exact in f32 for weights in [0.5, 2]).
 
@@ -20,7 +21,9 @@ use crate::weights::ModelWeights;
 #[must_use]
 pub fn model_type(w: &ModelWeights) -> &'static str {
     let d = &w.dims;
-    if d.norm == NormKind::LayerNorm && d.ffn_kind == FfnKind::ReluSquared {
+    if d.moe.is_some() {
+        "qwen3_moe"
+    } else if d.norm == NormKind::LayerNorm && d.ffn_kind == FfnKind::ReluSquared {
         "nemotron"
     } else if d.qk_norm {
         "qwen3"
@@ -31,9 +34,9 @@ pub fn model_type(w: &ModelWeights) -> &'static str {
     }
 }
 
-/// The transformers name of one of our tensors.
+/// The transformers name of one of our tensors (`expert`: which expert's slice of a merged `*_exps` tensor).
 #[must_use]
-pub fn hf_name(name: &str) -> Option<String> {
+pub fn hf_name(name: &str, expert: Option<usize>) -> Option<String> {
     let map = |s: &str| -> Option<&'static str> {
         Some(match s {
             "attn_norm.weight" => "input_layernorm.weight",
@@ -52,6 +55,15 @@ pub fn hf_name(name: &str) -> Option<String> {
             "ffn_gate.weight" => "mlp.gate_proj.weight",
             "ffn_up.weight" => "mlp.up_proj.weight",
             "ffn_down.weight" => "mlp.down_proj.weight",
+            "ffn_gate_inp.weight" => "mlp.gate.weight",
+            _ => return None,
+        })
+    };
+    let expert_proj = |s: &str| -> Option<&'static str> {
+        Some(match s {
+            "ffn_gate_exps.weight" => "gate_proj",
+            "ffn_up_exps.weight" => "up_proj",
+            "ffn_down_exps.weight" => "down_proj",
             _ => return None,
         })
     };
@@ -63,7 +75,12 @@ pub fn hf_name(name: &str) -> Option<String> {
         _ => {
             let rest = name.strip_prefix("blk.")?;
             let (layer, tail) = rest.split_once('.')?;
-            Some(format!("model.layers.{layer}.{}", map(tail)?))
+            match expert {
+                Some(e) => {
+                    Some(format!("model.layers.{layer}.mlp.experts.{e}.{}.weight", expert_proj(tail)?))
+                }
+                None => Some(format!("model.layers.{layer}.{}", map(tail)?)),
+            }
         }
     }
 }
@@ -75,7 +92,7 @@ pub fn config_json(w: &ModelWeights, max_position: usize) -> serde_json::Value {
     let mt = model_type(w);
     let mut c = serde_json::json!({
         "model_type": mt,
-        "architectures": [match mt { "nemotron" => "NemotronForCausalLM", "qwen3" => "Qwen3ForCausalLM", "qwen2" => "Qwen2ForCausalLM", _ => "LlamaForCausalLM" }],
+        "architectures": [match mt { "nemotron" => "NemotronForCausalLM", "qwen3" => "Qwen3ForCausalLM", "qwen3_moe" => "Qwen3MoeForCausalLM", "qwen2" => "Qwen2ForCausalLM", _ => "LlamaForCausalLM" }],
         "hidden_size": d.hidden,
         "intermediate_size": d.ffn,
         "num_hidden_layers": d.n_layers,
@@ -92,6 +109,15 @@ pub fn config_json(w: &ModelWeights, max_position: usize) -> serde_json::Value {
         "torch_dtype": "float32",
     });
     let obj = c.as_object_mut().expect("object");
+    if let Some(moe) = d.moe {
+        obj.insert("num_experts".into(), moe.n_experts.into());
+        obj.insert("num_experts_per_tok".into(), moe.top_k.into());
+        obj.insert("moe_intermediate_size".into(), moe.expert_ffn.into());
+        obj.insert("norm_topk_prob".into(), moe.norm_topk_prob.into());
+        obj.insert("decoder_sparse_step".into(), 1.into());
+        obj.insert("mlp_only_layers".into(), serde_json::json!([]));
+        obj.insert("output_router_logits".into(), false.into());
+    }
     if mt == "nemotron" {
         obj.insert("norm_eps".into(), d.norm_eps.into());
         obj.insert("partial_rotary_factor".into(), (d.rot_dims as f64 / d.head_dim as f64).into());
@@ -120,11 +146,11 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
     let mut owned: Vec<(String, Owned)> = Vec::new();
     for u in w.units() {
         for t in &u.tensors {
-            let Some(name) = hf_name(&t.name) else {
+            let Some(name) = hf_name(&t.name, t.expert) else {
                 return Err(ExecError::UnsupportedModel {
                     model: w.spec.name.clone(),
                     what: format!("tensor {} in a transformers export", t.name),
-                    hint: "dense llama/qwen/nemotron only".into(),
+                    hint: "llama/qwen/qwen3-moe/nemotron only".into(),
                 });
             };
             let mut data = u.bytes_at(t.offset, t.bytes).to_vec();
@@ -160,19 +186,26 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{tiny_nemotron_spec, tiny_qwen3_spec, tiny_spec};
+    use crate::testing::{tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec};
 
     #[test]
     fn every_tensor_has_a_transformers_name() {
-        for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec()] {
+        for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec(), tiny_qwen3_moe_spec()] {
             let w = ModelWeights::random(&spec, 1).unwrap();
+            let mut names = std::collections::HashSet::new();
             for u in w.units() {
                 for t in &u.tensors {
-                    assert!(hf_name(&t.name).is_some(), "{}", t.name);
+                    let n = hf_name(&t.name, t.expert);
+                    assert!(n.as_ref().is_some_and(|n| names.insert(n.clone())), "{} {:?}", t.name, n);
                 }
             }
         }
-        assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
+        assert_eq!(hf_name("blk.12.ffn_down.weight", None).unwrap(), "model.layers.12.mlp.down_proj.weight");
+        assert_eq!(
+            hf_name("blk.1.ffn_up_exps.weight", Some(5)).unwrap(),
+            "model.layers.1.mlp.experts.5.up_proj.weight"
+        );
+        assert_eq!(hf_name("blk.1.ffn_gate_inp.weight", None).unwrap(), "model.layers.1.mlp.gate.weight");
     }
 
     #[test]

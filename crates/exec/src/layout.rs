@@ -78,6 +78,9 @@ pub enum RingItem {
     AttnKv(u32),
     /// A layer's KV cache alone (its attention is pinned).
     Kv(u32),
+    /// The streamed experts of a layer that its router picks, one slot each in expert order: a placeholder the
+    /// engine replaces by `Weights(expert)` items once the routing is known (unpicked experts are not copied).
+    Experts(u32),
 }
 
 /// Offsets (from the arena base) of the activation buffers of a phase.
@@ -101,6 +104,19 @@ pub struct ScratchLayout {
     pub logits: usize,
     pub part_o: usize,
     pub part_ml: usize,
+    /// MoE: router logits `[m, n_experts]` f32.
+    pub moe_logits: usize,
+    /// MoE: token permutation, `m × top_k` u32 token ids and f32 routing weights.
+    pub moe_idx: usize,
+    pub moe_w: usize,
+    /// MoE: one expert's gathered inputs `[m, hidden]` (activations), gate and up `[m, expert_ffn]` f32, their
+    /// SwiGLU `[m, expert_ffn]` (activations) and output `[m, hidden]` f32 (also where the CPU experts' partial
+    /// sum lands).
+    pub moe_x: usize,
+    pub moe_gate: usize,
+    pub moe_up: usize,
+    pub moe_act: usize,
+    pub moe_y: usize,
     /// Bytes of the whole scratch region.
     pub bytes: usize,
 }
@@ -137,14 +153,31 @@ pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> Scrat
     let up = union_base;
     let gate = align(up + m * d.ffn * 4);
     let act_off = if d.ffn_kind == FfnKind::SwiGlu { align(gate + m * d.ffn * 4) } else { gate };
-    let ffn_end = align(act_off + m * d.ffn * act);
+    // A model whose every layer routes to experts has no dense FFN temporaries.
+    let ffn_end = if d.dense_ffn { align(act_off + m * d.ffn * act) } else { union_base };
+    let mut moe_end = union_base;
+    if let Some(moe) = d.moe {
+        let mut take = |bytes: usize| {
+            let off = moe_end;
+            moe_end = align(moe_end + bytes);
+            off
+        };
+        s.moe_logits = take(m * moe.n_experts * 4);
+        s.moe_idx = take(m * moe.top_k * 4);
+        s.moe_w = take(m * moe.top_k * 4);
+        s.moe_x = take(m * d.hidden * act);
+        s.moe_gate = take(m * moe.expert_ffn * 4);
+        s.moe_up = take(m * moe.expert_ffn * 4);
+        s.moe_act = take(m * moe.expert_ffn * act);
+        s.moe_y = take(m * d.hidden * 4);
+    }
     s.q = q;
     s.k = k;
     s.v = v;
     s.up = up;
     s.gate = gate;
     s.act = act_off;
-    s.bytes = attn_end.max(ffn_end) - base;
+    s.bytes = attn_end.max(ffn_end).max(moe_end) - base;
     s
 }
 
@@ -165,6 +198,8 @@ pub struct PhaseLayout {
     pub staging: Option<(usize, usize)>,
     /// Activation buffers.
     pub scratch: ScratchLayout,
+    /// Where each expert of each MoE layer is, by layer, in expert order.
+    pub experts: HashMap<u32, Vec<WeightLoc>>,
     /// What this layout takes, line by line (runtime overhead left 0: it is measured, not carved).
     pub used: VramBreakdown,
     /// Bytes the arena must have.
@@ -237,6 +272,14 @@ pub fn layout_phase(
                 pinned_used += b;
                 WeightLoc::Pinned(top)
             }
+            Placement::Streamed if matches!(id, UnitId::Expert { .. }) => {
+                let UnitId::Expert { layer, .. } = id else { unreachable!("matched above") };
+                if ring_items.last() != Some(&RingItem::Experts(layer)) {
+                    ring_items.push(RingItem::Experts(layer));
+                }
+                max_item = max_item.max(unit.bytes);
+                WeightLoc::Streamed
+            }
             Placement::Streamed => {
                 let with_kv =
                     matches!(id, UnitId::Attn { layer } if get(UnitId::Kv { layer })? == Placement::Streamed);
@@ -293,6 +336,12 @@ pub fn layout_phase(
             phase,
             reason: "units are streamed but pipeline_depth is 0".into(),
         });
+    }
+    let mut experts: HashMap<u32, Vec<WeightLoc>> = HashMap::new();
+    for st in &steps {
+        if let UnitId::Expert { layer, .. } = st.unit {
+            experts.entry(layer).or_default().push(st.weights);
+        }
     }
     let slot_bytes = if ring_items.is_empty() { 0 } else { align(max_item.max(plan.slot_bytes as usize)) };
     let depth = if ring_items.is_empty() { 0 } else { depth };
@@ -353,6 +402,7 @@ pub fn layout_phase(
         slot_bytes,
         staging,
         scratch,
+        experts,
         used,
         arena_needed_bytes: needed,
     })
@@ -418,6 +468,48 @@ mod tests {
         assert_eq!(l.ring_items[2], RingItem::Weights(UnitId::Ffn { layer: 1 }));
         let attn = align(w.unit(UnitId::Attn { layer: 1 }).unwrap().bytes);
         assert!(l.slot_bytes >= attn + kv.bytes(), "a streamed attention carries its KV in its slot");
+    }
+
+    #[test]
+    fn streamed_experts_share_one_ring_placeholder_per_layer() {
+        let w = ModelWeights::random(&crate::testing::tiny_qwen3_moe_spec(), 1).unwrap();
+        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let p = phase_plan(
+            &w,
+            |u| match u {
+                UnitId::Expert { expert, .. } if expert % 2 == 1 => Placement::Streamed,
+                UnitId::Expert { layer: 2, .. } => Placement::Cpu,
+                UnitId::Router { layer: 1 } => Placement::Streamed,
+                _ => Placement::Pinned,
+            },
+            2,
+        );
+        let l = layout_phase(&w, &p, kv, 4, 16 << 20, 0, 0).unwrap();
+        assert_eq!(
+            l.ring_items,
+            vec![
+                RingItem::Experts(0),
+                RingItem::Weights(UnitId::Router { layer: 1 }),
+                RingItem::Experts(1),
+                RingItem::Experts(2)
+            ]
+        );
+        let expert = w.unit(UnitId::Expert { layer: 0, expert: 0 }).unwrap().bytes;
+        assert!(l.slot_bytes >= expert);
+        assert_eq!(l.experts.len(), 3);
+        assert!(matches!(l.experts[&0][0], WeightLoc::Pinned(_)));
+        assert_eq!(l.experts[&0][1], WeightLoc::Streamed);
+        assert_eq!(l.experts[&2][0], WeightLoc::Cpu);
+        let sc = l.scratch;
+        let moe = w.dims.moe.unwrap();
+        assert!(sc.moe_y + 4 * w.dims.hidden * 4 <= sc.ids + sc.bytes, "MoE temporaries inside the scratch");
+        assert!(
+            sc.moe_logits >= sc.xb + 4 * w.dims.hidden * 2,
+            "MoE temporaries leave the normed input alone"
+        );
+        assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
+        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 64, 0);
+        assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
     }
 
     #[test]

@@ -48,6 +48,40 @@ fn rope(x: &mut [f64], heads: usize, d: &Dims, pos: usize) {
     }
 }
 
+fn swiglu(g: &[f64], u: &[f64]) -> Vec<f64> {
+    g.iter().zip(u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()
+}
+
+/// An MoE layer: `h += Σ_top-k w_e · expert_e(norm(h))`, routing by softmax over the router logits.
+fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
+    let d = &w.dims;
+    let moe = d.moe.expect("a router unit implies MoE dims");
+    let ru = w.unit(UnitId::Router { layer }).expect("router unit");
+    let UnitKind::Router(r) = ru.kind else { unreachable!("router unit kind") };
+    let nw = read_vec(ru, r.norm_w, d.hidden, Elem::F32);
+    let nb = r.norm_b.map(|o| read_vec(ru, o, d.hidden, Elem::F32));
+    for x in h.iter_mut() {
+        let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
+        let logits = matvec(ru, r.gate_inp, moe.n_experts, d.hidden, d.mat, &xn);
+        let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+        let sum: f64 = p.iter().sum();
+        let mut order: Vec<usize> = (0..moe.n_experts).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let picked = &order[..moe.top_k];
+        let total: f64 = picked.iter().map(|&e| p[e]).sum();
+        for &e in picked {
+            let eu = w.unit(UnitId::Expert { layer, expert: e as u32 }).expect("expert unit");
+            let UnitKind::Expert(o) = eu.kind else { unreachable!("expert unit kind") };
+            let g = matvec(eu, o.gate, moe.expert_ffn, d.hidden, d.mat, &xn);
+            let u = matvec(eu, o.up, moe.expert_ffn, d.hidden, d.mat, &xn);
+            let y = matvec(eu, o.down, d.hidden, moe.expert_ffn, d.mat, &swiglu(&g, &u));
+            let weight = if moe.norm_topk_prob { p[e] / total } else { p[e] / sum };
+            x.iter_mut().zip(y).for_each(|(x, y)| *x += weight * y);
+        }
+    }
+}
+
 /// Logits (`vocab` values) after every position of `tokens`.
 #[must_use]
 pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
@@ -114,6 +148,10 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let o = matvec(au, a.o, d.hidden, d.q_dim, d.mat, &att);
             h[t].iter_mut().zip(o).for_each(|(x, o)| *x += o);
         }
+        if w.unit(UnitId::Router { layer: l as u32 }).is_some() {
+            moe_layer(w, l as u32, &mut h);
+            continue;
+        }
         let fu = w.unit(UnitId::Ffn { layer: l as u32 }).expect("ffn unit");
         let UnitKind::Ffn(f) = fu.kind else { unreachable!("ffn unit kind") };
         let nw = read_vec(fu, f.norm_w, d.hidden, Elem::F32);
@@ -122,10 +160,7 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
             let up = matvec(fu, f.up, d.ffn, d.hidden, d.mat, &xn);
             let act: Vec<f64> = match (d.ffn_kind, f.gate) {
-                (FfnKind::SwiGlu, Some(g)) => {
-                    let gate = matvec(fu, g, d.ffn, d.hidden, d.mat, &xn);
-                    gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()
-                }
+                (FfnKind::SwiGlu, Some(g)) => swiglu(&matvec(fu, g, d.ffn, d.hidden, d.mat, &xn), &up),
                 _ => up.iter().map(|u| u.max(0.0) * u.max(0.0)).collect(),
             };
             let down = matvec(fu, f.down, d.hidden, d.ffn, d.mat, &act);

@@ -46,6 +46,23 @@ pub fn tiny_qwen3_spec() -> ModelSpec {
     )
 }
 
+/// A Qwen3-MoE-style model: 3 layers of 8 routed SwiGLU experts (intermediate 64), top-2 with renormalised
+/// routing weights, q/k RMSNorm. Its matrices are f16, not bf16: routing is discrete, and at a near-tie two
+/// correct implementations may pick different experts; f16 activations carry 3 more bits than bf16, so against
+/// unrounded references (the f64 one, transformers in f32) such flips are 8× rarer.
+#[must_use]
+pub fn tiny_qwen3_moe_spec() -> ModelSpec {
+    spec(
+        "tiny-qwen3-moe",
+        r#"{"model_type":"qwen3_moe","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":2,
+            "head_dim":32,"num_hidden_layers":3,"intermediate_size":256,"moe_intermediate_size":64,
+            "num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,"decoder_sparse_step":1,
+            "mlp_only_layers":[],"vocab_size":320,"rope_theta":1000000.0,"rms_norm_eps":1e-6,
+            "max_position_embeddings":4096}"#,
+    )
+    .with_uniform_weights(DType::F16)
+}
+
 /// A plan built by rule instead of by a planner: `place(phase, unit)` gives every unit's placement (KV units
 /// included), `depth` the ring depth where anything streams. The VRAM breakdown is computed the way the plan
 /// schema defines it (scratch from `pipeshard_core::workload::scratch_bytes`), with `overhead_bytes` as the

@@ -1,4 +1,5 @@
-//! Model geometry and weights: every tensor of a dense decoder, random-initialised from a seed.
+//! Model geometry and weights: every tensor of a decoder (dense, or Qwen3-MoE with routed experts),
+//! random-initialised from a seed. An expert's unit holds its slices of the merged `*_exps` tensors.
 //!
 //! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
 //! [`ModelWeights::random`] fills one page-aligned host buffer per placement unit, with the unit's tensors laid
@@ -60,6 +61,23 @@ pub struct Dims {
     pub qkv_bias: bool,
     /// Element type of every matrix, and of the activations fed to matmuls.
     pub mat: Elem,
+    /// Routed experts of the MoE layers (`None` for a dense decoder).
+    pub moe: Option<MoeDims>,
+    /// Whether any layer has a dense FFN (false when every layer routes to experts, as in Qwen3-MoE).
+    pub dense_ffn: bool,
+}
+
+/// The routed-expert geometry of a Qwen3-MoE-style decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeDims {
+    /// Experts per MoE layer.
+    pub n_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Intermediate size of one expert.
+    pub expert_ffn: usize,
+    /// Whether the top-k routing weights are renormalised to sum to one (Qwen3-MoE `norm_topk_prob`).
+    pub norm_topk_prob: bool,
 }
 
 impl Dims {
@@ -71,8 +89,16 @@ impl Dims {
             what: what.into(),
             hint: hint.into(),
         };
-        if t.moe.is_some() {
-            return Err(unsupported("a mixture-of-experts decoder", "MoE execution is issue 6"));
+        if let Some(m) = &t.moe
+            && m.n_shared_experts > 0
+        {
+            return Err(unsupported(
+                &format!("{} shared experts", m.n_shared_experts),
+                "routed experts only (Qwen3-MoE has none)",
+            ));
+        }
+        if t.moe.is_some() && t.ffn_kind != FfnKind::SwiGlu {
+            return Err(unsupported("MoE experts without SwiGLU", "experts are SwiGLU (Qwen3-MoE)"));
         }
         if spec.vision.is_some() {
             return Err(unsupported("a vision tower", "run the text decoder of a dense LLM"));
@@ -92,8 +118,10 @@ impl Dims {
             w.ffn_up,
             w.ffn_down,
         ];
+        let moe_mats = [w.expert_gate_up, w.expert_down, w.router];
         let mat = mats[0];
-        if mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
+        let moe_mixed = t.moe.is_some() && moe_mats.iter().any(|&d| d != mat);
+        if moe_mixed || mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
             return Err(unsupported("mixed matrix formats", "pass --weights bf16 (or f16)"));
         }
         let Some(mat @ (Elem::F16 | Elem::Bf16)) = Elem::from_dtype(mat) else {
@@ -130,6 +158,13 @@ impl Dims {
             qk_norm: t.qk_norm,
             qkv_bias: t.qkv_bias,
             mat,
+            dense_ffn: (0..t.n_layers).any(|l| !spec.layer_is_moe(l)),
+            moe: t.moe.as_ref().map(|m| MoeDims {
+                n_experts: m.n_experts as usize,
+                top_k: m.top_k as usize,
+                expert_ffn: m.expert_ffn as usize,
+                norm_topk_prob: m.norm_topk_prob,
+            }),
         })
     }
 
@@ -149,14 +184,16 @@ impl Dims {
     }
 }
 
-/// One tensor inside a unit's buffer.
+/// One tensor inside a unit's buffer (for an expert: its slice of a merged `*_exps` tensor).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSlot {
-    /// GGUF-style name (`blk.3.attn_q.weight`).
+    /// GGUF-style name (`blk.3.attn_q.weight`, `blk.3.ffn_up_exps.weight` for an expert's slice).
     pub name: String,
+    /// For an expert's slice: which expert of the merged tensor.
+    pub expert: Option<usize>,
     /// Stored element type.
     pub elem: Elem,
-    /// Shape, rows first (`[rows, row_elems]` for matrices).
+    /// Shape, rows first (`[rows, row_elems]` for matrices and expert slices).
     pub shape: Vec<usize>,
     /// Byte offset inside the unit.
     pub offset: usize,
@@ -198,6 +235,22 @@ pub struct OutputOffsets {
     pub head: usize,
 }
 
+/// Offsets of an MoE layer's router unit: the FFN norm and the router matrix `[n_experts, hidden]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RouterOffsets {
+    pub norm_w: usize,
+    pub norm_b: Option<usize>,
+    pub gate_inp: usize,
+}
+
+/// Offsets of one expert's slices: gate and up `[expert_ffn, hidden]`, down `[hidden, expert_ffn]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertOffsets {
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
 /// What a unit computes, with its tensors' offsets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UnitKind {
@@ -209,6 +262,10 @@ pub enum UnitKind {
     Ffn(FfnOffsets),
     /// The output norm and head.
     Output(OutputOffsets),
+    /// An MoE layer's FFN norm and router (the engine runs the layer's whole MoE block at this unit).
+    Router(RouterOffsets),
+    /// One routed expert.
+    Expert(ExpertOffsets),
 }
 
 /// One placement unit's tensors in one host buffer.
@@ -240,7 +297,7 @@ impl UnitWeights {
     }
 }
 
-/// Every weight of a dense decoder, one host buffer per unit.
+/// Every weight of a decoder (dense or Qwen3-MoE), one host buffer per unit (one per expert).
 #[derive(Debug)]
 pub struct ModelWeights {
     /// The spec the weights follow.
@@ -290,13 +347,15 @@ fn init_of(name: &str, shape: &[usize]) -> (f32, f32) {
     }
 }
 
-fn fill(buf: &mut [u8], elem: Elem, seed: u64, name: &str, shape: &[usize]) {
+/// Fills `buf` with elements `first_elem..` of the tensor `name` (an expert's slice starts past the slices
+/// before it, so the merged tensor is the same whichever way it is cut).
+fn fill(buf: &mut [u8], elem: Elem, seed: u64, name: &str, shape: &[usize], first_elem: u64) {
     const CHUNK: usize = 1 << 16;
     let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(name);
     let (center, half_width) = init_of(name, shape);
     let es = elem.size_bytes();
     buf.par_chunks_mut(CHUNK * es).enumerate().for_each(|(c, chunk)| {
-        let base = (c * CHUNK) as u64;
+        let base = first_elem + (c * CHUNK) as u64;
         match elem {
             Elem::Bf16 => {
                 for (j, out) in chunk.chunks_exact_mut(2).enumerate() {
@@ -356,11 +415,21 @@ fn unit_kind(id: UnitId, tensors: &[TensorSlot]) -> Result<UnitKind> {
             norm_b: find("output_norm.bias"),
             head: need("output.weight")?,
         }),
+        UnitId::Router { .. } => UnitKind::Router(RouterOffsets {
+            norm_w: need("ffn_norm.weight")?,
+            norm_b: find("ffn_norm.bias"),
+            gate_inp: need("ffn_gate_inp.weight")?,
+        }),
+        UnitId::Expert { .. } => UnitKind::Expert(ExpertOffsets {
+            gate: need("ffn_gate_exps.weight")?,
+            up: need("ffn_up_exps.weight")?,
+            down: need("ffn_down_exps.weight")?,
+        }),
         other => {
             return Err(ExecError::UnsupportedModel {
                 model: String::new(),
                 what: format!("unit {other}"),
-                hint: "dense text decoders only".into(),
+                hint: "text decoders without shared experts only".into(),
             });
         }
     })
@@ -396,11 +465,15 @@ impl ModelWeights {
                     what: format!("{} stored as {}", t.name, t.dtype),
                     hint: "pass --weights bf16 (or f16)".into(),
                 })?;
-                let bytes = t.bytes as usize;
+                let bytes = part.bytes as usize;
+                // An expert's slice of `[n_experts, rows, row_elems]` is `[rows, row_elems]`.
+                let shape =
+                    t.shape[usize::from(part.expert.is_some())..].iter().map(|&s| s as usize).collect();
                 tensors.push(TensorSlot {
                     name: t.name.clone(),
+                    expert: part.expert.map(|e| e as usize),
                     elem,
-                    shape: t.shape.iter().map(|&s| s as usize).collect(),
+                    shape,
                     offset,
                     bytes,
                 });
@@ -416,12 +489,14 @@ impl ModelWeights {
             let mut buf = HostBuf::zeroed(bytes);
             if let Some(seed) = seed {
                 for t in &tensors {
+                    let first_elem = t.expert.map_or(0, |e| (e * t.bytes / t.elem.size_bytes()) as u64);
                     fill(
                         &mut buf.as_mut_slice()[t.offset..t.offset + t.bytes],
                         t.elem,
                         seed,
                         &t.name,
                         &t.shape,
+                        first_elem,
                     );
                 }
             }
@@ -492,9 +567,12 @@ mod tests {
 
     #[test]
     fn unsupported_models_are_named() {
-        let moe = catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap();
-        let e = Dims::new(&moe.with_uniform_weights(DType::Bf16)).unwrap_err();
-        assert!(e.to_string().contains("mixture-of-experts"), "{e}");
+        let mut moe =
+            catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap().with_uniform_weights(DType::Bf16);
+        assert_eq!(Dims::new(&moe).unwrap().moe.map(|m| (m.n_experts, m.top_k)), Some((128, 8)));
+        moe.text.moe.as_mut().unwrap().n_shared_experts = 1;
+        let e = Dims::new(&moe).unwrap_err();
+        assert!(e.to_string().contains("shared experts"), "{e}");
         let q = catalog::get("qwen3-30b-a3b").unwrap();
         let mut dense = catalog::get("llama-3.1-8b").unwrap();
         dense.weights = q.weights.clone();

@@ -3,14 +3,16 @@
 use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::reference::{logits_f64, rel_err};
-use pipeshard_exec::testing::{manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_spec, tiny_spec};
+use pipeshard_exec::testing::{
+    manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
+};
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, run};
 
 #[test]
 fn all_cpu_matches_the_f64_reference() {
     let mut checked = 0;
-    for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec()] {
+    for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec(), tiny_qwen3_moe_spec()] {
         let w = ModelWeights::random(&spec, 42).unwrap();
         let prompt = random_tokens(11, w.dims.vocab, 3);
         let force = random_tokens(5, w.dims.vocab, 4);
@@ -47,7 +49,36 @@ fn all_cpu_matches_the_f64_reference() {
         assert!(out.metrics.ttft_ns > 0 && out.metrics.tps > 0.0);
         assert!(out.vram.is_none());
     }
-    assert_eq!(checked, 18);
+    assert_eq!(checked, 24);
+}
+
+/// The CPU runs only the experts the router picks: each decode step's MoE block computes at most top-k
+/// experts (the trace names how many), and every layer computes at least one.
+#[test]
+fn moe_decode_computes_only_the_picked_experts() {
+    let spec = tiny_qwen3_moe_spec();
+    let w = ModelWeights::random(&spec, 5).unwrap();
+    let moe = w.dims.moe.unwrap();
+    let prompt = random_tokens(12, w.dims.vocab, 8);
+    let plan = manual_plan(&spec, Workload::single(12, 32, 4, 12), 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
+    let out =
+        run(&w, &plan, None, &RunOptions { prompt, gen_tokens: 4, force_tokens: None, keep_logits: false })
+            .unwrap();
+    let counts: Vec<usize> = out
+        .trace
+        .events
+        .iter()
+        .filter_map(|e| {
+            e.name.strip_prefix("cpu blk.")?.split_once(" experts (")?.1.strip_suffix(')')?.parse().ok()
+        })
+        .collect();
+    let layers = w.dims.n_layers;
+    assert_eq!(counts.len(), 5 * layers, "one prefill pass and four decode steps: {counts:?}");
+    assert!(
+        counts[..layers].iter().all(|&n| n > moe.top_k),
+        "12 prompt tokens spread over more experts: {counts:?}"
+    );
+    assert!(counts[layers..].iter().all(|&n| (1..=moe.top_k).contains(&n)), "decode: {counts:?}");
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! GPU correctness: every mix of placements (pinned / streamed with depth 1..3 / CPU, across attention, FFN,
-//! KV, embedding and output, with a plan switch and llama.cpp-style op offload) gives the same tokens and
-//! logits as all-CPU, within the budget. Skips with a message where no CUDA device is usable.
+//! KV, embedding and output, with a plan switch and llama.cpp-style op offload; for MoE models the router and
+//! experts pinned / streamed / CPU and split inside a layer) gives the same tokens and logits as all-CPU, within
+//! the budget. Skips with a message where no CUDA device is usable. `PIPESHARD_GPU_CASES=tiny-qwen3-moe,qwen3`
+//! runs only the cases whose model name starts with one of the prefixes.
 //!
 //! On the GPU machine: `scripts/gpu-check.sh` (see docs/exec.md). With `PIPESHARD_HF_DIR` set, it also exports
 //! each model's weights, tokens and logits for `scripts/hf_compare.py`.
@@ -16,7 +18,9 @@ use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::reference::rel_err;
-use pipeshard_exec::testing::{manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_spec, tiny_spec};
+use pipeshard_exec::testing::{
+    manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
+};
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, RunOutput, run};
 
@@ -64,6 +68,52 @@ const MIXES: &[(&str, u32, bool, Rule)] = &[
     ("op offload: CPU units staged in prefill, CPU decode", 0, true, |_, _| Placement::Cpu),
 ];
 
+fn expert_of(u: UnitId) -> u32 {
+    match u {
+        UnitId::Expert { expert, .. } => expert,
+        _ => 0,
+    }
+}
+
+/// MoE placement mixes: experts (and the router) pinned, streamed (copied only when picked), on the CPU, and
+/// split between the three inside one layer.
+const MOE_MIXES: &[(&str, u32, bool, Rule)] = &[
+    ("all-pinned", 0, false, |_, _| Placement::Pinned),
+    ("moe: experts streamed d2, the rest pinned", 2, false, |_, u| match u {
+        UnitId::Expert { .. } => Placement::Streamed,
+        _ => Placement::Pinned,
+    }),
+    ("moe: everything streamed d3 (router, attention + KV too)", 3, false, |_, _| Placement::Streamed),
+    ("moe: experts on the CPU, attention + router pinned", 0, false, |_, u| match u {
+        UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+        _ => Placement::Pinned,
+    }),
+    ("moe: router on the CPU, experts pinned", 0, false, |_, u| match u {
+        UnitId::Router { .. } => Placement::Cpu,
+        _ => Placement::Pinned,
+    }),
+    ("moe: experts split pinned/streamed/CPU, router by layer", 1, false, |_, u| match u {
+        UnitId::Expert { .. } => match expert_of(u) % 3 {
+            0 => Placement::Pinned,
+            1 => Placement::Streamed,
+            _ => Placement::Cpu,
+        },
+        UnitId::Router { .. } if layer_of(u) % 2 == 1 => Placement::Streamed,
+        UnitId::Router { .. } => Placement::Cpu,
+        _ => Placement::Pinned,
+    }),
+    ("moe: per-layer pinned/streamed/CPU", 2, false, |_, u| match (u, layer_of(u) % 3) {
+        (_, 0) => Placement::Pinned,
+        (_, 1) => Placement::Streamed,
+        _ => Placement::Cpu,
+    }),
+    ("moe: switch: prefill streamed d2, decode experts CPU", 2, false, |ph, u| match (ph, u) {
+        (PhaseKind::Prefill, _) => Placement::Streamed,
+        (PhaseKind::Decode, UnitId::Expert { .. }) => Placement::Cpu,
+        _ => Placement::Pinned,
+    }),
+];
+
 struct Case {
     spec: ModelSpec,
     prompt: usize,
@@ -72,6 +122,7 @@ struct Case {
     ctx: u64,
     budget: u64,
     threads: u32,
+    mixes: &'static [(&'static str, u32, bool, Rule)],
 }
 
 fn opts(prompt: &[u32], n_gen: usize, force: Option<Vec<u32>>) -> RunOptions {
@@ -102,7 +153,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
     )
     .unwrap();
     let mut ran = 0;
-    for &(name, depth, offload, rule) in MIXES {
+    for &(name, depth, offload, rule) in case.mixes {
         let mut plan: Plan = manual_plan(spec, wl, case.budget, 0, depth, case.threads, rule);
         if offload {
             plan.prefill.op_offload = true;
@@ -128,6 +179,30 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
                     reference.tokens[i]
                 );
                 tokens_ok = false;
+            }
+        }
+        if let Some(moe) = w.dims.moe {
+            // Experts are copied only when picked: never one that is not computed, exactly the computed ones
+            // where every expert streams, and far fewer than all experts of every pass.
+            let count = |prefix: &str| {
+                out.trace
+                    .events
+                    .iter()
+                    .filter(|e| e.name.starts_with(prefix) && e.name.contains(".expert."))
+                    .count()
+            };
+            let (copies, computed) = (count("copy blk."), count("gpu blk."));
+            let all_streamed = plan.phases().iter().all(|p| {
+                p.placements
+                    .iter()
+                    .filter(|u| matches!(u.unit, UnitId::Expert { .. }))
+                    .all(|u| u.placement == Placement::Streamed)
+            });
+            assert!(copies <= computed, "{name}: {copies} expert copies for {computed} GPU expert runs");
+            if all_streamed {
+                assert_eq!(copies, computed, "{name}: every streamed expert computed was copied once");
+                let passes = case.prompt.div_ceil(case.ubatch as usize) + case.n_gen;
+                assert!(copies < passes * w.dims.n_layers * moe.n_experts / 2, "{name}: {copies} copies");
             }
         }
         let vram = out.vram.as_ref().expect("GPU runs report VRAM");
@@ -197,17 +272,56 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
     let mut log = std::io::stderr();
     writeln!(log, "device: {name}").unwrap();
     let nemo = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(4).unwrap();
+    let tiny = |spec: ModelSpec, mixes| Case {
+        spec,
+        prompt: 40,
+        ubatch: 16,
+        n_gen: 6,
+        ctx: 64,
+        budget: GIB,
+        threads,
+        mixes,
+    };
+    let qwen3_moe_2l =
+        catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
     let cases = [
-        Case { spec: tiny_spec(), prompt: 40, ubatch: 16, n_gen: 6, ctx: 64, budget: GIB, threads },
-        Case { spec: tiny_nemotron_spec(), prompt: 40, ubatch: 16, n_gen: 6, ctx: 64, budget: GIB, threads },
-        Case { spec: tiny_qwen3_spec(), prompt: 40, ubatch: 16, n_gen: 6, ctx: 64, budget: GIB, threads },
-        Case { spec: nemo, prompt: 100, ubatch: 64, n_gen: 8, ctx: 256, budget: 8 * GIB, threads },
+        tiny(tiny_spec(), MIXES),
+        tiny(tiny_nemotron_spec(), MIXES),
+        tiny(tiny_qwen3_spec(), MIXES),
+        tiny(tiny_qwen3_moe_spec(), MOE_MIXES),
+        Case {
+            spec: nemo,
+            prompt: 100,
+            ubatch: 64,
+            n_gen: 8,
+            ctx: 256,
+            budget: 8 * GIB,
+            threads,
+            mixes: MIXES,
+        },
+        Case {
+            spec: qwen3_moe_2l,
+            prompt: 100,
+            ubatch: 64,
+            n_gen: 8,
+            ctx: 256,
+            budget: 8 * GIB,
+            threads,
+            mixes: MOE_MIXES,
+        },
     ];
+    let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
     let mut ran = 0;
-    for case in &cases {
+    let mut expected = 0;
+    for case in cases
+        .iter()
+        .filter(|c| filter.as_ref().is_none_or(|f| f.split(',').any(|n| c.spec.name.starts_with(n))))
+    {
         ran += check(&gpu, case, &mut log);
+        expected += case.mixes.len();
     }
-    assert_eq!(ran, cases.len() * MIXES.len());
+    assert!(expected > 0, "PIPESHARD_GPU_CASES={filter:?} selects no case");
+    assert_eq!(ran, expected);
 }
 
 #[test]

@@ -104,6 +104,8 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
         qk_norm: false,
         qkv_bias: false,
         mat,
+        moe: None,
+        dense_ffn: true,
     }
 }
 

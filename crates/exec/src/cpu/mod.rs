@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
-use crate::weights::{AttnOffsets, Dims, FfnOffsets, OutputOffsets};
+use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
 use simd::Isa;
 
 /// A worker pool of `threads` threads and the instruction set its kernels use.
@@ -412,6 +412,120 @@ pub fn ffn_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &FfnOffsets, h: &mu
     matmul(pool, &act, m, d.ffn, mat(unit, off.down, d.hidden, d.ffn), d.mat, d.hidden, h, true);
 }
 
+/// Where the tokens of an MoE layer go: each token's `top_k` experts (most probable first) and their weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts per token.
+    pub top_k: usize,
+    /// `[m, top_k]` expert ids.
+    pub experts: Vec<u32>,
+    /// `[m, top_k]` routing weights.
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Qwen3-MoE routing of the `[m, n_experts]` router logits: softmax in f32, the `top_k` largest
+    /// probabilities (the lower expert id on ties), divided by their sum when `norm_topk_prob`.
+    #[must_use]
+    pub fn from_logits(logits: &[f32], n_experts: usize, top_k: usize, norm_topk_prob: bool) -> Routing {
+        let m = logits.len() / n_experts;
+        let mut experts = Vec::with_capacity(m * top_k);
+        let mut weights = Vec::with_capacity(m * top_k);
+        for row in logits.chunks_exact(n_experts) {
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let p: Vec<f32> = row.iter().map(|&l| (l - mx).exp()).collect();
+            let sum: f32 = p.iter().sum();
+            let mut order: Vec<usize> = (0..n_experts).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let picked = &order[..top_k];
+            let total: f32 = picked.iter().map(|&e| p[e] / sum).sum();
+            for &e in picked {
+                experts.push(e as u32);
+                weights.push(if norm_topk_prob { p[e] / sum / total } else { p[e] / sum });
+            }
+        }
+        Routing { top_k, experts, weights }
+    }
+
+    /// Tokens routed to each of `n_experts` experts, in token order, with their weights: the token
+    /// permutation both sides compute from.
+    #[must_use]
+    pub fn per_expert(&self, n_experts: usize) -> Vec<Vec<(u32, f32)>> {
+        let mut lists = vec![Vec::new(); n_experts];
+        for (i, (&e, &w)) in self.experts.iter().zip(&self.weights).enumerate() {
+            lists[e as usize].push(((i / self.top_k) as u32, w));
+        }
+        lists
+    }
+}
+
+/// An MoE layer's router on the CPU: the normed input `[m, hidden]` (rounded to the matrix format) and the
+/// router logits `[m, n_experts]`.
+#[must_use]
+pub fn router_block(
+    pool: &CpuPool,
+    d: &Dims,
+    n_experts: usize,
+    unit: &[u8],
+    off: &RouterOffsets,
+    h: &[f32],
+    m: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let (w, b) = norm_params(unit, d, off.norm_w, off.norm_b);
+    let mut xn = vec![0f32; m * d.hidden];
+    norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
+    let mut logits = vec![0f32; m * n_experts];
+    matmul(
+        pool,
+        &xn,
+        m,
+        d.hidden,
+        mat(unit, off.gate_inp, n_experts, d.hidden),
+        d.mat,
+        n_experts,
+        &mut logits,
+        false,
+    );
+    (xn, logits)
+}
+
+/// One expert's work on the CPU: its unit's bytes, its slices' offsets, and its `(token, weight)` pairs.
+pub type ExpertWork<'a> = (&'a [u8], ExpertOffsets, &'a [(u32, f32)]);
+
+/// Routed experts on the CPU: for each `(expert unit bytes, offsets, tokens)` in order,
+/// `out[t] += w · down(silu(gate(xn[t])) · up(xn[t]))` over the expert's `(t, w)` tokens.
+pub fn experts_block(
+    pool: &CpuPool,
+    d: &Dims,
+    expert_ffn: usize,
+    xn: &[f32],
+    experts: &[ExpertWork<'_>],
+    out: &mut [f32],
+) {
+    let (hd, fe) = (d.hidden, expert_ffn);
+    for &(unit, off, tokens) in experts {
+        let c = tokens.len();
+        if c == 0 {
+            continue;
+        }
+        let mut xe = vec![0f32; c * hd];
+        for (row, &(t, _)) in xe.chunks_exact_mut(hd).zip(tokens) {
+            row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
+        }
+        let mut g = vec![0f32; c * fe];
+        let mut u = vec![0f32; c * fe];
+        matmul(pool, &xe, c, hd, mat(unit, off.gate, fe, hd), d.mat, fe, &mut g, false);
+        matmul(pool, &xe, c, hd, mat(unit, off.up, fe, hd), d.mat, fe, &mut u, false);
+        swiglu(&mut g, &u, d.mat);
+        let mut y = vec![0f32; c * hd];
+        matmul(pool, &g, c, fe, mat(unit, off.down, hd, fe), d.mat, hd, &mut y, false);
+        for (row, &(t, w)) in y.chunks_exact(hd).zip(tokens) {
+            let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
+            o.iter_mut().zip(row).for_each(|(o, y)| *o += w * y);
+        }
+    }
+}
+
 /// The output norm and head on the CPU for the rows `h` holds: logits `[rows, vocab]`.
 #[must_use]
 pub fn output_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &OutputOffsets, h: &[f32]) -> Vec<f32> {
@@ -508,6 +622,23 @@ mod tests {
         assert!((n0 - n1).abs() < 1e-4);
         assert!((x[4] - 5.0).abs() < f32::EPSILON, "dims past the rotated ones are untouched");
         assert!((x[0] - orig[0]).abs() > 0.1);
+    }
+
+    #[test]
+    fn routing_picks_the_top_k_and_renormalises() {
+        // Token 0 prefers experts 2 then 0; token 1 has a tie between 1 and 3 (the lower id wins).
+        let logits = [1.0, -1.0, 2.0, 0.0, 0.5, 3.0, 0.0, 3.0];
+        let r = Routing::from_logits(&logits, 4, 2, true);
+        assert_eq!(r.experts, vec![2, 0, 1, 3]);
+        assert!((r.weights[0] + r.weights[1] - 1.0).abs() < 1e-6);
+        assert!((r.weights[0] / r.weights[1] - 1f32.exp()).abs() < 1e-5, "ratio of probabilities kept");
+        let raw = Routing::from_logits(&logits, 4, 2, false);
+        let z: f32 = logits[..4].iter().map(|l| l.exp()).sum();
+        assert!((raw.weights[0] - 2f32.exp() / z).abs() < 1e-6, "softmax probability without renormalising");
+        let lists = r.per_expert(4);
+        assert_eq!(lists[0], vec![(0, r.weights[1])]);
+        assert_eq!(lists[3], vec![(1, r.weights[3])]);
+        assert!(lists[2].len() == 1 && lists[1].len() == 1);
     }
 
     #[test]

@@ -245,6 +245,22 @@ extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict_
     if (i < n) { const float r = fmaxf(u[i], 0.f); out[i] = ACT_STORE(r * r); }
 }
 
+// MoE token permutation: dst[i, :] = src[idx[i], :] (activation rows). One block per gathered row.
+extern "C" __global__ void gather_rows(const act_t* __restrict__ src, const u32* __restrict__ idx, act_t* __restrict__ dst,
+                                       int dim) {
+    const u64 s = (u64)idx[blockIdx.x] * dim, o = (u64)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[o + i] = src[s + i];
+}
+
+// MoE combine: h[idx[i], :] += w[i] * y[i, :] in f32. The rows of one launch are one expert's tokens, so their
+// idx are distinct and no two blocks write the same row; experts are combined in launch order.
+extern "C" __global__ void scatter_add_rows(const float* __restrict__ y, const u32* __restrict__ idx,
+                                            const float* __restrict__ w, float* __restrict__ h, int dim) {
+    const u64 d = (u64)idx[blockIdx.x] * dim, s = (u64)blockIdx.x * dim;
+    const float wt = w[blockIdx.x];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) h[d + i] += wt * y[s + i];
+}
+
 // Greedy sampling: out[row] = first index of the largest logit. One block (1024 threads) per row.
 extern "C" __global__ void argmax(const float* __restrict__ logits, int vocab, u32* __restrict__ out) {
     __shared__ float bv[32];

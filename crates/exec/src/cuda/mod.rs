@@ -98,6 +98,8 @@ pub struct Kernels {
     swiglu: CudaFunction,
     relu2: CudaFunction,
     argmax: CudaFunction,
+    gather_rows: CudaFunction,
+    scatter_add_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -352,6 +354,13 @@ impl Gpu {
         Ok(())
     }
 
+    /// Blocks the host until the last recording of `ev` has completed.
+    pub fn sync_event(&self, ev: &Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: ev is a live event of this context.
+        unsafe { result::event::synchronize(ev.raw) }.map_err(driver_err("cuEventSynchronize"))
+    }
+
     /// Milliseconds between two completed timing events.
     pub fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32> {
         // SAFETY: both are live timing events that have completed (the caller synchronised).
@@ -438,6 +447,8 @@ impl Gpu {
             swiglu: f("swiglu")?,
             relu2: f("relu2")?,
             argmax: f("argmax")?,
+            gather_rows: f("gather_rows")?,
+            scatter_add_rows: f("scatter_add_rows")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -765,6 +776,62 @@ impl Gpu {
             }
         };
         r.map(|_| ()).map_err(driver_err("cuLaunchKernel(ffn_act)"))
+    }
+
+    /// MoE token permutation: `dst[i] = src[idx[i]]` for `rows` activation rows of `dim`.
+    ///
+    /// # Safety
+    /// `idx` holds `rows` u32 indexing rows of `src` (activations, `dim` per row); `dst` holds `rows × dim`
+    /// activations.
+    pub unsafe fn gather_rows(
+        &self,
+        k: &Kernels,
+        src: u64,
+        idx: u64,
+        dst: u64,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let dim = dim as i32;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as documented.
+        unsafe {
+            self.compute.launch_builder(&k.gather_rows).arg(&src).arg(&idx).arg(&dst).arg(&dim).launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(gather_rows)"))
+    }
+
+    /// MoE combine: `h[idx[i]] += w[i] · y[i]` for `rows` f32 rows of `dim`; the `idx` of one call are distinct.
+    ///
+    /// # Safety
+    /// `y` holds `rows × dim` f32, `idx` and `w` `rows` distinct in-range row indices and f32 weights, `h` the
+    /// rows they index.
+    pub unsafe fn scatter_add_rows(
+        &self,
+        k: &Kernels,
+        y: u64,
+        idx: u64,
+        w: u64,
+        h: u64,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let dim = dim as i32;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&k.scatter_add_rows)
+                .arg(&y)
+                .arg(&idx)
+                .arg(&w)
+                .arg(&h)
+                .arg(&dim)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(scatter_add_rows)"))
     }
 
     /// `out[r] = argmax(logits[r])` for `rows` rows of `vocab`.
