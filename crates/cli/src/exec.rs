@@ -386,6 +386,13 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
                 println!(
                     "  check: sampled tokens {agree} equal to the reference's with its inputs; logits max rel err {max_err}"
                 );
+                if !r.routes.is_empty() {
+                    let flips = out.routes.iter().zip(&r.routes).filter(|(a, b)| a != b).count();
+                    println!(
+                        "  check: routing: {flips} of {} expert choices differ from the reference's (near-ties)",
+                        r.routes.len()
+                    );
+                }
             } else {
                 let same = out.tokens.iter().zip(first.iter()).take_while(|(a, b)| a == b).count();
                 agree = format!("{same}/{}", out.tokens.len());

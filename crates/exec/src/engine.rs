@@ -93,6 +93,9 @@ pub struct RunOutput {
     pub trace: Trace,
     /// VRAM accounting (None for CPU-only runs).
     pub vram: Option<VramReport>,
+    /// With `keep_logits`, the experts every MoE layer picked: pass by pass, layer by layer, `[tokens, top_k]`
+    /// each (empty for dense models). Two runs of the same inputs route alike unless a near-tie flipped.
+    pub routes: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -282,6 +285,7 @@ struct Exec<'a> {
     h_host: HostBuf,
     io: Io,
     moe_io: MoeIo,
+    routes: Vec<u32>,
     tl: Timeline,
     h_on_dev: bool,
 }
@@ -390,6 +394,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
         io: Io::new(d, m_prefill),
         moe_io: MoeIo::new(d, m_prefill),
+        routes: Vec::new(),
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
     };
@@ -601,7 +606,7 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        Ok(RunOutput { tokens, logits, metrics, trace, vram })
+        Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes })
     }
 
     /// Makes `lay` current: moves KV and pinned weights that change place, uploads RoPE frequencies, resets the
@@ -1029,7 +1034,11 @@ impl<'a> Exec<'a> {
             xn_on_dev = false;
         }
         // 2. Routing and the token permutation (tokens ascending within each expert, experts ascending).
-        let lists = Routing::from_logits(&logits, e_n, moe.top_k, moe.norm_topk_prob).per_expert(e_n);
+        let routing = Routing::from_logits(&logits, e_n, moe.top_k, moe.norm_topk_prob);
+        if self.opts.keep_logits {
+            self.routes.extend(&routing.experts);
+        }
+        let lists = routing.per_expert(e_n);
         let picked = |on_gpu: bool| -> Vec<u32> {
             (0..e_n as u32)
                 .filter(|&e| !lists[e as usize].is_empty() && locs[e as usize].on_gpu() == on_gpu)

@@ -10,8 +10,9 @@
 //! Chrome [`pipeshard_core::trace::Trace`] in the simulator's vocabulary.
 //!
 //! # Main types and modules
-//! - [`weights::ModelWeights`]: every tensor of a dense decoder, random from a seed, one page-aligned host buffer
-//!   per placement unit ([`host::HostBuf`]); [`weights::Dims`] checks what the executor supports.
+//! - [`weights::ModelWeights`]: every tensor of a dense or Qwen3-MoE decoder, random from a seed, one page-aligned
+//!   host buffer per placement unit ([`host::HostBuf`]; one per routed expert); [`weights::Dims`] checks what the
+//!   executor supports.
 //! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation) and the CPU half of a forward pass; they
 //!   double as the reference for the GPU path. [`reference`](mod@reference) is an independent f64 forward pass for tests.
 //! - [`cuda`] (`exec::cuda`): the device seam — [`cuda::probe`], [`cuda::Gpu`] (context, compute/H2D/D2H
@@ -37,11 +38,15 @@
 //! - `op_offload` (llama.cpp's baseline): CPU-placed attention/FFN of a prefill ubatch ≥ 32 tokens are staged
 //!   whole (weights, and KV rows for attention) into a staging area on the compute stream, computed on the
 //!   GPU, and their new KV rows written back — not overlapped, as in llama.cpp.
+//! - MoE layers (docs/DESIGN-NOTES.md, "exec: MoE layers"): the router runs where it is placed, its logits
+//!   come to the host, which routes and permutes the tokens; only picked experts run — GPU experts as
+//!   per-expert cuBLAS calls (streamed ones copied only when picked, through a ring placeholder expanded once
+//!   the routing is known), CPU experts meanwhile on the host.
 //! - Host sync only where data crosses: residual to the host before a CPU unit, the sampled token, and the end
 //!   of each pass (the host reuses its staging buffers).
 //!
 //! # Not supported (errors say so)
-//! MoE and vision towers (issues 6 and 11), tied embeddings, quantised formats (use `--weights bf16`),
+//! Vision towers (issue 11), shared experts, tied embeddings, quantised formats (use `--weights bf16`),
 //! batch > 1 (issue 10).
 
 pub mod cpu;

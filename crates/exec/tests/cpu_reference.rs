@@ -60,10 +60,36 @@ fn moe_decode_computes_only_the_picked_experts() {
     let w = ModelWeights::random(&spec, 5).unwrap();
     let moe = w.dims.moe.unwrap();
     let prompt = random_tokens(12, w.dims.vocab, 8);
+    let opts = RunOptions { prompt, gen_tokens: 4, force_tokens: None, keep_logits: true };
     let plan = manual_plan(&spec, Workload::single(12, 32, 4, 12), 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
-    let out =
-        run(&w, &plan, None, &RunOptions { prompt, gen_tokens: 4, force_tokens: None, keep_logits: false })
-            .unwrap();
+    let out = run(&w, &plan, None, &opts).unwrap();
+    let layers = w.dims.n_layers;
+    assert_eq!(out.routes.len(), (12 + 4) * layers * moe.top_k, "every token's choice in every layer");
+    assert!(out.routes.iter().all(|&e| (e as usize) < moe.n_experts));
+    // Prefill in chunks of 5 computes the same function: the same experts for every token.
+    let chunked = manual_plan(&spec, Workload::single(12, 32, 4, 5), 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
+    let again = run(&w, &chunked, None, &opts).unwrap();
+    // Routes are [pass][layer][token][k]; reorder into [layer][position][k] to compare.
+    let by_position = |routes: &[u32], chunks: &[usize]| {
+        let mut out = vec![0u32; routes.len()];
+        let (mut at, mut pos0) = (0, 0);
+        for &m in chunks {
+            for l in 0..layers {
+                for t in 0..m {
+                    for k in 0..moe.top_k {
+                        out[(l * 16 + pos0 + t) * moe.top_k + k] = routes[at];
+                        at += 1;
+                    }
+                }
+            }
+            pos0 += m;
+        }
+        out
+    };
+    assert_eq!(
+        by_position(&out.routes, &[12, 1, 1, 1, 1]),
+        by_position(&again.routes, &[5, 5, 2, 1, 1, 1, 1])
+    );
     let counts: Vec<usize> = out
         .trace
         .events
@@ -72,7 +98,6 @@ fn moe_decode_computes_only_the_picked_experts() {
             e.name.strip_prefix("cpu blk.")?.split_once(" experts (")?.1.strip_suffix(')')?.parse().ok()
         })
         .collect();
-    let layers = w.dims.n_layers;
     assert_eq!(counts.len(), 5 * layers, "one prefill pass and four decode steps: {counts:?}");
     assert!(
         counts[..layers].iter().all(|&n| n > moe.top_k),
