@@ -399,11 +399,12 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
             cell.planner
         ));
         outcomes.push(validate_cell(cell, spec, inv, weights, &gpu, &profile, a.seed)?);
+        // Rewritten after every cell: a run stopped part-way still leaves the cells it measured.
+        write_csv(&outcomes, &dir.join("cells.csv"))?;
         bar.inc(1);
     }
     bar.finish_and_clear();
 
-    write_csv(&outcomes, &dir.join("cells.csv"))?;
     let table = summary(&outcomes);
     let validated = outcomes.iter().filter(|o| o.pred.is_some() && o.meas.is_some()).count();
     let mut md = format!(
