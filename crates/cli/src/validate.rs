@@ -34,7 +34,7 @@ use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_sim::{SimOptions, Simulator};
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::args::{format_bytes, format_tokens, load_profile};
 use crate::exec::{provenance, with_measured_overhead};
@@ -60,6 +60,10 @@ pub struct ValidateArgs {
     /// How many of the worst cells get their traces written side by side.
     #[arg(long, default_value_t = 3)]
     worst: usize,
+    /// Run nothing: summarise and plot the `cells.csv` files of earlier runs into `--out` (for a grid measured
+    /// in several device sessions).
+    #[arg(long, num_args = 1..)]
+    summarize: Vec<PathBuf>,
 }
 
 /// What one side (simulator or executor) says about a cell.
@@ -170,20 +174,20 @@ pub fn summary(outcomes: &[Outcome]) -> String {
 }
 
 /// One row of `cells.csv`.
-#[derive(Debug, Serialize)]
-struct Row<'a> {
-    model: &'a str,
-    kind: &'a str,
+#[derive(Debug, Serialize, Deserialize)]
+struct Row {
+    model: String,
+    kind: String,
     ctx: u64,
     prompt_tokens: u64,
     gen_tokens: u64,
     ubatch: u64,
     vram_budget_bytes: u64,
-    planner: &'a str,
+    planner: String,
     depth: Option<u32>,
     prefill_pipeline_depth: Option<u32>,
     decode_pipeline_depth: Option<u32>,
-    status: &'a str,
+    status: String,
     ttft_ms_pred: Option<f64>,
     ttft_ms_meas: Option<f64>,
     tps_pred: Option<f64>,
@@ -211,18 +215,18 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
         let (p, m) = (o.pred.as_ref(), o.meas.as_ref());
         let busy = |s: Option<&Sample>, i: usize| s.map(|s| s.busy_ms[i]);
         w.serialize(Row {
-            model: &o.cell.model,
-            kind: o.kind,
+            model: o.cell.model.clone(),
+            kind: o.kind.to_string(),
             ctx: o.cell.ctx,
             prompt_tokens: o.cell.prompt_tokens,
             gen_tokens: o.cell.gen_tokens,
             ubatch: o.cell.ubatch,
             vram_budget_bytes: o.cell.budget_bytes,
-            planner: &o.cell.planner,
+            planner: o.cell.planner.clone(),
             depth: o.cell.depth,
             prefill_pipeline_depth: o.depths.map(|d| d.0),
             decode_pipeline_depth: o.depths.map(|d| d.1),
-            status: &o.status,
+            status: o.status.clone(),
             ttft_ms_pred: p.map(|s| s.ttft_ms),
             ttft_ms_meas: m.map(|s| s.ttft_ms),
             tps_pred: p.map(|s| s.tps),
@@ -246,6 +250,72 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
     }
     w.flush()?;
     Ok(())
+}
+
+impl Row {
+    /// The outcome a row records (without the plan and trace, which the CSV does not hold).
+    fn outcome(self) -> Outcome {
+        let sample = |ttft: Option<f64>,
+                      tps: Option<f64>,
+                      e2el: Option<f64>,
+                      vram: Option<u64>,
+                      busy: [Option<f64>; 4]| {
+            Some(Sample {
+                ttft_ms: ttft?,
+                tps: tps?,
+                e2el_ms: e2el?,
+                vram_peak_bytes: vram?,
+                busy_ms: busy.map(|b| b.unwrap_or(0.0)),
+            })
+        };
+        Outcome {
+            kind: if self.kind == "moe" { "moe" } else { "dense" },
+            pred: sample(
+                self.ttft_ms_pred,
+                self.tps_pred,
+                self.e2el_ms_pred,
+                self.vram_peak_bytes_pred,
+                [self.busy_gpu_ms_pred, self.busy_h2d_ms_pred, self.busy_d2h_ms_pred, self.busy_cpu_ms_pred],
+            ),
+            meas: sample(
+                self.ttft_ms_meas,
+                self.tps_meas,
+                self.e2el_ms_meas,
+                self.vram_peak_bytes_meas,
+                [self.busy_gpu_ms_meas, self.busy_h2d_ms_meas, self.busy_d2h_ms_meas, self.busy_cpu_ms_meas],
+            ),
+            depths: self.prefill_pipeline_depth.zip(self.decode_pipeline_depth),
+            process_peak_bytes: self.process_vram_peak_bytes,
+            runtime_overhead_bytes: self.runtime_overhead_bytes,
+            run: None,
+            status: self.status,
+            cell: Cell {
+                model: self.model,
+                ctx: self.ctx,
+                prompt_tokens: self.prompt_tokens,
+                gen_tokens: self.gen_tokens,
+                ubatch: self.ubatch,
+                batch: 1,
+                budget_bytes: self.vram_budget_bytes,
+                planner: self.planner,
+                depth: self.depth,
+            },
+        }
+    }
+}
+
+/// Reads the outcomes back from `cells.csv` files (several runs of one grid may be summarised together).
+fn read_csvs(paths: &[PathBuf]) -> anyhow::Result<Vec<Outcome>> {
+    let mut v = Vec::new();
+    for path in paths {
+        let mut r = csv::Reader::from_path(path).with_context(|| format!("reading {}", path.display()))?;
+        for (i, row) in r.deserialize::<Row>().enumerate() {
+            let row =
+                row.with_context(|| format!("{}: row {} is not a validation row", path.display(), i + 1))?;
+            v.push(row.outcome());
+        }
+    }
+    Ok(v)
 }
 
 /// The simulator's and the executor's traces in one file: the prediction's tracks first, the measurement's
@@ -349,8 +419,37 @@ struct Provenance {
     fitted: &'static str,
 }
 
+/// Writes `summary.md` and `scatter.png` of earlier runs' `cells.csv` files into `a.out`.
+fn summarize(a: &ValidateArgs) -> anyhow::Result<()> {
+    let outcomes = read_csvs(&a.summarize)?;
+    let mut planners: Vec<String> = Vec::new();
+    for o in &outcomes {
+        if !planners.contains(&o.cell.planner) {
+            planners.push(o.cell.planner.clone());
+        }
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    scatter(&outcomes, &planners, &a.out.join("scatter.png"))?;
+    let sources: Vec<String> = a.summarize.iter().map(|p| format!("`{}`", p.display())).collect();
+    let validated = outcomes.iter().filter(|o| o.pred.is_some() && o.meas.is_some()).count();
+    let md = format!(
+        "# Validation summary of {}\n\n{validated} of {} cells validated; nothing fitted (no calibration \
+         cells).\n\n{}",
+        sources.join(", "),
+        outcomes.len(),
+        summary(&outcomes)
+    );
+    let path = a.out.join("summary.md");
+    std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
+    print!("{md}");
+    Ok(())
+}
+
 /// Runs `validate`.
 pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
+    if !a.summarize.is_empty() {
+        return summarize(a);
+    }
     let (commit, date, command) = provenance();
     let t0 = Instant::now();
     let e = Experiment::load(&a.experiment)?;
@@ -434,21 +533,22 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         let (p, m) = (o.pred.expect("filtered"), o.meas.expect("filtered"));
         let _ = writeln!(
             md,
-            "{}. `{}` — {} ctx {} budget {} depth {:?}: TTFT {:.1} ms predicted vs {:.1} measured ({:+.1}%), \
-             TPS {:.2} vs {:.2} ({:+.1}%); traces: {}",
+            "{}. {} {} ctx {} budget {}, ring depths {}/{}: TTFT {:.1} ms predicted vs {:.1} measured \
+             ({:+.1}%), TPS {:.2} vs {:.2} ({:+.1}%); traces in `{}`",
             k + 1,
-            file.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+            o.cell.planner,
             o.cell.model,
             format_tokens(o.cell.ctx),
             format_bytes(o.cell.budget_bytes),
-            o.depths,
+            plan.prefill.pipeline_depth,
+            plan.decode.pipeline_depth,
             p.ttft_ms,
             m.ttft_ms,
             100.0 * o.error(0).unwrap_or(f64::NAN),
             p.tps,
             m.tps,
             100.0 * o.error(1).unwrap_or(f64::NAN),
-            o.cell.planner
+            file.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
         );
     }
     std::fs::write(dir.join("summary.md"), &md)
@@ -612,6 +712,10 @@ mod tests {
         assert!(header.ends_with(",calibration"));
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("infeasible: needs at least 3 GiB"));
+        let back = read_csvs(&[dir.join("cells.csv")]).unwrap();
+        assert_eq!((back[0].pred, back[0].meas), (outcomes[0].pred, outcomes[0].meas));
+        assert_eq!((back[1].pred, back[1].status.as_str()), (None, "infeasible: needs at least 3 GiB"));
+        assert_eq!(summary(&back), summary(&outcomes));
         scatter(&outcomes, &["ngl".into(), "ilp".into()], &dir.join("scatter.png")).unwrap();
         assert!(std::fs::metadata(dir.join("scatter.png")).unwrap().len() > 10_000);
         std::fs::remove_dir_all(&dir).unwrap();
