@@ -384,6 +384,10 @@ fn scatter(outcomes: &[Outcome], planners: &[String], path: &Path) -> anyhow::Re
             .configure_mesh()
             .x_desc("measured")
             .y_desc("predicted")
+            .x_labels(6)
+            .y_labels(6)
+            .x_label_formatter(&|v| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.2}") })
+            .y_label_formatter(&|v| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.2}") })
             .light_line_style(WHITE)
             .label_style(("sans-serif", 12))
             .draw()?;
