@@ -263,6 +263,8 @@ mod tests {
                 batch: 1,
                 budget_bytes: 1 << 30,
                 planner: planner.into(),
+                ngl_layers: None,
+                budget_excludes_runtime: false,
             },
             status,
             reason: "needs at least 2 GiB".into(),

@@ -8,6 +8,7 @@ mod models;
 mod plan;
 mod plots;
 mod profile;
+mod repro;
 mod sim;
 mod sweep;
 
@@ -48,6 +49,9 @@ enum Command {
     Exec(exec::ExecCommand),
     /// Compare every planner in the simulator on an experiment's cells; fails if `ilp` falls behind.
     Compare(compare::CompareArgs),
+    /// Reproduce the paper's Table 4 or Figure 2 in the simulator, side by side with the paper; calibrate.
+    #[command(subcommand)]
+    Repro(repro::ReproCommand),
     /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
     Plan(plan::PlanArgs),
 }
@@ -61,6 +65,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => compare::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Exec(cmd) => exec::run(cmd),
+        Command::Repro(cmd) => repro::run(cmd, &std::env::args().collect::<Vec<_>>().join(" ")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
