@@ -259,15 +259,7 @@ fn speedup_bars(
             .disable_x_mesh()
             .light_line_style(WHITE)
             .y_desc("speed-up (×)")
-            .x_labels(contexts.len() * 2 + 1)
-            .x_label_formatter(&|x| {
-                let g = (*x / per as f64 - 0.5).round();
-                if (x - (g + 0.5) * per as f64).abs() < 1e-6 && g >= 0.0 && (g as usize) < contexts.len() {
-                    format!("ctx {}", format_tokens(contexts[g as usize]))
-                } else {
-                    String::new()
-                }
-            })
+            .x_labels(0)
             .y_label_formatter(&|v| format!("{v:.1}"))
             .label_style(("sans-serif", 12))
             .draw()?;
@@ -283,6 +275,12 @@ fn speedup_bars(
                     chart.draw_series([Rectangle::new([(a, lo), (z, v)], colour.filled())])?;
                 }
             }
+            let centre = ((ci * per) as f64 + per as f64 / 2.0 - 0.8, hi / 1.2);
+            chart.draw_series([Text::new(
+                format!("ctx {}", format_tokens(*ctx)),
+                centre,
+                ("sans-serif", 13),
+            )])?;
             if ci > 0 {
                 let x = (ci * per) as f64;
                 chart.draw_series(LineSeries::new([(x, lo), (x, hi)], BLACK.stroke_width(1)))?;

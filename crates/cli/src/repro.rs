@@ -82,8 +82,6 @@ pub struct CalibrateArgs {
     rounds: u32,
 }
 
-/// The paper's tables `repro` knows.
-pub const TABLES: [&str; 2] = ["table4", "figure2"];
 /// The tables `repro calibrate` fits on: absolute measurements only (see the module docs).
 pub const CALIBRATION_TABLES: [&str; 1] = ["table4"];
 
