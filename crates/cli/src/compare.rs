@@ -264,6 +264,8 @@ mod tests {
                 budget_bytes: 1 << 30,
                 planner: planner.into(),
                 depth: None,
+                ngl_layers: None,
+                budget_excludes_runtime: false,
             },
             status,
             reason: "needs at least 2 GiB".into(),

@@ -5,12 +5,24 @@
 //! its own models, contexts, budgets and ubatches; missing fields fall back to the top level), so that one
 //! file can hold truncated models at budgets of MiB and full models at budgets of GiB. A model is a catalog name, optionally truncated to its first N
 //! layers with `@NL` (`qwen3-30b-a3b@2L`), which is how CI-sized grids stay small enough for the exhaustive
-//! planner. Prompt length: `prompt_tokens` if given, else the context minus the generated tokens — the paper's
-//! prompts nearly fill the context (DIGEST §5.3: 908 of 1024 … 64530 of 65536), so TPS is measured at almost
-//! full KV.
+//! planner. Prompt length, per grid: `prompt_tokens` as one number, or as a table by context
+//! (`{ "1K" = 908, "4K" = 4035 }`: the paper's prompt files, DIGEST §5.3, differ by tokenizer), else the
+//! context minus the generated tokens — the paper's prompts nearly fill the context, so TPS is measured at
+//! almost full KV. A cell generates `gen_tokens`, or fewer where the prompt leaves less room: llama.cpp stops
+//! at a full context (the paper's 4K Minitron runs generate 60 tokens).
+//!
+//! Paper reproductions add three things:
+//! - `budget_excludes_runtime = true`: budgets are the paper's `-mva`, which does not count the CUDA context,
+//!   so planners get the budget plus the profile's runtime overhead.
+//! - `[ngl]`: the `ngl` cells replay the baseline's measured `-ngl N` from a CSV of the paper's runs
+//!   (`Model, Context, MVA, NGL, Ubatch`; MVA in decimal thousands, so 2G is looked up as 2000, as the
+//!   paper's scripts do), with a per-model fallback where the CSV has no run. A replayed N ran on the whole
+//!   card, so its plan gets the machine's VRAM as budget; the cell's budget only chose N.
+//! - `[paper]`: the paper's CSV that `pipeshard repro` compares against, its model names, and the models
+//!   whose cells calibrate the profile.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use pipeshard_core::catalog;
@@ -19,7 +31,7 @@ use pipeshard_core::model::ModelSpec;
 use pipeshard_core::workload::Workload;
 use serde::Deserialize;
 
-use crate::args::{parse_bytes, parse_tokens};
+use crate::args::{format_bytes, format_tokens, parse_bytes, parse_tokens};
 
 /// A count written as a number or with a binary suffix (`16K`, `8G`).
 #[derive(Debug, Clone, Deserialize)]
@@ -39,6 +51,42 @@ pub struct GridFile {
     pub ubatch: Option<Vec<Quantity>>,
     /// Ring depths to force on every plan (each planner otherwise picks its own).
     pub depths: Option<Vec<u32>>,
+    /// One prompt length, or one per context (`{ "1K" = 908 }`); default: ctx − gen_tokens.
+    pub prompt_tokens: Option<PromptTokensFile>,
+}
+
+/// `prompt_tokens` as written: a number or a table by context.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptTokensFile {
+    Fixed(u64),
+    ByCtx(BTreeMap<String, u64>),
+}
+
+/// The `[ngl]` section: replay the paper's measured `-ngl N`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NglFile {
+    /// CSV of the baseline's runs (relative to the experiment file).
+    pub csv: PathBuf,
+    /// Our model name → the CSV's.
+    pub names: BTreeMap<String, String>,
+    /// N where the CSV has no run for a (model, ctx, budget, ubatch), per model (the paper's scripts' maxima).
+    pub fallback: BTreeMap<String, u32>,
+}
+
+/// The `[paper]` section: what `pipeshard repro` compares against.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PaperRef {
+    /// The paper's CSV (relative to the experiment file).
+    pub csv: PathBuf,
+    /// Our model name → the CSV's.
+    pub names: BTreeMap<String, String>,
+    /// Models whose cells fit the profile's free parameters (`pipeshard repro calibrate`); the rest are held out.
+    pub calibration_models: Vec<String>,
+    /// Largest |relative error| that counts as reproducing a cell (the reproduction issue's goal).
+    pub tolerance: f64,
 }
 
 /// An experiment file as written.
@@ -59,10 +107,12 @@ pub struct ExperimentFile {
     pub planners: Option<Vec<String>>,
     pub gen_tokens: Option<u64>,
     pub batch: Option<u64>,
-    /// Fixed prompt length; defaults to `ctx − gen_tokens`.
-    pub prompt_tokens: Option<u64>,
     /// Store every matrix in this format (`bf16`, `f16`) instead of the catalog's — the executor runs these.
     pub weights: Option<String>,
+    /// Budgets are the paper's `-mva`: the runtime's VRAM comes on top.
+    pub budget_excludes_runtime: Option<bool>,
+    pub ngl: Option<NglFile>,
+    pub paper: Option<PaperRef>,
 }
 
 /// One validated grid: models × contexts × budgets × ubatches.
@@ -74,7 +124,21 @@ pub struct Grid {
     pub ubatch: Vec<u64>,
     /// `[None]`: each planner's own depth.
     pub depths: Vec<Option<u32>>,
+    pub prompt_tokens: PromptTokens,
 }
+
+/// How long the prompts of a grid are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptTokens {
+    /// The context minus the generated tokens.
+    FillContext,
+    Fixed(u64),
+    /// Context → prompt tokens (every context of the grid has one).
+    ByCtx(BTreeMap<u64, u64>),
+}
+
+/// Key of a replayed `-ngl N`: model, context, budget, ubatch.
+pub type NglKey = (String, u64, u64, u64);
 
 /// A validated experiment.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,8 +150,11 @@ pub struct Experiment {
     pub planners: Vec<String>,
     pub gen_tokens: u64,
     pub batch: u64,
-    pub prompt_tokens: Option<u64>,
     pub weights: Option<DType>,
+    pub budget_excludes_runtime: bool,
+    /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
+    pub ngl_layers: BTreeMap<NglKey, u32>,
+    pub paper: Option<PaperRef>,
 }
 
 /// The generation length of the paper's Figure 2 (E2EL = TTFT + 100 / TPS).
@@ -114,8 +181,15 @@ impl Experiment {
     /// Reads and checks `experiments/NAME.toml`.
     pub fn load(path: &Path) -> anyhow::Result<Experiment> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let file: ExperimentFile =
+        let mut file: ExperimentFile =
             toml::from_str(&text).with_context(|| format!("{}: not a valid experiment", path.display()))?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        if let Some(n) = &mut file.ngl {
+            n.csv = dir.join(&n.csv);
+        }
+        if let Some(p) = &mut file.paper {
+            p.csv = dir.join(&p.csv);
+        }
         let stem = path.file_stem().map_or_else(|| "experiment".into(), |s| s.to_string_lossy().into_owned());
         Experiment::from_file(file, &stem).with_context(|| format!("{}", path.display()))
     }
@@ -152,23 +226,31 @@ impl Experiment {
                     Some(d) if !d.is_empty() => d.into_iter().map(Some).collect(),
                     _ => vec![None],
                 },
+                prompt_tokens: prompt_tokens(g.prompt_tokens.or_else(|| f.top.prompt_tokens.clone()))
+                    .with_context(|| format!("{what}`prompt_tokens`"))?,
             });
         }
+        let planners: Vec<String> =
+            f.planners.unwrap_or_else(|| pipeshard_planner::NAMES.iter().map(|s| (*s).into()).collect());
+        let ngl_layers = match &f.ngl {
+            Some(n) if planners.iter().any(|p| p == "ngl") => replay_ngl(n, &grids)?,
+            _ => BTreeMap::new(),
+        };
         let e = Experiment {
             name: f.name.unwrap_or_else(|| stem.to_string()),
             description: f.description,
             profile: f.profile.unwrap_or_else(|| DEFAULT_PROFILE.into()),
             grids,
-            planners: f
-                .planners
-                .unwrap_or_else(|| pipeshard_planner::NAMES.iter().map(|s| (*s).into()).collect()),
+            planners,
             gen_tokens: f.gen_tokens.unwrap_or(DEFAULT_GEN_TOKENS),
             batch: f.batch.unwrap_or(1),
-            prompt_tokens: f.prompt_tokens,
             weights: f
                 .weights
                 .map(|w| w.parse::<DType>().map_err(|e| anyhow::anyhow!("`weights`: {e}")))
                 .transpose()?,
+            budget_excludes_runtime: f.budget_excludes_runtime.unwrap_or(false),
+            ngl_layers,
+            paper: f.paper,
         };
         e.check()?;
         Ok(e)
@@ -189,6 +271,33 @@ impl Experiment {
         }
         if self.batch == 0 {
             bail!("`batch` is 0; it must be at least 1");
+        }
+        for g in &self.grids {
+            for &ctx in &g.ctx {
+                match g.prompt_tokens.tokens(ctx, self.gen_tokens) {
+                    Some(p) if p > 0 && p < ctx && self.gen_tokens > 0 => {}
+                    Some(p) => bail!(
+                        "ctx {ctx}: prompt {p} with gen_tokens {}: a cell needs at least one prompt token, one \
+                         generated token, and a prompt shorter than the context",
+                        self.gen_tokens
+                    ),
+                    None => bail!(
+                        "`prompt_tokens` has no entry for ctx {}; add `\"{}\" = N`",
+                        ctx,
+                        format_tokens(ctx)
+                    ),
+                }
+            }
+        }
+        if let Some(p) = &self.paper {
+            if !(p.tolerance > 0.0 && p.tolerance < 1.0) {
+                bail!("[paper] tolerance = {}: give a fraction, e.g. 0.2 for ±20%", p.tolerance);
+            }
+            for m in p.calibration_models.iter().chain(p.names.keys()) {
+                if !self.models().contains(&m) {
+                    bail!("[paper]: model `{m}` is not in the experiment's models");
+                }
+            }
         }
         Ok(())
     }
@@ -235,18 +344,23 @@ impl Experiment {
                             for (p, &depth) in
                                 self.planners.iter().flat_map(|p| g.depths.iter().map(move |d| (p, d)))
                             {
+                                let ngl_layers = (p == "ngl")
+                                    .then(|| self.ngl_layers.get(&(m.clone(), ctx, budget_bytes, ubatch)))
+                                    .flatten()
+                                    .copied();
+                                let prompt_tokens = g.prompt_tokens.tokens(ctx, self.gen_tokens).unwrap_or(0);
                                 v.push(Cell {
                                     model: m.clone(),
                                     ctx,
-                                    prompt_tokens: self
-                                        .prompt_tokens
-                                        .unwrap_or(ctx.saturating_sub(self.gen_tokens)),
-                                    gen_tokens: self.gen_tokens,
+                                    prompt_tokens,
+                                    gen_tokens: self.gen_tokens.min(ctx.saturating_sub(prompt_tokens)),
                                     ubatch,
                                     batch: self.batch,
                                     budget_bytes,
                                     planner: p.clone(),
                                     depth,
+                                    ngl_layers,
+                                    budget_excludes_runtime: self.budget_excludes_runtime,
                                 });
                             }
                         }
@@ -268,6 +382,78 @@ impl Experiment {
             })
             .collect()
     }
+}
+
+impl PromptTokens {
+    /// Prompt tokens at context `ctx` (`None`: a table without that context).
+    #[must_use]
+    pub fn tokens(&self, ctx: u64, gen_tokens: u64) -> Option<u64> {
+        match self {
+            PromptTokens::FillContext => Some(ctx.saturating_sub(gen_tokens)),
+            PromptTokens::Fixed(n) => Some(*n),
+            PromptTokens::ByCtx(m) => m.get(&ctx).copied(),
+        }
+    }
+}
+
+fn prompt_tokens(f: Option<PromptTokensFile>) -> anyhow::Result<PromptTokens> {
+    Ok(match f {
+        None => PromptTokens::FillContext,
+        Some(PromptTokensFile::Fixed(n)) => PromptTokens::Fixed(n),
+        Some(PromptTokensFile::ByCtx(m)) => PromptTokens::ByCtx(
+            m.into_iter().map(|(ctx, n)| Ok((parse_tokens(&ctx)?, n))).collect::<anyhow::Result<_>>()?,
+        ),
+    })
+}
+
+/// One run of the baseline CSV (only the columns the replay needs).
+#[derive(Debug, Deserialize)]
+struct BaselineRun {
+    #[serde(rename = "Model")]
+    model: String,
+    #[serde(rename = "Context")]
+    ctx: u64,
+    #[serde(rename = "MVA")]
+    mva: u64,
+    #[serde(rename = "NGL")]
+    ngl: u32,
+    #[serde(rename = "Ubatch")]
+    ubatch: u64,
+}
+
+/// The replayed `-ngl N` of every (model, ctx, budget, ubatch) of the grids (see the module docs).
+fn replay_ngl(n: &NglFile, grids: &[Grid]) -> anyhow::Result<BTreeMap<NglKey, u32>> {
+    let file = n.csv.display();
+    let mut reader = csv::Reader::from_path(&n.csv).with_context(|| format!("[ngl] csv: reading {file}"))?;
+    let mut runs: BTreeMap<(String, u64, u64, u64), u32> = BTreeMap::new();
+    for (i, row) in reader.deserialize::<BaselineRun>().enumerate() {
+        let r = row.with_context(|| format!("{file}: row {}", i + 2))?;
+        runs.entry((r.model, r.ctx, r.mva, r.ubatch)).or_insert(r.ngl);
+    }
+    let mut out = BTreeMap::new();
+    for g in grids {
+        for m in &g.models {
+            let name = n.names.get(m).with_context(|| format!("[ngl] names: no entry for model `{m}`"))?;
+            let fallback =
+                *n.fallback.get(m).with_context(|| format!("[ngl] fallback: no entry for model `{m}`"))?;
+            for &ctx in &g.ctx {
+                for &budget in &g.budgets {
+                    if !budget.is_multiple_of(pipeshard_core::GIB) {
+                        bail!(
+                            "[ngl]: budget {} is not whole GiB; the paper's runs are keyed by GB",
+                            format_bytes(budget)
+                        );
+                    }
+                    let mva = budget / pipeshard_core::GIB * 1000;
+                    for &ub in &g.ubatch {
+                        let layers = runs.get(&(name.clone(), ctx, mva, ub)).copied().unwrap_or(fallback);
+                        out.insert((m.clone(), ctx, budget, ub), layers);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A catalog model, optionally truncated: `nemo-8b`, `qwen3-30b-a3b@2L`.
@@ -298,13 +484,31 @@ pub struct Cell {
     pub gen_tokens: u64,
     pub ubatch: u64,
     pub batch: u64,
+    /// The budget as the experiment states it (see `budget_excludes_runtime`).
     pub budget_bytes: u64,
     pub planner: String,
     /// Ring depth forced on the plan (`None`: the planner's own).
     pub depth: Option<u32>,
+    /// `ngl` only: replay this `-ngl N`.
+    pub ngl_layers: Option<u32>,
+    /// `budget_bytes` leaves out the runtime overhead (the paper's `-mva`).
+    pub budget_excludes_runtime: bool,
 }
 
 impl Cell {
+    /// The budget the planner gets: a replayed `-ngl N` ran on the whole card (`gpu_vram_bytes`); a paper
+    /// `-mva` budget gets the runtime overhead on top.
+    #[must_use]
+    pub fn planner_budget_bytes(&self, gpu_vram_bytes: u64, runtime_overhead_bytes: u64) -> u64 {
+        if self.ngl_layers.is_some() {
+            gpu_vram_bytes
+        } else if self.budget_excludes_runtime {
+            self.budget_bytes + runtime_overhead_bytes
+        } else {
+            self.budget_bytes
+        }
+    }
+
     /// The workload of the cell (f16 KV, flash attention).
     #[must_use]
     pub fn workload(&self) -> Workload {

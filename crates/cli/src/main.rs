@@ -8,6 +8,7 @@ mod models;
 mod plan;
 mod plots;
 mod profile;
+mod repro;
 mod sim;
 mod sweep;
 mod validate;
@@ -52,6 +53,9 @@ enum Command {
     /// Check the simulator against the executor: plan, predict and run every cell of an experiment on this
     /// machine; CSV, error summary, scatter plot and the worst cells' traces side by side.
     Validate(validate::ValidateArgs),
+    /// Reproduce the paper's Table 4 or Figure 2 in the simulator, side by side with the paper; calibrate.
+    #[command(subcommand)]
+    Repro(repro::ReproCommand),
     /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
     Plan(plan::PlanArgs),
 }
@@ -66,6 +70,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(&args),
         Command::Exec(cmd) => exec::run(cmd),
         Command::Validate(args) => validate::run(&args),
+        Command::Repro(cmd) => repro::run(cmd, &std::env::args().collect::<Vec<_>>().join(" ")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! PNG plots of a sweep (plotters, bitmap backend): TPS and TTFT against the VRAM budget, one panel per
 //! model × context, one line per planner. Where a sweep has several ubatches, each point is the best over them
 //! (as the paper's Figure 2 does). Log scales on both axes: budgets double, and metrics span decades.
+//! `pipeshard repro` draws ours beside the paper's: Table 4 as the same panels, Figure 2 as grouped bars.
 //!
 //! Text is drawn with DejaVu Sans embedded in the binary (`assets/DejaVuSans.ttf`, its licence beside it) via
 //! plotters' `ab_glyph` feature, so the binary needs no fontconfig or freetype on the machine that runs it.
@@ -15,6 +16,7 @@ use plotters::style::{FontStyle, register_font};
 
 use crate::args::format_tokens;
 use crate::experiment::Experiment;
+use crate::repro::TableSeries;
 use crate::sweep::{CellResult, gib};
 
 static FONT: Once = Once::new();
@@ -26,7 +28,7 @@ pub(crate) fn register() {
     });
 }
 
-/// Line colours, one per planner in the experiment's order.
+/// Line colours, one per planner in the experiment's order (the first two also mark the paper's and ours).
 pub(crate) const COLOURS: [RGBColor; 6] = [
     RGBColor(120, 120, 120),
     RGBColor(214, 39, 40),
@@ -71,54 +73,63 @@ pub fn sweep_plots(e: &Experiment, results: &[CellResult], dir: &Path) -> anyhow
 }
 
 fn plot(e: &Experiment, results: &[CellResult], dir: &Path, metric: Metric) -> anyhow::Result<PathBuf> {
-    // (model, ctx, planner) → budget GiB → best value over ubatches.
-    let mut series: BTreeMap<(&str, u64, &str), BTreeMap<u64, f64>> = BTreeMap::new();
+    // (model, ctx, planner) → budget → best value over ubatches.
+    let mut series: Series = BTreeMap::new();
     for r in results {
         let Some(v) = (metric.value)(r).filter(|v| *v > 0.0 && v.is_finite()) else { continue };
         let c = &r.cell;
-        let slot =
-            series.entry((&c.model, c.ctx, &c.planner)).or_default().entry(c.budget_bytes).or_insert(v);
+        let slot = series
+            .entry((c.model.clone(), c.ctx, c.planner.clone()))
+            .or_default()
+            .entry(c.budget_bytes)
+            .or_insert(v);
         *slot = if metric.higher_is_better { slot.max(v) } else { slot.min(v) };
     }
-    let values: Vec<f64> = series.values().flat_map(|s| s.values().copied()).collect();
-    let (lo, hi) = values.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &v| (a.min(v), b.max(v)));
-    let (lo, hi) = if values.is_empty() { (0.1, 10.0) } else { (lo / 1.5, hi * 1.5) };
-    let budgets: Vec<f64> = e.budgets().iter().map(|&b| gib(b)).collect();
-    let (bx0, bx1) = budgets.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &v| (a.min(v), b.max(v)));
-    let (bx0, bx1) = (bx0 / 1.25, bx1 * 1.25);
-
     let path = dir.join(metric.file);
-    draw(e, &series, (lo, hi), (bx0, bx1), metric, &path)?;
+    let panels = Panels {
+        title: format!("{} — {} on {}", metric.title, e.name, e.profile),
+        models: e.models().into_iter().cloned().collect(),
+        contexts: e.contexts(),
+        budgets: e.budgets(),
+        lines: e.planners.clone(),
+        unit: metric.unit,
+    };
+    draw(&panels, &series, &path)?;
     Ok(path)
 }
 
-/// Draws the panels into `path`.
-fn draw(
-    e: &Experiment,
-    series: &BTreeMap<(&str, u64, &str), BTreeMap<u64, f64>>,
-    (lo, hi): (f64, f64),
-    (bx0, bx1): (f64, f64),
-    metric: Metric,
-    path: &Path,
-) -> anyhow::Result<()> {
-    let (models, contexts) = (e.models(), e.contexts());
-    let (rows, cols) = (models.len(), contexts.len());
+/// (model, ctx, line) → budget → value.
+type Series = BTreeMap<(String, u64, String), BTreeMap<u64, f64>>;
+
+/// A grid of panels (model rows × context columns), lines against the VRAM budget.
+struct Panels {
+    title: String,
+    models: Vec<String>,
+    contexts: Vec<u64>,
+    budgets: Vec<u64>,
+    /// Line names, in legend and colour order.
+    lines: Vec<String>,
+    unit: &'static str,
+}
+
+/// Draws `series` as `panels` into `path`.
+fn draw(p: &Panels, series: &Series, path: &Path) -> anyhow::Result<()> {
+    let values: Vec<f64> = series.values().flat_map(|s| s.values().copied()).collect();
+    let (lo, hi) = values.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &v| (a.min(v), b.max(v)));
+    let (lo, hi) = if values.is_empty() { (0.1, 10.0) } else { (lo / 1.5, hi * 1.5) };
+    let budgets: Vec<f64> = p.budgets.iter().map(|&b| gib(b)).collect();
+    let (bx0, bx1) = budgets.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &v| (a.min(v), b.max(v)));
+    let (bx0, bx1) = (bx0 / 1.25, bx1 * 1.25);
+    let (rows, cols) = (p.models.len(), p.contexts.len());
     let size = ((cols as u32 * 360).max(480), rows as u32 * 280 + 90);
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE)?;
-    let title = format!("{} — {} on {}", metric.title, e.name, e.profile);
     let (header, body) = root.split_vertically(60);
-    header.draw(&Text::new(title, (16, 10), ("sans-serif", 22).into_font()))?;
-    let mut x = 16;
-    for (i, p) in e.planners.iter().enumerate() {
-        let colour = COLOURS[i % COLOURS.len()];
-        header.draw(&PathElement::new(vec![(x, 45), (x + 24, 45)], colour.stroke_width(3)))?;
-        header.draw(&Text::new(p.clone(), (x + 30, 37), ("sans-serif", 16).into_font()))?;
-        x += 40 + 9 * p.len() as i32;
-    }
-    let panels = body.split_evenly((rows, cols));
-    for (i, area) in panels.iter().enumerate() {
-        let (model, ctx) = (models[i / cols], contexts[i % cols]);
+    header.draw(&Text::new(p.title.clone(), (16, 10), ("sans-serif", 22).into_font()))?;
+    legend(&header, &p.lines)?;
+    let areas = body.split_evenly((rows, cols));
+    for (i, area) in areas.iter().enumerate() {
+        let (model, ctx) = (&p.models[i / cols], p.contexts[i % cols]);
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{model} · ctx {}", format_tokens(ctx)), ("sans-serif", 16))
             .margin(8)
@@ -130,14 +141,14 @@ fn draw(
             .configure_mesh()
             .x_desc("VRAM budget (GiB)")
             .light_line_style(WHITE)
-            .y_desc(metric.unit)
+            .y_desc(p.unit)
             .x_label_formatter(&|v| if *v >= 1.0 { format!("{v:.0}") } else { format!("{v:.2}") })
             .y_label_formatter(&|v| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.2}") })
             .label_style(("sans-serif", 12))
             .draw()?;
-        for (pi, p) in e.planners.iter().enumerate() {
-            let Some(s) = series.get(&(model.as_str(), ctx, p.as_str())) else { continue };
-            let colour = COLOURS[pi % COLOURS.len()];
+        for (li, line) in p.lines.iter().enumerate() {
+            let Some(s) = series.get(&(model.clone(), ctx, line.clone())) else { continue };
+            let colour = COLOURS[li % COLOURS.len()];
             let points: Vec<(f64, f64)> = s.iter().map(|(&b, &v)| (gib(b), v)).collect();
             chart.draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))?;
             chart.draw_series(points.into_iter().map(|pt| Circle::new(pt, 3, colour.filled())))?;
@@ -214,6 +225,21 @@ fn profile_panel(
         );
     } else {
         body!(chart.build_cartesian_2d((x0..x1).log_scale().base(2.0), 0.0..(y1 * 1.15))?);
+    }
+    Ok(())
+}
+
+/// A legend line per name, left to right, in `COLOURS` order.
+fn legend(
+    header: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    names: &[String],
+) -> anyhow::Result<()> {
+    let mut x = 16;
+    for (i, name) in names.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        header.draw(&PathElement::new(vec![(x, 45), (x + 24, 45)], colour.stroke_width(3)))?;
+        header.draw(&Text::new(name.clone(), (x + 30, 37), ("sans-serif", 16).into_font()))?;
+        x += 40 + 9 * name.chars().count() as i32;
     }
     Ok(())
 }
@@ -328,6 +354,128 @@ pub fn profile_plot(p: &pipeshard_core::profile::Profile, path: &Path) -> anyhow
         }
     }
     profile_panel(&panels[3], "GPU attention (exec kernel, f16 KV)", ("keys attended", "µs"), &attn, true)?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Ours against the paper: Table 4 as lines against the budget (one PNG per metric), Figure 2 as grouped bars
+/// (one PNG, a row per model and a column per metric). Returns the paths written.
+pub fn paper_plots(table: &str, e: &Experiment, s: &TableSeries, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    register();
+    let metrics: Vec<String> = {
+        let mut v: Vec<String> = s.keys().map(|k| k.0.clone()).collect();
+        v.dedup();
+        v
+    };
+    let lines = ["paper".to_string(), "ours (pshard, simulated)".to_string()];
+    if table == "figure2" {
+        let path = dir.join("figure2.png");
+        speedup_bars(e, s, &metrics, &lines, &path)?;
+        return Ok(vec![path]);
+    }
+    let mut out = Vec::new();
+    for m in &metrics {
+        let mut series: Series = BTreeMap::new();
+        for ((_, model, ctx), pts) in s.iter().filter(|(k, _)| &k.0 == m) {
+            for &(b, ours, paper) in pts {
+                series.entry((model.clone(), *ctx, lines[0].clone())).or_default().insert(b, paper);
+                if let Some(o) = ours {
+                    series.entry((model.clone(), *ctx, lines[1].clone())).or_default().insert(b, o);
+                }
+            }
+        }
+        let file: String = m.chars().filter(char::is_ascii_alphanumeric).collect::<String>().to_lowercase();
+        let path = dir.join(format!("{file}.png"));
+        let panels = Panels {
+            title: format!("{table}: {m}, ours vs the paper ({})", e.profile),
+            models: e.models().into_iter().cloned().collect(),
+            contexts: e.contexts(),
+            budgets: e.budgets(),
+            lines: lines.to_vec(),
+            unit: if m.starts_with("TTFT") { "TTFT (ms)" } else { "tokens/s" },
+        };
+        draw(&panels, &series, &path)?;
+        out.push(path);
+    }
+    Ok(out)
+}
+
+/// Grouped bars: per model (row) and metric (column), one group per (ctx, budget), ours beside the paper's.
+fn speedup_bars(
+    e: &Experiment,
+    s: &TableSeries,
+    metrics: &[String],
+    lines: &[String; 2],
+    path: &Path,
+) -> anyhow::Result<()> {
+    let models: Vec<String> = e.models().into_iter().cloned().collect();
+    let (contexts, budgets) = (e.contexts(), e.budgets());
+    let groups = contexts.len() * budgets.len();
+    let values: Vec<f64> =
+        s.values().flat_map(|v| v.iter().flat_map(|(_, o, p)| o.iter().copied().chain([*p]))).collect();
+    let hi = values.iter().copied().fold(1.0f64, f64::max) * 1.3;
+    let lo = values.iter().copied().fold(1.0f64, f64::min).min(0.5) / 1.2;
+    let size = (metrics.len() as u32 * 620, models.len() as u32 * 300 + 90);
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (header, body) = root.split_vertically(60);
+    header.draw(&Text::new(
+        format!(
+            "Figure 2: speed-up of pshard over -ngl, ours ({}) vs the paper; groups: ctx, bars by budget",
+            e.profile
+        ),
+        (16, 10),
+        ("sans-serif", 22).into_font(),
+    ))?;
+    legend(&header, lines)?;
+    let areas = body.split_evenly((models.len(), metrics.len()));
+    for (i, area) in areas.iter().enumerate() {
+        let (model, metric) = (&models[i / metrics.len()], &metrics[i % metrics.len()]);
+        let mut chart = ChartBuilder::on(area)
+            .caption(format!("{model} · {metric}"), ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..groups as f64, (lo..hi).log_scale())
+            .context("building a panel")?;
+        let per = budgets.len();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .light_line_style(WHITE)
+            .y_desc("speed-up (×)")
+            .x_labels(0)
+            .y_label_formatter(&|v| format!("{v:.1}"))
+            .label_style(("sans-serif", 12))
+            .draw()?;
+        for (ci, ctx) in contexts.iter().enumerate() {
+            let Some(pts) = s.get(&(metric.clone(), model.clone(), *ctx)) else { continue };
+            for &(b, ours, paper) in pts {
+                let Some(bi) = budgets.iter().position(|x| *x == b) else { continue };
+                let x0 = (ci * per + bi) as f64;
+                for (k, v) in [(0usize, Some(paper)), (1, ours)] {
+                    let Some(v) = v else { continue };
+                    let colour = COLOURS[k];
+                    let (a, z) = (x0 + 0.1 + 0.4 * k as f64, x0 + 0.5 + 0.4 * k as f64);
+                    chart.draw_series([Rectangle::new([(a, lo), (z, v)], colour.filled())])?;
+                }
+            }
+            let centre = ((ci * per) as f64 + per as f64 / 2.0 - 0.8, hi / 1.2);
+            chart.draw_series([Text::new(
+                format!("ctx {}", format_tokens(*ctx)),
+                centre,
+                ("sans-serif", 13),
+            )])?;
+            if ci > 0 {
+                let x = (ci * per) as f64;
+                chart.draw_series(LineSeries::new([(x, lo), (x, hi)], BLACK.stroke_width(1)))?;
+            }
+        }
+        chart.draw_series(LineSeries::new(
+            [(0.0, 1.0), (groups as f64, 1.0)],
+            BLACK.mix(0.4).stroke_width(1),
+        ))?;
+    }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }

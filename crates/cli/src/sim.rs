@@ -119,13 +119,16 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                             budgets: Some(a.budget.iter().cloned().map(experiment::Quantity::Text).collect()),
                             ubatch: Some(a.ubatch.iter().cloned().map(experiment::Quantity::Text).collect()),
                             depths: None,
+                            prompt_tokens: None,
                         },
                         grid: Vec::new(),
                         planners: Some(a.planner.clone()),
                         gen_tokens: Some(a.gen_tokens),
                         batch: Some(a.batch),
-                        prompt_tokens: None,
                         weights: None,
+                        budget_excludes_runtime: None,
+                        ngl: None,
+                        paper: None,
                     },
                     "default",
                 )?,
@@ -168,6 +171,8 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             budget_bytes: parse_bytes(&a.budget)?,
             planner: a.planner.clone(),
             depth: None,
+            ngl_layers: None,
+            budget_excludes_runtime: false,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");
         let plan = planner

@@ -12,11 +12,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use pipeshard_core::cost::CostModel;
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan, PlanInvalid};
-use pipeshard_planner::PlanError;
+use pipeshard_planner::{PlanError, PlannerOptions};
 use pipeshard_sim::{SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -88,10 +89,13 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
     if let Err(e) = w.validate() {
         return failed(Status::Error, e.to_string(), 0.0);
     }
-    let Some(planner) = pipeshard_planner::by_name(&cell.planner) else {
+    let options = PlannerOptions { ngl_layers: cell.ngl_layers, ..PlannerOptions::default() };
+    let Some(planner) = pipeshard_planner::with_options(&cell.planner, &options) else {
         return failed(Status::Error, format!("unknown planner `{}`", cell.planner), 0.0);
     };
-    let planned = planner.plan(spec, &w, cost, cell.budget_bytes);
+    let budget =
+        cell.planner_budget_bytes(cost.profile().machine.gpu_vram_bytes, cost.runtime_overhead_bytes());
+    let planned = planner.plan(spec, &w, cost, budget);
     let plan_ms = elapsed();
     let plan = match planned {
         Ok(p) => p,

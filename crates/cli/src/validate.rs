@@ -299,6 +299,8 @@ impl Row {
                 budget_bytes: self.vram_budget_bytes,
                 planner: self.planner,
                 depth: self.depth,
+                ngl_layers: None,
+                budget_excludes_runtime: false,
             },
         }
     }
@@ -659,6 +661,8 @@ mod tests {
                 budget_bytes: 2 << 30,
                 planner: planner.into(),
                 depth: None,
+                ngl_layers: None,
+                budget_excludes_runtime: false,
             },
             kind,
             status: "ok".into(),

@@ -28,8 +28,27 @@ pub const PROFILE_SCHEMA_READABLE: [u32; 2] = [1, 2];
 pub enum Provenance {
     /// Measured by `pipeshard profile` on the machine itself.
     Measured { command: String, commit: String, date: String },
-    /// Derived from published figures and datasheets; `calibration` says how.
-    Derived { sources: Vec<String>, calibration: String },
+    /// Derived from published figures and datasheets; `calibration` says how, `fit` (if calibrated) how the
+    /// free parameters were fitted.
+    Derived {
+        sources: Vec<String>,
+        calibration: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fit: Option<Fit>,
+    },
+}
+
+/// How a derived profile's free parameters were fitted to published results.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fit {
+    pub parameters: crate::reference::Efficiencies,
+    /// The cells fitted on (never the held-out ones).
+    pub calibration_set: String,
+    /// The objective and its value before and after.
+    pub objective: String,
+    pub command: String,
+    pub commit: String,
+    pub date_utc: String,
 }
 
 /// What the machine is.

@@ -7,6 +7,8 @@
 //! (the paper-reproduction issue) or by measurement. `pipeshard profile derive --system NAME` writes them to
 //! `profiles/NAME.json`; a test keeps the committed files equal to this code.
 
+use serde::{Deserialize, Serialize};
+
 use crate::dtype::DType;
 use crate::profile::{
     BwPoint, DeviceProfile, DramPoint, Machine, OpRow, PROFILE_SCHEMA_VERSION, PcieProfile, Profile,
@@ -88,8 +90,9 @@ const SYSTEMS: [System; 3] = [
     },
 ];
 
-/// Assumed fractions of the published peaks. Each is a single number so that calibration can replace it.
-#[derive(Debug, Clone, Copy)]
+/// The free parameters of a derived profile: assumed fractions of the published peaks, and the runtime's
+/// fixed costs. Each is a single number so that calibration (`pipeshard repro calibrate`) can replace it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Efficiencies {
     /// GPU decode GEMV: fraction of memory bandwidth.
     pub gpu_gemv_bw: f64,
@@ -103,6 +106,50 @@ pub struct Efficiencies {
     pub dram_achievable: f64,
     /// DRAM bandwidth left to the CPU while a pinned H2D copy streams.
     pub dram_under_dma: f64,
+    /// Fraction of the measured PCIe figure the runtime's weight copies achieve.
+    pub pcie_achieved: f64,
+    /// One CPU↔GPU hand-off (event wait + wake-up), microseconds.
+    pub host_sync_us: f64,
+}
+
+impl Efficiencies {
+    /// Names and values, in a fixed order (what calibration varies).
+    #[must_use]
+    pub fn values(&self) -> [(&'static str, f64); 8] {
+        [
+            ("gpu_gemv_bw", self.gpu_gemv_bw),
+            ("gpu_gemm_flops", self.gpu_gemm_flops),
+            ("cpu_gemv_bw", self.cpu_gemv_bw),
+            ("cpu_gemm_flops", self.cpu_gemm_flops),
+            ("dram_achievable", self.dram_achievable),
+            ("dram_under_dma", self.dram_under_dma),
+            ("pcie_achieved", self.pcie_achieved),
+            ("host_sync_us", self.host_sync_us),
+        ]
+    }
+
+    /// The same with the `i`-th of [`Efficiencies::values`] set to `v`.
+    #[must_use]
+    pub fn with(mut self, i: usize, v: f64) -> Efficiencies {
+        let field = match i {
+            0 => &mut self.gpu_gemv_bw,
+            1 => &mut self.gpu_gemm_flops,
+            2 => &mut self.cpu_gemv_bw,
+            3 => &mut self.cpu_gemm_flops,
+            4 => &mut self.dram_achievable,
+            5 => &mut self.dram_under_dma,
+            6 => &mut self.pcie_achieved,
+            _ => &mut self.host_sync_us,
+        };
+        *field = v;
+        self
+    }
+
+    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs.
+    #[must_use]
+    pub fn range(i: usize) -> (f64, f64) {
+        if i == 7 { (1.0, 500.0) } else { (0.05, 1.0) }
+    }
 }
 
 /// The assumptions behind every derived profile.
@@ -113,6 +160,8 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     cpu_gemm_flops: 0.35,
     dram_achievable: 0.70,
     dram_under_dma: 0.85,
+    pcie_achieved: 1.0,
+    host_sync_us: 15.0,
 };
 
 /// Names of the derived systems.
@@ -121,15 +170,22 @@ pub fn systems() -> Vec<&'static str> {
     SYSTEMS.iter().map(|s| s.name).collect()
 }
 
-/// The derived profile of `name` (cli1, cli2, cli3).
+/// The derived profile of `name` (cli1, cli2, cli3) under the default assumptions.
 #[must_use]
 pub fn derived(name: &str) -> Option<Profile> {
+    derived_with(name, &DEFAULT_EFFICIENCIES)
+}
+
+/// The derived profile of `name` under the assumptions `e`; the provenance carries no fit (the caller that
+/// fitted `e` records it).
+#[must_use]
+pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
     let s = SYSTEMS.iter().find(|s| s.name == name)?;
-    let e = DEFAULT_EFFICIENCIES;
+    let e = *e;
     let dram_gbps = s.dram_theoretical_gbps * e.dram_achievable;
     // Zen 4 / Lion Cove class cores: two 256-bit FMA pipes = 32 f32 FLOP/cycle at ~3.5 GHz sustained.
     let cpu_flops = f64::from(s.cores) * 32.0 * 3.5e9;
-    let pcie = s.pcie_measured_gbps;
+    let pcie = s.pcie_measured_gbps * e.pcie_achieved;
     // Small copies pay a fixed setup cost; the measured figure is reached from ~16 MiB on.
     let curve = |peak: f64| {
         vec![
@@ -209,9 +265,11 @@ pub fn derived(name: &str) -> Option<Profile> {
         provenance: Provenance::Derived {
             sources: s.sources.iter().map(|x| (*x).to_string()).collect(),
             calibration: format!(
-                "uncalibrated: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
+                "{}: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
-                 DRAM keeps {:.0}% under DMA; pageable copies at 30% of pinned (≤ 15 GB/s)",
+                 DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at 30% of that (≤ 15 GB/s); \
+                 a CPU↔GPU hand-off costs {:.1} µs",
+                if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
                 e.cpu_gemv_bw * 100.0,
@@ -219,7 +277,10 @@ pub fn derived(name: &str) -> Option<Profile> {
                 e.cpu_gemm_flops * 100.0,
                 s.cores,
                 e.dram_under_dma * 100.0,
+                e.pcie_achieved * 100.0,
+                e.host_sync_us,
             ),
+            fit: None,
         },
         pcie: PcieProfile {
             h2d_pinned: curve(pcie),
@@ -246,7 +307,7 @@ pub fn derived(name: &str) -> Option<Profile> {
             dma_slowdown: 1.0 / e.dram_under_dma,
         },
         launch_ns: 4_000,
-        host_sync_ns: 15_000,
+        host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
         runtime_overhead_bytes: 500 * MIB,
         measurements: Vec::new(),
         notes: Vec::new(),
@@ -262,10 +323,18 @@ mod tests {
         for name in systems() {
             let path = format!("{}/../../profiles/{name}.json", env!("CARGO_MANIFEST_DIR"));
             let committed = Profile::load(std::path::Path::new(&path)).unwrap();
+            // A calibrated profile is the derivation under its fitted parameters, plus the record of the fit.
+            let Provenance::Derived { fit, .. } = &committed.provenance else {
+                panic!("{path} is not derived")
+            };
+            let mut expected =
+                derived_with(name, &fit.as_ref().map_or(DEFAULT_EFFICIENCIES, |f| f.parameters)).unwrap();
+            if let Provenance::Derived { fit: f, .. } = &mut expected.provenance {
+                f.clone_from(fit);
+            }
             assert_eq!(
-                committed,
-                derived(name).unwrap(),
-                "{path} is stale: run `pipeshard profile derive --system {name}`"
+                committed, expected,
+                "{path} is stale: run `pipeshard profile derive --system {name}` (or `pipeshard repro calibrate`)"
             );
         }
     }

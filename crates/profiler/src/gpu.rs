@@ -616,6 +616,7 @@ pub fn measure_all(
         provenance: pipeshard_core::profile::Provenance::Derived {
             sources: vec![],
             calibration: String::new(),
+            fit: None,
         },
         pcie: PcieProfile {
             h2d_pinned,
