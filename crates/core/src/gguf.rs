@@ -13,7 +13,8 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
-use crate::model::{FfnKind, ModelSpec, MoeConfig, NormKind, TextConfig, WeightFormat};
+use crate::inventory::Inventory;
+use crate::model::{FfnKind, ModelSpec, MoeConfig, NormKind, StoredTensor, TextConfig, WeightFormat};
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -454,22 +455,9 @@ impl GgufHeader {
         }
     }
 
-    /// The format most tensors whose name ends with `suffix` are stored in.
-    fn format_of(&self, suffix: &str) -> Option<DType> {
-        let mut counts: Vec<(DType, usize)> = Vec::new();
-        for t in self.tensors.iter().filter(|t| t.name.ends_with(suffix)) {
-            let Some(d) = t.dtype else { continue };
-            match counts.iter_mut().find(|(x, _)| *x == d) {
-                Some(c) => c.1 += 1,
-                None => counts.push((d, 1)),
-            }
-        }
-        counts.into_iter().max_by_key(|c| c.1).map(|c| c.0)
-    }
-
-    /// The architecture the header describes, as a [`ModelSpec`] named `name`. The weight format per tensor
-    /// class is the one most of that class's tensors use; [`crate::inventory::Inventory::from_gguf`] gives the
-    /// exact per-tensor formats.
+    /// The model the header describes, as a [`ModelSpec`] named `name` that carries every tensor's format and
+    /// exact bytes ([`ModelSpec::stored`]), checked against the layout of its architecture: every tensor the
+    /// layout expects is in the file with that shape, and every tensor of the file has a place.
     pub fn model_spec(&self, name: &str) -> Result<ModelSpec, GgufError> {
         let arch_v = self.get("general.architecture");
         let arch = arch_v
@@ -575,26 +563,31 @@ impl GgufHeader {
             max_position: self.meta_u64(&k("context_length")).unwrap_or(4096),
             moe,
         };
-        let matrices = self.format_of("attn_q.weight").unwrap_or(DType::F16);
-        let fmt = |suffix: &str| self.format_of(suffix).unwrap_or(matrices);
-        let weights = WeightFormat {
-            token_embd: fmt("token_embd.weight"),
-            output: fmt("output.weight"),
-            attn_q: fmt("attn_q.weight"),
-            attn_k: fmt("attn_k.weight"),
-            attn_v: fmt("attn_v.weight"),
-            attn_output: fmt("attn_output.weight"),
-            ffn_gate: fmt("ffn_gate.weight"),
-            ffn_up: fmt("ffn_up.weight"),
-            ffn_down: fmt("ffn_down.weight"),
-            ffn_down_more_bits: None,
-            expert_gate_up: fmt("ffn_gate_exps.weight"),
-            expert_down: fmt("ffn_down_exps.weight"),
-            router: fmt("ffn_gate_inp.weight"),
-            vision: matrices,
-            norms: fmt("attn_norm.weight"),
+        let stored: Vec<StoredTensor> = self
+            .tensors
+            .iter()
+            .map(|t| StoredTensor {
+                name: t.name.clone(),
+                shape: t.dims.iter().rev().copied().collect(),
+                dtype: t.dtype.expect("the reader rejects types it does not model"),
+                bytes: t.bytes,
+            })
+            .collect();
+        let spec = ModelSpec {
+            name: name.into(),
+            text,
+            vision: None,
+            weights: WeightFormat::from_stored(&stored),
+            stored,
         };
-        Ok(ModelSpec { name: name.into(), text, vision: None, weights })
+        Inventory::check_stored(&spec).map_err(|m| GgufError::Invalid {
+            file: self.files.first().map_or_else(String::new, |f| f.display().to_string()),
+            offset: 0,
+            field: format!("tensor `{}`", m.tensor),
+            value: m.value,
+            problem: m.problem,
+        })?;
+        Ok(spec)
     }
 }
 

@@ -2,13 +2,15 @@
 //! independent implementation (PyTorch/transformers on the GPU machine, `scripts/hf_compare.py`) can compute
 //! logits from exactly the same numbers.
 //!
-//! Names follow transformers' Llama/Qwen3/Nemotron modules. Mistral-style models (nemo-8b) are exported as
+//! Names follow transformers' Llama/Qwen3/Nemotron modules ([`pipeshard_core::checkpoint::hf_name`], the table
+//! the checkpoint reader uses in reverse). Mistral-style models (nemo-8b) are exported as
 //! `llama` with an explicit `head_dim`: without a sliding window the two compute the same function. Nemotron's
 //! `layernorm1p` stores `weight − 1` (exact in f32 for weights in [0.5, 2]).
 
 use std::collections::HashMap;
 use std::path::Path;
 
+use pipeshard_core::checkpoint::hf_name;
 use pipeshard_core::model::{FfnKind, NormKind};
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -28,43 +30,6 @@ pub fn model_type(w: &ModelWeights) -> &'static str {
         "qwen2"
     } else {
         "llama"
-    }
-}
-
-/// The transformers name of one of our tensors.
-#[must_use]
-pub fn hf_name(name: &str) -> Option<String> {
-    let map = |s: &str| -> Option<&'static str> {
-        Some(match s {
-            "attn_norm.weight" => "input_layernorm.weight",
-            "attn_norm.bias" => "input_layernorm.bias",
-            "attn_q.weight" => "self_attn.q_proj.weight",
-            "attn_k.weight" => "self_attn.k_proj.weight",
-            "attn_v.weight" => "self_attn.v_proj.weight",
-            "attn_q.bias" => "self_attn.q_proj.bias",
-            "attn_k.bias" => "self_attn.k_proj.bias",
-            "attn_v.bias" => "self_attn.v_proj.bias",
-            "attn_output.weight" => "self_attn.o_proj.weight",
-            "attn_q_norm.weight" => "self_attn.q_norm.weight",
-            "attn_k_norm.weight" => "self_attn.k_norm.weight",
-            "ffn_norm.weight" => "post_attention_layernorm.weight",
-            "ffn_norm.bias" => "post_attention_layernorm.bias",
-            "ffn_gate.weight" => "mlp.gate_proj.weight",
-            "ffn_up.weight" => "mlp.up_proj.weight",
-            "ffn_down.weight" => "mlp.down_proj.weight",
-            _ => return None,
-        })
-    };
-    match name {
-        "token_embd.weight" => Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => Some("model.norm.weight".into()),
-        "output_norm.bias" => Some("model.norm.bias".into()),
-        "output.weight" => Some("lm_head.weight".into()),
-        _ => {
-            let rest = name.strip_prefix("blk.")?;
-            let (layer, tail) = rest.split_once('.')?;
-            Some(format!("model.layers.{layer}.{}", map(tail)?))
-        }
     }
 }
 
