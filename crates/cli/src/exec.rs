@@ -38,7 +38,9 @@ pub enum ExecCommand {
 /// Arguments of `exec run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Catalog model, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's model.
+    /// Catalog model, `.gguf` file (sizes only: the executor runs bf16/f16), HF checkpoint folder (its real
+    /// weights are loaded) or config.json, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's
+    /// model.
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
     /// Prompt tokens (random ids from --seed).
@@ -430,7 +432,8 @@ fn trace_path(base: &Path, model: &str, plan: &Plan) -> PathBuf {
     let dir = base.parent().unwrap_or(Path::new("."));
     dir.join(format!(
         "{stem}-{}-{}-{}.json",
-        model.replace('@', "_"),
+        // A model file's name without its folders (`models/q.gguf@4L` → `q.gguf_4L`).
+        Path::new(model).file_name().map_or(model.into(), |f| f.to_string_lossy()).replace('@', "_"),
         plan.planner,
         format_bytes(plan.budget_bytes)
     ))

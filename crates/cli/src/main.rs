@@ -10,6 +10,8 @@ mod plots;
 mod profile;
 mod sim;
 mod sweep;
+#[cfg(test)]
+mod testfiles;
 
 use std::process::ExitCode;
 

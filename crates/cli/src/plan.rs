@@ -11,7 +11,7 @@ use clap::builder::PossibleValuesParser;
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, UnitId};
-use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
+use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan, Prediction, VramBreakdown};
 use pipeshard_core::workload::Workload;
 use pipeshard_core::{GIB, MIB};
@@ -23,10 +23,12 @@ use crate::experiment::resolve_model;
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Catalog model (`nemo-8b`, or truncated: `qwen3-30b-a3b@2L`) or the path of an HF `config.json`.
+    /// Catalog model (`nemo-8b`, or truncated: `qwen3-30b-a3b@2L`), a `.gguf` file, an HF checkpoint folder
+    /// (config.json + safetensors) or an HF `config.json`.
     #[arg(long)]
     model: String,
-    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …).
+    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …); GGUF files and
+    /// checkpoint folders say their own.
     #[arg(long, default_value = "bf16")]
     weights: String,
     /// Keep only the first N decoder layers (what `exhaustive` needs for larger models).
@@ -79,23 +81,11 @@ struct Request {
 }
 
 fn load_model(a: &PlanArgs) -> anyhow::Result<ModelSpec> {
-    let path = Path::new(&a.model);
-    let spec = if path.extension().is_some_and(|e| e == "json") || path.is_file() {
+    let mut spec = resolve_model(&a.model)?;
+    if Path::new(&a.model).extension().is_some_and(|e| e == "json") {
         let dtype: DType = a.weights.parse().with_context(|| format!("--weights `{}`", a.weights))?;
-        // `models/Qwen3-8B/config.json` is "Qwen3-8B"; `llama-3.1-8b.config.json` is "llama-3.1-8b".
-        let stem = path.file_name().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
-        let name = match stem.strip_suffix("config.json").map(|s| s.trim_end_matches('.')) {
-            Some("") => path
-                .parent()
-                .and_then(|p| p.file_name())
-                .map_or(stem.clone(), |s| s.to_string_lossy().into_owned()),
-            Some(prefix) => prefix.to_string(),
-            None => stem.trim_end_matches(".json").to_string(),
-        };
-        load_hf_config(path, &name, WeightFormat::uniform(dtype))?
-    } else {
-        resolve_model(&a.model)?
-    };
+        spec = spec.with_uniform_weights(dtype);
+    }
     match a.layers {
         Some(n) => spec.truncated(n).with_context(|| format!("--layers {n}")),
         None => Ok(spec),

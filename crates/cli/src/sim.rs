@@ -25,7 +25,8 @@ pub enum SimCommand {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Catalog model, optionally truncated: `nemo-8b`, `qwen3-30b-a3b@2L` (default: the plan's model).
+    /// Catalog model, `.gguf` file, HF checkpoint folder or config.json, optionally truncated: `nemo-8b`,
+    /// `qwen3-30b-a3b@2L`, `models/q4.gguf@4L` (default: the plan's model).
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
     /// Context the KV cache is allocated for (tokens; `16K` = 16384).
@@ -68,7 +69,8 @@ pub struct SweepArgs {
     /// An experiment file; list flags below are ignored when given.
     #[arg(long)]
     experiment: Option<PathBuf>,
-    /// Models (comma-separated or repeated; default: the paper's four LLMs).
+    /// Models: catalog names, `.gguf` files or HF checkpoint folders (comma-separated or repeated; default:
+    /// the paper's four LLMs).
     #[arg(long, value_delimiter = ',', default_values_t = ["nemo-4b", "nemo-8b", "qwen3-30b-a3b", "qwen3-235b-a22b"].map(String::from))]
     model: Vec<String>,
     #[arg(long, value_delimiter = ',', default_values_t = ["1K", "4K", "16K", "64K"].map(String::from))]

@@ -137,6 +137,10 @@ pub enum GgufError {
         "{file}: GGUF version {found} is not supported (this reader takes versions 2 and 3; convert v1 files with llama.cpp's gguf tools)"
     )]
     Version { file: String, found: u32 },
+    #[error(
+        "{file}: a big-endian GGUF file; this reader takes little-endian files (convert it with llama.cpp's gguf tools)"
+    )]
+    BigEndian { file: String },
     #[error("{file}: truncated at byte {offset} while reading {field} (file ends early; re-download it)")]
     Truncated { file: String, offset: u64, field: String },
     #[error("{file}: byte {offset}: {field} is {value}, {problem}")]
@@ -301,6 +305,9 @@ pub fn parse<R: Read>(file: &str, source: R, len: u64, split: u32) -> Result<Ggu
         return Err(GgufError::Magic { file: file.into(), found: magic });
     }
     let version = r.u32("version")?;
+    if (2..=3).contains(&version.swap_bytes()) {
+        return Err(GgufError::BigEndian { file: file.into() });
+    }
     if !(2..=3).contains(&version) {
         return Err(GgufError::Version { file: file.into(), found: version });
     }
@@ -370,14 +377,22 @@ pub fn parse<R: Read>(file: &str, source: R, len: u64, split: u32) -> Result<Ggu
                 ));
             }
         };
-        if bytes > len {
-            return Err(r.invalid(
-                &format!("tensor `{name}`"),
-                format!("{bytes} bytes"),
-                &format!("is larger than the file ({len} bytes)"),
-            ));
-        }
         tensors.push(GgufTensorInfo { name, dims, ggml_type, dtype, bytes, offset, split });
+    }
+    // Tensor data starts at the next multiple of the alignment after the header; a file that ends before its
+    // last tensor's data is an interrupted download.
+    let data_start = r.offset.next_multiple_of(alignment);
+    for t in &tensors {
+        let end = data_start.saturating_add(t.offset).saturating_add(t.bytes);
+        if end > len {
+            return Err(GgufError::Invalid {
+                file: file.into(),
+                offset: data_start + t.offset,
+                field: format!("tensor `{}` data", t.name),
+                value: format!("{} bytes ending at byte {end}", t.bytes),
+                problem: format!("past the end of the file ({len} bytes): it is truncated; re-download it"),
+            });
+        }
     }
     Ok(GgufHeader { version, metadata, tensors, alignment, files: vec![PathBuf::from(file)] })
 }
@@ -707,6 +722,12 @@ mod tests {
         let mut bad = b.clone();
         bad[0] = b'X';
         assert!(matches!(parse_bytes(&bad), Err(GgufError::Magic { .. })));
+        let mut big = b.clone();
+        big[4..8].copy_from_slice(&3u32.to_be_bytes());
+        assert!(matches!(parse_bytes(&big), Err(GgufError::BigEndian { .. })));
+        // The header is whole but the data of the last tensor is cut off.
+        let e = parse("m.gguf", &b[..], b.len() as u64 + 1000, 0).unwrap_err().to_string();
+        assert!(e.contains("token_embd.weight` data") && e.contains("re-download"), "{e}");
         let mut v1 = b.clone();
         v1[4] = 1;
         assert!(parse_bytes(&v1).unwrap_err().to_string().contains("version 1"));
@@ -721,6 +742,39 @@ mod tests {
         assert!(parse_bytes(&odd_row).unwrap_err().to_string().contains("multiple of 256"));
         let unknown = write_header(&[], &[("x", &[32], 20, 0)]);
         assert!(parse_bytes(&unknown).unwrap_err().to_string().contains("does not model"));
+    }
+
+    /// Every value type of the GGUF v3 spec (0..=12), nested arrays included, reads back as written, and
+    /// `general.alignment` moves where tensor data may start.
+    #[test]
+    fn every_metadata_type_round_trips() {
+        let all = vec![
+            ("t.u8", GgufValue::U8(200)),
+            ("t.i8", GgufValue::I8(-100)),
+            ("t.u16", GgufValue::U16(60_000)),
+            ("t.i16", GgufValue::I16(-30_000)),
+            ("t.u32", GgufValue::U32(4_000_000_000)),
+            ("t.i32", GgufValue::I32(-2_000_000_000)),
+            ("t.f32", GgufValue::F32(1.5e-5)),
+            ("t.bool", GgufValue::Bool(true)),
+            ("t.string", GgufValue::String("héllo".into())),
+            (
+                "t.array",
+                GgufValue::Array(vec![GgufValue::Array(vec![GgufValue::I16(-1), GgufValue::I16(2)])]),
+            ),
+            ("t.u64", GgufValue::U64(u64::MAX)),
+            ("t.i64", GgufValue::I64(i64::MIN)),
+            ("t.f64", GgufValue::F64(-2.5e300)),
+            ("general.alignment", GgufValue::U32(64)),
+        ];
+        let bytes = write_header(&all, &[("x", &[32], 0, 64)]);
+        let h = parse_bytes(&bytes).unwrap();
+        assert_eq!(h.metadata, all.iter().map(|(k, v)| ((*k).to_string(), v.clone())).collect::<Vec<_>>());
+        assert_eq!((h.alignment, h.tensors[0].offset), (64, 64));
+        let e = parse_bytes(&write_header(&all, &[("x", &[32], 0, 32)])).unwrap_err().to_string();
+        assert!(e.contains("alignment 64"), "{e}");
+        let odd = write_header(&[("general.alignment", GgufValue::U32(48))], &[]);
+        assert!(parse_bytes(&odd).unwrap_err().to_string().contains("power of two"));
     }
 
     #[test]
