@@ -5,6 +5,7 @@ mod compare;
 mod exec;
 mod experiment;
 mod models;
+mod output;
 mod plan;
 mod plots;
 mod profile;
@@ -15,7 +16,8 @@ mod testfiles;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use output::Format;
 
 /// Plan, simulate and run xLM inference on GPUs whose VRAM is too small for the model.
 #[derive(Debug, Parser)]
@@ -23,13 +25,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-/// Output format of table commands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -50,7 +45,8 @@ enum Command {
     Exec(exec::ExecCommand),
     /// Compare every planner in the simulator on an experiment's cells; fails if `ilp` falls behind.
     Compare(compare::CompareArgs),
-    /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
+    /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--format json`: the
+    /// plan).
     Plan(plan::PlanArgs),
 }
 

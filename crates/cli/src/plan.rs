@@ -1,6 +1,6 @@
 //! `pipeshard plan`: run one planner on one workload and show the plan: per phase a placement map (one line per
-//! layer), the VRAM breakdown against the budget and the predicted times; `--json` prints the plan itself and
-//! `--llama-cpp` the llama.cpp flags that come closest to it.
+//! layer), the VRAM breakdown against the budget and the predicted times; `--format json` prints the plan itself
+//! and `--llama-cpp` the llama.cpp flags that come closest to it.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -12,14 +12,16 @@ use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
-use pipeshard_core::plan::{PhasePlan, Placement, Plan, Prediction, VramBreakdown};
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, Prediction, VramBreakdown};
 use pipeshard_core::workload::Workload;
 use pipeshard_core::{GIB, MIB};
 use pipeshard_planner::estimate::Estimator;
 use pipeshard_planner::{NAMES, Objective, PlannerOptions, with_options};
+use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::resolve_model;
+use crate::output::{self, Format};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -63,10 +65,11 @@ pub struct PlanArgs {
     /// `ngl` only: offload exactly N layers (llama.cpp `-ngl N`) instead of the largest N that fits.
     #[arg(long)]
     ngl: Option<u32>,
-    /// Print the plan as JSON (the format `sim run --plan` reads).
-    #[arg(long)]
-    json: bool,
-    /// Also print the llama.cpp flags closest to the plan.
+    /// `table`: the placement map; `csv`/`md`: a row per phase and unit; `json`: the plan itself (the file
+    /// `sim run --plan` and `exec run --plan` read).
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Also print the llama.cpp flags closest to the plan (on stderr outside `--format table`).
     #[arg(long)]
     llama_cpp: bool,
 }
@@ -128,16 +131,50 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?;
     let inv = Inventory::new(&r.spec);
     plan.validate(&inv).context("the planner produced an invalid plan (a bug)")?;
-    if a.json {
-        println!("{}", plan.to_json());
-    } else {
-        let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
-        print!("{}", render(&plan, &inv, &est, &profile.machine.name));
+    match a.format {
+        Format::Json => println!("{}", plan.to_json()),
+        f => {
+            let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
+            let rows = placement_rows(&plan, &r.spec, &inv);
+            print!(
+                "{}",
+                output::render(f, "plan", &rows, || render(&plan, &inv, &est, &profile.machine.name))?
+            );
+        }
     }
     if a.llama_cpp {
-        print!("{}", llama_cpp_flags(&plan, &inv));
+        let flags = llama_cpp_flags(&plan, &inv);
+        if a.format == Format::Table { print!("{flags}") } else { eprint!("{flags}") }
     }
     Ok(())
+}
+
+/// One unit's placement in one phase.
+#[derive(Debug, Serialize)]
+struct PlacementRow {
+    phase: PhaseKind,
+    unit: String,
+    layer: Option<u32>,
+    placement: Placement,
+    /// Weight bytes (KV units: the phase's KV bytes of the layer).
+    bytes: u64,
+}
+
+/// Every unit of both phases, in execution order.
+fn placement_rows(plan: &Plan, spec: &ModelSpec, inv: &Inventory) -> Vec<PlacementRow> {
+    let kv_layer = plan.workload.kv_bytes_per_layer(spec);
+    plan.phases()
+        .iter()
+        .flat_map(|p| {
+            p.placements.iter().map(|u| PlacementRow {
+                phase: p.phase,
+                unit: u.unit.to_string(),
+                layer: u.unit.layer(),
+                placement: u.placement,
+                bytes: if matches!(u.unit, UnitId::Kv { .. }) { kv_layer } else { inv.unit_bytes(u.unit) },
+            })
+        })
+        .collect()
 }
 
 /// Bytes for people: `7.93 GiB`, `210.4 MiB`, `12 KiB`.
