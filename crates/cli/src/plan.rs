@@ -461,6 +461,13 @@ mod tests {
         assert!(!text.contains("blk.3 "), "{text}");
         let flags = llama_cpp_flags(&plan, &inv);
         assert!(flags.contains("-ngl") && flags.contains("-ub 1024"), "{flags}");
+        // The rows list every unit once per phase, weights and KV at their sizes.
+        let rows = placement_rows(&plan, &r.spec, &inv);
+        assert_eq!(rows.len(), 2 * inv.units.len());
+        let decode_bytes: u64 = rows.iter().filter(|x| x.phase == PhaseKind::Decode).map(|x| x.bytes).sum();
+        assert_eq!(decode_bytes, inv.total_bytes() + 3 * r.workload.kv_bytes_per_layer(&r.spec));
+        let csv = output::csv(&rows).unwrap();
+        assert!(csv.starts_with("phase,unit,layer,placement,bytes\nprefill,token_embd,,"), "{csv}");
     }
 
     #[test]

@@ -555,6 +555,29 @@ pub fn sweep(
 mod tests {
     use super::*;
 
+    /// The summary's rows and its table say the same: one row per model × context × non-baseline planner.
+    #[test]
+    fn summary_rows_and_table_agree() {
+        let f = toml::from_str(
+            "models = [\"nemo-4b@2L\"]\nctx = [\"1K\", \"4K\"]\nbudgets = [\"1G\", \"2G\"]\nplanners = [\"ngl\", \"greedy\", \"ilp\"]",
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "s").unwrap();
+        let cost = TableCostModel::new(&load_profile("cli3").unwrap());
+        let results = run_cells(&e.cells(), &e.specs().unwrap(), &cost, false);
+        let rows = summary_rows(&e, &results);
+        assert_eq!(rows.len(), 2 * 2, "2 contexts × (greedy, ilp)");
+        assert!(rows.iter().all(|r| r.baseline == "ngl" && r.cells == 6), "{rows:?}");
+        let r = &rows[1];
+        assert_eq!((r.ctx, r.planner.as_str()), (1024, "ilp"));
+        let speedup = r.tps_speedup.expect("both plan at 2G");
+        let text = summary(&e, &rows);
+        let line = text.lines().find(|l| l.starts_with("nemo-4b@2L") && l.contains(" 1K ")).unwrap();
+        assert!(line.contains(&format!("{speedup:.2}/")), "{line}");
+        let md = render(Format::Md, "sweep_summary", &rows, String::new).unwrap();
+        assert_eq!(md.lines().count(), 2 + rows.len());
+    }
+
     #[test]
     fn dates_are_civil() {
         let d = now_utc();
