@@ -4,6 +4,7 @@ mod args;
 mod compare;
 mod exec;
 mod experiment;
+mod llama_cpp;
 mod models;
 mod output;
 mod plan;

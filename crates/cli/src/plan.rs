@@ -72,6 +72,11 @@ pub struct PlanArgs {
     /// Also print the llama.cpp flags closest to the plan (on stderr outside `--format table`).
     #[arg(long)]
     llama_cpp: bool,
+    /// Instead of planning, the plan llama.cpp runs with these flags (`"-ngl 20 -ot 'blk\.(1|2)\.ffn_.*=CPU'
+    /// -c 16384 -ub 512 -fa on"`; a whole `llama-server …` line works): `-c`, `-ub`, `-np` and `-fa` replace
+    /// --ctx, --ubatch, --batch and flash attention (`-ub` defaults to llama.cpp's 512).
+    #[arg(long, conflicts_with_all = ["planner", "ngl", "objective"])]
+    from_llama_cpp: Option<String>,
 }
 
 /// Phase two of argument handling: the rich objects the planner needs.
@@ -125,10 +130,18 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
     let r = request(a)?;
     let profile = load_profile(&r.profile_name)?;
     let cost = TableCostModel::new(&profile);
-    let planner = with_options(&a.planner, &r.options).expect("clap checks the planner name");
-    let plan = planner
-        .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
-        .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?;
+    let plan = match &a.from_llama_cpp {
+        Some(text) => {
+            let flags = crate::llama_cpp::Flags::parse(text)?;
+            let prompt =
+                a.prompt_tokens.as_deref().map(parse_tokens).transpose().context("--prompt-tokens")?;
+            flags.plan(&r.spec, r.workload.ctx, prompt, r.workload.gen_tokens, &cost, r.budget_bytes)?
+        }
+        None => with_options(&a.planner, &r.options)
+            .expect("clap checks the planner name")
+            .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
+            .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?,
+    };
     let inv = Inventory::new(&r.spec);
     plan.validate(&inv).context("the planner produced an invalid plan (a bug)")?;
     match a.format {
@@ -143,7 +156,7 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         }
     }
     if a.llama_cpp {
-        let flags = llama_cpp_flags(&plan, &inv);
+        let flags = crate::llama_cpp::describe(&plan, &inv);
         if a.format == Format::Table { print!("{flags}") } else { eprint!("{flags}") }
     }
     Ok(())
@@ -327,86 +340,6 @@ fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str) -> Strin
     out
 }
 
-/// Layer numbers as a regex alternation: `(0|1|2|17)`.
-fn alternation(layers: &[u32]) -> String {
-    format!("({})", layers.iter().map(u32::to_string).collect::<Vec<_>>().join("|"))
-}
-
-/// The llama.cpp flags closest to the plan's decode placement. llama.cpp has no streaming: streamed units stay
-/// in host memory (in prefill its op offload copies their weights per ubatch, unoverlapped).
-fn llama_cpp_flags(plan: &Plan, inv: &Inventory) -> String {
-    let p = &plan.decode;
-    let on_gpu = |id: UnitId| p.placement(id) == Some(Placement::Pinned);
-    let n_layers = inv.units.iter().filter_map(|u| u.id.layer()).max().map_or(0, |l| l + 1);
-    let w = &plan.workload;
-    let mut flags = vec![
-        format!("-c {}", w.ctx * w.batch),
-        format!("-ub {}", w.ubatch),
-        format!("-t {}", p.cpu_threads),
-        format!("-fa {}", if w.flash_attn { "on" } else { "off" }),
-    ];
-    let mut notes = Vec::new();
-    if plan.planner == "ngl" {
-        let n = (0..n_layers).filter(|&l| on_gpu(UnitId::Attn { layer: l })).count()
-            + usize::from(on_gpu(UnitId::Output));
-        flags.push(format!("-ngl {n}"));
-    } else {
-        flags.push("-ngl 999".into());
-        let cpu_attn: Vec<u32> = (0..n_layers).filter(|&l| !on_gpu(UnitId::Attn { layer: l })).collect();
-        let cpu_ffn: Vec<u32> = (0..n_layers)
-            .filter(|&l| {
-                inv.position(UnitId::Ffn { layer: l }).is_some() && !on_gpu(UnitId::Ffn { layer: l })
-            })
-            .collect();
-        // A layer's experts are one tensor in llama.cpp: they go where most of them are.
-        let cpu_experts: Vec<u32> = (0..n_layers)
-            .filter(|&l| {
-                let (mut gpu, mut all) = (0, 0);
-                for u in &inv.units {
-                    if matches!(u.id, UnitId::Expert { layer, .. } if layer == l) {
-                        all += 1;
-                        gpu += usize::from(on_gpu(u.id));
-                    }
-                }
-                all > 0 && 2 * gpu < all
-            })
-            .collect();
-        if !cpu_attn.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.attn_.*=CPU\"", alternation(&cpu_attn)));
-            notes.push(format!(
-                "llama.cpp keeps each layer's KV with `-ngl`, so the KV of the {} CPU-attention layers stays in VRAM \
-                 (add -nkvo to keep all KV on the host)",
-                cpu_attn.len()
-            ));
-        }
-        if !cpu_ffn.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.ffn_(gate|up|down)\\.weight=CPU\"", alternation(&cpu_ffn)));
-        }
-        let prefix = cpu_experts.iter().enumerate().all(|(i, &l)| l == i as u32);
-        if !cpu_experts.is_empty() && prefix {
-            flags.push(format!("--n-cpu-moe {}", cpu_experts.len()));
-        } else if !cpu_experts.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.ffn_.*_exps\\.weight=CPU\"", alternation(&cpu_experts)));
-        }
-        if !on_gpu(UnitId::Output) {
-            flags.push("-ot \"^output\\.weight=CPU\"".into());
-        }
-        if p.placements.iter().any(|u| u.placement == Placement::Streamed) {
-            notes.push("streamed units are left in host memory: llama.cpp cannot stream them".into());
-        }
-        if plan.prefill.placements != plan.decode.placements {
-            notes.push(
-                "llama.cpp uses one placement for both phases: these flags follow the decode plan".into(),
-            );
-        }
-    }
-    let mut out = format!("\nllama.cpp: llama-cli -m MODEL.gguf {}\n", flags.join(" "));
-    for n in notes {
-        let _ = writeln!(out, "  # {n}");
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,7 +392,7 @@ mod tests {
             assert!(text.contains(needle), "missing {needle}:\n{text}");
         }
         assert!(!text.contains("blk.3 "), "{text}");
-        let flags = llama_cpp_flags(&plan, &inv);
+        let flags = crate::llama_cpp::describe(&plan, &inv);
         assert!(flags.contains("-ngl") && flags.contains("-ub 1024"), "{flags}");
         // The rows list every unit once per phase, weights and KV at their sizes.
         let rows = placement_rows(&plan, &r.spec, &inv);
@@ -478,7 +411,7 @@ mod tests {
             .unwrap()
             .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
             .unwrap();
-        let flags = llama_cpp_flags(&plan, &Inventory::new(&r.spec));
+        let flags = crate::llama_cpp::describe(&plan, &Inventory::new(&r.spec));
         assert!(flags.contains("-ngl 5 ") || flags.ends_with("-ngl 5\n"), "{flags}");
         assert!(flags.contains("-fa off"), "{flags}");
     }
