@@ -75,7 +75,7 @@ pub struct PlanArgs {
     /// Instead of planning, the plan llama.cpp runs with these flags (`"-ngl 20 -ot 'blk\.(1|2)\.ffn_.*=CPU'
     /// -c 16384 -ub 512 -fa on"`; a whole `llama-server …` line works): `-c`, `-ub`, `-np` and `-fa` replace
     /// --ctx, --ubatch, --batch and flash attention (`-ub` defaults to llama.cpp's 512).
-    #[arg(long, conflicts_with_all = ["planner", "ngl", "objective"])]
+    #[arg(long, allow_hyphen_values = true, conflicts_with_all = ["planner", "ngl", "objective"])]
     from_llama_cpp: Option<String>,
 }
 
@@ -401,6 +401,16 @@ mod tests {
         assert_eq!(decode_bytes, inv.total_bytes() + 3 * r.workload.kv_bytes_per_layer(&r.spec));
         let csv = output::csv(&rows).unwrap();
         assert!(csv.starts_with("phase,unit,layer,placement,bytes\nprefill,token_embd,,"), "{csv}");
+    }
+
+    #[test]
+    fn llama_cpp_flags_are_one_argument() {
+        let line =
+            ["plan", "--model", "nemo-4b@2L", "--budget", "2G", "--from-llama-cpp", "-ngl 1 -c 4096 -fa off"];
+        let a = Wrap::try_parse_from(line).unwrap().a;
+        assert_eq!(a.from_llama_cpp.as_deref(), Some("-ngl 1 -c 4096 -fa off"));
+        let e = Wrap::try_parse_from(line.into_iter().chain(["--planner", "ilp"])).unwrap_err().to_string();
+        assert!(e.contains("cannot be used with"), "{e}");
     }
 
     #[test]
