@@ -287,18 +287,14 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     }
     let t = Instant::now();
     let base = model_name.rsplit_once('@').map_or(model_name.as_str(), |(b, _)| b);
-    let (weights, source) =
-        match args.weights_from.as_deref().or(Path::new(base).is_dir().then_some(Path::new(base))) {
-            Some(dir) => {
-                let ck = Checkpoint::open(dir)?;
-                let w = ModelWeights::from_checkpoint(&spec, &ck).context("loading weights")?;
-                (w, format!("from {}", dir.display()))
-            }
-            None => {
-                let w = ModelWeights::random(&spec, args.seed).context("generating weights")?;
-                (w, format!("random, seed {}", args.seed))
-            }
-        };
+    let checkpoint = args.weights_from.as_deref().or(Path::new(base).is_dir().then_some(Path::new(base)));
+    let (weights, source) = if let Some(dir) = checkpoint {
+        let w = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(dir)?).context("loading weights")?;
+        (w, format!("from {}", dir.display()))
+    } else {
+        let w = ModelWeights::random(&spec, args.seed).context("generating weights")?;
+        (w, format!("random, seed {}", args.seed))
+    };
     eprintln!(
         "{}: {} bytes of {} weights ({source}) in {:.1} s",
         spec.name,

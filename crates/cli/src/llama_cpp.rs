@@ -82,6 +82,9 @@ pub struct Flags {
     pub ignored: Vec<String>,
 }
 
+/// Per layer, whether the plan wants a tensor family on the GPU (`None`: the layer has none).
+type WantGpu<'a> = dyn Fn(u32) -> Option<bool> + 'a;
+
 /// `(0|1|2)` of layer numbers.
 fn alternation(layers: &[u32]) -> String {
     format!("({})", layers.iter().map(u32::to_string).collect::<Vec<_>>().join("|"))
@@ -108,7 +111,7 @@ impl Flags {
             }
             (all > 0).then_some(2 * on > all)
         };
-        let families: [(&str, &dyn Fn(u32) -> Option<bool>); 5] = [
+        let families: [(&str, &WantGpu); 5] = [
             ("attn_.*", &|l| unit(UnitId::Attn { layer: l })),
             ("ffn_gate_inp\\.weight", &|l| unit(UnitId::Router { layer: l })),
             ("ffn_(gate|up|down)\\.weight", &|l| unit(UnitId::Ffn { layer: l })),
@@ -375,19 +378,18 @@ impl Flags {
         let mut layout = Layout::all_cpu(&est.structure, inv.units.len());
         let mut moved = (Vec::new(), Vec::new());
         for (pos, u) in inv.units.iter().enumerate() {
-            let gpu = match u.id {
-                UnitId::Kv { layer } => kv_on_gpu(layer),
-                _ => {
-                    let (mut on, mut all) = (0u64, 0u64);
-                    for part in &u.parts {
-                        let t = &inv.tensors[part.tensor];
-                        all += part.bytes;
-                        if self.tensor_on_gpu(&patterns, &t.name, t.layer, n) {
-                            on += part.bytes;
-                        }
+            let gpu = if let UnitId::Kv { layer } = u.id {
+                kv_on_gpu(layer)
+            } else {
+                let (mut on, mut all) = (0u64, 0u64);
+                for part in &u.parts {
+                    let t = &inv.tensors[part.tensor];
+                    all += part.bytes;
+                    if self.tensor_on_gpu(&patterns, &t.name, t.layer, n) {
+                        on += part.bytes;
                     }
-                    all > 0 && 2 * on > all
                 }
+                all > 0 && 2 * on > all
             };
             // Attention runs where the KV is.
             let gpu = match u.id {
@@ -527,12 +529,11 @@ mod tests {
                 UnitId::Attn { layer } | UnitId::Kv { layer } | UnitId::Router { layer } if layer >= 2 => {
                     Placement::Pinned
                 }
-                // FFN: pinned on a CPU layer, on the CPU in a GPU layer.
-                UnitId::Ffn { layer: 1 | 2 } => Placement::Pinned,
-                UnitId::Ffn { layer } if layer >= 2 => Placement::Cpu,
-                // Experts: against -ngl 2, layer 1's on the GPU and layer 2's on the CPU.
-                UnitId::Expert { layer: 1 | 3, .. } => Placement::Pinned,
-                UnitId::Output => Placement::Pinned,
+                // Against -ngl 2: layer 1's FFN and experts on the GPU, layer 3's FFN and layer 2's experts on
+                // the CPU, the head on the GPU.
+                UnitId::Ffn { layer: 1 | 2 } | UnitId::Expert { layer: 1 | 3, .. } | UnitId::Output => {
+                    Placement::Pinned
+                }
                 _ => Placement::Cpu,
             };
             let plan = pipeshard_exec::testing::manual_plan(&spec, w, 1 << 40, 0, 0, 8, place);

@@ -259,31 +259,28 @@ impl Checkpoint {
                     "is not bf16, f16 or f32; convert the checkpoint to one of those",
                 )
             })?;
-            match expert {
-                None => {
-                    stored.insert(
-                        ours.clone(),
-                        StoredTensor { name: ours, shape: t.shape.clone(), dtype, bytes: t.bytes },
-                    );
-                }
-                Some(_) => {
-                    let e = experts.entry(ours.clone()).or_insert((0, t.shape.clone(), dtype));
-                    if (e.1.as_slice(), e.2) != (t.shape.as_slice(), dtype) {
-                        return Err(err(
-                            format!("{:?} {dtype}", t.shape),
-                            &format!("differs from the other experts of {ours} ({:?} {})", e.1, e.2),
-                        ));
-                    }
-                    e.0 += 1;
-                    let s = stored.entry(ours.clone()).or_insert(StoredTensor {
-                        name: ours,
-                        shape: Vec::new(),
-                        dtype,
-                        bytes: 0,
-                    });
-                    s.bytes += t.bytes;
-                }
+            if expert.is_none() {
+                stored.insert(
+                    ours.clone(),
+                    StoredTensor { name: ours, shape: t.shape.clone(), dtype, bytes: t.bytes },
+                );
+                continue;
             }
+            let e = experts.entry(ours.clone()).or_insert((0, t.shape.clone(), dtype));
+            if (e.1.as_slice(), e.2) != (t.shape.as_slice(), dtype) {
+                return Err(err(
+                    format!("{:?} {dtype}", t.shape),
+                    &format!("differs from the other experts of {ours} ({:?} {})", e.1, e.2),
+                ));
+            }
+            e.0 += 1;
+            let s = stored.entry(ours.clone()).or_insert(StoredTensor {
+                name: ours,
+                shape: Vec::new(),
+                dtype,
+                bytes: 0,
+            });
+            s.bytes += t.bytes;
         }
         for (name, (count, shape, _)) in experts {
             let s = stored.get_mut(&name).expect("inserted with the experts");

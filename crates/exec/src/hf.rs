@@ -186,7 +186,7 @@ mod tests {
             let exact = ck.model_spec(&spec.name).unwrap();
             assert_eq!(Inventory::new(&exact).total_bytes(), w.inventory.total_bytes(), "{}", spec.name);
             // config.json carries the f32 epsilon the kernels use.
-            assert_eq!(exact.text.norm_eps as f32, spec.text.norm_eps as f32);
+            assert_eq!((exact.text.norm_eps as f32).to_bits(), (spec.text.norm_eps as f32).to_bits());
             let text = TextConfig { norm_eps: spec.text.norm_eps, ..exact.text.clone() };
             assert_eq!(text, spec.text, "{}: config.json round trip", spec.name);
             let loaded = ModelWeights::from_checkpoint(&spec, &ck).unwrap();
@@ -224,7 +224,10 @@ mod tests {
         assert_eq!((t16.elem, tbf.elem), (Elem::F16, Elem::Bf16));
         for i in 0..t16.bytes / 2 {
             let x = Elem::F16.read(u16.bytes_at(t16.offset, t16.bytes), i);
-            assert_eq!(Elem::Bf16.read(ubf.bytes_at(tbf.offset, tbf.bytes), i), Elem::Bf16.round(x));
+            assert_eq!(
+                Elem::Bf16.read(ubf.bytes_at(tbf.offset, tbf.bytes), i).to_bits(),
+                Elem::Bf16.round(x).to_bits()
+            );
         }
         let mut wider = tiny_spec();
         wider.text.ffn = 512;
