@@ -732,6 +732,11 @@ mod tests {
             assert_eq!(read.text, spec.text, "{name}");
             let from_file = Inventory::new(&read);
             let vt = &inv.tensors[v];
+            // Every other tensor is the catalog's, exactly: name, layer, role, shape, format and bytes.
+            assert_eq!(from_file.tensors.len(), inv.tensors.len());
+            for (a, b) in from_file.tensors.iter().zip(&inv.tensors).filter(|(a, _)| a.name != vt.name) {
+                assert_eq!(a, b, "{name}");
+            }
             let expect =
                 inv.total_bytes() - vt.bytes + DType::Q8_0.tensor_bytes(vt.shape[1], vt.shape[0]).unwrap();
             assert_eq!(from_file.total_bytes(), expect, "{name}");
