@@ -125,7 +125,8 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
         if !matches!(m, DType::Bf16 | DType::F16) {
             bail!(
                 "{model} stores its matrices as {m}; the executor runs bf16 or f16 matrices: pass --weights bf16 \
-                 (random weights of its architecture, or --weights-from a bf16/f16/f32 checkpoint)"
+                 (a checkpoint's weights are converted; a GGUF gives its architecture, with random weights unless \
+                 --weights-from names a checkpoint)"
             );
         }
         spec = spec.with_uniform_weights(m);
