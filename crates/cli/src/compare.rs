@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile};
 use crate::experiment::{Cell, Experiment};
+use crate::output::{Format, render};
 use crate::sweep::{CellResult, Status, run_cells};
 
 /// Largest allowed E2EL gap of `ilp` behind any other non-oracle planner on one cell.
@@ -38,6 +39,10 @@ pub struct CompareArgs {
     /// Also write one row per cell and planner (E2EL, regret) to this CSV file.
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// `table`: the comparison table and the verdict; other formats print one row per cell and planner on
+    /// stdout and the rest on stderr.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
 }
 
 /// The planners' results on one cell (a cell without its planner).
@@ -62,7 +67,7 @@ impl Group<'_> {
     }
 }
 
-/// One CSV row.
+/// One row per cell and planner.
 #[derive(Debug, Serialize)]
 struct Row<'a> {
     model: &'a str,
@@ -186,6 +191,29 @@ fn table(planners: &[String], groups: &[Group<'_>]) -> String {
     s
 }
 
+/// Every cell's planners as rows, in the table's order.
+fn rows<'a>(groups: &'a [Group<'a>]) -> Vec<Row<'a>> {
+    let mut rows = Vec::new();
+    for g in groups {
+        let reference = g.reference();
+        for (p, r) in &g.by_planner {
+            let e2el = g.e2el(p);
+            rows.push(Row {
+                model: &g.cell.model,
+                ctx: g.cell.ctx,
+                ubatch: g.cell.ubatch,
+                vram_budget_bytes: g.cell.budget_bytes,
+                planner: p,
+                status: r.status,
+                e2el_ms: e2el.map(|x| x as f64 / 1e6),
+                reference: reference.map_or("", |x| x.1),
+                regret: e2el.zip(reference).map(|(x, (b, _))| x as f64 / b as f64 - 1.0),
+            });
+        }
+    }
+    rows
+}
+
 pub fn run(a: &CompareArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let e = Experiment::load(&a.experiment)?;
@@ -198,7 +226,14 @@ pub fn run(a: &CompareArgs) -> anyhow::Result<()> {
     let cells = e.cells();
     let results = run_cells(&cells, &specs, &cost, std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let groups = group(&results);
-    println!(
+    let report = |line: String| {
+        if a.format == Format::Table {
+            println!("{line}");
+        } else {
+            eprintln!("{line}");
+        }
+    };
+    report(format!(
         "compare {}: {} cells × {} planners on {} in {:.1} s; score: simulated E2EL (TTFT + {} decode steps)",
         e.name,
         groups.len(),
@@ -206,42 +241,26 @@ pub fn run(a: &CompareArgs) -> anyhow::Result<()> {
         e.profile,
         t0.elapsed().as_secs_f64(),
         e.gen_tokens
-    );
-    print!("{}", table(&e.planners, &groups));
-    println!("{}", crate::sweep::planning_times(&e.planners, &results));
+    ));
+    let rows = rows(&groups);
+    print!("{}", render(a.format, "compare", &rows, || table(&e.planners, &groups))?);
+    report(crate::sweep::planning_times(&e.planners, &results));
     if let Some(path) = &a.csv {
-        let mut w = csv::Writer::from_path(path).with_context(|| format!("writing {}", path.display()))?;
-        for g in &groups {
-            let reference = g.reference();
-            for (p, r) in &g.by_planner {
-                let e2el = g.e2el(p);
-                w.serialize(Row {
-                    model: &g.cell.model,
-                    ctx: g.cell.ctx,
-                    ubatch: g.cell.ubatch,
-                    vram_budget_bytes: g.cell.budget_bytes,
-                    planner: p,
-                    status: r.status,
-                    e2el_ms: e2el.map(|x| x as f64 / 1e6),
-                    reference: reference.map_or("", |x| x.1),
-                    regret: e2el.zip(reference).map(|(x, (b, _))| x as f64 / b as f64 - 1.0),
-                })?;
-            }
-        }
-        w.flush()?;
-        println!("wrote {}", path.display());
+        std::fs::write(path, crate::output::csv(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        report(format!("wrote {}", path.display()));
     }
     let v = violations(&groups);
     if v.is_empty() {
-        println!(
+        report(format!(
             "ilp: within {:.0}% of every other planner and {:.0}% of the exhaustive search on every cell",
             MAX_ILP_GAP * 100.0,
             MAX_ILP_REGRET * 100.0
-        );
+        ));
         Ok(())
     } else {
         for line in &v {
-            println!("FAIL {line}");
+            report(format!("FAIL {line}"));
         }
         bail!("ilp failed {} check(s) of {}", v.len(), a.experiment.display())
     }

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::metrics::Resource;
@@ -39,7 +40,9 @@ pub enum ExecCommand {
 /// Arguments of `exec run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Catalog model, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's model.
+    /// Catalog model, `.gguf` file (sizes only: the executor runs bf16/f16), HF checkpoint folder (its real
+    /// weights are loaded) or config.json, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's
+    /// model.
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
     /// Prompt tokens (random ids from --seed).
@@ -63,6 +66,10 @@ pub struct RunArgs {
     /// Store every matrix in this format (`bf16`, `f16`), overriding the catalog's.
     #[arg(long)]
     weights: Option<String>,
+    /// Load the weights of this HF checkpoint folder (config.json + bf16/f16/f32 safetensors) instead of random
+    /// ones; default: the `--model` folder when it is one.
+    #[arg(long)]
+    weights_from: Option<PathBuf>,
     /// Keep only the first N decoder layers.
     #[arg(long)]
     layers: Option<u32>,
@@ -129,6 +136,17 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
     if let Some(w) = &args.weights {
         let d: DType = w.parse().map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
         spec = spec.with_uniform_weights(d);
+    } else if !spec.stored.is_empty() {
+        // The executor holds matrices in one of bf16/f16 and norms in f32, whatever the file stores.
+        let m = spec.weights.attn_q;
+        if !matches!(m, DType::Bf16 | DType::F16) {
+            bail!(
+                "{model} stores its matrices as {m}; the executor runs bf16 or f16 matrices: pass --weights bf16 \
+                 (a checkpoint's weights are converted; a GGUF gives its architecture, with random weights unless \
+                 --weights-from names a checkpoint)"
+            );
+        }
+        spec = spec.with_uniform_weights(m);
     }
     if let Some(n) = args.layers {
         spec = spec.truncated(n).with_context(|| format!("--layers {n}"))?;
@@ -285,13 +303,20 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         }
     }
     let t = Instant::now();
-    let weights = ModelWeights::random(&spec, args.seed).context("generating weights")?;
+    let base = model_name.rsplit_once('@').map_or(model_name.as_str(), |(b, _)| b);
+    let checkpoint = args.weights_from.as_deref().or(Path::new(base).is_dir().then_some(Path::new(base)));
+    let (weights, source) = if let Some(dir) = checkpoint {
+        let w = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(dir)?).context("loading weights")?;
+        (w, format!("from {}", dir.display()))
+    } else {
+        let w = ModelWeights::random(&spec, args.seed).context("generating weights")?;
+        (w, format!("random, seed {}", args.seed))
+    };
     eprintln!(
-        "{}: {} bytes of random {} weights (seed {}) in {:.1} s",
+        "{}: {} bytes of {} weights ({source}) in {:.1} s",
         spec.name,
         weights.total_bytes(),
         weights.dims.mat.name(),
-        args.seed,
         t.elapsed().as_secs_f64()
     );
     let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
@@ -453,7 +478,8 @@ fn trace_path(base: &Path, model: &str, plan: &Plan) -> PathBuf {
     let dir = base.parent().unwrap_or(Path::new("."));
     dir.join(format!(
         "{stem}-{}-{}-{}.json",
-        model.replace('@', "_"),
+        // A model file's name without its folders (`models/q.gguf@4L` → `q.gguf_4L`).
+        Path::new(model).file_name().map_or(model.into(), |f| f.to_string_lossy()).replace('@', "_"),
         plan.planner,
         format_bytes(plan.budget_bytes)
     ))
@@ -465,6 +491,39 @@ mod tests {
     use pipeshard_core::inventory::Inventory;
     use pipeshard_exec::cpu::KvLayout;
     use pipeshard_exec::layout::layout_phase;
+
+    fn run_args(line: &str) -> RunArgs {
+        #[derive(Debug, clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: RunArgs,
+        }
+        <Wrap as clap::Parser>::try_parse_from(std::iter::once("run").chain(line.split_whitespace()))
+            .unwrap()
+            .a
+    }
+
+    /// A checkpoint folder runs in its own bf16 format; a quantised GGUF runs only with `--weights`.
+    #[test]
+    fn model_files_get_the_executor_formats() {
+        use pipeshard_core::checkpoint::Checkpoint;
+        use pipeshard_exec::testing::tiny_spec;
+
+        let dir = crate::testfiles::temp_dir("exec-ckpt");
+        let w = ModelWeights::random(&tiny_spec(), 3).unwrap();
+        pipeshard_exec::hf::export(&w, &dir, 4096).unwrap();
+        let name = dir.display().to_string();
+        let spec = spec_for(&run_args(&format!("--model {name}")), &name).unwrap();
+        assert!(spec.stored.is_empty() && spec.weights.attn_q == DType::Bf16);
+        let loaded = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(&dir).unwrap()).unwrap();
+        assert_eq!(loaded.total_bytes(), w.total_bytes());
+        let gguf = crate::testfiles::write_gguf(&dir).display().to_string();
+        let e = spec_for(&run_args(&format!("--model {gguf}")), &gguf).unwrap_err().to_string();
+        assert!(e.contains("q4_k") && e.contains("--weights bf16"), "{e}");
+        let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
+        assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// Every planner's plans for the done-when models lay out in the executor's arena, given the runtime
     /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown.

@@ -3,9 +3,9 @@
 //! An experiment is a cartesian product: models × contexts × budgets × ubatches × planners, on one profile,
 //! with one generation length and batch — or the union of several such grids (`[[grid]]` sections, each with
 //! its own models, contexts, budgets and ubatches; missing fields fall back to the top level), so that one
-//! file can hold truncated models at budgets of MiB and full models at budgets of GiB. A model is a catalog name, optionally truncated to its first N
-//! layers with `@NL` (`qwen3-30b-a3b@2L`), which is how CI-sized grids stay small enough for the exhaustive
-//! planner. Prompt length, per grid: `prompt_tokens` as one number, or as a table by context
+//! file can hold truncated models at budgets of MiB and full models at budgets of GiB. A model is a catalog name
+//! or a model file ([`resolve_model`]), optionally truncated to its first N layers with `@NL`
+//! (`qwen3-30b-a3b@2L`), which is how CI-sized grids stay small enough for the exhaustive planner. Prompt length, per grid: `prompt_tokens` as one number, or as a table by context
 //! (`{ "1K" = 908, "4K" = 4035 }`: the paper's prompt files, DIGEST §5.3, differ by tokenizer), else the
 //! context minus the generated tokens — the paper's prompts nearly fill the context, so TPS is measured at
 //! almost full KV. A cell generates `gen_tokens`, or fewer where the prompt leaves less room: llama.cpp stops
@@ -26,8 +26,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use pipeshard_core::catalog;
+use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::dtype::DType;
-use pipeshard_core::model::ModelSpec;
+use pipeshard_core::gguf;
+use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
 use pipeshard_core::workload::Workload;
 use serde::Deserialize;
 
@@ -456,9 +458,13 @@ fn replay_ngl(n: &NglFile, grids: &[Grid]) -> anyhow::Result<BTreeMap<NglKey, u3
     Ok(out)
 }
 
-/// A catalog model, optionally truncated: `nemo-8b`, `qwen3-30b-a3b@2L`.
+/// A model, optionally truncated to its first N layers with `@NL`: a catalog name (`nemo-8b`,
+/// `qwen3-30b-a3b@2L`), a GGUF file (`models/q.gguf`, any part of a split file; every tensor's quant type and
+/// bytes as stored), an HF checkpoint folder (config.json + safetensors: every tensor's dtype and bytes), or a
+/// `config.json` (bf16 matrices). Models from files are named by the path as given, so a saved plan's `model`
+/// resolves again.
 pub fn resolve_model(name: &str) -> anyhow::Result<ModelSpec> {
-    let (base, layers) = match name.split_once('@') {
+    let (base, layers) = match name.rsplit_once('@') {
         Some((base, l)) => {
             let n: u32 = l
                 .strip_suffix(['L', 'l'])
@@ -468,7 +474,16 @@ pub fn resolve_model(name: &str) -> anyhow::Result<ModelSpec> {
         }
         None => (name, None),
     };
-    let spec = catalog::get(base).with_context(|| format!("model `{base}`"))?;
+    let path = Path::new(base);
+    let spec = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        gguf::read_header(path)?.model_spec(base)?
+    } else if path.is_dir() {
+        Checkpoint::open(path)?.model_spec(base)?
+    } else if path.extension().is_some_and(|e| e == "json") {
+        load_hf_config(path, base, WeightFormat::uniform(DType::Bf16))?
+    } else {
+        catalog::get(base).with_context(|| format!("model `{base}`"))?
+    };
     match layers {
         Some(n) => spec.truncated(n).with_context(|| format!("model `{name}`")),
         None => Ok(spec),
@@ -582,6 +597,72 @@ mod tests {
         assert!(
             Experiment::from_file(missing, "x").unwrap_err().to_string().contains("[[grid]] 1: `budgets`")
         );
+    }
+
+    /// A GGUF file (whole or split) is a model wherever a catalog name is: its inventory has each tensor's
+    /// quant type and exact bytes, and an experiment's plans and simulations count those bytes.
+    #[test]
+    fn gguf_files_are_models_with_their_exact_bytes() {
+        use pipeshard_core::cost::TableCostModel;
+        use pipeshard_core::inventory::Inventory;
+
+        use crate::testfiles::{temp_dir, tensors, write_gguf, write_split_gguf};
+
+        let dir = temp_dir("gguf");
+        let path = write_gguf(&dir);
+        let name = path.display().to_string();
+        let spec = resolve_model(&name).unwrap();
+        let inv = Inventory::new(&spec);
+        let file_bytes: u64 = tensors().iter().map(|t| t.3).sum();
+        assert_eq!(inv.total_bytes(), file_bytes);
+        let down = inv.tensors.iter().find(|t| t.name == "blk.1.ffn_down.weight").unwrap();
+        assert_eq!((down.dtype, down.bytes), (DType::Q6K, 512 / 256 * 210 * 256));
+        // The quantisation mix is not any single format: the per-class formats alone would miss it.
+        let by_class = Inventory::new(&ModelSpec { stored: Vec::new(), ..spec.clone() }).total_bytes();
+        assert_ne!(by_class, file_bytes);
+
+        let split = resolve_model(&write_split_gguf(&dir).display().to_string()).unwrap();
+        assert_eq!(Inventory::new(&split).tensors, inv.tensors, "split parts merge to the same model");
+
+        let one = resolve_model(&format!("{name}@1L")).unwrap();
+        let layer1: u64 = inv.units.iter().filter(|u| u.id.layer() == Some(1)).map(|u| u.weight_bytes).sum();
+        assert_eq!(Inventory::new(&one).total_bytes(), file_bytes - layer1);
+
+        let toml =
+            format!("models = [{name:?}]\nctx = [\"4K\"]\nbudgets = [\"2G\", \"64M\"]\nplanners = [\"ngl\"]");
+        let e = Experiment::from_file(toml::from_str(&toml).unwrap(), "gguf").unwrap();
+        let cost = TableCostModel::new(&crate::args::load_profile("cli3").unwrap());
+        let results = crate::sweep::run_cells(&e.cells(), &e.specs().unwrap(), &cost, false);
+        let run = results[0].run.as_ref().expect("2 GiB holds the whole model");
+        // The planner's VRAM line and the simulator's peak count the file's bytes of the pinned units.
+        let [prefill, decode] = run.weights_by_placement;
+        assert_eq!(decode.iter().sum::<u64>(), file_bytes);
+        assert_eq!(run.plan.decode.vram.pinned_weights_bytes, decode[0]);
+        assert_eq!(run.plan.prefill.vram.pinned_weights_bytes, prefill[0]);
+        assert_eq!(run.sim.metrics.vram_peak.pinned_weights_bytes, prefill[0].max(decode[0]));
+        assert!(decode[0] > file_bytes / 2, "ngl offloads every layer at 2 GiB: {decode:?}");
+        // Below the runtime overhead nothing fits, and the error names the smallest budget.
+        assert!(results[1].run.is_none() && results[1].reason.contains("GiB"), "{}", results[1].reason);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn broken_model_files_say_what_to_fix() {
+        use crate::testfiles::{temp_dir, write_gguf, write_split_gguf};
+
+        let dir = temp_dir("bad-gguf");
+        let path = write_gguf(&dir);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+        let e = format!("{:#}", resolve_model(&path.display().to_string()).unwrap_err());
+        assert!(e.contains("tiny.gguf") && e.contains("re-download"), "{e}");
+        let second = write_split_gguf(&dir);
+        std::fs::remove_file(dir.join("tiny-00001-of-00002.gguf")).unwrap();
+        let e = format!("{:#}", resolve_model(&second.display().to_string()).unwrap_err());
+        assert!(e.contains("tiny-00001-of-00002.gguf"), "{e}");
+        let e = format!("{:#}", resolve_model(&dir.display().to_string()).unwrap_err());
+        assert!(e.contains("config.json"), "a folder without a checkpoint: {e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

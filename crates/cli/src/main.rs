@@ -4,18 +4,23 @@ mod args;
 mod compare;
 mod exec;
 mod experiment;
+mod llama_cpp;
 mod models;
+mod output;
 mod plan;
 mod plots;
 mod profile;
 mod repro;
 mod sim;
 mod sweep;
+#[cfg(test)]
+mod testfiles;
 mod validate;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use output::Format;
 
 /// Plan, simulate and run xLM inference on GPUs whose VRAM is too small for the model.
 #[derive(Debug, Parser)]
@@ -23,13 +28,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-/// Output format of table commands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -56,7 +54,8 @@ enum Command {
     /// Reproduce the paper's Table 4 or Figure 2 in the simulator, side by side with the paper; calibrate.
     #[command(subcommand)]
     Repro(repro::ReproCommand),
-    /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--json`: the plan).
+    /// Plan one workload: per-layer placement per phase, VRAM breakdown, predicted times (`--format json`: the
+    /// plan).
     Plan(plan::PlanArgs),
 }
 

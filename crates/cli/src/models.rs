@@ -5,7 +5,7 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, Tensor, UnitId};
 use serde::Serialize;
 
-use crate::Format;
+use crate::output::{Format, render};
 
 /// One catalog row.
 #[derive(Debug, Serialize)]
@@ -101,10 +101,7 @@ pub fn table(rows: &[ModelRow]) -> String {
 
 pub fn run(format: Format) -> anyhow::Result<()> {
     let rows = rows();
-    match format {
-        Format::Table => print!("{}", table(&rows)),
-        Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-    }
+    print!("{}", render(format, "models", &rows, || table(&rows))?);
     Ok(())
 }
 

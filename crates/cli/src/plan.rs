@@ -1,6 +1,6 @@
 //! `pipeshard plan`: run one planner on one workload and show the plan: per phase a placement map (one line per
-//! layer), the VRAM breakdown against the budget and the predicted times; `--json` prints the plan itself and
-//! `--llama-cpp` the llama.cpp flags that come closest to it.
+//! layer), the VRAM breakdown against the budget and the predicted times; `--format json` prints the plan itself
+//! and `--llama-cpp` the llama.cpp flags that come closest to it.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -11,22 +11,26 @@ use clap::builder::PossibleValuesParser;
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, UnitId};
-use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
-use pipeshard_core::plan::{PhasePlan, Placement, Plan, Prediction, VramBreakdown};
+use pipeshard_core::model::ModelSpec;
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, Prediction, VramBreakdown};
 use pipeshard_core::workload::Workload;
 use pipeshard_core::{GIB, MIB};
 use pipeshard_planner::estimate::Estimator;
 use pipeshard_planner::{NAMES, Objective, PlannerOptions, with_options};
+use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::resolve_model;
+use crate::output::{self, Format};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Catalog model (`nemo-8b`, or truncated: `qwen3-30b-a3b@2L`) or the path of an HF `config.json`.
+    /// Catalog model (`nemo-8b`, or truncated: `qwen3-30b-a3b@2L`), a `.gguf` file, an HF checkpoint folder
+    /// (config.json + safetensors) or an HF `config.json`.
     #[arg(long)]
     model: String,
-    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …).
+    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …); GGUF files and
+    /// checkpoint folders say their own.
     #[arg(long, default_value = "bf16")]
     weights: String,
     /// Keep only the first N decoder layers (what `exhaustive` needs for larger models).
@@ -61,12 +65,18 @@ pub struct PlanArgs {
     /// `ngl` only: offload exactly N layers (llama.cpp `-ngl N`) instead of the largest N that fits.
     #[arg(long)]
     ngl: Option<u32>,
-    /// Print the plan as JSON (the format `sim run --plan` reads).
-    #[arg(long)]
-    json: bool,
-    /// Also print the llama.cpp flags closest to the plan.
+    /// `table`: the placement map; `csv`/`md`: a row per phase and unit; `json`: the plan itself (the file
+    /// `sim run --plan` and `exec run --plan` read).
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Also print the llama.cpp flags closest to the plan (on stderr outside `--format table`).
     #[arg(long)]
     llama_cpp: bool,
+    /// Instead of planning, the plan llama.cpp runs with these flags (`"-ngl 20 -ot 'blk\.(1|2)\.ffn_.*=CPU'
+    /// -c 16384 -ub 512 -fa on"`; a whole `llama-server …` line works): `-c`, `-ub`, `-np` and `-fa` replace
+    /// --ctx, --ubatch, --batch and flash attention (`-ub` defaults to llama.cpp's 512).
+    #[arg(long, allow_hyphen_values = true, conflicts_with_all = ["planner", "ngl", "objective"])]
+    from_llama_cpp: Option<String>,
 }
 
 /// Phase two of argument handling: the rich objects the planner needs.
@@ -79,23 +89,11 @@ struct Request {
 }
 
 fn load_model(a: &PlanArgs) -> anyhow::Result<ModelSpec> {
-    let path = Path::new(&a.model);
-    let spec = if path.extension().is_some_and(|e| e == "json") || path.is_file() {
+    let mut spec = resolve_model(&a.model)?;
+    if Path::new(&a.model).extension().is_some_and(|e| e == "json") {
         let dtype: DType = a.weights.parse().with_context(|| format!("--weights `{}`", a.weights))?;
-        // `models/Qwen3-8B/config.json` is "Qwen3-8B"; `llama-3.1-8b.config.json` is "llama-3.1-8b".
-        let stem = path.file_name().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
-        let name = match stem.strip_suffix("config.json").map(|s| s.trim_end_matches('.')) {
-            Some("") => path
-                .parent()
-                .and_then(|p| p.file_name())
-                .map_or(stem.clone(), |s| s.to_string_lossy().into_owned()),
-            Some(prefix) => prefix.to_string(),
-            None => stem.trim_end_matches(".json").to_string(),
-        };
-        load_hf_config(path, &name, WeightFormat::uniform(dtype))?
-    } else {
-        resolve_model(&a.model)?
-    };
+        spec = spec.with_uniform_weights(dtype);
+    }
     match a.layers {
         Some(n) => spec.truncated(n).with_context(|| format!("--layers {n}")),
         None => Ok(spec),
@@ -132,22 +130,64 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
     let r = request(a)?;
     let profile = load_profile(&r.profile_name)?;
     let cost = TableCostModel::new(&profile);
-    let planner = with_options(&a.planner, &r.options).expect("clap checks the planner name");
-    let plan = planner
-        .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
-        .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?;
+    let plan = match &a.from_llama_cpp {
+        Some(text) => {
+            let flags = crate::llama_cpp::Flags::parse(text)?;
+            let prompt =
+                a.prompt_tokens.as_deref().map(parse_tokens).transpose().context("--prompt-tokens")?;
+            flags.plan(&r.spec, r.workload.ctx, prompt, r.workload.gen_tokens, &cost, r.budget_bytes)?
+        }
+        None => with_options(&a.planner, &r.options)
+            .expect("clap checks the planner name")
+            .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
+            .with_context(|| format!("planning {} within {}", r.spec.name, a.budget))?,
+    };
     let inv = Inventory::new(&r.spec);
     plan.validate(&inv).context("the planner produced an invalid plan (a bug)")?;
-    if a.json {
-        println!("{}", plan.to_json());
-    } else {
-        let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
-        print!("{}", render(&plan, &inv, &est, &profile.machine.name));
+    match a.format {
+        Format::Json => println!("{}", plan.to_json()),
+        f => {
+            let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
+            let rows = placement_rows(&plan, &r.spec, &inv);
+            print!(
+                "{}",
+                output::render(f, "plan", &rows, || render(&plan, &inv, &est, &profile.machine.name))?
+            );
+        }
     }
     if a.llama_cpp {
-        print!("{}", llama_cpp_flags(&plan, &inv));
+        let flags = crate::llama_cpp::describe(&plan, &inv);
+        if a.format == Format::Table { print!("{flags}") } else { eprint!("{flags}") }
     }
     Ok(())
+}
+
+/// One unit's placement in one phase.
+#[derive(Debug, Serialize)]
+struct PlacementRow {
+    phase: PhaseKind,
+    unit: String,
+    layer: Option<u32>,
+    placement: Placement,
+    /// Weight bytes (KV units: the phase's KV bytes of the layer).
+    bytes: u64,
+}
+
+/// Every unit of both phases, in execution order.
+fn placement_rows(plan: &Plan, spec: &ModelSpec, inv: &Inventory) -> Vec<PlacementRow> {
+    let kv_layer = plan.workload.kv_bytes_per_layer(spec);
+    plan.phases()
+        .iter()
+        .flat_map(|p| {
+            p.placements.iter().map(|u| PlacementRow {
+                phase: p.phase,
+                unit: u.unit.to_string(),
+                layer: u.unit.layer(),
+                placement: u.placement,
+                bytes: if matches!(u.unit, UnitId::Kv { .. }) { kv_layer } else { inv.unit_bytes(u.unit) },
+            })
+        })
+        .collect()
 }
 
 /// Bytes for people: `7.93 GiB`, `210.4 MiB`, `12 KiB`.
@@ -300,86 +340,6 @@ fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str) -> Strin
     out
 }
 
-/// Layer numbers as a regex alternation: `(0|1|2|17)`.
-fn alternation(layers: &[u32]) -> String {
-    format!("({})", layers.iter().map(u32::to_string).collect::<Vec<_>>().join("|"))
-}
-
-/// The llama.cpp flags closest to the plan's decode placement. llama.cpp has no streaming: streamed units stay
-/// in host memory (in prefill its op offload copies their weights per ubatch, unoverlapped).
-fn llama_cpp_flags(plan: &Plan, inv: &Inventory) -> String {
-    let p = &plan.decode;
-    let on_gpu = |id: UnitId| p.placement(id) == Some(Placement::Pinned);
-    let n_layers = inv.units.iter().filter_map(|u| u.id.layer()).max().map_or(0, |l| l + 1);
-    let w = &plan.workload;
-    let mut flags = vec![
-        format!("-c {}", w.ctx * w.batch),
-        format!("-ub {}", w.ubatch),
-        format!("-t {}", p.cpu_threads),
-        format!("-fa {}", if w.flash_attn { "on" } else { "off" }),
-    ];
-    let mut notes = Vec::new();
-    if plan.planner == "ngl" {
-        let n = (0..n_layers).filter(|&l| on_gpu(UnitId::Attn { layer: l })).count()
-            + usize::from(on_gpu(UnitId::Output));
-        flags.push(format!("-ngl {n}"));
-    } else {
-        flags.push("-ngl 999".into());
-        let cpu_attn: Vec<u32> = (0..n_layers).filter(|&l| !on_gpu(UnitId::Attn { layer: l })).collect();
-        let cpu_ffn: Vec<u32> = (0..n_layers)
-            .filter(|&l| {
-                inv.position(UnitId::Ffn { layer: l }).is_some() && !on_gpu(UnitId::Ffn { layer: l })
-            })
-            .collect();
-        // A layer's experts are one tensor in llama.cpp: they go where most of them are.
-        let cpu_experts: Vec<u32> = (0..n_layers)
-            .filter(|&l| {
-                let (mut gpu, mut all) = (0, 0);
-                for u in &inv.units {
-                    if matches!(u.id, UnitId::Expert { layer, .. } if layer == l) {
-                        all += 1;
-                        gpu += usize::from(on_gpu(u.id));
-                    }
-                }
-                all > 0 && 2 * gpu < all
-            })
-            .collect();
-        if !cpu_attn.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.attn_.*=CPU\"", alternation(&cpu_attn)));
-            notes.push(format!(
-                "llama.cpp keeps each layer's KV with `-ngl`, so the KV of the {} CPU-attention layers stays in VRAM \
-                 (add -nkvo to keep all KV on the host)",
-                cpu_attn.len()
-            ));
-        }
-        if !cpu_ffn.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.ffn_(gate|up|down)\\.weight=CPU\"", alternation(&cpu_ffn)));
-        }
-        let prefix = cpu_experts.iter().enumerate().all(|(i, &l)| l == i as u32);
-        if !cpu_experts.is_empty() && prefix {
-            flags.push(format!("--n-cpu-moe {}", cpu_experts.len()));
-        } else if !cpu_experts.is_empty() {
-            flags.push(format!("-ot \"blk\\.{}\\.ffn_.*_exps\\.weight=CPU\"", alternation(&cpu_experts)));
-        }
-        if !on_gpu(UnitId::Output) {
-            flags.push("-ot \"^output\\.weight=CPU\"".into());
-        }
-        if p.placements.iter().any(|u| u.placement == Placement::Streamed) {
-            notes.push("streamed units are left in host memory: llama.cpp cannot stream them".into());
-        }
-        if plan.prefill.placements != plan.decode.placements {
-            notes.push(
-                "llama.cpp uses one placement for both phases: these flags follow the decode plan".into(),
-            );
-        }
-    }
-    let mut out = format!("\nllama.cpp: llama-cli -m MODEL.gguf {}\n", flags.join(" "));
-    for n in notes {
-        let _ = writeln!(out, "  # {n}");
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -432,8 +392,25 @@ mod tests {
             assert!(text.contains(needle), "missing {needle}:\n{text}");
         }
         assert!(!text.contains("blk.3 "), "{text}");
-        let flags = llama_cpp_flags(&plan, &inv);
+        let flags = crate::llama_cpp::describe(&plan, &inv);
         assert!(flags.contains("-ngl") && flags.contains("-ub 1024"), "{flags}");
+        // The rows list every unit once per phase, weights and KV at their sizes.
+        let rows = placement_rows(&plan, &r.spec, &inv);
+        assert_eq!(rows.len(), 2 * inv.units.len());
+        let decode_bytes: u64 = rows.iter().filter(|x| x.phase == PhaseKind::Decode).map(|x| x.bytes).sum();
+        assert_eq!(decode_bytes, inv.total_bytes() + 3 * r.workload.kv_bytes_per_layer(&r.spec));
+        let csv = output::csv(&rows).unwrap();
+        assert!(csv.starts_with("phase,unit,layer,placement,bytes\nprefill,token_embd,,"), "{csv}");
+    }
+
+    #[test]
+    fn llama_cpp_flags_are_one_argument() {
+        let line =
+            ["plan", "--model", "nemo-4b@2L", "--budget", "2G", "--from-llama-cpp", "-ngl 1 -c 4096 -fa off"];
+        let a = Wrap::try_parse_from(line).unwrap().a;
+        assert_eq!(a.from_llama_cpp.as_deref(), Some("-ngl 1 -c 4096 -fa off"));
+        let e = Wrap::try_parse_from(line.into_iter().chain(["--planner", "ilp"])).unwrap_err().to_string();
+        assert!(e.contains("cannot be used with"), "{e}");
     }
 
     #[test]
@@ -444,7 +421,7 @@ mod tests {
             .unwrap()
             .plan(&r.spec, &r.workload, &cost, r.budget_bytes)
             .unwrap();
-        let flags = llama_cpp_flags(&plan, &Inventory::new(&r.spec));
+        let flags = crate::llama_cpp::describe(&plan, &Inventory::new(&r.spec));
         assert!(flags.contains("-ngl 5 ") || flags.ends_with("-ngl 5\n"), "{flags}");
         assert!(flags.contains("-fa off"), "{flags}");
     }

@@ -10,9 +10,9 @@ use pipeshard_core::metrics::Resource;
 use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
 use pipeshard_sim::{SimOptions, Simulation, Simulator};
 
-use crate::Format;
 use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::{self, Cell, Experiment, resolve_model};
+use crate::output::{self, Format};
 use crate::sweep::gib;
 
 #[derive(Debug, Subcommand)]
@@ -25,7 +25,8 @@ pub enum SimCommand {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Catalog model, optionally truncated: `nemo-8b`, `qwen3-30b-a3b@2L` (default: the plan's model).
+    /// Catalog model, `.gguf` file, HF checkpoint folder or config.json, optionally truncated: `nemo-8b`,
+    /// `qwen3-30b-a3b@2L`, `models/q4.gguf@4L` (default: the plan's model).
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
     /// Context the KV cache is allocated for (tokens; `16K` = 16384).
@@ -68,7 +69,8 @@ pub struct SweepArgs {
     /// An experiment file; list flags below are ignored when given.
     #[arg(long)]
     experiment: Option<PathBuf>,
-    /// Models (comma-separated or repeated; default: the paper's four LLMs).
+    /// Models: catalog names, `.gguf` files or HF checkpoint folders (comma-separated or repeated; default:
+    /// the paper's four LLMs).
     #[arg(long, value_delimiter = ',', default_values_t = ["nemo-4b", "nemo-8b", "qwen3-30b-a3b", "qwen3-235b-a22b"].map(String::from))]
     model: Vec<String>,
     #[arg(long, value_delimiter = ',', default_values_t = ["1K", "4K", "16K", "64K"].map(String::from))]
@@ -95,6 +97,9 @@ pub struct SweepArgs {
     /// Skip the PNG plots.
     #[arg(long)]
     no_plots: bool,
+    /// Format of the printed summary (the files written are the same).
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
 }
 
 /// The command line as typed, for provenance.
@@ -136,7 +141,7 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
             if let Some(n) = &a.name {
                 e.name.clone_from(n);
             }
-            crate::sweep::sweep(&e, &a.out_dir, &command_line(), !a.no_plots)
+            crate::sweep::sweep(&e, &a.out_dir, &command_line(), !a.no_plots, a.format)
         }
     }
 }
@@ -186,26 +191,80 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
         std::fs::write(path, trace.to_json()).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {} (open it in https://ui.perfetto.dev)", path.display());
     }
-    match a.format {
-        Format::Table => print!("{}", render(&plan, &a.profile, &sim)),
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "model": plan.model,
-                "planner": plan.planner,
-                "profile": a.profile,
-                "workload": plan.workload,
-                "vram_budget_bytes": plan.budget_bytes,
-                "metrics": sim.metrics,
-                "switch_ns": sim.switch_ns,
-                "plan_vram": [plan.prefill.vram, plan.decode.vram],
-                "sim_vram": sim.vram_used,
-                "steps_simulated": sim.steps_simulated,
-                "steps_total": sim.steps_total,
-            }))?
-        ),
-    }
+    let out = match a.format {
+        Format::Json => {
+            output::json(
+                "sim_run",
+                serde_json::json!({
+                    "model": plan.model,
+                    "planner": plan.planner,
+                    "profile": a.profile,
+                    "workload": plan.workload,
+                    "vram_budget_bytes": plan.budget_bytes,
+                    "metrics": sim.metrics,
+                    "switch_ns": sim.switch_ns,
+                    "plan_vram": [plan.prefill.vram, plan.decode.vram],
+                    "sim_vram": sim.vram_used,
+                    "steps_simulated": sim.steps_simulated,
+                    "steps_total": sim.steps_total,
+                }),
+            )? + "\n"
+        }
+        f => output::render(f, "sim_run", &[SimRow::new(&plan, &a.profile, &sim)], || {
+            render(&plan, &a.profile, &sim)
+        })?,
+    };
+    print!("{out}");
     Ok(())
+}
+
+/// `sim run` as one CSV/Markdown row: the cell and its headline metrics.
+#[derive(Debug, serde::Serialize)]
+struct SimRow<'a> {
+    model: &'a str,
+    planner: &'a str,
+    profile: &'a str,
+    ctx: u64,
+    prompt_tokens: u64,
+    gen_tokens: u64,
+    ubatch: u64,
+    batch: u64,
+    vram_budget_bytes: u64,
+    ttft_ms: f64,
+    tps: f64,
+    e2el_ms: f64,
+    decode_step_ms: f64,
+    sim_vram_peak_bytes: u64,
+    plan_prefill_vram_bytes: u64,
+    plan_decode_vram_bytes: u64,
+    steps_simulated: u64,
+    steps_total: u64,
+}
+
+impl<'a> SimRow<'a> {
+    fn new(plan: &'a Plan, profile: &'a str, sim: &Simulation) -> SimRow<'a> {
+        let (w, m) = (&plan.workload, &sim.metrics);
+        SimRow {
+            model: &plan.model,
+            planner: &plan.planner,
+            profile,
+            ctx: w.ctx,
+            prompt_tokens: w.prompt_tokens,
+            gen_tokens: w.gen_tokens,
+            ubatch: w.ubatch,
+            batch: w.batch,
+            vram_budget_bytes: plan.budget_bytes,
+            ttft_ms: m.ttft_ms(),
+            tps: m.tps,
+            e2el_ms: m.e2el_ms(),
+            decode_step_ms: m.decode_step_ns as f64 / 1e6,
+            sim_vram_peak_bytes: m.vram_peak_bytes,
+            plan_prefill_vram_bytes: plan.prefill.vram.total(),
+            plan_decode_vram_bytes: plan.decode.vram.total(),
+            steps_simulated: sim.steps_simulated,
+            steps_total: sim.steps_total,
+        }
+    }
 }
 
 /// A line of the VRAM table: its label and the category it reads.

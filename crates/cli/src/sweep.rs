@@ -24,6 +24,7 @@ use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile};
 use crate::experiment::{Cell, Experiment};
+use crate::output::{Format, render};
 
 /// How a cell ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -366,10 +367,26 @@ fn geomean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| (v.iter().map(|x| x.ln()).sum::<f64>() / v.len() as f64).exp())
 }
 
-/// The summary: per model × context, each planner's TPS and TTFT speed-up over the baseline (`ngl` if swept,
-/// else the first planner), geometric mean over the budgets (best ubatch per budget) where both found a plan.
+/// One line of the summary: a planner's speed-ups over the baseline on one model × context.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SummaryRow {
+    pub model: String,
+    pub ctx: u64,
+    pub planner: String,
+    pub baseline: String,
+    /// Cells of this model × context (every planner, budget and ubatch) that found a plan, and all of them.
+    pub cells_planned: usize,
+    pub cells: usize,
+    /// Geometric means over the budgets where both found a plan (best ubatch per budget); none if no budget.
+    pub tps_speedup: Option<f64>,
+    pub ttft_speedup: Option<f64>,
+}
+
+/// The summary rows: per model × context, each planner's TPS and TTFT speed-up over the baseline (`ngl` if
+/// swept, else the first planner), geometric mean over the budgets (best ubatch per budget) where both found a
+/// plan.
 #[must_use]
-pub fn summary(e: &Experiment, results: &[CellResult]) -> String {
+pub fn summary_rows(e: &Experiment, results: &[CellResult]) -> Vec<SummaryRow> {
     let baseline = if e.planners.iter().any(|p| p == "ngl") { "ngl" } else { e.planners[0].as_str() };
     // (model, ctx, planner, budget) → best (tps, ttft_ns) over ubatches.
     let mut best: BTreeMap<(&str, u64, &str, u64), (f64, u64)> = BTreeMap::new();
@@ -383,28 +400,16 @@ pub fn summary(e: &Experiment, results: &[CellResult]) -> String {
         e.0 = e.0.max(m.tps);
         e.1 = e.1.min(m.ttft_ns);
     }
-    let others: Vec<&String> = e.planners.iter().filter(|p| *p != baseline).collect();
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "speed-up over {baseline}: TPS× / TTFT×, geometric mean over budgets where both found a plan (best ubatch)"
-    );
-    let _ = write!(s, "{:<20} {:>5} {:>7}", "model", "ctx", "plans");
     let budgets = e.budgets();
-    for p in &others {
-        let _ = write!(s, " {p:>15}");
-    }
-    s.push('\n');
+    let mut rows = Vec::new();
     for m in e.models() {
         for ctx in e.contexts() {
-            let ok =
-                results.iter().filter(|r| r.cell.model == *m && r.cell.ctx == ctx && r.run.is_some()).count();
-            let total = results.iter().filter(|r| r.cell.model == *m && r.cell.ctx == ctx).count();
-            if total == 0 {
+            let group = || results.iter().filter(|r| r.cell.model == *m && r.cell.ctx == ctx);
+            let cells = group().count();
+            if cells == 0 {
                 continue;
             }
-            let _ = write!(s, "{m:<20} {:>5} {:>7}", format_tokens(ctx), format!("{ok}/{total}"));
-            for p in &others {
+            for p in e.planners.iter().filter(|p| *p != baseline) {
                 let (mut tps, mut ttft) = (Vec::new(), Vec::new());
                 for &b in &budgets {
                     let (Some(x), Some(base)) = (
@@ -420,20 +425,63 @@ pub fn summary(e: &Experiment, results: &[CellResult]) -> String {
                         ttft.push(base.1 as f64 / x.1 as f64);
                     }
                 }
-                let cell = match (geomean(&tps), geomean(&ttft)) {
-                    (Some(a), Some(b)) => format!("{a:.2}/{b:.2}"),
-                    _ => "—".into(),
-                };
-                let _ = write!(s, " {cell:>15}");
+                rows.push(SummaryRow {
+                    model: m.clone(),
+                    ctx,
+                    planner: p.clone(),
+                    baseline: baseline.into(),
+                    cells_planned: group().filter(|r| r.run.is_some()).count(),
+                    cells,
+                    tps_speedup: geomean(&tps),
+                    ttft_speedup: geomean(&ttft),
+                });
             }
-            s.push('\n');
         }
+    }
+    rows
+}
+
+/// The summary table: a line per model × context, a column per planner with its `TPS× / TTFT×`.
+#[must_use]
+pub fn summary(e: &Experiment, rows: &[SummaryRow]) -> String {
+    let baseline = if e.planners.iter().any(|p| p == "ngl") { "ngl" } else { e.planners[0].as_str() };
+    let others: Vec<&String> = e.planners.iter().filter(|p| *p != baseline).collect();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "speed-up over {baseline}: TPS× / TTFT×, geometric mean over budgets where both found a plan (best ubatch)"
+    );
+    let _ = write!(s, "{:<20} {:>5} {:>7}", "model", "ctx", "plans");
+    for p in &others {
+        let _ = write!(s, " {p:>15}");
+    }
+    s.push('\n');
+    let mut groups: Vec<(&str, u64)> = rows.iter().map(|r| (r.model.as_str(), r.ctx)).collect();
+    groups.dedup();
+    for (m, ctx) in groups {
+        let line: Vec<&SummaryRow> = rows.iter().filter(|r| r.model == m && r.ctx == ctx).collect();
+        let plans = format!("{}/{}", line[0].cells_planned, line[0].cells);
+        let _ = write!(s, "{m:<20} {:>5} {plans:>7}", format_tokens(ctx));
+        for r in line {
+            let cell = match (r.tps_speedup, r.ttft_speedup) {
+                (Some(a), Some(b)) => format!("{a:.2}/{b:.2}"),
+                _ => "—".into(),
+            };
+            let _ = write!(s, " {cell:>15}");
+        }
+        s.push('\n');
     }
     s
 }
 
 /// Runs an experiment and writes its results under `out_dir/<name>/`.
-pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyhow::Result<()> {
+pub fn sweep(
+    e: &Experiment,
+    out_dir: &Path,
+    command: &str,
+    plots: bool,
+    format: Format,
+) -> anyhow::Result<()> {
     // Read before the run: the results it writes are themselves uncommitted changes.
     let commit = git_commit();
     let t0 = Instant::now();
@@ -473,7 +521,15 @@ pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyh
     written.push(prov_path);
 
     let count = |s: Status| results.iter().filter(|r| r.status == s).count();
-    println!(
+    // Outside `table`, stdout holds only the summary rows.
+    let report = |line: String| {
+        if format == Format::Table {
+            println!("{line}");
+        } else {
+            eprintln!("{line}");
+        }
+    };
+    report(format!(
         "sweep {}: {} models × {} contexts × {} budgets × {} planners = {} cells on {} in {:.1} s \
          ({ok} planned, {} infeasible, {} unsupported, {} errors)",
         e.name,
@@ -487,27 +543,54 @@ pub fn sweep(e: &Experiment, out_dir: &Path, command: &str, plots: bool) -> anyh
         count(Status::Infeasible),
         count(Status::Unsupported),
         count(Status::Error),
-    );
-    print!("{}", summary(e, &results));
-    println!("{}", planning_times(&e.planners, &results));
-    println!("{}", vram_check(&results));
+    ));
+    let rows = summary_rows(e, &results);
+    print!("{}", render(format, "sweep_summary", &rows, || summary(e, &rows))?);
+    report(planning_times(&e.planners, &results));
+    report(vram_check(&results));
     if let Some(r) = results.iter().find(|r| r.status == Status::Error) {
-        println!(
+        report(format!(
             "first error: {} ctx {} budget {} {}: {}",
             r.cell.model,
             format_tokens(r.cell.ctx),
             format_bytes(r.cell.budget_bytes),
             r.cell.planner,
             r.reason
-        );
+        ));
     }
-    println!("wrote {}", written.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+    report(format!(
+        "wrote {}",
+        written.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    ));
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The summary's rows and its table say the same: one row per model × context × non-baseline planner.
+    #[test]
+    fn summary_rows_and_table_agree() {
+        let f = toml::from_str(
+            "models = [\"nemo-4b@2L\"]\nctx = [\"1K\", \"4K\"]\nbudgets = [\"1G\", \"2G\"]\nplanners = [\"ngl\", \"greedy\", \"ilp\"]",
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "s").unwrap();
+        let cost = TableCostModel::new(&load_profile("cli3").unwrap());
+        let results = run_cells(&e.cells(), &e.specs().unwrap(), &cost, false);
+        let rows = summary_rows(&e, &results);
+        assert_eq!(rows.len(), 2 * 2, "2 contexts × (greedy, ilp)");
+        assert!(rows.iter().all(|r| r.baseline == "ngl" && r.cells == 6), "{rows:?}");
+        let r = &rows[1];
+        assert_eq!((r.ctx, r.planner.as_str()), (1024, "ilp"));
+        let speedup = r.tps_speedup.expect("both plan at 2G");
+        let text = summary(&e, &rows);
+        let line = text.lines().find(|l| l.starts_with("nemo-4b@2L") && l.contains(" 1K ")).unwrap();
+        assert!(line.contains(&format!("{speedup:.2}/")), "{line}");
+        let md = render(Format::Md, "sweep_summary", &rows, String::new).unwrap();
+        assert_eq!(md.lines().count(), 2 + rows.len());
+    }
 
     #[test]
     fn dates_are_civil() {

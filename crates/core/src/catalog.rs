@@ -146,7 +146,9 @@ pub fn get(name: &str) -> Result<ModelSpec, CatalogError> {
 /// A model name the catalog does not hold.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CatalogError {
-    #[error("unknown model `{name}`; built-in models: {known} (or pass a path to a config.json)")]
+    #[error(
+        "unknown model `{name}`; built-in models: {known} (or pass the path of a .gguf file, an HF checkpoint folder or a config.json)"
+    )]
     Unknown { name: String, known: String },
 }
 

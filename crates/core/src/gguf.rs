@@ -13,7 +13,8 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
-use crate::model::{FfnKind, ModelSpec, MoeConfig, NormKind, TextConfig, WeightFormat};
+use crate::inventory::Inventory;
+use crate::model::{FfnKind, ModelSpec, MoeConfig, NormKind, StoredTensor, TextConfig, WeightFormat};
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,6 +137,10 @@ pub enum GgufError {
         "{file}: GGUF version {found} is not supported (this reader takes versions 2 and 3; convert v1 files with llama.cpp's gguf tools)"
     )]
     Version { file: String, found: u32 },
+    #[error(
+        "{file}: a big-endian GGUF file; this reader takes little-endian files (convert it with llama.cpp's gguf tools)"
+    )]
+    BigEndian { file: String },
     #[error("{file}: truncated at byte {offset} while reading {field} (file ends early; re-download it)")]
     Truncated { file: String, offset: u64, field: String },
     #[error("{file}: byte {offset}: {field} is {value}, {problem}")]
@@ -300,6 +305,9 @@ pub fn parse<R: Read>(file: &str, source: R, len: u64, split: u32) -> Result<Ggu
         return Err(GgufError::Magic { file: file.into(), found: magic });
     }
     let version = r.u32("version")?;
+    if (2..=3).contains(&version.swap_bytes()) {
+        return Err(GgufError::BigEndian { file: file.into() });
+    }
     if !(2..=3).contains(&version) {
         return Err(GgufError::Version { file: file.into(), found: version });
     }
@@ -369,14 +377,22 @@ pub fn parse<R: Read>(file: &str, source: R, len: u64, split: u32) -> Result<Ggu
                 ));
             }
         };
-        if bytes > len {
-            return Err(r.invalid(
-                &format!("tensor `{name}`"),
-                format!("{bytes} bytes"),
-                &format!("is larger than the file ({len} bytes)"),
-            ));
-        }
         tensors.push(GgufTensorInfo { name, dims, ggml_type, dtype, bytes, offset, split });
+    }
+    // Tensor data starts at the next multiple of the alignment after the header; a file that ends before its
+    // last tensor's data is an interrupted download.
+    let data_start = r.offset.next_multiple_of(alignment);
+    for t in &tensors {
+        let end = data_start.saturating_add(t.offset).saturating_add(t.bytes);
+        if end > len {
+            return Err(GgufError::Invalid {
+                file: file.into(),
+                offset: data_start + t.offset,
+                field: format!("tensor `{}` data", t.name),
+                value: format!("{} bytes ending at byte {end}", t.bytes),
+                problem: format!("past the end of the file ({len} bytes): it is truncated; re-download it"),
+            });
+        }
     }
     Ok(GgufHeader { version, metadata, tensors, alignment, files: vec![PathBuf::from(file)] })
 }
@@ -454,22 +470,9 @@ impl GgufHeader {
         }
     }
 
-    /// The format most tensors whose name ends with `suffix` are stored in.
-    fn format_of(&self, suffix: &str) -> Option<DType> {
-        let mut counts: Vec<(DType, usize)> = Vec::new();
-        for t in self.tensors.iter().filter(|t| t.name.ends_with(suffix)) {
-            let Some(d) = t.dtype else { continue };
-            match counts.iter_mut().find(|(x, _)| *x == d) {
-                Some(c) => c.1 += 1,
-                None => counts.push((d, 1)),
-            }
-        }
-        counts.into_iter().max_by_key(|c| c.1).map(|c| c.0)
-    }
-
-    /// The architecture the header describes, as a [`ModelSpec`] named `name`. The weight format per tensor
-    /// class is the one most of that class's tensors use; [`crate::inventory::Inventory::from_gguf`] gives the
-    /// exact per-tensor formats.
+    /// The model the header describes, as a [`ModelSpec`] named `name` that carries every tensor's format and
+    /// exact bytes ([`ModelSpec::stored`]), checked against the layout of its architecture: every tensor the
+    /// layout expects is in the file with that shape, and every tensor of the file has a place.
     pub fn model_spec(&self, name: &str) -> Result<ModelSpec, GgufError> {
         let arch_v = self.get("general.architecture");
         let arch = arch_v
@@ -575,26 +578,31 @@ impl GgufHeader {
             max_position: self.meta_u64(&k("context_length")).unwrap_or(4096),
             moe,
         };
-        let matrices = self.format_of("attn_q.weight").unwrap_or(DType::F16);
-        let fmt = |suffix: &str| self.format_of(suffix).unwrap_or(matrices);
-        let weights = WeightFormat {
-            token_embd: fmt("token_embd.weight"),
-            output: fmt("output.weight"),
-            attn_q: fmt("attn_q.weight"),
-            attn_k: fmt("attn_k.weight"),
-            attn_v: fmt("attn_v.weight"),
-            attn_output: fmt("attn_output.weight"),
-            ffn_gate: fmt("ffn_gate.weight"),
-            ffn_up: fmt("ffn_up.weight"),
-            ffn_down: fmt("ffn_down.weight"),
-            ffn_down_more_bits: None,
-            expert_gate_up: fmt("ffn_gate_exps.weight"),
-            expert_down: fmt("ffn_down_exps.weight"),
-            router: fmt("ffn_gate_inp.weight"),
-            vision: matrices,
-            norms: fmt("attn_norm.weight"),
+        let stored: Vec<StoredTensor> = self
+            .tensors
+            .iter()
+            .map(|t| StoredTensor {
+                name: t.name.clone(),
+                shape: t.dims.iter().rev().copied().collect(),
+                dtype: t.dtype.expect("the reader rejects types it does not model"),
+                bytes: t.bytes,
+            })
+            .collect();
+        let spec = ModelSpec {
+            name: name.into(),
+            text,
+            vision: None,
+            weights: WeightFormat::from_stored(&stored),
+            stored,
         };
-        Ok(ModelSpec { name: name.into(), text, vision: None, weights })
+        Inventory::check_stored(&spec).map_err(|m| GgufError::Invalid {
+            file: self.files.first().map_or_else(String::new, |f| f.display().to_string()),
+            offset: 0,
+            field: format!("tensor `{}`", m.tensor),
+            value: m.value,
+            problem: m.problem,
+        })?;
+        Ok(spec)
     }
 }
 
@@ -714,6 +722,12 @@ mod tests {
         let mut bad = b.clone();
         bad[0] = b'X';
         assert!(matches!(parse_bytes(&bad), Err(GgufError::Magic { .. })));
+        let mut big = b.clone();
+        big[4..8].copy_from_slice(&3u32.to_be_bytes());
+        assert!(matches!(parse_bytes(&big), Err(GgufError::BigEndian { .. })));
+        // The header is whole but the data of the last tensor is cut off.
+        let e = parse("m.gguf", &b[..], b.len() as u64 + 1000, 0).unwrap_err().to_string();
+        assert!(e.contains("token_embd.weight` data") && e.contains("re-download"), "{e}");
         let mut v1 = b.clone();
         v1[4] = 1;
         assert!(parse_bytes(&v1).unwrap_err().to_string().contains("version 1"));
@@ -728,6 +742,39 @@ mod tests {
         assert!(parse_bytes(&odd_row).unwrap_err().to_string().contains("multiple of 256"));
         let unknown = write_header(&[], &[("x", &[32], 20, 0)]);
         assert!(parse_bytes(&unknown).unwrap_err().to_string().contains("does not model"));
+    }
+
+    /// Every value type of the GGUF v3 spec (0..=12), nested arrays included, reads back as written, and
+    /// `general.alignment` moves where tensor data may start.
+    #[test]
+    fn every_metadata_type_round_trips() {
+        let all = vec![
+            ("t.u8", GgufValue::U8(200)),
+            ("t.i8", GgufValue::I8(-100)),
+            ("t.u16", GgufValue::U16(60_000)),
+            ("t.i16", GgufValue::I16(-30_000)),
+            ("t.u32", GgufValue::U32(4_000_000_000)),
+            ("t.i32", GgufValue::I32(-2_000_000_000)),
+            ("t.f32", GgufValue::F32(1.5e-5)),
+            ("t.bool", GgufValue::Bool(true)),
+            ("t.string", GgufValue::String("héllo".into())),
+            (
+                "t.array",
+                GgufValue::Array(vec![GgufValue::Array(vec![GgufValue::I16(-1), GgufValue::I16(2)])]),
+            ),
+            ("t.u64", GgufValue::U64(u64::MAX)),
+            ("t.i64", GgufValue::I64(i64::MIN)),
+            ("t.f64", GgufValue::F64(-2.5e300)),
+            ("general.alignment", GgufValue::U32(64)),
+        ];
+        let bytes = write_header(&all, &[("x", &[32], 0, 64)]);
+        let h = parse_bytes(&bytes).unwrap();
+        assert_eq!(h.metadata, all.iter().map(|(k, v)| ((*k).to_string(), v.clone())).collect::<Vec<_>>());
+        assert_eq!((h.alignment, h.tensors[0].offset), (64, 64));
+        let e = parse_bytes(&write_header(&all, &[("x", &[32], 0, 32)])).unwrap_err().to_string();
+        assert!(e.contains("alignment 64"), "{e}");
+        let odd = write_header(&[("general.alignment", GgufValue::U32(48))], &[]);
+        assert!(parse_bytes(&odd).unwrap_err().to_string().contains("power of two"));
     }
 
     #[test]

@@ -18,8 +18,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
-use crate::gguf::{GgufError, GgufHeader};
-use crate::model::{FfnKind, ModelSpec, NormKind};
+use crate::model::{FfnKind, ModelSpec, NormKind, StoredTensor};
 
 /// What a tensor is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -438,6 +437,54 @@ impl Builder<'_> {
     }
 }
 
+/// RoPE frequency factors some GGUF files carry once for all layers.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// A stored tensor that does not fit a model's layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutMismatch {
+    pub tensor: String,
+    pub value: String,
+    pub problem: String,
+}
+
+impl Builder<'_> {
+    /// Takes each tensor's format and bytes from the model file (`spec.stored`). A stored tensor the layout
+    /// lacks is `rope_freqs.weight` (it goes with the token embedding) or belongs to a layer that truncation
+    /// cut off: [`Inventory::check_stored`] refused anything else when the file was read.
+    fn apply_stored(&mut self) {
+        let by_name: BTreeMap<&str, &StoredTensor> =
+            self.spec.stored.iter().map(|t| (t.name.as_str(), t)).collect();
+        for t in &mut self.tensors {
+            if let Some(s) = by_name.get(t.name.as_str()) {
+                t.dtype = s.dtype;
+                t.bytes = s.bytes;
+            }
+        }
+        if let Some(rope) = by_name.get(ROPE_FREQS) {
+            self.tensors.push(Tensor {
+                name: rope.name.clone(),
+                layer: None,
+                role: Role::TokenEmbd,
+                shape: rope.shape.clone(),
+                dtype: rope.dtype,
+                bytes: rope.bytes,
+            });
+            let idx = self.tensors.len() - 1;
+            let embd = self.units.iter_mut().find(|u| u.id == UnitId::TokenEmbd).expect("built above");
+            embd.parts.push(TensorPart { tensor: idx, expert: None, bytes: 0 });
+        }
+        let n_experts = self.spec.text.moe.as_ref().map_or(1, |m| u64::from(m.n_experts));
+        for u in &mut self.units {
+            for p in &mut u.parts {
+                let bytes = self.tensors[p.tensor].bytes;
+                p.bytes = if p.expert.is_some() { bytes / n_experts } else { bytes };
+            }
+            u.weight_bytes = u.parts.iter().map(|p| p.bytes).sum();
+        }
+    }
+}
+
 /// llama.cpp's `use_more_bits(i, n)`: the first and last eighth of the layers and every third one between.
 #[must_use]
 pub fn uses_more_bits(layer: u32, n_layers: u32) -> bool {
@@ -475,77 +522,47 @@ impl Inventory {
             ));
         }
         b.unit(UnitId::Output, &out);
+        if !spec.stored.is_empty() {
+            b.apply_stored();
+        }
         let index = b.units.iter().enumerate().map(|(i, u)| (u.id, i)).collect();
         Inventory { tensors: b.tensors, units: b.units, index }
     }
 
-    /// The inventory of a GGUF file: `spec`'s layout (from [`GgufHeader::model_spec`]) with every tensor's
-    /// format and bytes as the file stores them. Every tensor the layout expects must be in the file with the
-    /// same shape, and every tensor of the file must have a place (`rope_freqs.weight`, shared by all layers,
-    /// goes with the token embedding).
-    pub fn from_gguf(spec: &ModelSpec, header: &GgufHeader) -> Result<Inventory, GgufError> {
-        let file = header.files.first().map_or_else(String::new, |f| f.display().to_string());
-        let invalid = |field: String, value: String, problem: String| GgufError::Invalid {
-            file: file.clone(),
-            offset: 0,
-            field,
-            value,
-            problem,
-        };
-        let mut inv = Inventory::new(spec);
-        let by_name: BTreeMap<&str, &crate::gguf::GgufTensorInfo> =
-            header.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        for t in &mut inv.tensors {
-            let g = by_name.get(t.name.as_str()).ok_or_else(|| {
-                invalid(
-                    format!("tensor `{}`", t.name),
-                    "missing".into(),
-                    format!("the {} layout needs it", spec.name),
-                )
-            })?;
-            let dims: Vec<u64> = g.dims.iter().rev().copied().collect();
-            if dims != t.shape {
-                return Err(invalid(
-                    format!("tensor `{}` dims", t.name),
-                    format!("{:?}", g.dims),
-                    format!("expected {:?} (innermost first)", t.shape.iter().rev().collect::<Vec<_>>()),
-                ));
+    /// Checks a spec's [`ModelSpec::stored`] tensors against its layout: every tensor the layout expects is
+    /// stored with the same shape, and every stored tensor has a place (`rope_freqs.weight`, shared by all
+    /// layers, goes with the token embedding). Model-file readers call it once; [`Inventory::new`] then trusts
+    /// the stored formats.
+    pub fn check_stored(spec: &ModelSpec) -> Result<(), LayoutMismatch> {
+        let layout = Inventory::new(&ModelSpec { stored: Vec::new(), ..spec.clone() });
+        let by_name: BTreeMap<&str, &StoredTensor> =
+            spec.stored.iter().map(|t| (t.name.as_str(), t)).collect();
+        for t in &layout.tensors {
+            let Some(s) = by_name.get(t.name.as_str()) else {
+                return Err(LayoutMismatch {
+                    tensor: t.name.clone(),
+                    value: "missing".into(),
+                    problem: format!("the {} layout needs it (shape {:?})", spec.name, t.shape),
+                });
+            };
+            if s.shape != t.shape {
+                return Err(LayoutMismatch {
+                    tensor: t.name.clone(),
+                    value: format!("shape {:?}", s.shape),
+                    problem: format!("the {} layout expects {:?} (rows first)", spec.name, t.shape),
+                });
             }
-            t.dtype = g.dtype.expect("the reader rejects types it does not model");
-            t.bytes = g.bytes;
         }
-        for g in &header.tensors {
-            if inv.tensors.iter().any(|t| t.name == g.name) {
-                continue;
+        for s in &spec.stored {
+            if s.name != ROPE_FREQS && !layout.tensors.iter().any(|t| t.name == s.name) {
+                return Err(LayoutMismatch {
+                    tensor: s.name.clone(),
+                    value: format!("shape {:?}", s.shape),
+                    problem: format!("has no place in the {} layout", spec.name),
+                });
             }
-            if g.name != "rope_freqs.weight" {
-                return Err(invalid(
-                    format!("tensor `{}`", g.name),
-                    format!("{:?}", g.dims),
-                    format!("has no place in the {} layout", spec.name),
-                ));
-            }
-            inv.tensors.push(Tensor {
-                name: g.name.clone(),
-                layer: None,
-                role: Role::TokenEmbd,
-                shape: g.dims.iter().rev().copied().collect(),
-                dtype: g.dtype.expect("the reader rejects types it does not model"),
-                bytes: g.bytes,
-            });
-            let idx = inv.tensors.len() - 1;
-            let embd = inv.index[&UnitId::TokenEmbd];
-            inv.units[embd].parts.push(TensorPart { tensor: idx, expert: None, bytes: g.bytes });
         }
-        let n_experts = spec.text.moe.as_ref().map_or(1, |m| u64::from(m.n_experts));
-        for u in &mut inv.units {
-            for p in &mut u.parts {
-                let bytes = inv.tensors[p.tensor].bytes;
-                p.bytes = if p.expert.is_some() { bytes / n_experts } else { bytes };
-            }
-            u.weight_bytes = u.parts.iter().map(|p| p.bytes).sum();
-        }
-        Ok(inv)
+        Ok(())
     }
 
     /// Total weight bytes of the model.
@@ -713,8 +730,13 @@ mod tests {
             let header = parse("m.gguf", &bytes[..], 1 << 40, 0).unwrap();
             let read = header.model_spec(&spec.name).unwrap();
             assert_eq!(read.text, spec.text, "{name}");
-            let from_file = Inventory::from_gguf(&read, &header).unwrap();
+            let from_file = Inventory::new(&read);
             let vt = &inv.tensors[v];
+            // Every other tensor is the catalog's, exactly: name, layer, role, shape, format and bytes.
+            assert_eq!(from_file.tensors.len(), inv.tensors.len());
+            for (a, b) in from_file.tensors.iter().zip(&inv.tensors).filter(|(a, _)| a.name != vt.name) {
+                assert_eq!(a, b, "{name}");
+            }
             let expect =
                 inv.total_bytes() - vt.bytes + DType::Q8_0.tensor_bytes(vt.shape[1], vt.shape[0]).unwrap();
             assert_eq!(from_file.total_bytes(), expect, "{name}");

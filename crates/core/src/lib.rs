@@ -5,6 +5,7 @@
 //! - [`catalog`]: the built-in models (the paper's four LLMs, its VLM, and two common 8B models);
 //! - [`dtype`]: weight formats with GGUF block sizes; a tensor's exact bytes;
 //! - [`gguf`]: a GGUF header reader (metadata, tensor infos, split files) and the spec it describes;
+//! - [`checkpoint`]: HF checkpoint folders (config.json + safetensors headers) and the spec they describe;
 //! - [`inventory`]: every tensor of a spec and the placement [`inventory::Unit`]s they group into;
 //! - [`workload`]: prefill chunks and decode steps, and the [`workload::Op`]s each runs (FLOPs, bytes, unit);
 //! - [`profile`]: the versioned machine [`profile::Profile`];
@@ -19,6 +20,7 @@
 //! cudarc, or do I/O beyond reading a file a caller names.
 
 pub mod catalog;
+pub mod checkpoint;
 pub mod cost;
 pub mod dtype;
 pub mod gguf;

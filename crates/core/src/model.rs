@@ -143,6 +143,53 @@ impl WeightFormat {
     }
 }
 
+/// One tensor as a model file stores it: its GGUF-style name, shape (rows first), format and exact bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    pub bytes: u64,
+}
+
+impl WeightFormat {
+    /// The format most stored tensors of each class use (a quantisation mix varies some layers; the
+    /// inventory takes the exact format of each tensor from [`ModelSpec::stored`]). Classes without tensors
+    /// take the format of `attn_q` (f16 if there is none).
+    #[must_use]
+    pub fn from_stored(stored: &[StoredTensor]) -> WeightFormat {
+        let most = |suffix: &str| {
+            let mut counts: Vec<(DType, usize)> = Vec::new();
+            for t in stored.iter().filter(|t| t.name.ends_with(suffix)) {
+                match counts.iter_mut().find(|(d, _)| *d == t.dtype) {
+                    Some(c) => c.1 += 1,
+                    None => counts.push((t.dtype, 1)),
+                }
+            }
+            counts.into_iter().max_by_key(|c| c.1).map(|c| c.0)
+        };
+        let matrices = most("attn_q.weight").unwrap_or(DType::F16);
+        let fmt = |suffix: &str| most(suffix).unwrap_or(matrices);
+        WeightFormat {
+            token_embd: fmt("token_embd.weight"),
+            output: fmt("output.weight"),
+            attn_q: matrices,
+            attn_k: fmt("attn_k.weight"),
+            attn_v: fmt("attn_v.weight"),
+            attn_output: fmt("attn_output.weight"),
+            ffn_gate: fmt("ffn_gate.weight"),
+            ffn_up: fmt("ffn_up.weight"),
+            ffn_down: fmt("ffn_down.weight"),
+            ffn_down_more_bits: None,
+            expert_gate_up: fmt("ffn_gate_exps.weight"),
+            expert_down: fmt("ffn_down_exps.weight"),
+            router: fmt("ffn_gate_inp.weight"),
+            vision: matrices,
+            norms: fmt("attn_norm.weight"),
+        }
+    }
+}
+
 /// A complete model description.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
@@ -150,6 +197,11 @@ pub struct ModelSpec {
     pub text: TextConfig,
     pub vision: Option<VisionConfig>,
     pub weights: WeightFormat,
+    /// Every tensor as the model file holds it (GGUF, safetensors), checked against the layout when the file
+    /// was read; the inventory takes each tensor's format and bytes from here. Empty for catalog and
+    /// `config.json` models, whose formats come from `weights`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stored: Vec<StoredTensor>,
 }
 
 impl ModelSpec {
@@ -196,10 +248,10 @@ impl ModelSpec {
         Ok(spec)
     }
 
-    /// The same architecture with every matrix stored as `dtype` (norms stay f32).
+    /// The same architecture with every matrix stored as `dtype` (norms f32), forgetting the file's formats.
     #[must_use]
     pub fn with_uniform_weights(&self, dtype: DType) -> ModelSpec {
-        ModelSpec { weights: WeightFormat::uniform(dtype), ..self.clone() }
+        ModelSpec { weights: WeightFormat::uniform(dtype), stored: Vec::new(), ..self.clone() }
     }
 }
 
@@ -402,7 +454,7 @@ pub fn parse_hf_config(
         moe,
     };
     let vision = if model_type == "qwen2_5_vl" { Some(parse_vision(&top, text.hidden)?) } else { None };
-    Ok(ModelSpec { name: name.into(), text, vision, weights })
+    Ok(ModelSpec { name: name.into(), text, vision, weights, stored: Vec::new() })
 }
 
 fn parse_vision(top: &Fields<'_>, text_hidden: u64) -> Result<VisionConfig, ConfigError> {

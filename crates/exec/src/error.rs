@@ -47,6 +47,9 @@ pub enum ExecError {
     /// Bad input (tokens out of range, empty prompt, context overflow).
     #[error("invalid input: {0}")]
     Input(String),
+    /// Weights could not be loaded from a checkpoint.
+    #[error("cannot load weights from {file}: tensor `{tensor}` {problem}")]
+    Checkpoint { file: String, tensor: String, problem: String },
     /// Writing an export (safetensors, config) failed.
     #[error("cannot write {path}: {reason}")]
     Io { path: String, reason: String },

@@ -2,25 +2,27 @@
 //! independent implementation (PyTorch/transformers on the GPU machine, `scripts/hf_compare.py`) can compute
 //! logits from exactly the same numbers.
 //!
-//! Names follow transformers' Llama/Qwen3/Qwen3-MoE/Nemotron modules (experts one module each, the classic
-//! checkpoint layout; `scripts/hf_compare.py` fuses them where transformers keeps them as 3-D tensors). Mistral-style models (nemo-8b) are exported as
+//! Names follow transformers' Llama/Qwen3/Qwen3-MoE/Nemotron modules ([`pipeshard_core::checkpoint::hf_name`],
+//! the table the checkpoint reader uses in reverse; experts one module each, the classic checkpoint layout, which
+//! `scripts/hf_compare.py` fuses where transformers keeps them as 3-D tensors). Mistral-style models (nemo-8b)
+//! are exported as
 //! `llama` with an explicit `head_dim`: without a sliding window the two compute the same function. Nemotron's
 //! `layernorm1p` stores `weight − 1` (exact in f32 for weights in [0.5, 2]).
 
 use std::collections::HashMap;
 use std::path::Path;
 
+use pipeshard_core::checkpoint::hf_name;
 use pipeshard_core::model::{FfnKind, NormKind};
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
-use crate::weights::ModelWeights;
+use crate::weights::{Dims, ModelWeights};
 
 /// transformers' `model_type` for the executor's model.
 #[must_use]
-pub fn model_type(w: &ModelWeights) -> &'static str {
-    let d = &w.dims;
+pub fn model_type(d: &Dims) -> &'static str {
     if d.moe.is_some() {
         "qwen3_moe"
     } else if d.norm == NormKind::LayerNorm && d.ffn_kind == FfnKind::ReluSquared {
@@ -34,62 +36,18 @@ pub fn model_type(w: &ModelWeights) -> &'static str {
     }
 }
 
-/// The transformers name of one of our tensors (`expert`: which expert's slice of a merged `*_exps` tensor).
+/// What transformers stores less than our value of tensor `name`: 1 for nemotron's norm weights
+/// (`layernorm1p` stores weight − 1), else 0. Export subtracts it, loading adds it back.
 #[must_use]
-pub fn hf_name(name: &str, expert: Option<usize>) -> Option<String> {
-    let map = |s: &str| -> Option<&'static str> {
-        Some(match s {
-            "attn_norm.weight" => "input_layernorm.weight",
-            "attn_norm.bias" => "input_layernorm.bias",
-            "attn_q.weight" => "self_attn.q_proj.weight",
-            "attn_k.weight" => "self_attn.k_proj.weight",
-            "attn_v.weight" => "self_attn.v_proj.weight",
-            "attn_q.bias" => "self_attn.q_proj.bias",
-            "attn_k.bias" => "self_attn.k_proj.bias",
-            "attn_v.bias" => "self_attn.v_proj.bias",
-            "attn_output.weight" => "self_attn.o_proj.weight",
-            "attn_q_norm.weight" => "self_attn.q_norm.weight",
-            "attn_k_norm.weight" => "self_attn.k_norm.weight",
-            "ffn_norm.weight" => "post_attention_layernorm.weight",
-            "ffn_norm.bias" => "post_attention_layernorm.bias",
-            "ffn_gate.weight" => "mlp.gate_proj.weight",
-            "ffn_up.weight" => "mlp.up_proj.weight",
-            "ffn_down.weight" => "mlp.down_proj.weight",
-            "ffn_gate_inp.weight" => "mlp.gate.weight",
-            _ => return None,
-        })
-    };
-    let expert_proj = |s: &str| -> Option<&'static str> {
-        Some(match s {
-            "ffn_gate_exps.weight" => "gate_proj",
-            "ffn_up_exps.weight" => "up_proj",
-            "ffn_down_exps.weight" => "down_proj",
-            _ => return None,
-        })
-    };
-    match name {
-        "token_embd.weight" => Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => Some("model.norm.weight".into()),
-        "output_norm.bias" => Some("model.norm.bias".into()),
-        "output.weight" => Some("lm_head.weight".into()),
-        _ => {
-            let rest = name.strip_prefix("blk.")?;
-            let (layer, tail) = rest.split_once('.')?;
-            match expert {
-                Some(e) => {
-                    Some(format!("model.layers.{layer}.mlp.experts.{e}.{}.weight", expert_proj(tail)?))
-                }
-                None => Some(format!("model.layers.{layer}.{}", map(tail)?)),
-            }
-        }
-    }
+pub fn norm_offset(d: &Dims, name: &str) -> f32 {
+    if model_type(d) == "nemotron" && name.contains("norm.weight") { 1.0 } else { 0.0 }
 }
 
 /// transformers `config.json` for the executor's model.
 #[must_use]
 pub fn config_json(w: &ModelWeights, max_position: usize) -> serde_json::Value {
     let d = &w.dims;
-    let mt = model_type(w);
+    let mt = model_type(d);
     let mut c = serde_json::json!({
         "model_type": mt,
         "architectures": [match mt { "nemotron" => "NemotronForCausalLM", "qwen3" => "Qwen3ForCausalLM", "qwen3_moe" => "Qwen3MoeForCausalLM", "qwen2" => "Qwen2ForCausalLM", _ => "LlamaForCausalLM" }],
@@ -142,11 +100,10 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
         reason: e.to_string(),
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, &e))?;
-    let nemotron = model_type(w) == "nemotron";
     let mut owned: Vec<(String, Owned)> = Vec::new();
     for u in w.units() {
         for t in &u.tensors {
-            let Some(name) = hf_name(&t.name, t.expert) else {
+            let Some(name) = hf_name(&t.name, t.expert.map(|e| e as u32)) else {
                 return Err(ExecError::UnsupportedModel {
                     model: w.spec.name.clone(),
                     what: format!("tensor {} in a transformers export", t.name),
@@ -154,10 +111,11 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
                 });
             };
             let mut data = u.bytes_at(t.offset, t.bytes).to_vec();
-            if nemotron && t.name.contains("norm.weight") {
-                for i in 0..t.bytes / 4 {
-                    let v = Elem::F32.read(&data, i) - 1.0;
-                    Elem::F32.write(&mut data, i, v);
+            let offset = norm_offset(&w.dims, &t.name);
+            if offset != 0.0 {
+                for i in 0..t.bytes / t.elem.size_bytes() {
+                    let v = t.elem.read(&data, i) - offset;
+                    t.elem.write(&mut data, i, v);
                 }
             }
             let dtype = match t.elem {
@@ -195,7 +153,7 @@ mod tests {
             let mut names = std::collections::HashSet::new();
             for u in w.units() {
                 for t in &u.tensors {
-                    let n = hf_name(&t.name, t.expert);
+                    let n = hf_name(&t.name, t.expert.map(|e| e as u32));
                     assert!(n.as_ref().is_some_and(|n| names.insert(n.clone())), "{} {:?}", t.name, n);
                 }
             }
@@ -223,6 +181,78 @@ mod tests {
         let cfg: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["model_type"], "nemotron");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Exported weights read back through the checkpoint path are the same bytes, the checkpoint's spec has
+    /// the same sizes, and the CPU path computes bit-identical logits from them.
+    #[test]
+    fn exported_checkpoints_load_back_to_identical_logits() {
+        use pipeshard_core::checkpoint::Checkpoint;
+        use pipeshard_core::inventory::Inventory;
+        use pipeshard_core::model::TextConfig;
+        use pipeshard_core::plan::Placement;
+        use pipeshard_core::workload::Workload;
+
+        use crate::testing::{manual_plan, random_tokens};
+        use crate::{RunOptions, run};
+
+        for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec()] {
+            let w = ModelWeights::random(&spec, 9).unwrap();
+            let dir =
+                std::env::temp_dir().join(format!("pipeshard-load-{}-{}", spec.name, std::process::id()));
+            export(&w, &dir, 4096).unwrap();
+            let ck = Checkpoint::open(&dir).unwrap();
+            let exact = ck.model_spec(&spec.name).unwrap();
+            assert_eq!(Inventory::new(&exact).total_bytes(), w.inventory.total_bytes(), "{}", spec.name);
+            // config.json carries the f32 epsilon the kernels use.
+            assert_eq!((exact.text.norm_eps as f32).to_bits(), (spec.text.norm_eps as f32).to_bits());
+            let text = TextConfig { norm_eps: spec.text.norm_eps, ..exact.text.clone() };
+            assert_eq!(text, spec.text, "{}: config.json round trip", spec.name);
+            let loaded = ModelWeights::from_checkpoint(&spec, &ck).unwrap();
+            for (a, b) in w.units().iter().zip(loaded.units()) {
+                assert!(a.buf.as_slice() == b.buf.as_slice(), "{}: unit {} differs", spec.name, a.id);
+            }
+            let wl = Workload::single(12, 64, 3, 8);
+            let plan = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
+            let prompt = random_tokens(12, w.dims.vocab, 4);
+            let opts = RunOptions { prompt, gen_tokens: 3, force_tokens: None, keep_logits: true };
+            let (a, b) = (run(&w, &plan, None, &opts).unwrap(), run(&loaded, &plan, None, &opts).unwrap());
+            assert!(!a.logits.is_empty());
+            assert_eq!((a.tokens, a.logits), (b.tokens, b.logits), "{}", spec.name);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    /// Another format converts (f16 checkpoint into bf16 buffers, rounded); a checkpoint of another shape is
+    /// refused naming the tensor.
+    #[test]
+    fn checkpoints_convert_formats_and_refuse_other_shapes() {
+        use pipeshard_core::checkpoint::Checkpoint;
+        use pipeshard_core::dtype::DType;
+        use pipeshard_core::inventory::UnitId;
+
+        let f16_spec = tiny_spec().with_uniform_weights(DType::F16);
+        let w = ModelWeights::random(&f16_spec, 2).unwrap();
+        let dir = std::env::temp_dir().join(format!("pipeshard-conv-{}", std::process::id()));
+        export(&w, &dir, 4096).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let bf = ModelWeights::from_checkpoint(&tiny_spec(), &ck).unwrap();
+        let (u16, ubf) =
+            (w.unit(UnitId::Ffn { layer: 1 }).unwrap(), bf.unit(UnitId::Ffn { layer: 1 }).unwrap());
+        let (t16, tbf) = (u16.tensor("ffn_up.weight").unwrap(), ubf.tensor("ffn_up.weight").unwrap());
+        assert_eq!((t16.elem, tbf.elem), (Elem::F16, Elem::Bf16));
+        for i in 0..t16.bytes / 2 {
+            let x = Elem::F16.read(u16.bytes_at(t16.offset, t16.bytes), i);
+            assert_eq!(
+                Elem::Bf16.read(ubf.bytes_at(tbf.offset, tbf.bytes), i).to_bits(),
+                Elem::Bf16.round(x).to_bits()
+            );
+        }
+        let mut wider = tiny_spec();
+        wider.text.ffn = 512;
+        let e = ModelWeights::from_checkpoint(&wider, &ck).unwrap_err().to_string();
+        assert!(e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[512, 128]"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,5 +1,6 @@
 //! Model geometry and weights: every tensor of a decoder (dense, or Qwen3-MoE with routed experts),
-//! random-initialised from a seed. An expert's unit holds its slices of the merged `*_exps` tensors.
+//! random-initialised from a seed or loaded from an HF checkpoint ([`ModelWeights::from_checkpoint`]). An
+//! expert's unit holds its slices of the merged `*_exps` tensors.
 //!
 //! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
 //! [`ModelWeights::random`] fills one page-aligned host buffer per placement unit, with the unit's tensors laid
@@ -10,13 +11,19 @@
 //! same spec and seed give the same bytes whatever the thread count.
 
 use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use pipeshard_core::checkpoint::{Checkpoint, hf_name};
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::{FfnKind, ModelSpec, NormKind};
 use rayon::prelude::*;
+use safetensors::Dtype;
 
 use crate::error::{ExecError, Result};
+use crate::hf;
 use crate::host::{Elem, HostBuf};
 
 /// Alignment of tensors inside a unit (host and device): enough for vector loads and cuBLAS.
@@ -306,7 +313,7 @@ pub struct ModelWeights {
     pub inventory: Inventory,
     /// Its geometry.
     pub dims: Dims,
-    /// The seed the values come from (0 for [`ModelWeights::zeroed`]).
+    /// The seed the values come from (0 for [`ModelWeights::zeroed`] and [`ModelWeights::from_checkpoint`]).
     pub seed: u64,
     units: Vec<UnitWeights>,
     index: HashMap<UnitId, usize>,
@@ -435,19 +442,113 @@ fn unit_kind(id: UnitId, tensors: &[TensorSlot]) -> Result<UnitKind> {
     })
 }
 
+/// Where a tensor's values come from.
+enum Values<'a> {
+    /// Left zero.
+    Zero,
+    /// Drawn from a seed.
+    Random(u64),
+    /// Read from a checkpoint's safetensors files (each file opened once).
+    Checkpoint(&'a Checkpoint, HashMap<PathBuf, File>),
+}
+
+impl Values<'_> {
+    /// Fills one tensor's bytes.
+    fn fill(&mut self, out: &mut [u8], t: &TensorSlot, dims: &Dims) -> Result<()> {
+        match self {
+            Values::Zero => Ok(()),
+            Values::Random(seed) => {
+                let first_elem = t.expert.map_or(0, |e| (e * t.bytes / t.elem.size_bytes()) as u64);
+                fill(out, t.elem, *seed, &t.name, &t.shape, first_elem);
+                Ok(())
+            }
+            Values::Checkpoint(ck, files) => read_tensor(ck, files, out, t, dims),
+        }
+    }
+}
+
+/// Reads our tensor `t` from the checkpoint into `out`, converting its dtype to `t.elem` (exact when widening,
+/// round to nearest even when narrowing) and undoing the storage conventions of transformers ([`hf::norm_offset`]).
+/// Bytes are read with positioned reads straight into the host buffer: one copy, no mapping of whole shards.
+fn read_tensor(
+    ck: &Checkpoint,
+    files: &mut HashMap<PathBuf, File>,
+    out: &mut [u8],
+    t: &TensorSlot,
+    dims: &Dims,
+) -> Result<()> {
+    let err = |file: &Path, problem: String| ExecError::Checkpoint {
+        file: file.display().to_string(),
+        tensor: hf_name(&t.name, None).unwrap_or_else(|| t.name.clone()),
+        problem,
+    };
+    if t.expert.is_some() {
+        return Err(ExecError::UnsupportedModel {
+            model: dims.model.clone(),
+            what: format!("routed experts from a checkpoint ({})", t.name),
+            hint: "the checkpoint loader reads dense decoders; run MoE models with random weights (--seed)"
+                .into(),
+        });
+    }
+    let Some(ct) = ck.tensor(&t.name) else {
+        return Err(err(&ck.config, format!("is missing (the {} layout needs {})", dims.model, t.name)));
+    };
+    let shape: Vec<usize> = ct.shape.iter().map(|&d| d as usize).collect();
+    if shape != t.shape {
+        return Err(err(
+            &ct.file,
+            format!("has shape {shape:?}, the {} layout expects {:?}", dims.model, t.shape),
+        ));
+    }
+    let from = match ct.dtype {
+        Dtype::F32 => Elem::F32,
+        Dtype::F16 => Elem::F16,
+        Dtype::BF16 => Elem::Bf16,
+        other => {
+            return Err(err(&ct.file, format!("is {other:?}; convert the checkpoint to bf16, f16 or f32")));
+        }
+    };
+    let file = match files.entry(ct.file.clone()) {
+        std::collections::hash_map::Entry::Occupied(f) => f.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert(File::open(&ct.file).map_err(|e| err(&ct.file, format!("cannot be read: {e}")))?)
+        }
+    };
+    let read = |buf: &mut [u8]| {
+        file.read_exact_at(buf, ct.file_offset).map_err(|e| err(&ct.file, format!("cannot be read: {e}")))
+    };
+    let offset = hf::norm_offset(dims, &t.name);
+    if from == t.elem && offset == 0.0 {
+        return read(out);
+    }
+    let mut raw = vec![0u8; ct.bytes as usize];
+    read(&mut raw)?;
+    for i in 0..out.len() / t.elem.size_bytes() {
+        t.elem.write(out, i, from.read(&raw, i) + offset);
+    }
+    Ok(())
+}
+
 impl ModelWeights {
     /// Random weights for `spec` from `seed`.
     pub fn random(spec: &ModelSpec, seed: u64) -> Result<ModelWeights> {
-        Self::build(spec, Some(seed))
+        Self::build(spec, Values::Random(seed))
     }
 
     /// All-zero weights with the real layout (no values are drawn or touched): for layout and budget checks
     /// that need the executor's unit sizes but will not compute.
     pub fn zeroed(spec: &ModelSpec) -> Result<ModelWeights> {
-        Self::build(spec, None)
+        Self::build(spec, Values::Zero)
     }
 
-    fn build(spec: &ModelSpec, seed: Option<u64>) -> Result<ModelWeights> {
+    /// The weights of an HF checkpoint ([`Checkpoint::open`]) laid out as `spec` stores them: every tensor of
+    /// `spec`'s layout is read under its transformers name and converted to `spec`'s formats (bf16/f16 matrices,
+    /// f32 norms). A tensor that is missing or has another shape is an error naming it.
+    pub fn from_checkpoint(spec: &ModelSpec, checkpoint: &Checkpoint) -> Result<ModelWeights> {
+        Self::build(spec, Values::Checkpoint(checkpoint, HashMap::new()))
+    }
+
+    fn build(spec: &ModelSpec, mut values: Values<'_>) -> Result<ModelWeights> {
         let dims = Dims::new(spec)?;
         let inventory = Inventory::new(spec);
         let mut units = Vec::new();
@@ -487,23 +588,14 @@ impl ModelWeights {
                 other => other,
             })?;
             let mut buf = HostBuf::zeroed(bytes);
-            if let Some(seed) = seed {
-                for t in &tensors {
-                    let first_elem = t.expert.map_or(0, |e| (e * t.bytes / t.elem.size_bytes()) as u64);
-                    fill(
-                        &mut buf.as_mut_slice()[t.offset..t.offset + t.bytes],
-                        t.elem,
-                        seed,
-                        &t.name,
-                        &t.shape,
-                        first_elem,
-                    );
-                }
+            for t in &tensors {
+                values.fill(&mut buf.as_mut_slice()[t.offset..t.offset + t.bytes], t, &dims)?;
             }
             index.insert(unit.id, units.len());
             units.push(UnitWeights { id: unit.id, kind, tensors, bytes, buf });
         }
-        Ok(ModelWeights { spec: spec.clone(), inventory, dims, seed: seed.unwrap_or(0), units, index })
+        let seed = if let Values::Random(seed) = values { seed } else { 0 };
+        Ok(ModelWeights { spec: spec.clone(), inventory, dims, seed, units, index })
     }
 
     /// The weights of a unit (none for KV units).
