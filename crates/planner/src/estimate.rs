@@ -353,6 +353,9 @@ pub struct Estimator {
     pub gen_tokens: u64,
     /// Weight bytes by inventory position.
     pub unit_bytes: Vec<u64>,
+    /// Per unit, the weights op offload stages in VRAM at once when the unit is CPU-resident: its largest
+    /// prefill op's (a layer's CPU routed experts are staged together: their count × one expert).
+    pub offload_stage_bytes: Vec<u64>,
 }
 
 /// What identifies an op's cost: class, tokens, format, FLOPs and bytes, and its shape.
@@ -414,7 +417,7 @@ impl Estimator {
         let kv_layer_bytes = w.kv_bytes_per_layer_of(inv);
         let kv_tok = spec.kv_bytes_per_token_layer(w.kv_dtype);
         let ctx = Ctx { spec, inv, w, cost, st: &structure, unit_bytes: &unit_bytes, kv_layer_bytes };
-        let prefill = ctx.prefill_costs(&mut times);
+        let (prefill, offload_stage_bytes) = ctx.prefill_costs(&mut times);
         let decode = ctx.decode_costs(&mut times);
         Estimator {
             prefill,
@@ -427,6 +430,7 @@ impl Estimator {
             cpu_threads: threads,
             gen_tokens: w.gen_tokens,
             unit_bytes,
+            offload_stage_bytes,
             structure,
         }
     }
@@ -488,6 +492,27 @@ impl Estimator {
     pub fn vram(&self, phase: PhaseKind, layout: &Layout) -> VramBreakdown {
         let scratch = if self.uses_gpu(layout) { self.costs(phase).scratch_bytes } else { 0 };
         self.vram_with_scratch(layout, scratch)
+    }
+
+    /// The VRAM breakdown of a layout run with llama.cpp's op offload in prefill (if `op_offload`): the scratch
+    /// also holds the largest batch of weights staged at once, as the simulator and the executor stage them.
+    #[must_use]
+    pub fn vram_offload(&self, phase: PhaseKind, layout: &Layout, op_offload: bool) -> VramBreakdown {
+        if !op_offload || phase != PhaseKind::Prefill {
+            return self.vram(phase, layout);
+        }
+        self.vram_with_scratch(layout, self.prefill.scratch_bytes + self.offload_staged_bytes(layout))
+    }
+
+    /// The most weight bytes op offload stages in VRAM at once for `layout`: the largest prefill op of a
+    /// CPU-resident unit, or all of a layer's CPU routed experts (one op), as the simulator and executor copy
+    /// them.
+    #[must_use]
+    pub fn offload_staged_bytes(&self, layout: &Layout) -> u64 {
+        let st = &self.structure;
+        let plain = st.plain.iter().filter(|&&p| layout.placements[p] == Placement::Cpu);
+        let experts = st.layers.iter().zip(&layout.experts).map(|(lu, c)| u64::from(c[2]) * lu.expert_bytes);
+        plain.map(|&p| self.offload_stage_bytes[p]).chain(experts).max().unwrap_or(0)
     }
 
     /// The VRAM breakdown of a layout with a given scratch line.
@@ -768,9 +793,10 @@ impl Ctx<'_> {
         (self.cost.host_sync_ns() + self.cost.h2d_ns(hidden_bytes, true)) as f64
     }
 
-    fn prefill_costs(&self, times: &mut OpTimes<'_>) -> PhaseCosts {
+    fn prefill_costs(&self, times: &mut OpTimes<'_>) -> (PhaseCosts, Vec<u64>) {
         let chunks = self.w.prefill_chunks();
         let mut units = self.empty();
+        let mut stage = vec![0u64; units.len()];
         let mut handoff_ns = 0.0;
         let mut scratch: u64 = 0;
         // Chunks of one shape run the same ops but attention; count them per (tokens, last).
@@ -787,6 +813,15 @@ impl Ctx<'_> {
         for &(tokens, _, phase, count) in &shapes {
             let step_ops = ops(self.spec, self.inv, self.w, phase);
             let offload = tokens >= OP_OFFLOAD_MIN_TOKENS;
+            // What op offload would stage: ops of enough tokens with weights (not row gathers); experts below.
+            let staged = |o: &&Op| {
+                o.tokens >= OP_OFFLOAD_MIN_TOKENS && !matches!(o.kind, OpKind::Experts { .. } | OpKind::Embed)
+            };
+            for op in step_ops.iter().filter(staged) {
+                if let Some(pos) = self.inv.position(op.unit) {
+                    stage[pos] = stage[pos].max(op.weight_bytes as u64);
+                }
+            }
             for op in step_ops.iter().filter(|o| o.kind.class() != OpClass::Attention) {
                 self.charge(&mut units, times, op, count as f64, offload);
             }
@@ -805,8 +840,8 @@ impl Ctx<'_> {
                     .find(|o| o.kind.class() == OpClass::Attention)
                     .expect("every layer has attention")
             });
+            let (gpu, cpu) = times.of(&op);
             for l in &self.st.layers {
-                let (gpu, cpu) = times.of(&op);
                 let u = &mut units[l.kv];
                 u.gpu_ns += gpu;
                 u.cpu_ns += cpu;
@@ -814,14 +849,15 @@ impl Ctx<'_> {
                 u.cpu_dram_bytes += op.bytes();
             }
         }
-        PhaseCosts {
+        let costs = PhaseCosts {
             phase: PhaseKind::Prefill,
             steps: chunks.len() as u64,
             tier_tokens: chunks.iter().map(|c| c.tokens()).max().unwrap_or(0),
             units,
             handoff_ns,
             scratch_bytes: scratch,
-        }
+        };
+        (costs, stage)
     }
 
     fn decode_costs(&self, times: &mut OpTimes<'_>) -> PhaseCosts {

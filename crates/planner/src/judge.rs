@@ -1,0 +1,216 @@
+//! The simulator as the judge of a searching planner's candidates.
+//!
+//! The estimator sums work over units and so cannot see what depends on order and timing: a streamed MoE
+//! layer's expert copies wait for its router, a chunk starts with an empty ring, compute slows down while DMA
+//! shares host DRAM, CPU and GPU expert shares of a layer overlap. `ilp` therefore turns its solution into a
+//! few candidate layouts per phase — the program's, `greedy`'s, each with its ring deepened to what the budget
+//! allows (the estimator never needs more than two slots; the simulator's router barrier and per-chunk fill
+//! do), with its streaming dropped (streamed units back on the CPU), and in prefill with llama.cpp's op
+//! offload for the CPU-resident units — and lets [`pipeshard_sim`] pick.
+//!
+//! Each candidate pair is simulated once with few samples ([`JUDGE_OPTIONS`]); the phases are then combined
+//! freely: prefill candidate `i` with decode candidate `j` scores `prefill_i + switch(i, j) + decode_j`,
+//! with the switch timed as the simulator times it (one H2D copy of the re-uploaded bytes).
+
+use pipeshard_core::cost::CostModel;
+use pipeshard_core::inventory::Inventory;
+use pipeshard_core::model::ModelSpec;
+use pipeshard_core::plan::{PhaseKind, Placement};
+use pipeshard_core::workload::Workload;
+use pipeshard_sim::{SimOptions, Simulator};
+
+use crate::estimate::{Estimator, Layout};
+use crate::space::{Choice, Space};
+use crate::{Decision, Objective, assemble};
+
+/// Few samples: candidates differ by far more than the interpolation error.
+pub const JUDGE_OPTIONS: SimOptions =
+    SimOptions { prefill_samples: 2, decode_samples: 2, exact: false, trace: false };
+
+/// Largest ring a deepened candidate gets by default (pshard's rings of small experts reach 128 slots).
+pub const MAX_JUDGED_DEPTH: u32 = 128;
+
+/// A candidate layout of one phase; prefill ones may run llama.cpp's op offload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub layout: Layout,
+    pub op_offload: bool,
+}
+
+/// What the simulation of a pair of candidates gives each phase.
+struct Scored {
+    prefill: Candidate,
+    decode: Candidate,
+    prefill_ns: f64,
+    /// The decode steps (switch excluded).
+    decode_ns: f64,
+}
+
+/// The model, workload and machine a judgement runs on.
+pub struct Judge<'a> {
+    pub spec: &'a ModelSpec,
+    pub inv: &'a Inventory,
+    pub est: &'a Estimator,
+    pub workload: &'a Workload,
+    pub cost: &'a dyn CostModel,
+    pub budget_bytes: u64,
+    pub objective: Objective,
+    /// Largest ring a candidate may have.
+    pub max_depth: u32,
+}
+
+impl std::fmt::Debug for Judge<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Judge")
+            .field("model", &self.spec.name)
+            .field("budget_bytes", &self.budget_bytes)
+            .finish()
+    }
+}
+
+impl Judge<'_> {
+    /// The variants of a phase layout worth simulating (the layout itself first; only those that fit).
+    #[must_use]
+    pub fn variants(&self, phase: PhaseKind, layout: &Layout) -> Vec<Candidate> {
+        let est = self.est;
+        let plain = Candidate { layout: layout.clone(), op_offload: false };
+        let mut out = vec![plain];
+        if layout.streams(&est.structure) {
+            let mut deep = layout.clone();
+            deep.depth = self.deepest(phase, layout);
+            if deep.depth > layout.depth {
+                out.push(Candidate { layout: deep, op_offload: false });
+            }
+            out.push(Candidate { layout: unstreamed(est, layout), op_offload: false });
+        }
+        // CPU work streamed instead: what fits the current slot, and everything.
+        let slot = est.slot_bytes(layout);
+        for cap in [slot, u64::MAX].into_iter().filter(|&c| c > 0) {
+            let mut l = self.streamed_instead_of_cpu(layout, cap);
+            if l != *layout && l.streams(&est.structure) {
+                l.depth = 1;
+                l.depth = self.deepest(phase, &l);
+                out.push(Candidate { layout: l, op_offload: false });
+            }
+        }
+        if phase == PhaseKind::Prefill && est.prefill.tier_tokens >= crate::estimate::OP_OFFLOAD_MIN_TOKENS {
+            for c in out.clone() {
+                if self.fits(phase, &c.layout, true) {
+                    out.push(Candidate { op_offload: true, ..c });
+                }
+            }
+        }
+        out.retain(|c| self.fits(phase, &c.layout, c.op_offload));
+        out.dedup();
+        out
+    }
+
+    /// `layout` with every CPU group and routed expert whose slot would be at most `cap` bytes streamed.
+    fn streamed_instead_of_cpu(&self, layout: &Layout, cap: u64) -> Layout {
+        let est = self.est;
+        let space = Space::new(&est.structure);
+        let mut l = layout.clone();
+        let stream = Choice { weights: Placement::Streamed, kv: Placement::Streamed };
+        for (g, group) in space.groups.iter().enumerate() {
+            let largest = group.units.iter().map(|&u| est.unit_bytes[u]).max().unwrap_or(0);
+            // A streamed attention carries its streamed KV in its slot.
+            let need = group
+                .kv
+                .map_or(largest, |_| largest.max(est.unit_bytes[group.units[0]] + est.kv_layer_bytes));
+            if space.choice_of(&l, g).weights == Placement::Cpu && need <= cap {
+                space.apply(&mut l, g, stream);
+            }
+        }
+        for (c, lu) in l.experts.iter_mut().zip(&est.structure.layers) {
+            if lu.expert_bytes <= cap {
+                *c = [c[0], c[1] + c[2], 0];
+            }
+        }
+        l
+    }
+
+    /// `layout` unchanged as a candidate of `phase`, if it fits that phase's budget.
+    #[must_use]
+    pub fn as_is(&self, phase: PhaseKind, layout: &Layout) -> Option<Candidate> {
+        self.fits(phase, layout, false).then(|| Candidate { layout: layout.clone(), op_offload: false })
+    }
+
+    /// The deepest ring (up to [`MAX_JUDGED_DEPTH`]) the budget leaves room for.
+    fn deepest(&self, phase: PhaseKind, layout: &Layout) -> u32 {
+        let slot = self.est.slot_bytes(layout);
+        let mut l = layout.clone();
+        l.depth = 0;
+        let fixed = self.est.vram(phase, &l).total();
+        let room = self.budget_bytes.saturating_sub(fixed) / slot.max(1);
+        u32::try_from(room).unwrap_or(u32::MAX).min(self.max_depth).max(layout.depth)
+    }
+
+    fn fits(&self, phase: PhaseKind, layout: &Layout, op_offload: bool) -> bool {
+        self.est.vram_offload(phase, layout, op_offload).total() <= self.budget_bytes
+    }
+
+    /// The best pair of candidates in the simulator, from pairs `(prefill[i], decode[i])` simulated together;
+    /// `None` if no pair could be simulated.
+    #[must_use]
+    pub fn choose(&self, planner: &str, pairs: &[(Candidate, Candidate)]) -> Option<(Candidate, Candidate)> {
+        let scored: Vec<Scored> = pairs.iter().filter_map(|(p, d)| self.simulate(planner, p, d)).collect();
+        let gen_tokens = self.workload.gen_tokens as f64;
+        let mut best: Option<(f64, usize, usize)> = None;
+        for (i, a) in scored.iter().enumerate() {
+            for (j, b) in scored.iter().enumerate() {
+                let switch = self.switch_ns(&a.prefill.layout, &b.decode.layout);
+                let e2el = a.prefill_ns + switch + b.decode_ns;
+                // Ties on the objective's phase are broken by E2EL.
+                let value = match self.objective {
+                    Objective::E2el => e2el,
+                    Objective::Ttft => a.prefill_ns + 1e-6 * e2el,
+                    Objective::Tps => b.decode_ns / gen_tokens.max(1.0) + 1e-6 * e2el,
+                };
+                // A later candidate must win clearly: the first ones are the searches' own, and equal times would
+                // otherwise pick a deeper ring for nothing.
+                if best.is_none_or(|(v, ..)| value < v * (1.0 - 1e-4)) {
+                    best = Some((value, i, j));
+                }
+            }
+        }
+        best.map(|(_, i, j)| (scored[i].prefill.clone(), scored[j].decode.clone()))
+    }
+
+    fn switch_ns(&self, prefill: &Layout, decode: &Layout) -> f64 {
+        let bytes = self.est.switch_bytes(prefill, decode);
+        if bytes == 0 { 0.0 } else { self.cost.h2d_ns(bytes, true) as f64 }
+    }
+
+    fn simulate(&self, planner: &str, prefill: &Candidate, decode: &Candidate) -> Option<Scored> {
+        let d = Decision::searched(self.est, prefill.layout.clone(), decode.layout.clone(), Vec::new())
+            .with_op_offload(self.est, prefill.op_offload);
+        let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
+        let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?.run(&JUDGE_OPTIONS);
+        Some(Scored {
+            prefill: prefill.clone(),
+            decode: decode.clone(),
+            prefill_ns: sim.prefill_ns as f64,
+            decode_ns: (sim.decode_ns - sim.switch_ns) as f64,
+        })
+    }
+}
+
+/// `layout` with every streamed unit and expert on the CPU instead (no ring).
+fn unstreamed(est: &Estimator, layout: &Layout) -> Layout {
+    let mut l = layout.clone();
+    for p in &mut l.placements {
+        if *p == Placement::Streamed {
+            *p = Placement::Cpu;
+        }
+    }
+    // A KV follows its attention: to the CPU with it, or still streamed beside a pinned attention.
+    for lu in &est.structure.layers {
+        l.placements[lu.kv] =
+            if l.placements[lu.attn] == Placement::Cpu { Placement::Cpu } else { layout.placements[lu.kv] };
+    }
+    for c in &mut l.experts {
+        *c = [c[0], 0, c[1] + c[2]];
+    }
+    l.depth = if l.streams(&est.structure) { layout.depth } else { 0 };
+    l
+}
