@@ -416,7 +416,23 @@ impl Estimator {
         let unit_bytes: Vec<u64> = inv.units.iter().map(|u| u.weight_bytes).collect();
         let kv_layer_bytes = w.kv_bytes_per_layer_of(inv);
         let kv_tok = spec.kv_bytes_per_token_layer(w.kv_dtype);
-        let ctx = Ctx { spec, inv, w, cost, st: &structure, unit_bytes: &unit_bytes, kv_layer_bytes };
+        // Thousands of experts in a row share one size: remember the last size's copy time.
+        let mut last: Option<(u64, f64)> = None;
+        let copy_ns = (0..inv.units.len())
+            .map(|pos| {
+                let bytes =
+                    if structure.kind[pos] == UnitKind::Kv { kv_layer_bytes } else { unit_bytes[pos] };
+                match last {
+                    Some((b, ns)) if b == bytes => ns,
+                    _ => {
+                        let ns = cost.h2d_ns(bytes, true) as f64;
+                        last = Some((bytes, ns));
+                        ns
+                    }
+                }
+            })
+            .collect();
+        let ctx = Ctx { spec, inv, w, cost, st: &structure, copy_ns };
         let (prefill, offload_stage_bytes) = ctx.prefill_costs(&mut times);
         let decode = ctx.decode_costs(&mut times);
         Estimator {
@@ -723,25 +739,13 @@ struct Ctx<'a> {
     w: &'a Workload,
     cost: &'a dyn CostModel,
     st: &'a Structure,
-    unit_bytes: &'a [u64],
-    kv_layer_bytes: u64,
+    /// One H2D copy of each unit (a KV unit: the layer's full-context KV), shared by both phases.
+    copy_ns: Vec<f64>,
 }
 
 impl Ctx<'_> {
     fn empty(&self) -> Vec<UnitCost> {
-        // Thousands of experts share a handful of sizes.
-        let mut copy_of: HashMap<u64, f64> = HashMap::new();
-        (0..self.inv.units.len())
-            .map(|pos| {
-                let bytes = if self.st.kind[pos] == UnitKind::Kv {
-                    self.kv_layer_bytes
-                } else {
-                    self.unit_bytes[pos]
-                };
-                let copy_ns = *copy_of.entry(bytes).or_insert_with(|| self.cost.h2d_ns(bytes, true) as f64);
-                UnitCost { copy_ns, ..UnitCost::default() }
-            })
-            .collect()
+        self.copy_ns.iter().map(|&copy_ns| UnitCost { copy_ns, ..UnitCost::default() }).collect()
     }
 
     /// Adds `count` runs of `op` to the units it belongs to (an experts op is shared by the layer's experts).

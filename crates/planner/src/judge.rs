@@ -94,9 +94,10 @@ impl Judge<'_> {
             }
         }
         if phase == PhaseKind::Prefill && est.prefill.tier_tokens >= crate::estimate::OP_OFFLOAD_MIN_TOKENS {
+            // Staging the weights takes VRAM: unpin the largest groups until it fits.
             for c in out.clone() {
-                if self.fits(phase, &c.layout, true) {
-                    out.push(Candidate { op_offload: true, ..c });
+                if let Some(layout) = self.unpinned_to_fit_offload(c.layout) {
+                    out.push(Candidate { layout, op_offload: true });
                 }
             }
         }
@@ -127,6 +128,39 @@ impl Judge<'_> {
             }
         }
         l
+    }
+
+    /// `layout` with its largest pinned groups (or a layer's pinned experts) moved to the CPU until it fits
+    /// with op offload in prefill; `None` if even nothing pinned does not fit.
+    fn unpinned_to_fit_offload(&self, mut layout: Layout) -> Option<Layout> {
+        /// A pinned group, or the pinned routed experts of a layer.
+        enum Pinned {
+            Group(usize),
+            Experts(usize),
+        }
+        let est = self.est;
+        let space = Space::new(&est.structure);
+        let cpu = Choice { weights: Placement::Cpu, kv: Placement::Cpu };
+        while !self.fits(PhaseKind::Prefill, &layout, true) {
+            let groups = (0..space.groups.len())
+                .filter(|&g| space.choice_of(&layout, g).weights == Placement::Pinned)
+                .map(|g| (space.weight_bytes(est, g), Pinned::Group(g)));
+            let experts =
+                est.structure.layers.iter().zip(&layout.experts).enumerate().filter(|(_, (_, c))| c[0] > 0);
+            let experts = experts.map(|(l, (lu, c))| (u64::from(c[0]) * lu.expert_bytes, Pinned::Experts(l)));
+            let (_, largest) = groups.chain(experts).max_by_key(|(bytes, _)| *bytes)?;
+            match largest {
+                Pinned::Group(g) => space.apply(&mut layout, g, cpu),
+                Pinned::Experts(l) => {
+                    let c = &mut layout.experts[l];
+                    *c = [0, c[1], c[0] + c[2]];
+                }
+            }
+            if !layout.streams(&est.structure) {
+                layout.depth = 0;
+            }
+        }
+        Some(layout)
     }
 
     /// `layout` unchanged as a candidate of `phase`, if it fits that phase's budget.
