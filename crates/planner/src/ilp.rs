@@ -160,42 +160,10 @@ impl Ilp {
         greedy: (Layout, Layout),
         notes: &mut Vec<String>,
     ) -> (Candidate, Candidate) {
-        let sources: Vec<(&str, (Layout, Layout))> =
-            milp.map(|m| ("MILP", m)).into_iter().chain([("greedy", greedy)]).collect();
-        let mut pairs: Vec<(Candidate, Candidate)> = Vec::new();
-        let mut origin: Vec<&str> = Vec::new();
-        for (name, (p, d)) in &sources {
-            let mut pv = judge.variants(PhaseKind::Prefill, p);
-            let mut dv = judge.variants(PhaseKind::Decode, d);
-            // One layout for both phases saves the switch's re-upload.
-            for (v, phase, other) in [(&mut pv, PhaseKind::Prefill, d), (&mut dv, PhaseKind::Decode, p)] {
-                if let Some(c) = judge.as_is(phase, other).filter(|c| !v.contains(c)) {
-                    v.push(c);
-                }
-            }
-            // Phases combine freely after the simulation, so each variant needs to be simulated once.
-            for k in 0..pv.len().max(dv.len()) {
-                let pair = (pv[k.min(pv.len() - 1)].clone(), dv[k.min(dv.len() - 1)].clone());
-                if !pairs.contains(&pair) {
-                    pairs.push(pair);
-                    origin.push(name);
-                }
-            }
-        }
-        let (p, d) = judge.choose(self.name(), &pairs).unwrap_or_else(|| pairs[0].clone());
-        let from = |c: &Candidate, phase: usize| {
-            let i = pairs.iter().position(|x| if phase == 0 { &x.0 == c } else { &x.1 == c }).unwrap_or(0);
-            origin[i]
-        };
-        notes.push(format!(
-            "simulator's choice among {} candidate pairs: prefill from {} (depth {}{}), decode from {} (depth {})",
-            pairs.len(),
-            from(&p, 0),
-            p.layout.depth,
-            if p.op_offload { ", op offload" } else { "" },
-            from(&d, 1),
-            d.layout.depth
-        ));
+        let sources: Vec<(&str, Layout, Layout)> =
+            milp.map(|(p, d)| ("MILP", p, d)).into_iter().chain([("greedy", greedy.0, greedy.1)]).collect();
+        let (p, d, note) = judge.choose(self.name(), &sources);
+        notes.push(note);
         (p, d)
     }
 }

@@ -8,9 +8,9 @@
 //! do), with its streaming dropped (streamed units back on the CPU), and in prefill with llama.cpp's op
 //! offload for the CPU-resident units — and lets [`pipeshard_sim`] pick.
 //!
-//! Each candidate pair is simulated once with few samples ([`JUDGE_OPTIONS`]); the phases are then combined
-//! freely: prefill candidate `i` with decode candidate `j` scores `prefill_i + switch(i, j) + decode_j`,
-//! with the switch timed as the simulator times it (one H2D copy of the re-uploaded bytes).
+//! Each candidate's phase is simulated once, alone, with few samples ([`JUDGE_OPTIONS`]); the phases are then
+//! combined freely: prefill candidate `i` with decode candidate `j` scores `prefill_i + switch(i, j) +
+//! decode_j`, with the switch timed as the simulator times it (one H2D copy of the re-uploaded bytes).
 
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;
@@ -30,6 +30,9 @@ pub const JUDGE_OPTIONS: SimOptions =
 /// Largest ring a deepened candidate gets by default (pshard's rings of small experts reach 128 slots).
 pub const MAX_JUDGED_DEPTH: u32 = 128;
 
+/// Prefill candidates the estimator finds more than this many times slower than the fastest are not simulated.
+pub const PRUNE_FACTOR: f64 = 2.0;
+
 /// A candidate layout of one phase; prefill ones may run llama.cpp's op offload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
@@ -37,13 +40,13 @@ pub struct Candidate {
     pub op_offload: bool,
 }
 
-/// What the simulation of a pair of candidates gives each phase.
-struct Scored {
-    prefill: Candidate,
-    decode: Candidate,
-    prefill_ns: f64,
-    /// The decode steps (switch excluded).
-    decode_ns: f64,
+/// A candidate with its simulated phase time and where it came from.
+#[derive(Debug, Clone)]
+struct Timed {
+    candidate: Candidate,
+    /// Prefill: TTFT; decode: the steps without the switch.
+    ns: f64,
+    source: usize,
 }
 
 /// The model, workload and machine a judgement runs on.
@@ -94,15 +97,30 @@ impl Judge<'_> {
             }
         }
         if phase == PhaseKind::Prefill && est.prefill.tier_tokens >= crate::estimate::OP_OFFLOAD_MIN_TOKENS {
-            // Staging the weights takes VRAM: unpin the largest groups until it fits.
-            for c in out.clone() {
-                if let Some(layout) = self.unpinned_to_fit_offload(c.layout) {
-                    out.push(Candidate { layout, op_offload: true });
+            // Op offload serves CPU-resident units: the layout as solved, and without its streaming. Staging the
+            // weights takes VRAM: unpin the largest groups until it fits.
+            let bases: Vec<Layout> = [layout.clone(), unstreamed(est, layout)].into_iter().collect();
+            for base in bases {
+                if let Some(l) = self.unpinned_to_fit_offload(base) {
+                    out.push(Candidate { layout: l, op_offload: true });
                 }
             }
         }
         out.retain(|c| self.fits(phase, &c.layout, c.op_offload));
-        out.dedup();
+        let mut distinct: Vec<Candidate> = Vec::with_capacity(out.len());
+        for c in out {
+            if !distinct.contains(&c) {
+                distinct.push(c);
+            }
+        }
+        out = distinct;
+        if phase == PhaseKind::Prefill {
+            // Prefill simulations dominate the cost of judging (a chunk of a streamed MoE is thousands of
+            // copies): skip what even the estimator, however blind to timing, finds more than twice as slow.
+            let time = |c: &Candidate| est.phase(phase, &c.layout, c.op_offload).time_ns;
+            let best = out.iter().map(time).fold(f64::INFINITY, f64::min);
+            out.retain(|c| time(c) <= PRUNE_FACTOR * best);
+        }
         out
     }
 
@@ -183,31 +201,72 @@ impl Judge<'_> {
         self.est.vram_offload(phase, layout, op_offload).total() <= self.budget_bytes
     }
 
-    /// The best pair of candidates in the simulator, from pairs `(prefill[i], decode[i])` simulated together;
-    /// `None` if no pair could be simulated.
+    /// The best pair of candidates in the simulator among the variants of each source's `(prefill, decode)`
+    /// layouts (each phase's layout also tried in the other phase, which saves the switch), and a note
+    /// naming the sources the pair came from.
     #[must_use]
-    pub fn choose(&self, planner: &str, pairs: &[(Candidate, Candidate)]) -> Option<(Candidate, Candidate)> {
-        let scored: Vec<Scored> = pairs.iter().filter_map(|(p, d)| self.simulate(planner, p, d)).collect();
+    pub fn choose(
+        &self,
+        planner: &str,
+        sources: &[(&str, Layout, Layout)],
+    ) -> (Candidate, Candidate, String) {
+        let mut timed: [Vec<Timed>; 2] = [Vec::new(), Vec::new()];
+        for (k, (_, p, d)) in sources.iter().enumerate() {
+            for (i, phase, own, other) in [(0, PhaseKind::Prefill, p, d), (1, PhaseKind::Decode, d, p)] {
+                let mut cands = self.variants(phase, own);
+                cands.extend(self.as_is(phase, other));
+                // The other phase as its source has it (prefill's KV write-backs depend on the decode plan).
+                let partner = Candidate { layout: other.clone(), op_offload: false };
+                for c in cands {
+                    if timed[i].iter().any(|t| t.candidate == c) {
+                        continue;
+                    }
+                    let pair = if i == 0 { (&c, &partner) } else { (&partner, &c) };
+                    if let Some(ns) = self.simulate(planner, phase, pair.0, pair.1) {
+                        timed[i].push(Timed { candidate: c, ns, source: k });
+                    }
+                }
+            }
+        }
+        let [pre, dec] = &timed;
         let gen_tokens = self.workload.gen_tokens as f64;
         let mut best: Option<(f64, usize, usize)> = None;
-        for (i, a) in scored.iter().enumerate() {
-            for (j, b) in scored.iter().enumerate() {
-                let switch = self.switch_ns(&a.prefill.layout, &b.decode.layout);
-                let e2el = a.prefill_ns + switch + b.decode_ns;
+        for (i, a) in pre.iter().enumerate() {
+            for (j, b) in dec.iter().enumerate() {
+                let switch = self.switch_ns(&a.candidate.layout, &b.candidate.layout);
+                let e2el = a.ns + switch + b.ns;
                 // Ties on the objective's phase are broken by E2EL.
                 let value = match self.objective {
                     Objective::E2el => e2el,
-                    Objective::Ttft => a.prefill_ns + 1e-6 * e2el,
-                    Objective::Tps => b.decode_ns / gen_tokens.max(1.0) + 1e-6 * e2el,
+                    Objective::Ttft => a.ns + 1e-6 * e2el,
+                    Objective::Tps => b.ns / gen_tokens.max(1.0) + 1e-6 * e2el,
                 };
-                // A later candidate must win clearly: the first ones are the searches' own, and equal times would
-                // otherwise pick a deeper ring for nothing.
+                // A later candidate must win clearly: the first ones are the searches' own, and equal times
+                // would otherwise pick a deeper ring for nothing.
                 if best.is_none_or(|(v, ..)| value < v * (1.0 - 1e-4)) {
                     best = Some((value, i, j));
                 }
             }
         }
-        best.map(|(_, i, j)| (scored[i].prefill.clone(), scored[j].decode.clone()))
+        let Some((_, i, j)) = best else {
+            // Nothing could be simulated: the first source as it is.
+            let (_, p, d) = &sources[0];
+            let plain = |l: &Layout| Candidate { layout: l.clone(), op_offload: false };
+            return (plain(p), plain(d), "the simulator could not judge; the first plan kept".into());
+        };
+        let (a, b) = (&pre[i], &dec[j]);
+        let note = format!(
+            "simulator's choice among {} prefill and {} decode candidates: prefill from {} (depth {}{}), decode \
+             from {} (depth {})",
+            pre.len(),
+            dec.len(),
+            sources[a.source].0,
+            a.candidate.layout.depth,
+            if a.candidate.op_offload { ", op offload" } else { "" },
+            sources[b.source].0,
+            b.candidate.layout.depth
+        );
+        (a.candidate.clone(), b.candidate.clone(), note)
     }
 
     fn switch_ns(&self, prefill: &Layout, decode: &Layout) -> f64 {
@@ -215,17 +274,19 @@ impl Judge<'_> {
         if bytes == 0 { 0.0 } else { self.cost.h2d_ns(bytes, true) as f64 }
     }
 
-    fn simulate(&self, planner: &str, prefill: &Candidate, decode: &Candidate) -> Option<Scored> {
+    /// The simulated time of `phase` in the plan of `prefill` and `decode`.
+    fn simulate(
+        &self,
+        planner: &str,
+        phase: PhaseKind,
+        prefill: &Candidate,
+        decode: &Candidate,
+    ) -> Option<f64> {
         let d = Decision::searched(self.est, prefill.layout.clone(), decode.layout.clone(), Vec::new())
             .with_op_offload(self.est, prefill.op_offload);
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
-        let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?.run(&JUDGE_OPTIONS);
-        Some(Scored {
-            prefill: prefill.clone(),
-            decode: decode.clone(),
-            prefill_ns: sim.prefill_ns as f64,
-            decode_ns: (sim.decode_ns - sim.switch_ns) as f64,
-        })
+        let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
+        Some(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64)
     }
 }
 

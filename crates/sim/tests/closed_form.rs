@@ -453,3 +453,18 @@ fn a_router_alone_on_the_gpu_needs_no_ffn_scratch() {
     );
     assert_eq!(scratch, peak);
 }
+
+/// One phase simulated alone takes what the whole run reports for it.
+#[test]
+fn a_phase_alone_times_as_in_the_whole_run() {
+    let cost = FixedCost::plain(0.01, 20.0);
+    let spec = small("qwen3-30b-a3b", 2);
+    let w = Workload::single(3000, 4096, 8, 1024);
+    let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &uniform(Placement::Streamed));
+    let sim = Simulator::new(&spec, &p, &cost).unwrap();
+    let opts = pipeshard_sim::SimOptions::default();
+    let run = sim.run(&opts);
+    assert!(run.switch_ns > 0 || run.decode_ns > 0);
+    assert_eq!(sim.phase_ns(PhaseKind::Prefill, &opts), run.prefill_ns);
+    assert_eq!(sim.phase_ns(PhaseKind::Decode, &opts), run.decode_ns - run.switch_ns);
+}
