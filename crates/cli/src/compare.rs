@@ -5,8 +5,8 @@
 //! minus one: the reference is the exhaustive search where it found a plan (small truncated models), else the
 //! best planner on that cell. The command fails (exit status 1) if, on any cell, `ilp` is more than
 //! [`MAX_ILP_GAP`] worse than another non-oracle planner, more than [`MAX_ILP_REGRET`] worse than the
-//! exhaustive search, or finds no plan where another planner does. `.ci/run` runs it on
-//! `experiments/ci-planners.toml`.
+//! exhaustive search, or finds no plan where another planner does. CI runs it on
+//! `experiments/ci-planners.toml` as the test `ilp_passes_the_ci_planner_comparison` (`cargo test`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -292,6 +292,24 @@ mod tests {
             plan_ms: 1.0,
             sim_ms: 0.0,
         }
+    }
+
+    /// The planner comparison CI runs (issue #4): `ilp` passes every check on `experiments/ci-planners.toml`.
+    #[test]
+    fn ilp_passes_the_ci_planner_comparison() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/ci-planners.toml");
+        let e = Experiment::load(&path).unwrap();
+        let cost = TableCostModel::new(&load_profile(&e.profile).unwrap());
+        let results = run_cells(&e.cells(), &e.specs().unwrap(), &cost, false);
+        let groups = group(&results);
+        let judged = groups.iter().filter(|g| g.e2el(ILP).is_some() && g.e2el(ORACLE).is_some()).count();
+        assert!(
+            judged >= 8,
+            "only {judged} cells have both an ilp and an exhaustive plan: the check tests little"
+        );
+        let v = violations(&groups);
+        assert!(v.is_empty(), "{}\n{}", v.join("\n"), table(&e.planners, &groups));
     }
 
     #[test]

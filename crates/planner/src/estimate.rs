@@ -353,6 +353,9 @@ pub struct Estimator {
     pub gen_tokens: u64,
     /// Weight bytes by inventory position.
     pub unit_bytes: Vec<u64>,
+    /// Per unit, the weights op offload stages in VRAM at once when the unit is CPU-resident: its largest
+    /// prefill op's (a layer's CPU routed experts are staged together: their count × one expert).
+    pub offload_stage_bytes: Vec<u64>,
 }
 
 /// What identifies an op's cost: class, tokens, format, FLOPs and bytes, and its shape.
@@ -413,8 +416,24 @@ impl Estimator {
         let unit_bytes: Vec<u64> = inv.units.iter().map(|u| u.weight_bytes).collect();
         let kv_layer_bytes = w.kv_bytes_per_layer_of(inv);
         let kv_tok = spec.kv_bytes_per_token_layer(w.kv_dtype);
-        let ctx = Ctx { spec, inv, w, cost, st: &structure, unit_bytes: &unit_bytes, kv_layer_bytes };
-        let prefill = ctx.prefill_costs(&mut times);
+        // Thousands of experts in a row share one size: remember the last size's copy time.
+        let mut last: Option<(u64, f64)> = None;
+        let copy_ns = (0..inv.units.len())
+            .map(|pos| {
+                let bytes =
+                    if structure.kind[pos] == UnitKind::Kv { kv_layer_bytes } else { unit_bytes[pos] };
+                match last {
+                    Some((b, ns)) if b == bytes => ns,
+                    _ => {
+                        let ns = cost.h2d_ns(bytes, true) as f64;
+                        last = Some((bytes, ns));
+                        ns
+                    }
+                }
+            })
+            .collect();
+        let ctx = Ctx { spec, inv, w, cost, st: &structure, copy_ns };
+        let (prefill, offload_stage_bytes) = ctx.prefill_costs(&mut times);
         let decode = ctx.decode_costs(&mut times);
         Estimator {
             prefill,
@@ -427,6 +446,7 @@ impl Estimator {
             cpu_threads: threads,
             gen_tokens: w.gen_tokens,
             unit_bytes,
+            offload_stage_bytes,
             structure,
         }
     }
@@ -488,6 +508,27 @@ impl Estimator {
     pub fn vram(&self, phase: PhaseKind, layout: &Layout) -> VramBreakdown {
         let scratch = if self.uses_gpu(layout) { self.costs(phase).scratch_bytes } else { 0 };
         self.vram_with_scratch(layout, scratch)
+    }
+
+    /// The VRAM breakdown of a layout run with llama.cpp's op offload in prefill (if `op_offload`): the scratch
+    /// also holds the largest batch of weights staged at once, as the simulator and the executor stage them.
+    #[must_use]
+    pub fn vram_offload(&self, phase: PhaseKind, layout: &Layout, op_offload: bool) -> VramBreakdown {
+        if !op_offload || phase != PhaseKind::Prefill {
+            return self.vram(phase, layout);
+        }
+        self.vram_with_scratch(layout, self.prefill.scratch_bytes + self.offload_staged_bytes(layout))
+    }
+
+    /// The most weight bytes op offload stages in VRAM at once for `layout`: the largest prefill op of a
+    /// CPU-resident unit, or all of a layer's CPU routed experts (one op), as the simulator and executor copy
+    /// them.
+    #[must_use]
+    pub fn offload_staged_bytes(&self, layout: &Layout) -> u64 {
+        let st = &self.structure;
+        let plain = st.plain.iter().filter(|&&p| layout.placements[p] == Placement::Cpu);
+        let experts = st.layers.iter().zip(&layout.experts).map(|(lu, c)| u64::from(c[2]) * lu.expert_bytes);
+        plain.map(|&p| self.offload_stage_bytes[p]).chain(experts).max().unwrap_or(0)
     }
 
     /// The VRAM breakdown of a layout with a given scratch line.
@@ -698,25 +739,13 @@ struct Ctx<'a> {
     w: &'a Workload,
     cost: &'a dyn CostModel,
     st: &'a Structure,
-    unit_bytes: &'a [u64],
-    kv_layer_bytes: u64,
+    /// One H2D copy of each unit (a KV unit: the layer's full-context KV), shared by both phases.
+    copy_ns: Vec<f64>,
 }
 
 impl Ctx<'_> {
     fn empty(&self) -> Vec<UnitCost> {
-        // Thousands of experts share a handful of sizes.
-        let mut copy_of: HashMap<u64, f64> = HashMap::new();
-        (0..self.inv.units.len())
-            .map(|pos| {
-                let bytes = if self.st.kind[pos] == UnitKind::Kv {
-                    self.kv_layer_bytes
-                } else {
-                    self.unit_bytes[pos]
-                };
-                let copy_ns = *copy_of.entry(bytes).or_insert_with(|| self.cost.h2d_ns(bytes, true) as f64);
-                UnitCost { copy_ns, ..UnitCost::default() }
-            })
-            .collect()
+        self.copy_ns.iter().map(|&copy_ns| UnitCost { copy_ns, ..UnitCost::default() }).collect()
     }
 
     /// Adds `count` runs of `op` to the units it belongs to (an experts op is shared by the layer's experts).
@@ -768,9 +797,10 @@ impl Ctx<'_> {
         (self.cost.host_sync_ns() + self.cost.h2d_ns(hidden_bytes, true)) as f64
     }
 
-    fn prefill_costs(&self, times: &mut OpTimes<'_>) -> PhaseCosts {
+    fn prefill_costs(&self, times: &mut OpTimes<'_>) -> (PhaseCosts, Vec<u64>) {
         let chunks = self.w.prefill_chunks();
         let mut units = self.empty();
+        let mut stage = vec![0u64; units.len()];
         let mut handoff_ns = 0.0;
         let mut scratch: u64 = 0;
         // Chunks of one shape run the same ops but attention; count them per (tokens, last).
@@ -787,6 +817,15 @@ impl Ctx<'_> {
         for &(tokens, _, phase, count) in &shapes {
             let step_ops = ops(self.spec, self.inv, self.w, phase);
             let offload = tokens >= OP_OFFLOAD_MIN_TOKENS;
+            // What op offload would stage: ops of enough tokens with weights (not row gathers); experts below.
+            let staged = |o: &&Op| {
+                o.tokens >= OP_OFFLOAD_MIN_TOKENS && !matches!(o.kind, OpKind::Experts { .. } | OpKind::Embed)
+            };
+            for op in step_ops.iter().filter(staged) {
+                if let Some(pos) = self.inv.position(op.unit) {
+                    stage[pos] = stage[pos].max(op.weight_bytes as u64);
+                }
+            }
             for op in step_ops.iter().filter(|o| o.kind.class() != OpClass::Attention) {
                 self.charge(&mut units, times, op, count as f64, offload);
             }
@@ -805,8 +844,8 @@ impl Ctx<'_> {
                     .find(|o| o.kind.class() == OpClass::Attention)
                     .expect("every layer has attention")
             });
+            let (gpu, cpu) = times.of(&op);
             for l in &self.st.layers {
-                let (gpu, cpu) = times.of(&op);
                 let u = &mut units[l.kv];
                 u.gpu_ns += gpu;
                 u.cpu_ns += cpu;
@@ -814,14 +853,15 @@ impl Ctx<'_> {
                 u.cpu_dram_bytes += op.bytes();
             }
         }
-        PhaseCosts {
+        let costs = PhaseCosts {
             phase: PhaseKind::Prefill,
             steps: chunks.len() as u64,
             tier_tokens: chunks.iter().map(|c| c.tokens()).max().unwrap_or(0),
             units,
             handoff_ns,
             scratch_bytes: scratch,
-        }
+        };
+        (costs, stage)
     }
 
     fn decode_costs(&self, times: &mut OpTimes<'_>) -> PhaseCosts {

@@ -39,7 +39,9 @@
 //!
 //! # Solving
 //! HiGHS runs with one thread, presolve off, a relative gap of [`MIP_REL_GAP`] and a time limit
-//! ([`Ilp::time_limit_s`]). The plan is the program's unless `greedy`'s is better under the estimator (which
+//! ([`Ilp::time_limit_s`]). The program's layouts and `greedy`'s, with their variants, then go to the
+//! simulator, which picks the plan ([`crate::judge`]; the estimator cannot see order and timing). With
+//! [`Ilp::simulate`] off, the plan is the program's unless `greedy`'s is better under the estimator (which
 //! can only happen when a solve stops at its limit or within its gap); the notes say which. Scratch as in
 //! `greedy` (no margin). Inside the program times are in milliseconds and bytes in MiB; the VRAM row keeps a
 //! safety margin for the solver's tolerances (16 KiB, raised to 1 and 16 MiB if the rounded solution does not
@@ -58,6 +60,7 @@ use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
 
 use crate::estimate::{Estimator, Layout, UnitCost, objective_ns};
+use crate::judge::{Candidate, Judge, MAX_JUDGED_DEPTH};
 use crate::space::{DEPTHS, Space};
 use crate::{Decision, Objective, PlanError, Planner, assemble, greedy, prepare};
 
@@ -67,13 +70,17 @@ pub struct Ilp {
     pub objective: Objective,
     /// Wall-clock limit of one HiGHS solve, in seconds.
     pub time_limit_s: f64,
-    /// Largest ring depth it may use (1 or 2; see [`DEPTHS`]).
+    /// Largest ring depth it may use: the program uses one or two slots (see [`DEPTHS`]) within it, the
+    /// simulator's candidates ([`crate::judge`]) deeper rings up to it.
     pub max_depth: u32,
+    /// Let the simulator choose among variants of the program's and greedy's plans ([`crate::judge`]); off,
+    /// the plan is the program's (or greedy's, if better under the estimator).
+    pub simulate: bool,
 }
 
 impl Default for Ilp {
     fn default() -> Self {
-        Ilp { objective: Objective::E2el, time_limit_s: 5.0, max_depth: DEPTHS[DEPTHS.len() - 1] }
+        Ilp { objective: Objective::E2el, time_limit_s: 5.0, max_depth: MAX_JUDGED_DEPTH, simulate: true }
     }
 }
 
@@ -100,38 +107,64 @@ impl Planner for Ilp {
         let space = Space::new(&est.structure);
         let classes = classes(&est);
         let solved = self.search(&est, &classes, budget_bytes)?;
-        let score = |a: &Layout, b: &Layout| objective_ns(self.objective, &est.predict(a, b, false));
         let mut notes = vec![format!(
             "objective {}; {} classes of identical layers",
             self.objective.name(),
             classes.len()
         )];
-        let (gp, gd) = greedy::search(&est, &space, budget_bytes, self.objective, self.max_depth);
-        let (prefill, decode) = if let Some(s) = solved {
+        let greedy = greedy::search(&est, &space, budget_bytes, self.objective, self.max_depth);
+        let milp = if let Some(s) = solved {
             let status = if s.proven { "optimal within 0.1%" } else { "stopped at its time limit" };
-            if score(&gp, &gd) < score(&s.prefill, &s.decode) {
-                notes.push(format!("MILP {status}; greedy's plan is better under the estimator and kept"));
-                (gp, gd)
-            } else {
-                notes.push(format!(
-                    "MILP {status}; depths prefill {} decode {}",
-                    s.prefill.depth, s.decode.depth
-                ));
-                (s.prefill, s.decode)
-            }
+            notes
+                .push(format!("MILP {status}; depths prefill {} decode {}", s.prefill.depth, s.decode.depth));
+            Some((s.prefill, s.decode))
         } else {
-            notes.push("the MILP found no solution within its time limit; greedy's plan kept".into());
-            (gp, gd)
+            notes.push("the MILP found no solution within its time limit".into());
+            None
         };
-        Ok(assemble(
-            self.name(),
-            spec,
-            &inv,
-            &est,
-            workload,
-            budget_bytes,
-            Decision::searched(&est, prefill, decode, notes),
-        ))
+        let (prefill, decode) = if self.simulate {
+            let judge = Judge {
+                spec,
+                inv: &inv,
+                est: &est,
+                workload,
+                cost,
+                budget_bytes,
+                objective: self.objective,
+                max_depth: self.max_depth,
+            };
+            self.judged(&judge, milp, greedy, &mut notes)
+        } else {
+            let score = |(a, b): &(Layout, Layout)| objective_ns(self.objective, &est.predict(a, b, false));
+            let (p, d) = match milp {
+                Some(m) if score(&m) <= score(&greedy) => m,
+                _ => {
+                    notes.push("greedy's plan is better under the estimator and kept".into());
+                    greedy
+                }
+            };
+            (Candidate { layout: p, op_offload: false }, Candidate { layout: d, op_offload: false })
+        };
+        let decision = Decision::searched(&est, prefill.layout, decode.layout, notes)
+            .with_op_offload(&est, prefill.op_offload);
+        Ok(assemble(self.name(), spec, &inv, &est, workload, budget_bytes, decision))
+    }
+}
+
+impl Ilp {
+    /// The simulator's choice among the variants of the program's and greedy's layouts ([`crate::judge`]).
+    fn judged(
+        &self,
+        judge: &Judge<'_>,
+        milp: Option<(Layout, Layout)>,
+        greedy: (Layout, Layout),
+        notes: &mut Vec<String>,
+    ) -> (Candidate, Candidate) {
+        let sources: Vec<(&str, Layout, Layout)> =
+            milp.map(|(p, d)| ("MILP", p, d)).into_iter().chain([("greedy", greedy.0, greedy.1)]).collect();
+        let (p, d, note) = judge.choose(self.name(), &sources);
+        notes.push(note);
+        (p, d)
     }
 }
 

@@ -10,7 +10,8 @@
 //!   per token tier.
 //! - [`greedy`]: benefit per VRAM byte, per phase and pipeline depth.
 //! - [`ilp`]: a mixed-integer program (good_lp + HiGHS) over the same model the estimator evaluates, solved
-//!   to a 0.1 % gap: one solve per plan, identical layers planned by count.
+//!   to a 0.1 % gap: one solve per plan, identical layers planned by count; then the simulator chooses among
+//!   variants of its and greedy's layouts ([`judge`]).
 //! - [`exhaustive`]: enumerates every placement and depth of small (truncated) models; an oracle for tests.
 //!
 //! # Shared pieces
@@ -29,13 +30,14 @@
 //!   buffer without flash attention.
 //! - Infeasible budgets give [`PlanError::Infeasible`] with the budget of the smallest plan that works.
 //!
-//! It depends on pipeshard-core (and good_lp for the ILP); it must never depend on sim, exec, profiler or
-//! cudarc.
+//! It depends on pipeshard-core, pipeshard-sim ([`judge`]: `ilp` lets the simulator choose among its candidate
+//! plans) and good_lp for the ILP; it must never depend on exec, profiler or cudarc.
 
 pub mod estimate;
 pub mod exhaustive;
 pub mod greedy;
 pub mod ilp;
+pub mod judge;
 pub mod ngl;
 pub mod pshard;
 pub mod space;
@@ -206,6 +208,16 @@ impl Decision {
             prefill_op_offload: false,
             notes,
         }
+    }
+
+    /// The same decision with llama.cpp's op offload in prefill (if `op_offload`): its VRAM and prediction.
+    pub(crate) fn with_op_offload(mut self, est: &Estimator, op_offload: bool) -> Decision {
+        if op_offload {
+            self.prefill_op_offload = true;
+            self.prefill_vram = est.vram_offload(PhaseKind::Prefill, &self.prefill, true);
+            self.prediction = est.predict(&self.prefill, &self.decode, true);
+        }
+        self
     }
 }
 

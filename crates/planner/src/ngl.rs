@@ -12,8 +12,10 @@
 //!   once, for a worst-case ubatch of `min(ctx, ubatch)` tokens over the full KV with every row producing
 //!   logits: the residual stream, plus the attention temporaries (with the scores over all keys) when some
 //!   attention runs on the GPU, or the FFN intermediates, whichever is larger, plus the logits when the head
-//!   is on the GPU, plus (op offload) the largest weight tensor of a CPU-resident layer it copies in. Both
-//!   phases use the same allocation.
+//!   is on the GPU, plus (op offload) the most weights it stages at once for a CPU-resident layer — one
+//!   op's, or all of a layer's routed experts, as ggml's scheduler copies a split's weight inputs together and
+//!   as the simulator and executor stage them ([`Estimator::offload_staged_bytes`]). Both phases use the same
+//!   allocation.
 //! - `fixed_layers: None` picks the largest N that fits (what "manually tuned" means in the paper);
 //!   `Some(n)` replays a given N (values above `n_layers + 1` mean "everything", as in llama.cpp).
 
@@ -49,7 +51,7 @@ impl Planner for Ngl {
         let w = Workload { flash_attn: false, ..*workload };
         let inv = Inventory::new(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
-        let model = Offload::new(spec, &inv, &w, &est);
+        let model = Offload::new(spec, &w, &est);
         let max_n = spec.text.n_layers + 1;
         // Fixed: exactly that N (above n_layers + 1 means everything); automatic: the largest N that fits.
         let candidates: Vec<u32> = match self.fixed_layers {
@@ -100,22 +102,14 @@ struct Offload<'a> {
     attention: u64,
     ffn: u64,
     logits: u64,
-    /// Largest weight tensor of each layer (what op offload stages in the compute buffer).
-    largest_tensor: Vec<u64>,
     reserve_tokens: u64,
 }
 
 impl<'a> Offload<'a> {
-    fn new(spec: &ModelSpec, inv: &Inventory, w: &Workload, est: &'a Estimator) -> Offload<'a> {
+    fn new(spec: &ModelSpec, w: &Workload, est: &'a Estimator) -> Offload<'a> {
         let tokens = w.ctx.min(w.ubatch);
         let reserve = Phase::Prefill { tokens, start_pos: w.ctx - tokens, last: false };
         let parts = scratch_parts(spec, w, reserve);
-        let mut largest_tensor = vec![0u64; spec.text.n_layers as usize];
-        for t in &inv.tensors {
-            if let Some(l) = t.layer {
-                largest_tensor[l as usize] = largest_tensor[l as usize].max(t.bytes);
-            }
-        }
         Offload {
             est,
             n_layers: spec.text.n_layers,
@@ -123,7 +117,6 @@ impl<'a> Offload<'a> {
             attention: parts.attention_bytes,
             ffn: parts.ffn_bytes,
             logits: (tokens as f64 * spec.text.vocab as f64 * ACT_BYTES) as u64,
-            largest_tensor,
             reserve_tokens: tokens,
         }
     }
@@ -165,11 +158,7 @@ impl<'a> Offload<'a> {
         let offloading = self.reserve_tokens >= OP_OFFLOAD_MIN_TOKENS;
         let scratch = if any_layer || head || offloading {
             let work = self.ffn.max(if any_layer { self.attention } else { 0 });
-            let staging = if offloading {
-                self.largest_tensor[..first as usize].iter().copied().max().unwrap_or(0)
-            } else {
-                0
-            };
+            let staging = if offloading { self.est.offload_staged_bytes(&self.layout(n)) } else { 0 };
             self.residual + work + if head { self.logits } else { 0 } + staging
         } else {
             0

@@ -15,9 +15,10 @@ use pipeshard_core::plan::Placement;
 
 use crate::estimate::{Estimator, Layout, Structure};
 
-/// Pipeline depths the searching planners consider. Under the estimator's model two slots already overlap
-/// every copy with compute (the occupancy bound Σ(copy + compute)/2 never exceeds the larger of the copy and
-/// compute bounds), so deeper rings would only cost VRAM; depth 1 saves a slot when streaming is light.
+/// Pipeline depths the searches consider. Under the estimator's model two slots already overlap every copy
+/// with compute (the occupancy bound Σ(copy + compute)/2 never exceeds the larger of the copy and compute
+/// bounds), so deeper rings would only cost VRAM; depth 1 saves a slot when streaming is light. Deeper rings
+/// do help in the simulator (expert copies queue behind their router); [`crate::judge`] tries them.
 pub const DEPTHS: [u32; 2] = [1, 2];
 
 /// Units placed together.

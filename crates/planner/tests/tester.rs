@@ -83,7 +83,8 @@ fn check_phase(plan: &Plan, p: &PhasePlan, inv: &Inventory, max_depth: u32) -> R
     if max_depth > 0 && p.pipeline_depth > max_depth {
         return Err(format!("depth {} over the limit {max_depth}", p.pipeline_depth));
     }
-    if plan.planner != "ngl" && gpu != (p.vram.scratch_bytes > 0) {
+    // Op offload stages weights in scratch even when nothing is placed on the GPU.
+    if plan.planner != "ngl" && !p.op_offload && gpu != (p.vram.scratch_bytes > 0) {
         return Err(format!("scratch {} with GPU work = {gpu}", p.vram.scratch_bytes));
     }
     Ok(())

@@ -259,19 +259,21 @@ impl PhaseView {
     }
 
     /// The scratch terms of `parts` that live on the GPU: the residual stream whenever the GPU runs anything,
-    /// attention temporaries if some attention runs there, FFN intermediates if some FFN or expert runs there
-    /// (or op offload stages matmuls there), and the logits if the output head does.
+    /// attention temporaries if some attention runs there, FFN intermediates if some dense FFN, shared or
+    /// routed expert runs there (a router alone does not; or op offload stages matmuls there), and the logits
+    /// if the output head does.
     pub fn gpu_scratch_bytes(&self, parts: &workload::ScratchParts) -> u64 {
         if !self.uses_gpu() {
             return 0;
         }
         let offload = self.op_offload && self.kind == PhaseKind::Prefill;
         let attn = self.layers.iter().any(|l| l.attn.on_gpu());
+        // A MoE layer's `ffn` is its router, whose output (one score per expert) is no FFN intermediate.
         let ffn = offload
-            || self
-                .layers
-                .iter()
-                .any(|l| l.ffn.on_gpu() || l.shared_experts.on_gpu() || l.experts[0] + l.experts[1] > 0);
+            || self.layers.iter().any(|l| {
+                let dense = l.experts == [0; 3];
+                (dense && l.ffn.on_gpu()) || l.shared_experts.on_gpu() || l.experts[0] + l.experts[1] > 0
+            });
         let work = if attn { parts.attention_bytes } else { 0 }.max(if ffn { parts.ffn_bytes } else { 0 });
         parts.residual_bytes + work + if self.output.on_gpu() { parts.logits_bytes } else { 0 }
     }

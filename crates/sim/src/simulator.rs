@@ -271,6 +271,48 @@ impl<'a> Simulator<'a> {
         engine::execute(self.graph(kind, phases), self.audit)
     }
 
+    /// The steps of one request's prefill (sampled and interpolated as `opts` says).
+    fn prefill_steps(
+        &self,
+        opts: &SimOptions,
+        max_slots: &mut u32,
+        offload_bytes: &mut u64,
+    ) -> Vec<StepTime> {
+        let w = &self.plan.workload;
+        let all_chunks = w.prefill_chunks();
+        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
+        let (full, last) = one.split_at(one.len() - 1);
+        let mut steps =
+            self.family(PhaseKind::Prefill, full, opts.prefill_samples, opts, max_slots, offload_bytes);
+        steps.extend(self.family(PhaseKind::Prefill, last, 1, opts, max_slots, offload_bytes));
+        steps
+    }
+
+    /// The decode steps (sampled and interpolated as `opts` says).
+    fn decode_steps(&self, opts: &SimOptions, max_slots: &mut u32, offload_bytes: &mut u64) -> Vec<StepTime> {
+        let w = &self.plan.workload;
+        let phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
+        self.family(PhaseKind::Decode, &phases, opts.decode_samples, opts, max_slots, offload_bytes)
+    }
+
+    /// The time of one phase alone, as [`Simulator::run`] reports it: the prefill of all requests (= TTFT), or
+    /// the decode steps without the plan switch. A planner comparing candidate layouts of one phase need not
+    /// simulate the other.
+    #[must_use]
+    pub fn phase_ns(&self, kind: PhaseKind, opts: &SimOptions) -> u64 {
+        let (mut slots, mut offload) = (0, 0);
+        match kind {
+            PhaseKind::Prefill => {
+                let one: u64 =
+                    self.prefill_steps(opts, &mut slots, &mut offload).iter().map(|s| s.duration_ns).sum();
+                one * self.plan.workload.batch
+            }
+            PhaseKind::Decode => {
+                self.decode_steps(opts, &mut slots, &mut offload).iter().map(|s| s.duration_ns).sum()
+            }
+        }
+    }
+
     /// Simulates `sampled` steps of `phases` and interpolates the rest (see the module docs).
     fn family(
         &self,
@@ -355,22 +397,11 @@ impl<'a> Simulator<'a> {
     #[must_use]
     pub fn run(&self, opts: &SimOptions) -> Simulation {
         let w = &self.plan.workload;
-        let all_chunks = w.prefill_chunks();
-        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
         let (mut slots, mut offload) = ([0u32; 2], [0u64; 2]);
-        let (full, last) = one.split_at(one.len() - 1);
-        let mut prefill =
-            self.family(PhaseKind::Prefill, full, opts.prefill_samples, opts, &mut slots[0], &mut offload[0]);
-        prefill.extend(self.family(PhaseKind::Prefill, last, 1, opts, &mut slots[0], &mut offload[0]));
-        let decode_phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
-        let decode = self.family(
-            PhaseKind::Decode,
-            &decode_phases,
-            opts.decode_samples,
-            opts,
-            &mut slots[1],
-            &mut offload[1],
-        );
+        let prefill = self.prefill_steps(opts, &mut slots[0], &mut offload[0]);
+        let decode = self.decode_steps(opts, &mut slots[1], &mut offload[1]);
+        let prefill_phases: Vec<Phase> = prefill.iter().map(|s| s.phase).collect();
+        let decode_phases: Vec<Phase> = decode.iter().map(|s| s.phase).collect();
 
         let prefill_one: u64 = prefill.iter().map(|s| s.duration_ns).sum();
         let prefill_ns = prefill_one * w.batch;
@@ -400,7 +431,7 @@ impl<'a> Simulator<'a> {
                 .max()
                 .unwrap_or(0)
         };
-        let scratch_prefill = scratch(&self.views[0], one);
+        let scratch_prefill = scratch(&self.views[0], &prefill_phases);
         let scratch_decode = scratch(&self.views[1], &decode_phases);
         let vram_used = [
             self.vram_used(PhaseKind::Prefill, slots[0], scratch_prefill + offload[0]),

@@ -418,3 +418,53 @@ fn attention_scratch_counts_only_where_attention_runs() {
     assert_eq!(prefill_scratch(&attn_on_gpu), peak(&|p| p.residual_bytes + p.attention_bytes));
     assert!(prefill_scratch(&ffn_on_gpu) < parts.attention_bytes);
 }
+
+/// A MoE layer's router on the GPU beside its attention (pshard's ATTN_PRIO strategies) makes no FFN
+/// intermediates there while its experts run on the CPU.
+#[test]
+fn a_router_alone_on_the_gpu_needs_no_ffn_scratch() {
+    let cost = FixedCost::plain(0.01, 20.0);
+    let spec = small("qwen3-30b-a3b", 2);
+    let w = Workload::single(2000, 2048, 4, 1024);
+    let attn_and_router = |u: UnitId| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } | UnitId::Router { .. } => Placement::Pinned,
+        _ => Placement::Cpu,
+    };
+    let p = plan(&spec, &w, SHAPE, &attn_and_router);
+    let scratch = Simulator::new(&spec, &p, &cost)
+        .unwrap()
+        .run(&pipeshard_sim::SimOptions::default())
+        .metrics
+        .vram_peak
+        .scratch_bytes;
+    let peak = w
+        .prefill_chunks()
+        .into_iter()
+        .map(|c| {
+            let parts = workload::scratch_parts(&spec, &w, c);
+            parts.residual_bytes + parts.attention_bytes
+        })
+        .max()
+        .unwrap();
+    let ffn = workload::scratch_parts(&spec, &w, w.prefill_chunks()[0]).ffn_bytes;
+    assert!(
+        ffn > workload::scratch_parts(&spec, &w, w.prefill_chunks()[0]).attention_bytes,
+        "the test needs FFN to dominate"
+    );
+    assert_eq!(scratch, peak);
+}
+
+/// One phase simulated alone takes what the whole run reports for it.
+#[test]
+fn a_phase_alone_times_as_in_the_whole_run() {
+    let cost = FixedCost::plain(0.01, 20.0);
+    let spec = small("qwen3-30b-a3b", 2);
+    let w = Workload::single(3000, 4096, 8, 1024);
+    let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &uniform(Placement::Streamed));
+    let sim = Simulator::new(&spec, &p, &cost).unwrap();
+    let opts = pipeshard_sim::SimOptions::default();
+    let run = sim.run(&opts);
+    assert!(run.switch_ns > 0 || run.decode_ns > 0);
+    assert_eq!(sim.phase_ns(PhaseKind::Prefill, &opts), run.prefill_ns);
+    assert_eq!(sim.phase_ns(PhaseKind::Decode, &opts), run.decode_ns - run.switch_ns);
+}
