@@ -584,14 +584,14 @@ impl GgufHeader {
                 "head_dim" => "attention.key_length",
                 "ffn" => "feed_forward_length",
                 "vocab" => "vocab_size",
-                "n_experts" => "expert_count",
+                "n_experts" | "n_layers × n_experts" => "expert_count",
                 "expert_ffn" => "expert_feed_forward_length",
                 other => other,
             };
             return Err(self.meta_err(
                 &k(key),
                 Some(&GgufValue::U64(value)),
-                &format!("must be at most {max} (no real model is larger)"),
+                &format!("{field} must be at most {max} (no real model is larger)"),
             ));
         }
         let matrices = self.format_of("attn_q.weight").unwrap_or(DType::F16);
@@ -776,7 +776,10 @@ mod tests {
         };
         assert_eq!(parse_bytes(&meta(2)).unwrap().model_spec("m").unwrap().text.n_layers, 2);
         let e = parse_bytes(&meta(888_888_880)).unwrap().model_spec("m").unwrap_err().to_string();
-        assert!(e.contains("llama.block_count") && e.contains("888888880") && e.contains("at most 512"), "{e}");
+        assert!(
+            e.contains("llama.block_count") && e.contains("888888880") && e.contains("at most 512"),
+            "{e}"
+        );
     }
 
     #[test]

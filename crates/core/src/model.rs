@@ -79,13 +79,16 @@ pub struct TextConfig {
 pub const MAX_LAYERS: u32 = 512;
 /// Most routed experts per layer (the largest public MoE models have 384).
 pub const MAX_EXPERTS: u32 = 512;
+/// Most routed experts over all layers (layers × experts; Kimi K2 has 61 × 384 = 23 424): each is an
+/// inventory unit.
+pub const MAX_EXPERT_UNITS: u64 = 1 << 16;
 /// Largest width, head count or vocabulary (2^20; real models stay below 2^18). With these limits every
 /// tensor's and the whole model's bytes fit in 64 bits.
 pub const MAX_WIDTH: u64 = 1 << 20;
 
 impl TextConfig {
-    /// The first field (our name, its value, its limit) over [`MAX_LAYERS`], [`MAX_EXPERTS`] or
-    /// [`MAX_WIDTH`]; readers turn it into an error naming the field as their file spells it.
+    /// The first field (our name, its value, its limit) over [`MAX_LAYERS`], [`MAX_EXPERTS`],
+    /// [`MAX_EXPERT_UNITS`] or [`MAX_WIDTH`]; readers turn it into an error naming the field as their file spells it.
     #[must_use]
     pub fn over_limit(&self) -> Option<(&'static str, u64, u64)> {
         let mut fields = vec![
@@ -100,6 +103,7 @@ impl TextConfig {
         if let Some(m) = &self.moe {
             fields.extend([
                 ("n_experts", u64::from(m.n_experts), u64::from(MAX_EXPERTS)),
+                ("n_layers × n_experts", u64::from(self.n_layers) * u64::from(m.n_experts), MAX_EXPERT_UNITS),
                 ("expert_ffn", m.expert_ffn, MAX_WIDTH),
                 ("shared_ffn", m.shared_ffn, MAX_WIDTH),
             ]);
@@ -443,12 +447,16 @@ pub fn parse_hf_config(
             "n_kv_heads" => "num_key_value_heads",
             "ffn" => "intermediate_size",
             "vocab" => "vocab_size",
-            "n_experts" => "num_experts",
+            "n_experts" | "n_layers × n_experts" => "num_experts",
             "expert_ffn" => "moe_intermediate_size",
             "shared_ffn" => "shared_expert_intermediate_size",
             other => other,
         };
-        return Err(t.invalid(hf, &Value::from(value), &format!("at most {max} (no real model is larger)")));
+        return Err(t.invalid(
+            hf,
+            &Value::from(value),
+            &format!("{field} at most {max} (no real model is larger)"),
+        ));
     }
     let vision = if model_type == "qwen2_5_vl" { Some(parse_vision(&top, text.hidden)?) } else { None };
     Ok(ModelSpec { name: name.into(), text, vision, weights })
@@ -520,9 +528,20 @@ mod tests {
         let e = parse(&LLAMA.replace(r#""num_hidden_layers":2"#, r#""num_hidden_layers":888888880"#))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("num_hidden_layers") && e.contains("888888880") && e.contains("at most 512"), "{e}");
-        let e = parse(&LLAMA.replace(r#""vocab_size":100"#, r#""vocab_size":4000000000000"#)).unwrap_err().to_string();
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("888888880") && e.contains("at most 512"),
+            "{e}"
+        );
+        let e = parse(&LLAMA.replace(r#""vocab_size":100"#, r#""vocab_size":4000000000000"#))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("vocab_size") && e.contains(&MAX_WIDTH.to_string()), "{e}");
+        // 512 layers of 500 experts: each is within its own limit, together 256 000 inventory units.
+        let moe = include_str!("../catalog/qwen3-30b-a3b.config.json")
+            .replace(r#""num_hidden_layers": 48"#, r#""num_hidden_layers": 512"#)
+            .replace(r#""num_experts": 128"#, r#""num_experts": 500"#);
+        let e = parse(&moe).unwrap_err().to_string();
+        assert!(e.contains("num_experts") && e.contains("n_layers × n_experts at most 65536"), "{e}");
     }
 
     #[test]

@@ -60,7 +60,9 @@ fn catalog_inventory(name: &str) -> Option<std::sync::Arc<Inventory>> {
     let cache = CACHE.get_or_init(|| Mutex::new(BTreeMap::new()));
     let spec = match name.split_once('@') {
         // `qwen3-30b-a3b@2L`: the CLI's truncated catalog models.
-        Some((base, l)) => crate::catalog::get(base).ok()?.truncated(l.strip_suffix('L')?.parse().ok()?).ok()?,
+        Some((base, l)) => {
+            crate::catalog::get(base).ok()?.truncated(l.strip_suffix('L')?.parse().ok()?).ok()?
+        }
         None => crate::catalog::get(name).ok()?,
     };
     let mut map = cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
