@@ -197,6 +197,7 @@ impl Experiment {
     /// What [`Experiment::load`] does after reading the file, for untrusted bytes (the `experiment_toml` fuzz
     /// target and the corpus replay test call this). `[ngl] csv` is replaced by `ngl_csv`, so that no input
     /// can make it read an arbitrary file (`/dev/zero` would never end).
+    #[cfg_attr(not(test), allow(dead_code, reason = "called by the fuzz target in fuzz/ and by the tests"))]
     pub fn from_untrusted(bytes: &[u8], ngl_csv: &Path) -> anyhow::Result<Experiment> {
         let text = std::str::from_utf8(bytes).context("experiment file is not UTF-8")?;
         let mut file: ExperimentFile = toml::from_str(text).context("not a valid experiment")?;

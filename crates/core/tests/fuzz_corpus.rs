@@ -91,7 +91,8 @@ fn tiny_gguf(model: &str, arch: &str) -> Vec<u8> {
         meta.push((k("expert_used_count"), GgufValue::U32(m.top_k)));
         meta.push((k("expert_feed_forward_length"), GgufValue::U32(m.expert_ffn as u32)));
     }
-    let ggml = |d: DType| if d == DType::F32 { 0 } else { 1 };
+    // ggml types: 0 = f32, 1 = f16.
+    let ggml = |d: DType| u32::from(d != DType::F32);
     let dims: Vec<Vec<u64>> = inv.tensors.iter().map(|t| t.shape.iter().rev().copied().collect()).collect();
     let mut offset = 0;
     let tensors: Vec<(&str, &[u64], u32, u64)> = inv
