@@ -33,6 +33,10 @@ fn parse_scaled(s: &str, what: &str) -> anyhow::Result<u64> {
         bail!("{what} `{s}` must be a non-negative number");
     }
     let v = x * scale as f64;
+    // `as u64` saturates: "1e30G" would silently become 2^64 − 1.
+    if v >= u64::MAX as f64 {
+        bail!("{what} `{s}` does not fit in 64 bits");
+    }
     if v.fract() != 0.0 {
         bail!("{what} `{s}` is not a whole number of units ({v})");
     }
@@ -100,6 +104,8 @@ mod tests {
         assert!(parse_bytes("8X").unwrap_err().to_string().contains("suffix"));
         assert!(parse_tokens("1.3").unwrap_err().to_string().contains("whole"));
         assert!(parse_bytes("-1G").is_err());
+        // Found reading the experiment reader for its fuzz target: this used to saturate to 2^64 − 1 silently.
+        assert!(parse_bytes("1e30G").unwrap_err().to_string().contains("64 bits"));
         assert_eq!(format_bytes(8 << 30), "8G");
         assert_eq!(format_bytes(1536 << 20), "1536M");
         assert_eq!(format_bytes(1000), "1000");

@@ -196,6 +196,19 @@ impl Experiment {
         Experiment::from_file(file, &stem).with_context(|| format!("{}", path.display()))
     }
 
+    /// What [`Experiment::load`] does after reading the file, for untrusted bytes (the `experiment_toml` fuzz
+    /// target and the corpus replay test call this). `[ngl] csv` is replaced by `ngl_csv`, so that no input
+    /// can make it read an arbitrary file (`/dev/zero` would never end).
+    #[cfg_attr(not(test), allow(dead_code, reason = "called by the fuzz target in fuzz/ and by the tests"))]
+    pub fn from_untrusted(bytes: &[u8], ngl_csv: &Path) -> anyhow::Result<Experiment> {
+        let text = std::str::from_utf8(bytes).context("experiment file is not UTF-8")?;
+        let mut file: ExperimentFile = toml::from_str(text).context("not a valid experiment")?;
+        if let Some(n) = &mut file.ngl {
+            n.csv = ngl_csv.to_path_buf();
+        }
+        Experiment::from_file(file, "fuzz")
+    }
+
     /// Checks a parsed file; `stem` names it when it has no `name`.
     pub fn from_file(f: ExperimentFile, stem: &str) -> anyhow::Result<Experiment> {
         let sections = if f.grid.is_empty() { vec![GridFile::default()] } else { f.grid.clone() };
@@ -720,5 +733,27 @@ mod tests {
             }
         }
         assert!(n >= 2, "experiments/ holds at least ci-planners and figure2");
+    }
+
+    /// Replays the `experiment_toml` fuzz corpus and crash regressions (`fuzz/`) through the function the fuzz
+    /// target calls: no committed input may panic.
+    #[test]
+    fn fuzz_corpus_never_panics() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let csv = root.join("experiments/paper/baseline_ngl_5090.csv");
+        let (mut files, mut accepted) = (0, 0);
+        for dir in ["fuzz/corpus/experiment_toml", "fuzz/regressions/experiment_toml"] {
+            let Ok(rd) = std::fs::read_dir(root.join(dir)) else { continue };
+            for entry in rd {
+                let path = entry.unwrap().path();
+                let bytes = std::fs::read(&path).unwrap();
+                let r = std::panic::catch_unwind(|| Experiment::from_untrusted(&bytes, &csv).is_ok());
+                assert!(r.is_ok(), "{}: the experiment reader panicked", path.display());
+                files += 1;
+                accepted += usize::from(r.unwrap());
+            }
+        }
+        assert!(files >= 4, "the experiment_toml corpus has {files} files");
+        assert!(accepted >= 1, "no experiment_toml corpus file is a valid experiment");
     }
 }

@@ -39,6 +39,8 @@ pub enum DTypeError {
         "a {dtype} row must hold a multiple of {block} elements, got {row_elems}: pick another format or pad the row"
     )]
     RowNotBlockAligned { dtype: DType, block: u64, row_elems: u64 },
+    #[error("{rows} rows of {row_elems} {dtype} elements do not fit in 2^64 bytes")]
+    TooLarge { dtype: DType, row_elems: u64, rows: u64 },
     #[error(
         "unknown weight format `{0}`; known: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k"
     )]
@@ -109,7 +111,10 @@ impl DType {
         if !row_elems.is_multiple_of(block) {
             return Err(DTypeError::RowNotBlockAligned { dtype: self, block, row_elems });
         }
-        Ok(row_elems / block * self.block_bytes() * rows)
+        (row_elems / block)
+            .checked_mul(self.block_bytes())
+            .and_then(|b| b.checked_mul(rows))
+            .ok_or(DTypeError::TooLarge { dtype: self, row_elems, rows })
     }
 
     /// GGUF / ggml spelling.

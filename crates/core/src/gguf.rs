@@ -578,6 +578,25 @@ impl GgufHeader {
             max_position: self.meta_u64(&k("context_length")).unwrap_or(4096),
             moe,
         };
+        if let Some((field, value, max)) = text.over_limit() {
+            let key = match field {
+                "n_layers" => "block_count",
+                "hidden" => "embedding_length",
+                "n_heads" => "attention.head_count",
+                "n_kv_heads" => "attention.head_count_kv",
+                "head_dim" => "attention.key_length",
+                "ffn" => "feed_forward_length",
+                "vocab" => "vocab_size",
+                "n_experts" | "n_layers × n_experts" => "expert_count",
+                "expert_ffn" => "expert_feed_forward_length",
+                other => other,
+            };
+            return Err(self.meta_err(
+                &k(key),
+                Some(&GgufValue::U64(value)),
+                &format!("{field} must be at most {max} (no real model is larger)"),
+            ));
+        }
         let stored: Vec<StoredTensor> = self
             .tensors
             .iter()
@@ -703,6 +722,15 @@ mod tests {
         parse("m.gguf", b, b.len() as u64 + (1 << 34), 0)
     }
 
+    /// Fuzzing found it: a tensor whose element count fits in 64 bits but whose bytes do not (2^62 f32
+    /// elements) overflowed in `DType::tensor_bytes`.
+    #[test]
+    fn tensor_bytes_over_64_bits_is_an_error() {
+        let b = write_header(&[], &[("big.weight", &[1 << 32, 1 << 30], 0, 0)]);
+        let e = parse_bytes(&b).unwrap_err().to_string();
+        assert!(e.contains("tensor `big.weight` dims") && e.contains("do not fit in 2^64 bytes"), "{e}");
+    }
+
     #[test]
     fn reads_metadata_and_tensors() {
         let h = parse_bytes(&sample()).unwrap();
@@ -775,6 +803,30 @@ mod tests {
         assert!(e.contains("alignment 64"), "{e}");
         let odd = write_header(&[("general.alignment", GgufValue::U32(48))], &[]);
         assert!(parse_bytes(&odd).unwrap_err().to_string().contains("power of two"));
+    }
+
+    /// Fuzzing found it: a `block_count` of hundreds of millions made the inventory run out of memory.
+    #[test]
+    fn model_spec_rejects_more_layers_than_any_model() {
+        let meta = |layers: u32| {
+            write_header(
+                &[
+                    ("general.architecture", GgufValue::String("llama".into())),
+                    ("llama.block_count", GgufValue::U32(layers)),
+                    ("llama.embedding_length", GgufValue::U32(64)),
+                    ("llama.feed_forward_length", GgufValue::U32(128)),
+                    ("llama.attention.head_count", GgufValue::U32(4)),
+                    ("llama.vocab_size", GgufValue::U32(100)),
+                ],
+                &[],
+            )
+        };
+        assert_eq!(parse_bytes(&meta(2)).unwrap().model_spec("m").unwrap().text.n_layers, 2);
+        let e = parse_bytes(&meta(888_888_880)).unwrap().model_spec("m").unwrap_err().to_string();
+        assert!(
+            e.contains("llama.block_count") && e.contains("888888880") && e.contains("at most 512"),
+            "{e}"
+        );
     }
 
     #[test]

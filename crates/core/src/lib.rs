@@ -11,6 +11,7 @@
 //! - [`profile`]: the versioned machine [`profile::Profile`];
 //! - [`cost`]: the [`cost::CostModel`] trait and its table implementation;
 //! - [`plan`], [`metrics`], [`trace`]: what planners emit and what the simulator and executor report.
+//! - [`untrusted`]: every reader of untrusted files behind one entry point each (fuzz targets, corpus replay).
 //!
 //! Decisions: time is integer nanoseconds and sizes are `u64` bytes wherever they are state; FLOPs and bytes of
 //! ops are `f64` because MoE ops carry expectations over routing. Errors are typed and name the file, field and
@@ -31,6 +32,7 @@ pub mod plan;
 pub mod profile;
 pub mod reference;
 pub mod trace;
+pub mod untrusted;
 pub mod workload;
 
 /// Bytes in a GiB, the unit of budgets ("8G" = 8 GiB, as the paper's `-mva` MiB values).

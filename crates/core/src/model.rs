@@ -74,6 +74,44 @@ pub struct TextConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// Most decoder layers a spec may have. Real models stay far below (qwen3-235b: 94), and every layer becomes
+/// inventory entries, so a file claiming millions is an error rather than an out-of-memory.
+pub const MAX_LAYERS: u32 = 512;
+/// Most routed experts per layer (the largest public MoE models have 384).
+pub const MAX_EXPERTS: u32 = 512;
+/// Most routed experts over all layers (layers × experts; Kimi K2 has 61 × 384 = 23 424): each is an
+/// inventory unit.
+pub const MAX_EXPERT_UNITS: u64 = 1 << 16;
+/// Largest width, head count or vocabulary (2^20; real models stay below 2^18). With these limits every
+/// tensor's and the whole model's bytes fit in 64 bits.
+pub const MAX_WIDTH: u64 = 1 << 20;
+
+impl TextConfig {
+    /// The first field (our name, its value, its limit) over [`MAX_LAYERS`], [`MAX_EXPERTS`],
+    /// [`MAX_EXPERT_UNITS`] or [`MAX_WIDTH`]; readers turn it into an error naming the field as their file spells it.
+    #[must_use]
+    pub fn over_limit(&self) -> Option<(&'static str, u64, u64)> {
+        let mut fields = vec![
+            ("n_layers", u64::from(self.n_layers), u64::from(MAX_LAYERS)),
+            ("hidden", self.hidden, MAX_WIDTH),
+            ("n_heads", u64::from(self.n_heads), MAX_WIDTH),
+            ("n_kv_heads", u64::from(self.n_kv_heads), MAX_WIDTH),
+            ("head_dim", self.head_dim, MAX_WIDTH),
+            ("ffn", self.ffn, MAX_WIDTH),
+            ("vocab", self.vocab, MAX_WIDTH),
+        ];
+        if let Some(m) = &self.moe {
+            fields.extend([
+                ("n_experts", u64::from(m.n_experts), u64::from(MAX_EXPERTS)),
+                ("n_layers × n_experts", u64::from(self.n_layers) * u64::from(m.n_experts), MAX_EXPERT_UNITS),
+                ("expert_ffn", m.expert_ffn, MAX_WIDTH),
+                ("shared_ffn", m.shared_ffn, MAX_WIDTH),
+            ]);
+        }
+        fields.into_iter().find(|&(_, v, max)| v > max)
+    }
+}
+
 /// A ViT vision tower with a patch-merging projector (Qwen2.5-VL).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VisionConfig {
@@ -453,6 +491,25 @@ pub fn parse_hf_config(
         max_position: t.pos_or("max_position_embeddings", 4096)?,
         moe,
     };
+    if let Some((field, value, max)) = text.over_limit() {
+        let hf = match field {
+            "n_layers" => "num_hidden_layers",
+            "hidden" => "hidden_size",
+            "n_heads" => "num_attention_heads",
+            "n_kv_heads" => "num_key_value_heads",
+            "ffn" => "intermediate_size",
+            "vocab" => "vocab_size",
+            "n_experts" | "n_layers × n_experts" => "num_experts",
+            "expert_ffn" => "moe_intermediate_size",
+            "shared_ffn" => "shared_expert_intermediate_size",
+            other => other,
+        };
+        return Err(t.invalid(
+            hf,
+            &Value::from(value),
+            &format!("{field} at most {max} (no real model is larger)"),
+        ));
+    }
     let vision = if model_type == "qwen2_5_vl" { Some(parse_vision(&top, text.hidden)?) } else { None };
     Ok(ModelSpec { name: name.into(), text, vision, weights, stored: Vec::new() })
 }
@@ -514,6 +571,29 @@ mod tests {
 
     fn parse(json: &str) -> Result<ModelSpec, ConfigError> {
         parse_hf_config("cfg.json", json, "t", WeightFormat::uniform(DType::Bf16))
+    }
+
+    /// Fuzzing found it: `num_hidden_layers` = 888888880 (and any absurd width) made the inventory run out of
+    /// memory; the reader now names the field and the limit.
+    #[test]
+    fn sizes_beyond_any_real_model_are_errors() {
+        let e = parse(&LLAMA.replace(r#""num_hidden_layers":2"#, r#""num_hidden_layers":888888880"#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("888888880") && e.contains("at most 512"),
+            "{e}"
+        );
+        let e = parse(&LLAMA.replace(r#""vocab_size":100"#, r#""vocab_size":4000000000000"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("vocab_size") && e.contains(&MAX_WIDTH.to_string()), "{e}");
+        // 512 layers of 500 experts: each is within its own limit, together 256 000 inventory units.
+        let moe = include_str!("../catalog/qwen3-30b-a3b.config.json")
+            .replace(r#""num_hidden_layers": 48"#, r#""num_hidden_layers": 512"#)
+            .replace(r#""num_experts": 128"#, r#""num_experts": 500"#);
+        let e = parse(&moe).unwrap_err().to_string();
+        assert!(e.contains("num_experts") && e.contains("n_layers × n_experts at most 65536"), "{e}");
     }
 
     #[test]

@@ -66,13 +66,13 @@ pub struct VramBreakdown {
 }
 
 impl VramBreakdown {
+    /// The sum; it saturates at `u64::MAX` (over any budget), so a plan read from a file with absurd
+    /// numbers fails its budget check instead of overflowing.
     #[must_use]
     pub fn total(&self) -> u64 {
-        self.pinned_weights_bytes
-            + self.streaming_slots_bytes
-            + self.kv_bytes
-            + self.scratch_bytes
-            + self.runtime_overhead_bytes
+        [self.streaming_slots_bytes, self.kv_bytes, self.scratch_bytes, self.runtime_overhead_bytes]
+            .into_iter()
+            .fold(self.pinned_weights_bytes, u64::saturating_add)
     }
 
     /// Category-wise maximum (peak by category over phases).
@@ -217,7 +217,7 @@ impl Plan {
         for p in [&mut plan.prefill, &mut plan.decode] {
             if p.pipeline_depth > 0 {
                 p.pipeline_depth = depth;
-                p.vram.streaming_slots_bytes = u64::from(p.pipeline_depth) * p.slot_bytes;
+                p.vram.streaming_slots_bytes = u64::from(p.pipeline_depth).saturating_mul(p.slot_bytes);
             }
         }
         if plan != *self {
@@ -258,7 +258,7 @@ impl Plan {
             if !streamed.is_empty() && p.pipeline_depth == 0 {
                 return inconsistent("units are streamed but pipeline_depth is 0".into());
             }
-            if p.vram.streaming_slots_bytes != u64::from(p.pipeline_depth) * p.slot_bytes {
+            if Some(p.vram.streaming_slots_bytes) != u64::from(p.pipeline_depth).checked_mul(p.slot_bytes) {
                 return inconsistent(format!(
                     "streaming_slots_bytes {} ≠ pipeline_depth {} × slot_bytes {}",
                     p.vram.streaming_slots_bytes, p.pipeline_depth, p.slot_bytes
@@ -308,6 +308,7 @@ impl Plan {
                 plan.schema_version
             ));
         }
+        plan.workload.validate().map_err(|e| format!("{file}: {e}"))?;
         Ok(plan)
     }
 
@@ -323,7 +324,12 @@ impl Workload {
     #[must_use]
     pub fn kv_bytes_per_layer_of(&self, inv: &Inventory) -> u64 {
         let kv_dim = inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").map_or(0, |t| t.shape[0]);
-        self.kv_dtype.tensor_bytes(2 * kv_dim, 1).unwrap_or(4 * kv_dim) * self.ctx * self.batch
+        // Saturating: a plan file's workload may be absurd; a saturated size fails every slot and budget check.
+        self.kv_dtype
+            .tensor_bytes(kv_dim.saturating_mul(2), 1)
+            .unwrap_or(kv_dim.saturating_mul(4))
+            .saturating_mul(self.ctx)
+            .saturating_mul(self.batch)
     }
 }
 
@@ -380,6 +386,34 @@ mod tests {
         let back = Plan::from_json("p.json", &p.to_json()).unwrap();
         assert_eq!(back, p);
         assert!(Plan::from_json("p.json", "{}").unwrap_err().contains("p.json"));
+    }
+
+    /// Fuzzing found them: a plan file's numbers overflowed `ctx × batch × KV`, `depth × slot_bytes` and the
+    /// VRAM sum. Each is now an error naming the field.
+    #[test]
+    fn absurd_numbers_in_a_plan_file_are_errors() {
+        let (p, inv) = plan();
+        let json = p.to_json();
+        let e = Plan::from_json("p.json", &json.replace(r#""ctx": 2048"#, r#""ctx": 18446744073709551615"#))
+            .unwrap_err();
+        assert!(e.contains("p.json") && e.contains("`ctx` = 18446744073709551615"), "{e}");
+        let e = Plan::from_json(
+            "p.json",
+            &json.replace(r#""gen_tokens": 100"#, r#""gen_tokens": 18446744073709551615"#),
+        )
+        .unwrap_err();
+        assert!(e.contains("`gen_tokens`"), "{e}");
+
+        let (mut p, inv2) = plan();
+        p.decode.pipeline_depth = u32::MAX;
+        p.decode.slot_bytes = u64::MAX / 2;
+        assert!(p.validate(&inv2).unwrap_err().to_string().contains("streaming_slots_bytes"));
+
+        let mut p = Plan::from_json("p.json", &json).unwrap();
+        p.decode.vram.kv_bytes = u64::MAX;
+        p.decode.vram.pinned_weights_bytes = u64::MAX;
+        assert_eq!(p.peak_vram_bytes(), u64::MAX);
+        assert!(matches!(p.validate(&inv), Err(PlanInvalid::OverBudget { .. })));
     }
 
     #[test]

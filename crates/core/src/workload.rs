@@ -50,12 +50,16 @@ impl Workload {
         if self.prompt_tokens == 0 {
             return bad("prompt_tokens", 0, "at least 1 token".into());
         }
-        if self.prompt_tokens + self.gen_tokens > self.ctx {
-            return bad(
-                "ctx",
-                self.ctx,
-                format!("at least prompt + gen = {} tokens", self.prompt_tokens + self.gen_tokens),
-            );
+        if self.ctx > MAX_CTX {
+            return bad("ctx", self.ctx, format!("at most {MAX_CTX} tokens (no model has a longer context)"));
+        }
+        if self.batch > MAX_BATCH {
+            return bad("batch", self.batch, format!("at most {MAX_BATCH} sequences"));
+        }
+        match self.prompt_tokens.checked_add(self.gen_tokens) {
+            Some(n) if n <= self.ctx => {}
+            Some(n) => return bad("ctx", self.ctx, format!("at least prompt + gen = {n} tokens")),
+            None => return bad("gen_tokens", self.gen_tokens, "prompt + gen within the context".into()),
         }
         Ok(())
     }
@@ -87,6 +91,11 @@ impl Workload {
         spec.kv_bytes_per_token_layer(self.kv_dtype) * self.ctx * self.batch
     }
 }
+
+/// Longest context a workload may ask for (2^32 tokens): bounds every KV size to 64 bits.
+pub const MAX_CTX: u64 = 1 << 32;
+/// Most sequences decoded together.
+pub const MAX_BATCH: u64 = 1 << 16;
 
 /// A workload field out of range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
