@@ -106,7 +106,10 @@ fn tiny_gguf(model: &str, arch: &str) -> Vec<u8> {
         })
         .collect();
     let meta: Vec<(&str, GgufValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    write_header(&meta, &tensors)
+    // Tensor data (zeros) after the header, padded to the default alignment: the reader checks it is there.
+    let mut bytes = write_header(&meta, &tensors);
+    bytes.resize(bytes.len().div_ceil(32) * 32 + offset as usize, 0);
+    bytes
 }
 
 #[test]
