@@ -36,12 +36,12 @@ use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::PhaseKind;
 use pipeshard_core::profile::{Fit, Profile, Provenance as ProfileProvenance};
 use pipeshard_core::reference::{self, DEFAULT_EFFICIENCIES, Efficiencies};
-use pipeshard_sim::{SimOptions, Simulator};
+use pipeshard_sim::Simulator;
 use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::{Cell, Experiment, PaperRef};
-use crate::sweep::{CellResult, Provenance, git_commit, now_utc, run_cells, write_csv};
+use crate::sweep::{CellResult, Status, git_commit, now_utc, run_cells, write_csv, write_provenance};
 
 #[derive(Debug, Subcommand)]
 pub enum ReproCommand {
@@ -453,25 +453,10 @@ fn repro(name: &str, a: &ReproArgs, command: &str) -> anyhow::Result<()> {
     let summary_path = dir.join("summary.md");
     std::fs::write(&summary_path, &summary).with_context(|| format!("writing {}", summary_path.display()))?;
     written.push(summary_path);
-    let ok = results.iter().filter(|r| r.run.is_some()).count();
-    let prov = Provenance {
-        command: command.to_string(),
-        commit,
-        date_utc: now_utc(),
-        pipeshard_version: env!("CARGO_PKG_VERSION"),
-        experiment: e.name.clone(),
-        profile: e.profile.clone(),
-        machine: format!("{} ({}, {})", profile.machine.name, profile.machine.gpu, profile.machine.cpu),
-        profile_source: serde_json::to_value(&profile.provenance)?,
-        cells: results.len(),
-        ok_cells: ok,
-        wall_time_s: (t0.elapsed().as_secs_f64() * 1e3).round() / 1e3,
-        simulator: format!("pipeshard-sim, {:?}", SimOptions::default()),
-    };
-    let prov_path = dir.join("provenance.json");
-    std::fs::write(&prov_path, serde_json::to_string_pretty(&prov)? + "\n")
-        .with_context(|| format!("writing {}", prov_path.display()))?;
+    let prov_path =
+        write_provenance(&dir, e, &profile, command, commit, &results, t0.elapsed().as_secs_f64())?;
     written.push(prov_path);
+    let ok = results.iter().filter(|r| r.status == Status::Ok).count();
     print!("{summary}");
     println!(
         "{} cells ({ok} planned) in {:.1} s; wrote {}",

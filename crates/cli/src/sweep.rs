@@ -17,6 +17,7 @@ use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan, PlanInvalid};
+use pipeshard_core::profile::Profile;
 use pipeshard_planner::{PlanError, PlannerOptions};
 use pipeshard_sim::{SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
@@ -302,6 +303,36 @@ pub struct Provenance {
     pub simulator: String,
 }
 
+/// Writes `dir/provenance.json` for a simulated run of `e` on `profile`; returns its path.
+pub fn write_provenance(
+    dir: &Path,
+    e: &Experiment,
+    profile: &Profile,
+    command: &str,
+    commit: String,
+    results: &[CellResult],
+    wall_s: f64,
+) -> anyhow::Result<PathBuf> {
+    let prov = Provenance {
+        command: command.to_string(),
+        commit,
+        date_utc: now_utc(),
+        pipeshard_version: env!("CARGO_PKG_VERSION"),
+        experiment: e.name.clone(),
+        profile: e.profile.clone(),
+        machine: format!("{} ({}, {})", profile.machine.name, profile.machine.gpu, profile.machine.cpu),
+        profile_source: serde_json::to_value(&profile.provenance)?,
+        cells: results.len(),
+        ok_cells: results.iter().filter(|r| r.status == Status::Ok).count(),
+        wall_time_s: round(wall_s, 3),
+        simulator: format!("pipeshard-sim, {:?}", SimOptions::default()),
+    };
+    let path = dir.join("provenance.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&prov)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
 /// The current commit (`-dirty` with uncommitted changes), or `unknown` outside a git checkout.
 #[must_use]
 pub fn git_commit() -> String {
@@ -500,24 +531,8 @@ pub fn sweep(
     if plots {
         written.extend(crate::plots::sweep_plots(e, &results, &dir)?);
     }
+    let prov_path = write_provenance(&dir, e, &profile, command, commit, &results, wall)?;
     let ok = results.iter().filter(|r| r.status == Status::Ok).count();
-    let prov = Provenance {
-        command: command.to_string(),
-        commit,
-        date_utc: now_utc(),
-        pipeshard_version: env!("CARGO_PKG_VERSION"),
-        experiment: e.name.clone(),
-        profile: e.profile.clone(),
-        machine: format!("{} ({}, {})", profile.machine.name, profile.machine.gpu, profile.machine.cpu),
-        profile_source: serde_json::to_value(&profile.provenance)?,
-        cells: results.len(),
-        ok_cells: ok,
-        wall_time_s: round(wall, 3),
-        simulator: format!("pipeshard-sim, {:?}", SimOptions::default()),
-    };
-    let prov_path = dir.join("provenance.json");
-    std::fs::write(&prov_path, serde_json::to_string_pretty(&prov)? + "\n")
-        .with_context(|| format!("writing {}", prov_path.display()))?;
     written.push(prov_path);
 
     let count = |s: Status| results.iter().filter(|r| r.status == s).count();
