@@ -29,10 +29,11 @@ pub struct PlanArgs {
     /// (config.json + safetensors) or an HF `config.json`.
     #[arg(long)]
     model: String,
-    /// Storage format of every matrix of a `config.json` model (f16, bf16, q8_0, q4_0, q4_k …); GGUF files and
-    /// checkpoint folders say their own.
-    #[arg(long, default_value = "bf16")]
-    weights: String,
+    /// Storage format of every matrix (f16, bf16, q8_0, q4_0, q4_k …) of a catalog model (default: the
+    /// format the paper ran it in) or a `config.json` (default: bf16); GGUF files and checkpoint folders say
+    /// their own.
+    #[arg(long)]
+    weights: Option<String>,
     /// Keep only the first N decoder layers (what `exhaustive` needs for larger models).
     #[arg(long)]
     layers: Option<u32>,
@@ -90,8 +91,17 @@ struct Request {
 
 fn load_model(a: &PlanArgs) -> anyhow::Result<ModelSpec> {
     let mut spec = resolve_model(&a.model)?;
-    if Path::new(&a.model).extension().is_some_and(|e| e == "json") {
-        let dtype: DType = a.weights.parse().with_context(|| format!("--weights `{}`", a.weights))?;
+    let path = Path::new(&a.model);
+    let config_json = path.extension().is_some_and(|e| e == "json");
+    let weights = match &a.weights {
+        Some(_) if path.is_dir() || path.extension().is_some_and(|e| e == "gguf") => {
+            bail!("--weights: {} stores its own formats; drop --weights", a.model)
+        }
+        Some(w) => Some(w.as_str()),
+        None => config_json.then_some("bf16"),
+    };
+    if let Some(w) = weights {
+        let dtype: DType = w.parse().with_context(|| format!("--weights `{w}`"))?;
         spec = spec.with_uniform_weights(dtype);
     }
     match a.layers {
@@ -363,6 +373,18 @@ mod tests {
         assert_eq!(r.workload.ubatch, 1024);
         assert_eq!(r.budget_bytes, 8 << 30);
         assert_eq!(r.options.objective, Objective::E2el);
+    }
+
+    #[test]
+    fn weights_retype_catalog_models() {
+        let q4 = request(&args("--model qwen3-30b-a3b@2L")).unwrap().spec;
+        let bf16 = request(&args("--model qwen3-30b-a3b@2L --weights bf16")).unwrap().spec;
+        let bytes = |s: &ModelSpec| Inventory::new(s).total_bytes();
+        // bf16 is 16 bits a weight, Q4_0 4.5: the experts dominate, so the model grows ≈ 3.5×.
+        let ratio = bytes(&bf16) as f64 / bytes(&q4) as f64;
+        assert!((3.0..3.6).contains(&ratio), "{ratio}");
+        let e = format!("{:#}", request(&args("--model nemo-8b --weights q9")).err().unwrap());
+        assert!(e.contains("--weights `q9`"), "{e}");
     }
 
     #[test]

@@ -188,7 +188,13 @@ impl TableCostModel {
         let end = fam.points.partition_point(|p| p.0 <= nearest_shape);
         let run = &fam.points[start..end];
         let pick = |p: &(f64, f64, f64, Option<f64>)| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
-        let x = (op.tokens.max(1) as f64).ln();
+        // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
+        // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's.
+        let tokens = match op.kind {
+            OpKind::Experts { tokens_per_touched, .. } => tokens_per_touched.max(1.0),
+            _ => op.tokens.max(1) as f64,
+        };
+        let x = tokens.ln();
         let eff = match run.iter().position(|p| p.1 >= x) {
             Some(0) => pick(&run[0]),
             Some(i) => {
@@ -322,6 +328,7 @@ impl CostModel for TableCostModel {
 mod tests {
     use super::*;
     use crate::catalog;
+    use crate::dtype::DType;
     use crate::inventory::Inventory;
     use crate::reference;
     use crate::workload::{Phase, Workload, ops};
@@ -373,6 +380,40 @@ mod tests {
         assert!(cpu > 5 * m.op_ns(ffn_up, OpContext::gpu()));
         assert!(m.op_ns(ffn_up, OpContext::cpu(16).with_dma(true)) > cpu);
         assert!(m.op_ns(ffn_up, OpContext::cpu(4)) > cpu);
+    }
+
+    #[test]
+    fn routed_experts_cost_one_expert_row_per_touched_expert() {
+        // The H200 profile measures one qwen3-30b-a3b expert (768 × 2048, bf16) at 1–4096 tokens: a latency floor
+        // of ≈ 35 µs up to ~1K tokens. A 1024-token prefill chunk routes ≈ 64 tokens to each of ≈ 128 experts.
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let m = TableCostModel::new(&Profile::load(&path).unwrap());
+        let row_ns = |tokens: u64| {
+            let r = m.profile.gpu.ops.iter().find(|r| {
+                r.op == OpClass::Experts
+                    && r.dtype == DType::Bf16
+                    && (r.n, r.k, r.tokens) == (768, 2048, tokens)
+            });
+            r.unwrap().time_ns as f64
+        };
+        let spec =
+            catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap().with_uniform_weights(DType::Bf16);
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(1024, 4096, 10, 1024);
+        for (phase, tokens) in
+            [(Phase::Prefill { tokens: 1024, start_pos: 0, last: false }, 64), (w.decode_step(0), 1)]
+        {
+            let all = ops(&spec, &inv, &w, phase);
+            let op = all.iter().find(|o| o.kind.class() == OpClass::Experts).unwrap();
+            let OpKind::Experts { touched, tokens_per_touched, .. } = op.kind else { unreachable!() };
+            assert!(
+                (tokens_per_touched - tokens as f64).abs() / (tokens as f64) < 0.05,
+                "{tokens_per_touched}"
+            );
+            let t = m.op_ns(op, OpContext::gpu()) as f64;
+            let expect = touched * row_ns(tokens);
+            assert!((t - expect).abs() / expect < 0.05, "{phase:?}: {t} vs {expect}");
+        }
     }
 
     #[test]

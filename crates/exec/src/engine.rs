@@ -31,7 +31,7 @@ use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
-use crate::layout::{KvLoc, PhaseLayout, RingItem, Step, WeightLoc, layout_phase};
+use crate::layout::{KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_phase};
 use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
@@ -285,6 +285,8 @@ struct Exec<'a> {
     h_host: HostBuf,
     io: Io,
     moe_io: MoeIo,
+    /// Op offload (prefill): q, k, v coming from the GPU and the attention output going back (page-locked).
+    attn_io: HostBuf,
     routes: Vec<u32>,
     tl: Timeline,
     h_on_dev: bool,
@@ -338,6 +340,62 @@ fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
             && plan.phase == PhaseKind::Prefill
             && tokens >= 32
             && plan.placements.iter().any(|p| matches!(p.unit, UnitId::Attn { .. } | UnitId::Ffn { .. })))
+}
+
+/// Bytes of [`host_attention`]'s staging for `m` tokens: q, k, v (f32) then the output (activations).
+fn host_attention_io_bytes(d: &Dims, m: usize) -> usize {
+    m * (d.q_dim + 2 * d.kv_dim) * 4 + m * d.q_dim * d.mat.size_bytes()
+}
+
+/// Op offload's attention core on the CPU: llama.cpp runs a CPU-resident layer's matmuls on the GPU during
+/// prefill but its attention where the KV cache is, on the host. Brings q, k, v (roped, in scratch) down, writes
+/// the K/V rows into the host cache, runs attention on `pool` and puts the output into scratch `xb`.
+#[allow(clippy::too_many_arguments)]
+fn host_attention(
+    g: &GpuSide,
+    pool: &CpuPool,
+    d: &Dims,
+    io: &mut HostBuf,
+    kv_cache: &mut [u8],
+    kv: KvLayout,
+    tl: &mut Timeline,
+    sc: &ScratchLayout,
+    m: usize,
+    pos0: usize,
+) -> Result<()> {
+    let (nq, nkv) = (m * d.q_dim, m * d.kv_dim);
+    let at = |o: usize| g.base() + o as u64;
+    let t = tl.now_ns();
+    {
+        let (q, rest) = io.as_mut_slice().split_at_mut(nq * 4);
+        let (k, rest) = rest.split_at_mut(nkv * 4);
+        // SAFETY: scratch q, k, v hold m·q_dim and m·kv_dim f32 (scratch_layout); io is registered, sized by
+        // host_attention_io_bytes for ≥ m tokens, and read only after the sync below.
+        unsafe {
+            g.gpu.d2h(Stream::Compute, q, at(sc.q))?;
+            g.gpu.d2h(Stream::Compute, k, at(sc.k))?;
+            g.gpu.d2h(Stream::Compute, &mut rest[..nkv * 4], at(sc.v))?;
+        }
+    }
+    g.gpu.sync(Stream::Compute)?;
+    tl.host("sync: q, k, v to host".into(), Track::Host, t);
+    let t = tl.now_ns();
+    let mut att = vec![0f32; nq];
+    {
+        let (q, rest) = io.f32s_mut().split_at_mut(nq);
+        let (k, v) = rest.split_at_mut(nkv);
+        cpu::store_kv(kv_cache, kv, k, &v[..nkv], m, pos0);
+        cpu::attention(pool, d, q, kv_cache, kv, m, pos0, d.mat, &mut att);
+    }
+    let out_off = (nq + 2 * nkv) * 4;
+    let out = &mut io.as_mut_slice()[out_off..out_off + nq * d.mat.size_bytes()];
+    for (i, &x) in att.iter().enumerate() {
+        d.mat.write(out, i, x);
+    }
+    tl.host("cpu attention".into(), Track::Cpu, t);
+    // SAFETY: xb holds m·max(hidden, q_dim) activations; the host rewrites io only after a later sync of this
+    // stream, which orders it after this copy.
+    unsafe { g.gpu.h2d(Stream::Compute, at(sc.xb), out) }
 }
 
 /// Runs `plan` for `w` with `opts`: on `gpu` where the plan places units on the GPU (an error if it does and
@@ -394,6 +452,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
         io: Io::new(d, m_prefill),
         moe_io: MoeIo::new(d, m_prefill),
+        attn_io: HostBuf::zeroed(if plan.prefill.op_offload { host_attention_io_bytes(d, m_prefill) } else { 0 }),
         routes: Vec::new(),
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
@@ -440,7 +499,7 @@ impl<'a> Exec<'a> {
             // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
             regs.push(unsafe { gpu.register(&u.buf)? });
         }
-        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf]) {
+        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf, &self.attn_io]) {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
@@ -897,7 +956,7 @@ impl<'a> Exec<'a> {
                     cpu::ffn_block(pool, self.d, uw.buf.as_slice(), &off, self.h_host.f32s_mut(), m);
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
-                (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => self.gpu_block(lay, step, m, pos0, pass)?,
+                (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => self.gpu_block(lay, pool, step, m, pos0, pass)?,
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
                 (UnitKind::Expert(_), _) => {}
@@ -1224,6 +1283,7 @@ impl<'a> Exec<'a> {
     fn gpu_block(
         &mut self,
         lay: &PhaseLayout,
+        pool: &CpuPool,
         step: &Step,
         m: usize,
         pos0: usize,
@@ -1259,37 +1319,15 @@ impl<'a> Exec<'a> {
                 kslot = Some(slot);
                 addr
             }
-            Some(KvLoc::Staged) => {
-                let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
-                let (off, _) = lay.staging.expect("staging");
-                let kvb = at(off) + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64;
-                let g = self.gpu.as_ref().expect("gpu");
-                let n = self.kv.row_offset(pos0);
-                let hb = self.host_kv[layer as usize].as_slice();
-                let start = g.span_start(Stream::Compute)?;
-                // SAFETY: the staging area holds the unit plus kv.bytes(); host rows are current (written back by the
-                // compute stream earlier in order); registered memory.
-                unsafe {
-                    g.gpu.h2d(Stream::Compute, kvb, &hb[..n])?;
-                    g.gpu.h2d(Stream::Compute, kvb + half, &hb[half as usize..half as usize + n])?;
-                }
-                g.span_end(
-                    &mut self.tl,
-                    format!("stage blk.{layer}.kv"),
-                    Track::H2d,
-                    Stream::Compute,
-                    start,
-                )?;
-                kvb
-            }
-            Some(KvLoc::Host) => unreachable!("GPU attention has device KV"),
+            // Op offload: attention over the host KV runs on the CPU (below), as llama.cpp does.
+            Some(KvLoc::Host) => 0,
         };
         let g = self.gpu.as_ref().expect("gpu");
         let gpu = g.gpu;
         let k = &g.k;
         let ln = d.norm == pipeshard_core::model::NormKind::LayerNorm;
         let opt = |o: Option<usize>| o.map_or(0, |o| wb + o as u64);
-        let start = g.span_start(Stream::Compute)?;
+        let mut start = g.span_start(Stream::Compute)?;
         match uw.kind {
             UnitKind::Attn(o) => {
                 // SAFETY: every pointer is inside the arena: weights at wb with the unit's layout (offsets from the
@@ -1341,24 +1379,46 @@ impl<'a> Exec<'a> {
                         d.rot_dims / 2,
                         pos0,
                     )?;
-                    gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, pos0, m)?;
-                    gpu.attention(
-                        k,
-                        at(sc.q),
-                        kv_base,
-                        kv_base + half,
-                        at(sc.xb),
-                        at(sc.part_o),
-                        at(sc.part_ml),
+                }
+                if step.kv == Some(KvLoc::Host) {
+                    let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
+                    g.span_end(&mut self.tl, format!("gpu {} qkv", step.unit), Track::Compute, Stream::Compute, start)?;
+                    host_attention(
+                        g,
+                        pool,
+                        d,
+                        &mut self.attn_io,
+                        self.host_kv[layer as usize].as_mut_slice(),
+                        self.kv,
+                        &mut self.tl,
+                        &sc,
                         m,
                         pos0,
-                        d.n_heads,
-                        d.n_kv_heads,
-                        d.attn_scale(),
-                        sc.attn_splits,
                     )?;
-                    gpu.gemm(d.mat, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)?;
+                    start = g.span_start(Stream::Compute)?;
+                } else {
+                    // SAFETY: as above.
+                    unsafe {
+                        gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, pos0, m)?;
+                        gpu.attention(
+                            k,
+                            at(sc.q),
+                            kv_base,
+                            kv_base + half,
+                            at(sc.xb),
+                            at(sc.part_o),
+                            at(sc.part_ml),
+                            m,
+                            pos0,
+                            d.n_heads,
+                            d.n_kv_heads,
+                            d.attn_scale(),
+                            sc.attn_splits,
+                        )?;
+                    }
                 }
+                // SAFETY: as above; xb holds the m·q_dim attention output.
+                unsafe { gpu.gemm(d.mat, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)? };
             }
             UnitKind::Ffn(o) => {
                 // SAFETY: as above; up/gate/act hold m·ffn elements.
@@ -1424,16 +1484,6 @@ impl<'a> Exec<'a> {
                     )?;
                     g.gpu.record(&g.kv_wb[li], Stream::D2h)?;
                     g.kv_wb_pass[li] = Some(pass);
-                }
-                Some(KvLoc::Staged) => {
-                    let g = self.gpu.as_ref().expect("gpu");
-                    let hb = self.host_kv[li].as_mut_slice();
-                    let (hk, hv) = hb.split_at_mut(half as usize);
-                    // SAFETY: as above, ordered on the compute stream before the next staged upload.
-                    unsafe {
-                        g.gpu.d2h(Stream::Compute, &mut hk[p..p + n], kv_base + p as u64)?;
-                        g.gpu.d2h(Stream::Compute, &mut hv[p..p + n], kv_base + half + p as u64)?;
-                    }
                 }
                 _ => {}
             }

@@ -52,9 +52,7 @@ pub enum KvLoc {
     Pinned(usize),
     /// Uploaded into a ring slot before the layer's attention, new rows written back after.
     Streamed,
-    /// Uploaded into the staging area (op offload), new rows written back after.
-    Staged,
-    /// In host memory, used by CPU attention.
+    /// In host memory, used by CPU attention (also under op offload, whose matmuls run on the GPU).
     Host,
 }
 
@@ -300,8 +298,8 @@ pub fn layout_phase(
         let kv_loc = if let UnitId::Attn { layer } = id {
             let kp = get(UnitId::Kv { layer })?;
             let loc = match (weights, kp) {
-                (WeightLoc::Cpu, Placement::Cpu) => KvLoc::Host,
-                (WeightLoc::Staged, Placement::Cpu) => KvLoc::Staged,
+                // Op offload keeps attention over a host cache on the CPU, as llama.cpp does.
+                (WeightLoc::Cpu | WeightLoc::Staged, Placement::Cpu) => KvLoc::Host,
                 (WeightLoc::Pinned(_) | WeightLoc::Streamed, Placement::Pinned) => {
                     KvLoc::Pinned(kv_pinned[&layer])
                 }
@@ -325,8 +323,7 @@ pub fn layout_phase(
             None
         };
         if weights == WeightLoc::Staged {
-            let extra = if kv_loc == Some(KvLoc::Staged) { align(kv_bytes) } else { 0 };
-            staging_bytes = staging_bytes.max(align(unit.bytes) + extra);
+            staging_bytes = staging_bytes.max(align(unit.bytes));
         }
         steps.push(Step { unit: id, weights, kv: kv_loc });
     }

@@ -35,9 +35,10 @@
 //!   from the top, slots/staging/scratch between: a unit keeps its address across phases when both pin it.
 //! - The ring follows the core's `PhasePlan::stream_groups`: a streamed attention carries its streamed KV in
 //!   the same slot; slots are reused round-robin and released in issue order; only events order the streams.
-//! - `op_offload` (llama.cpp's baseline): CPU-placed attention/FFN of a prefill ubatch ≥ 32 tokens are staged
-//!   whole (weights, and KV rows for attention) into a staging area on the compute stream, computed on the
-//!   GPU, and their new KV rows written back — not overlapped, as in llama.cpp.
+//! - `op_offload` (llama.cpp's baseline): the weights of CPU-placed attention/FFN of a prefill ubatch ≥ 32
+//!   tokens are staged whole into a staging area on the compute stream and their matmuls run on the GPU — not
+//!   overlapped, as in llama.cpp; attention itself stays with the host KV cache on the CPU (q, k, v come down,
+//!   the output goes back up), as llama.cpp's scheduler keeps it.
 //! - MoE layers (docs/DESIGN-NOTES.md, "exec: MoE layers"): the router runs where it is placed, its logits
 //!   come to the host, which routes and permutes the tokens; only picked experts run — GPU experts as
 //!   per-expert cuBLAS calls (streamed ones copied only when picked, through a ring placeholder expanded once
