@@ -452,7 +452,11 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
         io: Io::new(d, m_prefill),
         moe_io: MoeIo::new(d, m_prefill),
-        attn_io: HostBuf::zeroed(if plan.prefill.op_offload { host_attention_io_bytes(d, m_prefill) } else { 0 }),
+        attn_io: HostBuf::zeroed(if plan.prefill.op_offload {
+            host_attention_io_bytes(d, m_prefill)
+        } else {
+            0
+        }),
         routes: Vec::new(),
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
@@ -956,7 +960,9 @@ impl<'a> Exec<'a> {
                     cpu::ffn_block(pool, self.d, uw.buf.as_slice(), &off, self.h_host.f32s_mut(), m);
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
-                (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => self.gpu_block(lay, pool, step, m, pos0, pass)?,
+                (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
+                    self.gpu_block(lay, pool, step, m, pos0, pass)?
+                }
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
                 (UnitKind::Expert(_), _) => {}
@@ -1382,7 +1388,13 @@ impl<'a> Exec<'a> {
                 }
                 if step.kv == Some(KvLoc::Host) {
                     let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
-                    g.span_end(&mut self.tl, format!("gpu {} qkv", step.unit), Track::Compute, Stream::Compute, start)?;
+                    g.span_end(
+                        &mut self.tl,
+                        format!("gpu {} qkv", step.unit),
+                        Track::Compute,
+                        Stream::Compute,
+                        start,
+                    )?;
                     host_attention(
                         g,
                         pool,

@@ -543,6 +543,15 @@ impl Builder<'_> {
         }
     }
 
+    /// What GPU expert work waits for: the routing, known on the host. Expert ids are read on the host (our
+    /// executor routes there; llama.cpp's `mul_mat_id` copies them down too), so a GPU router's logits come down
+    /// with a sync, and a CPU router's routing goes up.
+    fn routing(&mut self, router: Option<u32>) -> Option<u32> {
+        let r = router?;
+        let host = if self.device(r) == Device::Gpu { self.on(router, Device::Cpu) } else { router };
+        self.on(host, Device::Gpu)
+    }
+
     /// The tasks of a layer's routed experts op after the router task `router`; returns what the residual add
     /// joins: the last GPU share (the stream runs them in order) and the CPU share.
     fn experts(&mut self, i: usize, op: &Op, router: Option<u32>) -> Vec<u32> {
@@ -552,8 +561,10 @@ impl Builder<'_> {
         let expert_bytes = self.ctx.expert_bytes[layer as usize];
         let share = |count: u32| f64::from(count) / f64::from(n_experts);
         let mut last_gpu = None;
+        let gpu_experts = counts[0] + counts[1] > 0 || (counts[2] > 0 && self.offloads(op));
+        let routed = if gpu_experts { self.routing(router) } else { None };
         if counts[0] > 0 {
-            let deps = Deps::from(self.on(router, Device::Gpu));
+            let deps = Deps::from(routed);
             let sop = scaled(op, share(counts[0]));
             last_gpu = Some(self.compute(
                 i,
@@ -570,8 +581,8 @@ impl Builder<'_> {
             let bytes = (expected * expert_bytes as f64 / f64::from(parts)).ceil() as u64;
             let sop = scaled(op, share(counts[1]) / f64::from(parts));
             for part in 0..parts {
-                let item = self.item(StreamKey::Experts { layer, part }, bytes, router);
-                let mut deps = Deps::from(self.on(router, Device::Gpu));
+                let item = self.item(StreamKey::Experts { layer, part }, bytes, routed);
+                let mut deps = Deps::from(routed);
                 deps.push(self.items[item as usize].copy);
                 let t = self.compute(
                     i,
@@ -589,7 +600,7 @@ impl Builder<'_> {
             let sop = scaled(op, share(counts[2]));
             let t = if self.offloads(op) {
                 let copy = self.offload_copy(i, u64::from(counts[2]) * expert_bytes, router);
-                let mut deps = Deps::from(self.on(router, Device::Gpu));
+                let mut deps = Deps::from(routed);
                 deps.push(copy);
                 self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Gpu, deps.as_slice())
             } else {

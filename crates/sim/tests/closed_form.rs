@@ -36,10 +36,16 @@ fn all_pinned_is_the_sum_of_op_times_and_launches() {
         ] {
             let ops = ops_of(&spec, &w, phase);
             let compute: u64 = ops.iter().map(|o| cost.launch_ns + cost.op_ns(o, OpContext::gpu())).sum();
-            // Token ids in; sampled tokens (or nothing, for a chunk without logits) out after a host sync.
+            // Token ids in; sampled tokens (or nothing, for a chunk without logits) out after a host sync; in a
+            // MoE layer, the routing: the router's output down to the host and back, a sync each way.
+            let act = phase.tokens() * u64::from(spec.text.hidden) * 4;
+            let moe_layers = if spec.text.moe.is_some() { u64::from(spec.text.n_layers) } else { 0 };
+            let routing =
+                moe_layers * (2 * cost.host_sync_ns + cost.d2h_ns(act, true) + cost.h2d_ns(act, true));
             let handoffs = cost.h2d_ns(phase.tokens() * 4, true)
                 + cost.host_sync_ns
-                + cost.d2h_ns(phase.logit_rows() * 4, true);
+                + cost.d2h_ns(phase.logit_rows() * 4, true)
+                + routing;
             let o = sim.step(kind, phase);
             assert_eq!(o.makespan_ns, compute + handoffs, "{name} {phase:?}");
             assert_eq!(o.total_busy_ns(), [compute, 0, 0, 0], "{name} {phase:?}: only the GPU works");
@@ -211,11 +217,13 @@ fn moe_experts_split_runs_gpu_and_cpu_shares_concurrently() {
     assert!(g.items.iter().all(|i| i.bytes == expert_bytes));
     let shares: Vec<u32> = g.items.iter().map(|i| i.last_reader).collect();
     assert_eq!(shares[0], streamed);
+    let router = (0..g.tasks.len() as u32).find(|&t| g.label(t).ends_with("router")).unwrap();
     for (item, &t) in g.items.iter().zip(&shares) {
-        let router = g.deps(item.copy)[0];
-        assert!(
-            g.label(router).contains("router") && o.start_ns[item.copy as usize] >= o.end_ns[router as usize]
-        );
+        // The copy waits for the routing: the router's output at the host and the expert ids back up.
+        let routed = g.deps(item.copy)[0];
+        assert!(matches!(g.tasks[routed as usize].kind, TaskKind::Handoff { to: Device::Gpu }));
+        assert!(o.start_ns[item.copy as usize] >= o.end_ns[routed as usize]);
+        assert!(o.start_ns[routed as usize] >= o.end_ns[router as usize] + cost.host_sync_ns);
         assert!(o.start_ns[t as usize] >= o.end_ns[item.copy as usize]);
     }
     // The residual add joins every share, after handing the CPU share back to the GPU.
