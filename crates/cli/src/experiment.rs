@@ -48,6 +48,9 @@ pub enum Quantity {
 #[serde(deny_unknown_fields)]
 pub struct GridFile {
     pub models: Option<Vec<String>>,
+    /// At the top level, the experiment's planners (default: every planner); in a `[[grid]]`, the planners
+    /// that grid runs (default: the experiment's).
+    pub planners: Option<Vec<String>>,
     pub ctx: Option<Vec<Quantity>>,
     pub budgets: Option<Vec<Quantity>>,
     pub ubatch: Option<Vec<Quantity>>,
@@ -105,8 +108,6 @@ pub struct ExperimentFile {
     pub top: GridFile,
     #[serde(default)]
     pub grid: Vec<GridFile>,
-    /// Defaults to every planner.
-    pub planners: Option<Vec<String>>,
     pub gen_tokens: Option<u64>,
     pub batch: Option<u64>,
     /// Store every matrix in this format (`bf16`, `f16`) instead of the catalog's — the executor runs these.
@@ -121,6 +122,8 @@ pub struct ExperimentFile {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grid {
     pub models: Vec<String>,
+    /// `None`: the experiment's planners.
+    pub planners: Option<Vec<String>>,
     pub ctx: Vec<u64>,
     pub budgets: Vec<u64>,
     pub ubatch: Vec<u64>,
@@ -226,6 +229,7 @@ impl Experiment {
                 .with_context(|| format!("{what}`models` is missing or empty"))?;
             grids.push(Grid {
                 models,
+                planners: g.planners,
                 ctx: quantities(&need(pick(g.ctx, &f.top.ctx), "ctx")?, parse_tokens, "ctx")?,
                 budgets: quantities(
                     &need(pick(g.budgets, &f.top.budgets), "budgets")?,
@@ -246,7 +250,7 @@ impl Experiment {
             });
         }
         let planners: Vec<String> =
-            f.planners.unwrap_or_else(|| pipeshard_planner::NAMES.iter().map(|s| (*s).into()).collect());
+            f.top.planners.unwrap_or_else(|| pipeshard_planner::NAMES.iter().map(|s| (*s).into()).collect());
         let ngl_layers = match &f.ngl {
             Some(n) if planners.iter().any(|p| p == "ngl") => replay_ngl(n, &grids)?,
             _ => BTreeMap::new(),
@@ -280,6 +284,23 @@ impl Experiment {
         }
         if let Some(p) = self.planners.iter().find(|p| !pipeshard_planner::NAMES.contains(&p.as_str())) {
             bail!("unknown planner `{p}`; known: {}", pipeshard_planner::NAMES.join(", "));
+        }
+        for (i, g) in self.grids.iter().enumerate() {
+            match &g.planners {
+                Some(ps) if ps.is_empty() => {
+                    bail!("[[grid]] {}: `planners` is empty; list at least one", i + 1)
+                }
+                Some(ps) => {
+                    if let Some(p) = ps.iter().find(|p| !self.planners.contains(p)) {
+                        bail!(
+                            "[[grid]] {}: planner `{p}` is not among the experiment's `planners` ({})",
+                            i + 1,
+                            self.planners.join(", ")
+                        );
+                    }
+                }
+                None => {}
+            }
         }
         for m in self.models() {
             resolve_model(m)?;
@@ -356,8 +377,9 @@ impl Experiment {
                 for &ctx in &g.ctx {
                     for &budget_bytes in &g.budgets {
                         for &ubatch in &g.ubatch {
+                            let planners = g.planners.as_ref().unwrap_or(&self.planners);
                             for (p, &depth) in
-                                self.planners.iter().flat_map(|p| g.depths.iter().map(move |d| (p, d)))
+                                planners.iter().flat_map(|p| g.depths.iter().map(move |d| (p, d)))
                             {
                                 let ngl_layers = (p == "ngl")
                                     .then(|| self.ngl_layers.get(&(m.clone(), ctx, budget_bytes, ubatch)))
@@ -605,6 +627,28 @@ mod tests {
         assert_eq!((cells[2].model.as_str(), cells[2].ctx, cells[2].ubatch), ("nemo-8b", 16_384, 512));
         assert_eq!(e.contexts(), vec![1024, 4096, 16_384]);
         assert_eq!(e.models().len(), 2);
+        let f: ExperimentFile = toml::from_str(
+            r#"
+            ctx = ["1K"]
+            budgets = ["2G"]
+            planners = ["ngl", "ilp"]
+            [[grid]]
+            models = ["nemo-4b@2L"]
+            [[grid]]
+            models = ["nemo-8b@2L"]
+            planners = ["ilp"]
+            "#,
+        )
+        .unwrap();
+        let planners: Vec<String> =
+            Experiment::from_file(f, "x").unwrap().cells().into_iter().map(|c| c.planner).collect();
+        assert_eq!(planners, ["ngl", "ilp", "ilp"], "a grid's own planners replace the experiment's");
+        let outside: ExperimentFile = toml::from_str(
+            "ctx = [1024]\nbudgets = [\"2G\"]\nplanners = [\"ilp\"]\n[[grid]]\nmodels = [\"nemo-4b\"]\nplanners = [\"ngl\"]",
+        )
+        .unwrap();
+        let e = Experiment::from_file(outside, "x").unwrap_err().to_string();
+        assert!(e.contains("[[grid]] 1: planner `ngl`"), "{e}");
         let missing: ExperimentFile =
             toml::from_str("ctx = [1024]\n[[grid]]\nmodels = [\"nemo-4b\"]").unwrap();
         assert!(

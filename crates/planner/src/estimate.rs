@@ -353,8 +353,8 @@ pub struct Estimator {
     pub gen_tokens: u64,
     /// Weight bytes by inventory position.
     pub unit_bytes: Vec<u64>,
-    /// Per unit, the weights op offload stages in VRAM at once when the unit is CPU-resident: its largest
-    /// prefill op's (a layer's CPU routed experts are staged together: their count × one expert).
+    /// Per unit, the weights op offload stages in VRAM at once when the unit is CPU-resident: those of all its
+    /// offloaded prefill ops (a layer's CPU routed experts are staged together: their count × one expert).
     pub offload_stage_bytes: Vec<u64>,
 }
 
@@ -520,7 +520,7 @@ impl Estimator {
         self.vram_with_scratch(layout, self.prefill.scratch_bytes + self.offload_staged_bytes(layout))
     }
 
-    /// The most weight bytes op offload stages in VRAM at once for `layout`: the largest prefill op of a
+    /// The most weight bytes op offload stages in VRAM at once for `layout`: the offloaded ops of one
     /// CPU-resident unit, or all of a layer's CPU routed experts (one op), as the simulator and executor copy
     /// them.
     #[must_use]
@@ -821,11 +821,14 @@ impl Ctx<'_> {
             let staged = |o: &&Op| {
                 o.tokens >= OP_OFFLOAD_MIN_TOKENS && !matches!(o.kind, OpKind::Experts { .. } | OpKind::Embed)
             };
+            // A unit's staged weights stay together until its last op has run (as the simulator stages them).
+            let mut shape_stage = vec![0u64; units.len()];
             for op in step_ops.iter().filter(staged) {
                 if let Some(pos) = self.inv.position(op.unit) {
-                    stage[pos] = stage[pos].max(op.weight_bytes as u64);
+                    shape_stage[pos] += op.weight_bytes as u64;
                 }
             }
+            stage.iter_mut().zip(shape_stage).for_each(|(s, b)| *s = (*s).max(b));
             for op in step_ops.iter().filter(|o| o.kind.class() != OpClass::Attention) {
                 self.charge(&mut units, times, op, count as f64, offload);
             }

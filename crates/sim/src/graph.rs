@@ -406,6 +406,8 @@ struct Builder<'a> {
     /// The last write-back of each layer's new KV cells (the next upload of that KV waits for it).
     last_writeback: Vec<u32>,
     offload_peak_bytes: u64,
+    /// The unit op offload last staged and its bytes staged so far.
+    staged_unit: Option<(UnitId, u64)>,
 }
 
 impl Builder<'_> {
@@ -510,9 +512,16 @@ impl Builder<'_> {
         it.last_reader = task;
     }
 
-    /// llama.cpp op offload: a serialised copy of `bytes` of CPU-resident weights, after `prev`.
-    fn offload_copy(&mut self, op_index: usize, bytes: u64, prev: Option<u32>) -> u32 {
-        self.offload_peak_bytes = self.offload_peak_bytes.max(bytes);
+    /// llama.cpp op offload: a serialised copy of `bytes` of `unit`'s CPU-resident weights, after `prev`. A
+    /// unit's staged weights stay in VRAM together until its last op has run (llama.cpp copies the inputs of a
+    /// graph split into its compute buffer at once; the executor stages the whole unit).
+    fn offload_copy(&mut self, op_index: usize, unit: UnitId, bytes: u64, prev: Option<u32>) -> u32 {
+        let staged = match self.staged_unit {
+            Some((u, b)) if u == unit => b + bytes,
+            _ => bytes,
+        };
+        self.staged_unit = Some((unit, staged));
+        self.offload_peak_bytes = self.offload_peak_bytes.max(staged);
         let d = self.ctx.cost.h2d_ns(bytes, true);
         self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, (d, d), bytes, prev.as_slice())
     }
@@ -599,7 +608,9 @@ impl Builder<'_> {
         if counts[2] > 0 {
             let sop = scaled(op, share(counts[2]));
             let t = if self.offloads(op) {
-                let copy = self.offload_copy(i, u64::from(counts[2]) * expert_bytes, router);
+                // The layer's CPU experts are staged as one, apart from the router's weights (the op's unit).
+                let experts_key = UnitId::Expert { layer, expert: 0 };
+                let copy = self.offload_copy(i, experts_key, u64::from(counts[2]) * expert_bytes, router);
                 let mut deps = Deps::from(routed);
                 deps.push(copy);
                 self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Gpu, deps.as_slice())
@@ -673,6 +684,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
         items: Vec::new(),
         last_writeback: vec![NONE; ctx.spec.text.n_layers as usize],
         offload_peak_bytes: 0,
+        staged_unit: None,
     };
     let mut all_ops: Vec<Op> = Vec::new();
     let mut op_counts: Vec<usize> = Vec::with_capacity(phases.len());
@@ -775,7 +787,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
                 item = Some(it);
             }
             if placement == Placement::Cpu && b.offloads(op) {
-                deps.push(b.offload_copy(i, op.weight_bytes as u64, prev));
+                deps.push(b.offload_copy(i, op.unit, op.weight_bytes as u64, prev));
             }
             let t = b.compute(i, OpShare::Whole, op, dev, deps.as_slice());
             if let Some(it) = item {
