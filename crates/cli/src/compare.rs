@@ -285,6 +285,7 @@ mod tests {
                 depth: None,
                 ngl_layers: None,
                 budget_excludes_runtime: false,
+                ngl_flash_attn: false,
             },
             status,
             reason: "needs at least 2 GiB".into(),

@@ -26,6 +26,7 @@ use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
 use pipeshard_exec::{RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
+use pipeshard_planner::PlannerOptions;
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
 use crate::experiment::resolve_model;
@@ -285,7 +286,9 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         }
         let cost = TableCostModel::new(&profile);
         for planner in args.planner.split(',') {
-            let p = pipeshard_planner::by_name(planner.trim()).with_context(|| {
+            // The executor runs flash attention only: `ngl` plans llama.cpp's `-fa on`.
+            let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
+            let p = pipeshard_planner::with_options(planner.trim(), &options).with_context(|| {
                 format!("unknown planner `{planner}`; known: {}", pipeshard_planner::NAMES.join(", "))
             })?;
             for b in args.budget.split(',') {
@@ -544,7 +547,8 @@ mod tests {
             };
             let weights = ModelWeights::zeroed(&spec).unwrap();
             for planner in ["ngl", "pshard", "ilp"] {
-                let p = pipeshard_planner::by_name(planner).unwrap();
+                let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
+                let p = pipeshard_planner::with_options(planner, &options).unwrap();
                 for gib in [2u64, 4, 8] {
                     let budget = gib << 30;
                     let Ok(plan) = p.plan(&spec, &workload, &cost, budget) else { continue };

@@ -114,6 +114,9 @@ pub struct ExperimentFile {
     pub weights: Option<String>,
     /// Budgets are the paper's `-mva`: the runtime's VRAM comes on top.
     pub budget_excludes_runtime: Option<bool>,
+    /// Plan `ngl` with flash attention on (llama.cpp `-fa on`) instead of the paper's `-fa off`: the executor
+    /// implements flash attention only, so experiments it runs (`validate`) need this.
+    pub ngl_flash_attn: Option<bool>,
     pub ngl: Option<NglFile>,
     pub paper: Option<PaperRef>,
 }
@@ -157,6 +160,7 @@ pub struct Experiment {
     pub batch: u64,
     pub weights: Option<DType>,
     pub budget_excludes_runtime: bool,
+    pub ngl_flash_attn: bool,
     /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
     pub ngl_layers: BTreeMap<NglKey, u32>,
     pub paper: Option<PaperRef>,
@@ -268,6 +272,7 @@ impl Experiment {
                 .map(|w| w.parse::<DType>().map_err(|e| anyhow::anyhow!("`weights`: {e}")))
                 .transpose()?,
             budget_excludes_runtime: f.budget_excludes_runtime.unwrap_or(false),
+            ngl_flash_attn: f.ngl_flash_attn.unwrap_or(false),
             ngl_layers,
             paper: f.paper,
         };
@@ -398,6 +403,7 @@ impl Experiment {
                                     depth,
                                     ngl_layers,
                                     budget_excludes_runtime: self.budget_excludes_runtime,
+                                    ngl_flash_attn: self.ngl_flash_attn,
                                 });
                             }
                         }
@@ -543,6 +549,8 @@ pub struct Cell {
     pub ngl_layers: Option<u32>,
     /// `budget_bytes` leaves out the runtime overhead (the paper's `-mva`).
     pub budget_excludes_runtime: bool,
+    /// `ngl` only: plan with flash attention on.
+    pub ngl_flash_attn: bool,
 }
 
 impl Cell {

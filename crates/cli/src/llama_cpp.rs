@@ -507,7 +507,7 @@ mod tests {
         let spec = resolve_model("nemo-4b@6L").unwrap();
         let w = Workload::single(900, 1024, 100, 256);
         for n in 0..=7 {
-            let ngl = pipeshard_planner::ngl::Ngl { fixed_layers: Some(n) };
+            let ngl = pipeshard_planner::ngl::Ngl { fixed_layers: Some(n), flash_attn: false };
             let plan = pipeshard_planner::Planner::plan(&ngl, &spec, &w, &cost(), 1 << 40).unwrap();
             let (text, back) = round_trip(&plan, &spec);
             assert!(text.contains(&format!("-ngl {n} ")) && !text.contains("-ot"), "{text}");

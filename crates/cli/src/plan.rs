@@ -131,7 +131,7 @@ fn request(a: &PlanArgs) -> anyhow::Result<Request> {
         spec,
         workload,
         budget_bytes,
-        options: PlannerOptions { objective, ngl_layers: a.ngl },
+        options: PlannerOptions { objective, ngl_layers: a.ngl, ngl_flash_attn: false },
         profile_name: a.profile.clone(),
     })
 }

@@ -132,6 +132,7 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                         batch: Some(a.batch),
                         weights: None,
                         budget_excludes_runtime: None,
+                        ngl_flash_attn: None,
                         ngl: None,
                         paper: None,
                     },
@@ -178,6 +179,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             depth: None,
             ngl_layers: None,
             budget_excludes_runtime: false,
+            ngl_flash_attn: false,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");
         let plan = planner

@@ -301,6 +301,7 @@ impl Row {
                 depth: self.depth,
                 ngl_layers: None,
                 budget_excludes_runtime: false,
+                ngl_flash_attn: false,
             },
         }
     }
@@ -663,6 +664,7 @@ mod tests {
                 depth: None,
                 ngl_layers: None,
                 budget_excludes_runtime: false,
+                ngl_flash_attn: false,
             },
             kind,
             status: "ok".into(),

@@ -410,6 +410,14 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
             reason: format!("batch {} (parallel requests are issue 10); use batch 1", wl.batch),
         });
     }
+    if !wl.flash_attn {
+        return Err(ExecError::UnsupportedPlan {
+            phase: PhaseKind::Prefill,
+            reason: "flash attention off (the executor implements flash attention only); plan with flash \
+                     attention on (`ngl`: PlannerOptions::ngl_flash_attn, experiment `ngl_flash_attn = true`)"
+                .into(),
+        });
+    }
     let kv_elem = Elem::from_dtype(wl.kv_dtype).ok_or_else(|| ExecError::UnsupportedPlan {
         phase: PhaseKind::Prefill,
         reason: format!("KV cache format {} (use f16, bf16 or f32)", wl.kv_dtype),

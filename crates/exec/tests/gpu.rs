@@ -187,7 +187,11 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             assert_eq!(out.routes.len(), reference.routes.len());
             writeln!(log, "  routing: {flips} of {} expert choices differ from all-CPU", out.routes.len())
                 .unwrap();
-            assert!(flips * 100 <= out.routes.len(), "{name}: {flips} routing flips");
+            // bf16 inputs summed in another order move router logits by ~1e-3 relative; a random-init router
+            // packs 128 logits so tightly that the 8th and 9th choices are that close for ~2% of choices
+            // (measured on the H200: 33 of 1728 on qwen3-30b-a3b@2L, 0 for the f16 tiny model). Beyond 3%, the
+            // routing itself differs.
+            assert!(flips * 100 <= 3 * out.routes.len(), "{name}: {flips} routing flips");
             // Experts are copied only when picked: never one that is not computed, exactly the computed ones
             // where every expert streams, and far fewer than all experts of every pass.
             let count = |prefix: &str| {

@@ -7,13 +7,14 @@
 //!   [`OP_OFFLOAD_MIN_TOKENS`] tokens run the matmuls of CPU-resident
 //!   layers on the GPU after copying their weights, every ubatch, without overlap (llama.cpp's op offload).
 //! - **Flash attention off**, as in the paper's baseline: the plan's workload has `flash_attn = false`, so the
-//!   score matrix counts in scratch and attention time.
+//!   score matrix counts in scratch and attention time; `flash_attn: true` plans `-fa on` instead (what the
+//!   executor runs).
 //! - VRAM: runtime overhead + offloaded weights + their KV + llama.cpp's CUDA compute buffer, which it sizes
 //!   once, for a worst-case ubatch of `min(ctx, ubatch)` tokens over the full KV with every row producing
 //!   logits: the residual stream, plus the attention temporaries (with the scores over all keys) when some
 //!   attention runs on the GPU, or the FFN intermediates, whichever is larger, plus the logits when the head
 //!   is on the GPU, plus (op offload) the most weights it stages at once for a CPU-resident layer — one
-//!   op's, or all of a layer's routed experts, as ggml's scheduler copies a split's weight inputs together and
+//!   unit's offloaded ops, or all of a layer's routed experts, as ggml's scheduler copies a split's weight inputs together and
 //!   as the simulator and executor stage them ([`Estimator::offload_staged_bytes`]). Both phases use the same
 //!   allocation.
 //! - `fixed_layers: None` picks the largest N that fits (what "manually tuned" means in the paper);
@@ -33,6 +34,9 @@ use crate::{Decision, PlanError, Planner, assemble};
 pub struct Ngl {
     /// `Some(n)`: offload exactly `n` layers (`-ngl n`); `None`: the largest `n` that fits.
     pub fixed_layers: Option<u32>,
+    /// `-fa on`: keep flash attention (what the executor runs: it implements flash attention only). Off by
+    /// default, as in the paper's baseline.
+    pub flash_attn: bool,
 }
 
 impl Planner for Ngl {
@@ -48,7 +52,7 @@ impl Planner for Ngl {
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
         workload.validate()?;
-        let w = Workload { flash_attn: false, ..*workload };
+        let w = Workload { flash_attn: self.flash_attn, ..*workload };
         let inv = Inventory::new(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         let model = Offload::new(spec, &w, &est);
