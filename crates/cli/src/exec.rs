@@ -100,21 +100,8 @@ pub struct RunArgs {
 
 /// Commit (`PIPESHARD_COMMIT` on machines without the git checkout), date and command line of this run.
 pub(crate) fn provenance() -> (String, String, String) {
-    let commit = std::env::var("PIPESHARD_COMMIT").ok().or_else(|| {
-        std::process::Command::new("git")
-            .args(["rev-parse", "--short=12", "HEAD"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    });
-    let date = std::process::Command::new("date")
-        .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
-    (commit.unwrap_or_else(|| "unknown".into()), date.unwrap_or_default(), cmd)
+    (crate::sweep::git_commit(), crate::sweep::now_utc(), cmd)
 }
 
 /// `profile` with the runtime overhead this machine measures for `spec` and `workload`, so that planner,

@@ -337,9 +337,13 @@ pub fn write_provenance(
     Ok(path)
 }
 
-/// The current commit (`-dirty` with uncommitted changes), or `unknown` outside a git checkout.
+/// The commit of this run: `PIPESHARD_COMMIT` when set (machines that run a copied binary, whose checkout may
+/// be another commit's), else the checkout's (`-dirty` with uncommitted changes), or `unknown` outside one.
 #[must_use]
 pub fn git_commit() -> String {
+    if let Ok(c) = std::env::var("PIPESHARD_COMMIT") {
+        return c;
+    }
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
