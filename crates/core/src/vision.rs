@@ -242,6 +242,52 @@ pub fn extra_attention_launches(positions: u64, attention: VisionAttention) -> u
     }
 }
 
+/// Where the vision tower's weights live during the encode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionWeights {
+    /// Resident in VRAM (stock llama.cpp).
+    Pinned,
+    /// In host memory, each block copied to the GPU just before its ops run (VLMOpt's `-vto-offload-cpu`: ggml's
+    /// scheduler offloads the ops, so the weights cross PCIe per use); one block's weights are staged at a time.
+    Streamed,
+    /// In host memory and computed on the CPU.
+    Cpu,
+}
+
+/// How the encoder's VRAM and the language model's meet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Handover {
+    /// The language model's VRAM is taken only after the encoder's is freed (VLMOpt): peak = max of the two.
+    Serialised,
+    /// Both are held at once (stock llama.cpp creates the LLM context before encoding): peak = their sum, the
+    /// runtime overhead counted once.
+    Overlapping,
+}
+
+impl Handover {
+    /// Peak VRAM of a request whose encode peaks at `vision_bytes` and whose language phases peak at
+    /// `language_bytes`, each including the runtime overhead `runtime_bytes` once.
+    #[must_use]
+    pub fn peak_bytes(self, vision_bytes: u64, language_bytes: u64, runtime_bytes: u64) -> u64 {
+        match self {
+            Handover::Serialised => vision_bytes.max(language_bytes),
+            Handover::Overlapping => vision_bytes + language_bytes.saturating_sub(runtime_bytes),
+        }
+    }
+}
+
+/// The plan of one image's encode: grid, where the weights live, the attention kernel, and its VRAM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VisionPlan {
+    pub grid: ImageGrid,
+    pub weights: VisionWeights,
+    pub attention: VisionAttention,
+    /// Pinned weights, staged weights (as `streaming_slots_bytes`), compute buffer (scratch), runtime.
+    pub vram: crate::plan::VramBreakdown,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,6 +360,15 @@ mod tests {
         }
         // A budget that holds every score gives one tile.
         assert_eq!(q_tile_for_budget(&v, 1196, 1 << 30), 1196);
+    }
+
+    #[test]
+    fn serialised_handover_peaks_at_the_max_and_overlap_at_the_sum() {
+        let gb = 1u64 << 30;
+        assert_eq!(Handover::Serialised.peak_bytes(3 * gb, 7 * gb, gb / 2), 7 * gb);
+        assert_eq!(Handover::Serialised.peak_bytes(9 * gb, 7 * gb, gb / 2), 9 * gb);
+        // Runtime overhead held once.
+        assert_eq!(Handover::Overlapping.peak_bytes(3 * gb, 7 * gb, gb / 2), 10 * gb - gb / 2);
     }
 
     #[test]
