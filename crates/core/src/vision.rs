@@ -42,17 +42,25 @@ pub enum VisionError {
 /// Largest image side accepted (pixels): bounds `N²` of the encoder's attention to 64-bit arithmetic.
 pub const MAX_SIDE_PX: u64 = 1 << 15;
 
+/// An image as the user gives it, and the longer side the encoder may see (llama.cpp `-cis`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceImage {
+    pub width_px: u64,
+    pub height_px: u64,
+    pub max_side_px: u64,
+}
+
+/// With flash attention the fork aligns each side to this many merge squares (8 × 28 px), so that the
+/// position count is a multiple of 256 as CUDA's flash-attention kernels need.
+pub const FLASH_ALIGN_MERGES: u64 = 8;
+
 impl ImageGrid {
-    /// The grid of a `src_width_px × src_height_px` image scaled to at most `max_side_px` on its longer side
-    /// (llama.cpp `-cis`), each side then rounded up to a multiple of `patch × spatial_merge`.
-    pub fn fit(
-        v: &VisionConfig,
-        src_width_px: u64,
-        src_height_px: u64,
-        max_side_px: u64,
-    ) -> Result<ImageGrid, VisionError> {
+    /// The grid of `image` scaled to at most `max_side_px` on its longer side (never up), each side then
+    /// rounded up to a multiple of `patch × spatial_merge` — and of [`FLASH_ALIGN_MERGES`] times that when the
+    /// encoder runs flash attention (`flash_aligned`), as the paper's fork does.
+    pub fn fit(v: &VisionConfig, image: SourceImage, flash_aligned: bool) -> Result<ImageGrid, VisionError> {
         for (field, value) in
-            [("width_px", src_width_px), ("height_px", src_height_px), ("max_side_px", max_side_px)]
+            [("width_px", image.width_px), ("height_px", image.height_px), ("max_side_px", image.max_side_px)]
         {
             if value == 0 || value > MAX_SIDE_PX {
                 return Err(VisionError::Image {
@@ -62,13 +70,15 @@ impl ImageGrid {
                 });
             }
         }
-        let scale = (max_side_px as f64 / src_width_px as f64)
-            .min(max_side_px as f64 / src_height_px as f64)
-            .min(1.0);
+        let max_side = image.max_side_px as f64;
+        let scale =
+            (max_side / image.width_px as f64).min(max_side / image.height_px as f64).min(1.0);
         let align = v.patch * v.spatial_merge;
+        let flash = if flash_aligned { align * FLASH_ALIGN_MERGES } else { align };
         // clip.cpp truncates the scaled size to whole pixels, then aligns up.
-        let side = |px: u64| ((px as f64 * scale) as u64).max(1).div_ceil(align) * align;
-        let (w, h) = (side(src_width_px), side(src_height_px));
+        let side =
+            |px: u64| ((px as f64 * scale) as u64).max(1).div_ceil(align).saturating_mul(align).div_ceil(flash) * flash;
+        let (w, h) = (side(image.width_px), side(image.height_px));
         Ok(ImageGrid {
             width_px: w,
             height_px: h,
@@ -303,28 +313,36 @@ mod tests {
     fn the_papers_resolutions_give_the_known_grids() {
         let (_, v) = cr1();
         // 3840×2160 scaled to a longer side of 640/1280/1920/2560 px, aligned up to 28 px.
+        let img = |max_side_px| SourceImage { width_px: 3840, height_px: 2160, max_side_px };
         for (side, w, h, tokens) in
             [(640, 644, 364, 299), (1280, 1288, 728, 1196), (1920, 1932, 1092, 2691), (2560, 2576, 1456, 4784)]
         {
-            let g = ImageGrid::fit(&v, 3840, 2160, side).unwrap();
+            let g = ImageGrid::fit(&v, img(side), false).unwrap();
             assert_eq!((g.width_px, g.height_px), (w, h), "side {side}");
             assert_eq!(g.tokens(), tokens, "side {side}");
             assert_eq!(g.patches(), 4 * tokens);
         }
+        // Flash attention: sides aligned to 224 px, positions a multiple of 256.
+        for (side, w, h) in [(640, 672, 448), (1280, 1344, 896), (1920, 2016, 1120), (2560, 2688, 1568)] {
+            let g = ImageGrid::fit(&v, img(side), true).unwrap();
+            assert_eq!((g.width_px, g.height_px), (w, h), "side {side}");
+            assert_eq!(g.patches() % 256, 0);
+        }
         // Never scaled up.
-        let g = ImageGrid::fit(&v, 448, 448, 2560).unwrap();
+        let g = ImageGrid::fit(&v, SourceImage { width_px: 448, height_px: 448, max_side_px: 2560 }, false).unwrap();
         assert_eq!((g.patches(), g.tokens()), (1024, 256));
     }
 
     #[test]
     fn bad_images_are_named() {
         let (_, v) = cr1();
-        let e = ImageGrid::fit(&v, 0, 100, 640).unwrap_err().to_string();
+        let img = |width_px, max_side_px| SourceImage { width_px, height_px: 100, max_side_px };
+        let e = ImageGrid::fit(&v, img(0, 640), false).unwrap_err().to_string();
         assert!(e.contains("width_px") && e.contains('0'), "{e}");
-        let e = ImageGrid::fit(&v, 100, 100, 1 << 20).unwrap_err().to_string();
+        let e = ImageGrid::fit(&v, img(100, 1 << 20), false).unwrap_err().to_string();
         assert!(e.contains("max_side_px"), "{e}");
         let llm = catalog::get("nemo-8b").unwrap();
-        let g = ImageGrid::fit(&v, 640, 360, 640).unwrap();
+        let g = ImageGrid::fit(&v, img(640, 640), false).unwrap();
         let e = encoder_ops(&llm, &Inventory::new(&llm), &g, VisionAttention::Flash).unwrap_err();
         assert!(e.to_string().contains("nemo-8b"), "{e}");
     }
@@ -375,7 +393,7 @@ mod tests {
     fn encoder_ops_count_the_quadratic_attention() {
         let (spec, v) = cr1();
         let inv = Inventory::new(&spec);
-        let g = ImageGrid::fit(&v, 3840, 2160, 1280).unwrap();
+        let g = ImageGrid::fit(&v, SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 }, false).unwrap();
         let ops = encoder_ops(&spec, &inv, &g, VisionAttention::Flash).unwrap();
         let attn: Vec<&Op> = ops.iter().filter(|o| matches!(o.kind, OpKind::Attention { .. })).collect();
         assert_eq!(attn.len(), 32);

@@ -12,7 +12,7 @@ use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::VramBreakdown;
 use pipeshard_core::vision::{
-    Handover, ImageGrid, VisionAttention, VisionPlan, VisionWeights, encoder_scratch_bytes, q_tile_for_budget,
+    Handover, ImageGrid, SourceImage, VisionAttention, VisionPlan, VisionWeights, encoder_scratch_bytes, q_tile_for_budget,
 };
 
 use crate::PlanError;
@@ -58,12 +58,13 @@ impl VlmOptions {
     }
 }
 
-/// The encode plan for `grid` under `options`, or why it does not fit `budget_bytes` (which includes the
-/// runtime overhead the cost model states).
+/// The encode plan for `image` under `options` (flash attention changes the grid, see
+/// [`ImageGrid::fit`]), or why it does not fit `budget_bytes` (which includes the runtime overhead the cost
+/// model states).
 pub fn plan_vision(
     spec: &ModelSpec,
     inv: &Inventory,
-    grid: ImageGrid,
+    image: SourceImage,
     options: &VlmOptions,
     cost: &dyn CostModel,
     budget_bytes: u64,
@@ -75,6 +76,8 @@ pub fn plan_vision(
             spec.name
         )));
     };
+    let grid = ImageGrid::fit(v, image, options.attention == AttentionChoice::Flash)
+        .map_err(|e| unsupported(e.to_string()))?;
     let n = grid.patches();
     let attention = match options.attention {
         AttentionChoice::Materialised => VisionAttention::Materialised,
@@ -121,8 +124,7 @@ mod tests {
     #[test]
     fn each_measure_lowers_the_encode_peak_and_oom_names_the_need() {
         let (spec, inv, cost) = setup();
-        let v = spec.vision.as_ref().unwrap();
-        let grid = ImageGrid::fit(v, 3840, 2160, 1920).unwrap();
+        let grid = SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1920 };
         let big = 64u64 << 30;
         let peak = |o: VlmOptions| plan_vision(&spec, &inv, grid, &o, &cost, big).unwrap().vram.total();
         let stock = VlmOptions::stock();
@@ -148,8 +150,7 @@ mod tests {
         let (_, _, cost) = setup();
         let spec = catalog::get("qwen3-8b").unwrap();
         let inv = Inventory::new(&spec);
-        let v = catalog::get("cosmos-reason1-7b").unwrap().vision.unwrap();
-        let grid = ImageGrid::fit(&v, 640, 360, 640).unwrap();
+        let grid = SourceImage { width_px: 640, height_px: 360, max_side_px: 640 };
         let e = plan_vision(&spec, &inv, grid, &VlmOptions::paper(), &cost, 8 << 30).unwrap_err();
         assert!(e.to_string().contains("qwen3-8b"), "{e}");
     }

@@ -148,7 +148,7 @@ mod tests {
     use pipeshard_core::cost::TableCostModel;
     use pipeshard_core::plan::VramBreakdown;
     use pipeshard_core::profile::Profile;
-    use pipeshard_core::vision::{ImageGrid, VisionAttention};
+    use pipeshard_core::vision::{ImageGrid, SourceImage, VisionAttention};
 
     #[test]
     fn encode_time_follows_placement_and_kernel() {
@@ -156,7 +156,8 @@ mod tests {
         let inv = Inventory::new(&spec);
         let profile = Profile::from_json("cli2.json", include_str!("../../../profiles/cli2.json")).unwrap();
         let cost = TableCostModel::new(&profile);
-        let grid = ImageGrid::fit(spec.vision.as_ref().unwrap(), 3840, 2160, 1280).unwrap();
+        let image = SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 };
+        let grid = ImageGrid::fit(spec.vision.as_ref().unwrap(), image, false).unwrap();
         let t = |weights, attention| {
             let plan = VisionPlan { grid, weights, attention, vram: VramBreakdown::default() };
             encode_ns(&spec, &inv, &plan, &cost).unwrap()
