@@ -2,16 +2,19 @@
 //! VLMOpt over stock llama.cpp at 480p–1440p and 4 / 8 / 14.5 GB) in the simulator, and the VRAM each VLMOpt
 //! measure saves.
 //!
-//! How a cell is computed, as the paper's `repro_table8` script runs it (DIGEST §4, §5.4):
-//! - **Baseline**, once per resolution and with no budget: `llama-mtmd-cli` with no `-ngl` (b6097 keeps every
-//!   LLM layer on the CPU, op offload on, no flash attention; our `ngl` planner with N = 0 on the whole card),
-//!   the tower resident in VRAM with materialised scores, the LLM context held during the encode.
+//! How a cell is computed (DIGEST §4, §5.4, §6):
+//! - **Baseline** per budget B, as the paper describes it ("llama.cpp -ngl tuned"; OOM = the baseline does not
+//!   fit): stock `llama-mtmd-cli` — the tower resident in VRAM with materialised scores, its aligned-to-28-px
+//!   grid, the LLM context held during the encode — with the largest `-ngl N` whose LLM fits beside the
+//!   encoder in B (our `ngl` planner: op offload on, no flash attention). OOM when even N = 0 does not fit.
 //! - **VLMOpt** per budget B: the tower on the CPU (copied per use), full flash attention
-//!   (`MTMD_CLIP_FLASH_ATTN=1`), serialised hand-over, and the LLM planned by `pshard` with `-mva` = B − 1 GiB
-//!   (plus the runtime overhead, which `-mva` leaves out).
+//!   (`MTMD_CLIP_FLASH_ATTN=1`, which also aligns the image to 224 px), serialised hand-over, and the LLM
+//!   planned by `pshard` with `-mva` = B − 1 GiB (plus the runtime overhead, which `-mva` leaves out).
 //! - **Speed-up** = baseline E2EL / VLMOpt E2EL, E2EL summed as the script does (encode + image decode +
 //!   prompt eval + 100 / TPS; the prompt-eval timer includes the image decode, see pipeshard-sim's `vision`).
-//! - **OOM** (the script's rule): the baseline's peak VRAM exceeds B; the speed-up is then not defined.
+//! - **The artifact script's baseline** is reported beside (`script_*` columns): it runs no `-ngl` at all
+//!   (b6097 keeps every LLM layer on the CPU) once per resolution without a budget, and calls a cell OOM when
+//!   that run's peak passes B. Its speed-ups grow with the budget far more steeply than the paper's.
 //!
 //! `vram.csv` / `vram.png`: peak VRAM of one request against resolution as the measures are added one by one,
 //! from everything resident on the GPU (LLM weights and KV pinned, tower resident, scores materialised, both
@@ -31,7 +34,7 @@ use pipeshard_core::vision::{Handover, ImageGrid, SourceImage, VisionWeights};
 use pipeshard_core::workload::Workload;
 use pipeshard_planner::vision::{AttentionChoice, VlmOptions, plan_vision};
 use pipeshard_planner::{PlanError, PlannerOptions};
-use pipeshard_sim::vision::{VlmMetrics, simulate_request};
+use pipeshard_sim::vision::{PromptText, VlmMetrics, simulate_request};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -50,8 +53,10 @@ pub struct Table8File {
     pub model: String,
     /// Source image size (the paper's `165_4k.jpg`).
     pub image_px: [u64; 2],
-    /// Text prompt tokens around the image (chat template + the prompt).
-    pub text_tokens: u64,
+    /// Prompt tokens before the image (chat template head, vision-start marker) and after it (vision-end
+    /// marker, the prompt, the template's tail).
+    pub text_tokens_before_image: u64,
+    pub text_tokens_after_image: u64,
     pub gen_tokens: u64,
     pub ubatch: u64,
     /// Context where a resolution sets none (llama.cpp's default).
@@ -132,12 +137,21 @@ pub enum Outcome {
     Oom(String),
 }
 
+/// The VRAM the language model's planner gets.
+#[derive(Debug, Clone, Copy)]
+enum LlmBudget {
+    /// Its own (it is created after the encoder's VRAM is freed, or the budget is the whole card).
+    Own(u64),
+    /// What the encoder leaves of this total (both held at once).
+    Beside(u64),
+}
+
 /// Everything the planners and simulator need for one resolution.
 struct Setup<'a> {
     spec: &'a ModelSpec,
     inv: &'a Inventory,
     cost: &'a TableCostModel,
-    text_tokens: u64,
+    text: PromptText,
 }
 
 impl Setup<'_> {
@@ -151,7 +165,7 @@ impl Setup<'_> {
         vlm: &VlmOptions,
         vision_budget: u64,
         planner: (&str, PlannerOptions),
-        llm_budget: u64,
+        llm_budget: LlmBudget,
     ) -> anyhow::Result<Outcome> {
         let vision = match plan_vision(self.spec, self.inv, image, vlm, self.cost, vision_budget) {
             Ok(p) => p,
@@ -160,56 +174,67 @@ impl Setup<'_> {
         };
         let lm = pipeshard_planner::with_options(planner.0, &planner.1)
             .with_context(|| format!("unknown planner `{}`", planner.0))?;
-        let w = Workload::single(vision.grid.tokens() + self.text_tokens, ctx, gen_tokens, ubatch);
+        let llm_budget = match llm_budget {
+            LlmBudget::Own(b) => b,
+            // Held during the encode: the LLM gets what the encoder leaves, the runtime counted once.
+            LlmBudget::Beside(total) => {
+                (total + self.cost.runtime_overhead_bytes()).saturating_sub(vision.vram.total())
+            }
+        };
+        let prompt = self.text.before_image + vision.grid.tokens() + self.text.after_image;
+        let w = Workload::single(prompt, ctx, gen_tokens, ubatch);
         w.validate()?;
         let plan = match lm.plan(self.spec, &w, self.cost, llm_budget) {
             Ok(p) => p,
             Err(e @ PlanError::Infeasible { .. }) => return Ok(Outcome::Oom(format!("language model: {e}"))),
             Err(e) => return Err(e.into()),
         };
-        let m = simulate_request(self.spec, self.inv, &vision, &plan, self.text_tokens, vlm.handover, self.cost)?;
+        let m = simulate_request(self.spec, self.inv, &vision, &plan, self.text, vlm.handover, self.cost)?;
         Ok(Outcome::Ran(m, vision.grid))
     }
 }
 
-/// One row of `cells.csv`.
+/// One row of `cells.csv`: the paper's key columns, ours beside the paper's, the OOM map, both runs' parts.
 #[derive(Debug, Serialize)]
 struct CellRow {
     #[serde(rename = "Resolution")]
     resolution: String,
     #[serde(rename = "VramBudget")]
     vram_budget: String,
-    /// The baseline's grid (28-px aligned).
-    image_px: String,
-    image_tokens: u64,
-    patches: u64,
-    /// VLMOpt's grid (224-px aligned under flash attention).
-    vlmopt_image_px: Option<String>,
-    vlmopt_image_tokens: Option<u64>,
+    budget_gib: f64,
+    /// E2EL speed-up of VLMOpt over the `-ngl`-tuned baseline at the same budget.
     #[serde(rename = "Speedup")]
     speedup: Option<f64>,
     #[serde(rename = "Speedup_paper")]
     speedup_paper: Option<f64>,
     #[serde(rename = "Speedup_err")]
     speedup_err: Option<f64>,
+    /// The tuned baseline does not fit the budget even with every LLM layer on the CPU.
     oom: bool,
     oom_paper: bool,
-    baseline_peak_vram_gib: f64,
-    budget_gib: f64,
+    baseline_image: Option<String>,
+    baseline_peak_vram_gib: Option<f64>,
+    baseline_encode_ms: Option<f64>,
+    baseline_image_prefill_ms: Option<f64>,
+    baseline_prompt_eval_ms: Option<f64>,
+    baseline_tps: Option<f64>,
+    baseline_e2el_ms: Option<f64>,
+    baseline_note: String,
+    vlmopt_image: Option<String>,
     vlmopt_peak_vram_gib: Option<f64>,
     vlmopt_encode_ms: Option<f64>,
     vlmopt_image_prefill_ms: Option<f64>,
     vlmopt_prompt_eval_ms: Option<f64>,
     vlmopt_tps: Option<f64>,
     vlmopt_e2el_ms: Option<f64>,
-    baseline_encode_ms: Option<f64>,
-    baseline_image_prefill_ms: Option<f64>,
-    baseline_prompt_eval_ms: Option<f64>,
-    baseline_tps: Option<f64>,
-    baseline_e2el_ms: Option<f64>,
+    vlmopt_note: String,
     /// Speed-up of the wall E2EL (image prefill counted once).
     speedup_wall: Option<f64>,
-    vlmopt_note: String,
+    /// The artifact script's baseline: no `-ngl` (every LLM layer on the CPU), no budget; OOM when its peak
+    /// passes the budget.
+    script_baseline_peak_vram_gib: f64,
+    script_oom: bool,
+    script_speedup: Option<f64>,
 }
 
 fn ms(ns: u64) -> f64 {
@@ -260,10 +285,11 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
     }
     let card = profile.machine.gpu_vram_bytes;
     let runtime = cost.runtime_overhead_bytes();
-    let setup = Setup { spec: &spec, inv: &inv, cost: &cost, text_tokens: f.text_tokens };
+    let text = PromptText { before_image: f.text_tokens_before_image, after_image: f.text_tokens_after_image };
+    let setup = Setup { spec: &spec, inv: &inv, cost: &cost, text };
     let ngl0 = PlannerOptions { ngl_layers: Some(0), ..PlannerOptions::default() };
-    let pshard = PlannerOptions::default();
-    let bar = progress(f.resolution.len() as u64 * (budgets.len() as u64 + 1 + SERIES.len() as u64));
+    let auto = PlannerOptions::default();
+    let bar = progress(f.resolution.len() as u64 * (2 * budgets.len() as u64 + 1 + SERIES.len() as u64));
 
     let mut rows = Vec::new();
     let mut vram_rows: Vec<(String, Vec<Option<u64>>)> = Vec::new();
@@ -272,19 +298,20 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
         let w = (res.ctx.unwrap_or(f.ctx), f.gen_tokens, f.ubatch);
         let at = || format!("{}: resolution {}", path.display(), res.label);
         bar.set_message(res.label.clone());
-        let (base, grid) =
-            match setup.request(image, w, &VlmOptions::stock(), u64::MAX, ("ngl", ngl0), card).with_context(at)? {
-                Outcome::Ran(m, g) => (m, g),
-                Outcome::Oom(why) => bail!("{}: the baseline does not plan: {why}", at()),
-            };
+        let stock = VlmOptions::stock();
+        let script = match setup.request(image, w, &stock, u64::MAX, ("ngl", ngl0), LlmBudget::Own(card)).with_context(at)? {
+            Outcome::Ran(m, _) => m,
+            Outcome::Oom(why) => bail!("{}: the script's baseline does not plan: {why}", at()),
+        };
         bar.inc(1);
         for (label, budget) in &budgets {
-            let ours = setup
-                .request(image, w, &VlmOptions::paper(), *budget, ("pshard", pshard), budget - reserve + runtime)
-                .with_context(at)?;
-            bar.inc(1);
+            let tuned =
+                setup.request(image, w, &stock, *budget, ("ngl", auto), LlmBudget::Beside(*budget)).with_context(at)?;
+            let llm = LlmBudget::Own(budget - reserve + runtime);
+            let ours = setup.request(image, w, &VlmOptions::paper(), *budget, ("pshard", auto), llm).with_context(at)?;
+            bar.inc(2);
             let paper_cell = paper.iter().find(|(r, b, _)| r == &res.label && b == label).map(|x| x.2);
-            rows.push(cell_row(res, label, *budget, &grid, &base, &ours, paper_cell));
+            rows.push(cell_row(res, label, *budget, &tuned, &script, &ours, paper_cell));
         }
         // The VRAM ablation: peaks only, so the plans' own breakdowns suffice where nothing else is needed.
         let resident = PlannerOptions::default();
@@ -303,7 +330,9 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
         ];
         let mut peaks = Vec::new();
         for (opts, llm_budget) in configs {
-            let o = setup.request(image, w, &opts, everything, ("pshard", resident), llm_budget).with_context(at)?;
+            let o = setup
+                .request(image, w, &opts, everything, ("pshard", resident), LlmBudget::Own(llm_budget))
+                .with_context(at)?;
             peaks.push(match o {
                 Outcome::Ran(m, _) => Some(m.peak_vram_bytes),
                 Outcome::Oom(_) => None,
@@ -381,55 +410,62 @@ pub fn baseline_oom(baseline_peak_bytes: u64, budget_bytes: u64) -> bool {
     baseline_peak_bytes > budget_bytes
 }
 
-#[allow(clippy::too_many_arguments)]
 fn cell_row(
     res: &Resolution,
     label: &str,
     budget: u64,
-    grid: &ImageGrid,
-    base: &VlmMetrics,
+    tuned: &Outcome,
+    script: &VlmMetrics,
     ours: &Outcome,
     paper: Option<PaperCell>,
 ) -> CellRow {
-    let oom = baseline_oom(base.peak_vram_bytes, budget);
-    let (m, vgrid, note) = match ours {
-        Outcome::Ran(m, g) => (Some(m), Some(g), String::new()),
-        Outcome::Oom(why) => (None, None, why.clone()),
+    let ran = |o: &Outcome| match o {
+        Outcome::Ran(m, g) => Some((*m, *g)),
+        Outcome::Oom(_) => None,
     };
-    let speedup = m.filter(|_| !oom).map(|m| r3(base.e2el_paper_ns() as f64 / m.e2el_paper_ns() as f64));
+    let note = |o: &Outcome| match o {
+        Outcome::Ran(..) => String::new(),
+        Outcome::Oom(why) => why.clone(),
+    };
+    let (base, m) = (ran(tuned), ran(ours));
+    let speedup = base.zip(m).map(|((b, _), (m, _))| r3(b.e2el_paper_ns() as f64 / m.e2el_paper_ns() as f64));
     let speedup_paper = match paper {
         Some(PaperCell::Speedup(x)) => Some(x),
         _ => None,
     };
-    let err = speedup.zip(speedup_paper).map(|(o, p)| r3(o / p - 1.0));
+    let oom_script = baseline_oom(script.peak_vram_bytes, budget);
+    let grid = |o: Option<(VlmMetrics, ImageGrid)>| o.map(|(_, g)| format!("{}x{} ({} tokens)", g.width_px, g.height_px, g.tokens()));
+    let b = base.map(|x| x.0);
+    let v = m.map(|x| x.0);
     CellRow {
         resolution: res.label.clone(),
         vram_budget: label.to_string(),
-        image_px: format!("{}x{}", grid.width_px, grid.height_px),
-        image_tokens: grid.tokens(),
-        patches: grid.patches(),
-        vlmopt_image_px: vgrid.map(|g| format!("{}x{}", g.width_px, g.height_px)),
-        vlmopt_image_tokens: vgrid.map(|g| g.tokens()),
+        budget_gib: r3(gib(budget)),
         speedup,
         speedup_paper,
-        speedup_err: err,
-        oom,
+        speedup_err: speedup.zip(speedup_paper).map(|(o, p)| r3(o / p - 1.0)),
+        oom: base.is_none(),
         oom_paper: paper == Some(PaperCell::Oom),
-        baseline_peak_vram_gib: r3(gib(base.peak_vram_bytes)),
-        budget_gib: r3(gib(budget)),
-        vlmopt_peak_vram_gib: m.map(|m| r3(gib(m.peak_vram_bytes))),
-        vlmopt_encode_ms: m.map(|m| ms(m.encode_ns)),
-        vlmopt_image_prefill_ms: m.map(|m| ms(m.image_prefill_ns)),
-        vlmopt_prompt_eval_ms: m.map(|m| ms(m.prompt_eval_ns())),
-        vlmopt_tps: m.map(|m| r3(m.tps)),
-        vlmopt_e2el_ms: m.map(|m| ms(m.e2el_paper_ns())),
-        baseline_encode_ms: Some(ms(base.encode_ns)),
-        baseline_image_prefill_ms: Some(ms(base.image_prefill_ns)),
-        baseline_prompt_eval_ms: Some(ms(base.prompt_eval_ns())),
-        baseline_tps: Some(r3(base.tps)),
-        baseline_e2el_ms: Some(ms(base.e2el_paper_ns())),
-        speedup_wall: m.filter(|_| !oom).map(|m| r3(base.e2el_ns() as f64 / m.e2el_ns() as f64)),
-        vlmopt_note: note,
+        baseline_image: grid(base),
+        baseline_peak_vram_gib: b.map(|b| r3(gib(b.peak_vram_bytes))),
+        baseline_encode_ms: b.map(|b| ms(b.encode_ns)),
+        baseline_image_prefill_ms: b.map(|b| ms(b.image_prefill_ns)),
+        baseline_prompt_eval_ms: b.map(|b| ms(b.prompt_eval_ns())),
+        baseline_tps: b.map(|b| r3(b.tps)),
+        baseline_e2el_ms: b.map(|b| ms(b.e2el_paper_ns())),
+        baseline_note: note(tuned),
+        vlmopt_image: grid(m),
+        vlmopt_peak_vram_gib: v.map(|m| r3(gib(m.peak_vram_bytes))),
+        vlmopt_encode_ms: v.map(|m| ms(m.encode_ns)),
+        vlmopt_image_prefill_ms: v.map(|m| ms(m.image_prefill_ns)),
+        vlmopt_prompt_eval_ms: v.map(|m| ms(m.prompt_eval_ns())),
+        vlmopt_tps: v.map(|m| r3(m.tps)),
+        vlmopt_e2el_ms: v.map(|m| ms(m.e2el_paper_ns())),
+        vlmopt_note: note(ours),
+        speedup_wall: b.zip(v).map(|(b, m)| r3(b.e2el_ns() as f64 / m.e2el_ns() as f64)),
+        script_baseline_peak_vram_gib: r3(gib(script.peak_vram_bytes)),
+        script_oom: oom_script,
+        script_speedup: v.filter(|_| !oom_script).map(|m| r3(script.e2el_paper_ns() as f64 / m.e2el_paper_ns() as f64)),
     }
 }
 
@@ -510,7 +546,11 @@ fn vram_plot(rows: &[(String, Vec<Option<u64>>)], profile: &str, path: &Path) ->
 fn summary(f: &Table8File, profile: &str, rows: &[CellRow], vram: &[(String, Vec<Option<u64>>)]) -> String {
     let mut s = format!("# table8: ours (simulated, profile {profile}) vs the paper\n\n{}\n\n", f.description);
     let budgets: Vec<&str> = f.budget.iter().map(|b| b.label.as_str()).collect();
-    let _ = writeln!(s, "## E2EL speed-up (ours / paper; OOM = the baseline's peak passes the budget)\n");
+    let _ = writeln!(
+        s,
+        "## E2EL speed-up over the `-ngl`-tuned baseline (ours / paper; OOM = the baseline does not fit the budget \
+         even with every LLM layer on the CPU)\n"
+    );
     let _ = writeln!(s, "| resolution | {} |", budgets.join(" | "));
     let _ = writeln!(s, "|---|{}", "---|".repeat(budgets.len()));
     for res in &f.resolution {

@@ -6,7 +6,8 @@
 //!   weights (VLMOpt's CPU offload) cross PCIe per use before their block runs, without overlap: ggml's
 //!   scheduler copies a split's inputs and then computes it. Query tiles add their kernel launches.
 //! - **Language phases.** The language model's plan (any planner's) is simulated by [`Simulator`]: the image
-//!   tokens are prefilled in `ubatch` chunks from position 0, the text prompt in one chunk after them, and the
+//!   template's text before the image, the image tokens in `ubatch` chunks and the text after it are prefilled
+//!   as mtmd sends them (the image in batches of its own, each text part as one), and the
 //!   decode rate is that of the plan's workload (prompt = image + text tokens).
 //! - **VRAM.** The encode peaks at its plan's breakdown, the language phases at what the simulator reports;
 //!   the request at their max or sum by the [`Handover`].
@@ -58,7 +59,7 @@ pub struct VlmMetrics {
     pub encode_ns: u64,
     /// Prefill of the image tokens ("image decoded" in llama.cpp's log).
     pub image_prefill_ns: u64,
-    /// Prefill of the text prompt after the image.
+    /// Prefill of the text before and after the image.
     pub text_prefill_ns: u64,
     pub tps: f64,
     pub gen_tokens: u64,
@@ -94,45 +95,59 @@ impl VlmMetrics {
     }
 }
 
+/// The text around the image in the prompt, in tokens: the chat template's head before the image (with the
+/// vision-start marker) and the rest after it. llama.cpp's mtmd evaluates them as separate batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptText {
+    pub before_image: u64,
+    pub after_image: u64,
+}
+
 /// Simulates one request: `vision` encodes the image, `language` is the language model's plan, whose workload
-/// holds the image tokens then `text_tokens` of prompt (`prompt_tokens` = image + text).
+/// holds the text before the image, the image tokens, then the text after it (`prompt_tokens` = their sum).
 pub fn simulate_request(
     spec: &ModelSpec,
     inv: &Inventory,
     vision: &VisionPlan,
     language: &Plan,
-    text_tokens: u64,
+    text: PromptText,
     handover: Handover,
     cost: &dyn CostModel,
 ) -> Result<VlmMetrics, SimError> {
     let w = language.workload;
     let image_tokens = vision.grid.tokens();
-    if w.prompt_tokens != image_tokens + text_tokens || text_tokens == 0 {
+    let prompt = text.before_image + image_tokens + text.after_image;
+    if w.prompt_tokens != prompt || text.after_image == 0 {
         return Err(SimError::Workload(pipeshard_core::workload::WorkloadError {
             field: "prompt_tokens",
             value: w.prompt_tokens,
-            expected: format!("image tokens ({image_tokens}) + text tokens ({text_tokens}, at least 1)"),
+            expected: format!(
+                "text before the image ({}) + image tokens ({image_tokens}) + text after it ({}, at least 1)",
+                text.before_image, text.after_image
+            ),
         }));
     }
     let encode = encode_ns(spec, inv, vision, cost)?;
     let sim = Simulator::with_inventory(spec, inv, language, cost)?;
+    let chunk = |tokens, start_pos, last| {
+        sim.step(PhaseKind::Prefill, Phase::Prefill { tokens, start_pos, last }).makespan_ns
+    };
+    let mut text_prefill = if text.before_image > 0 { chunk(text.before_image, 0, false) } else { 0 };
     let mut image_prefill = 0;
-    let mut pos = 0;
-    while pos < image_tokens {
-        let n = w.ubatch.min(image_tokens - pos);
-        image_prefill += sim.step(PhaseKind::Prefill, Phase::Prefill { tokens: n, start_pos: pos, last: false }).makespan_ns;
+    let mut pos = text.before_image;
+    while pos < text.before_image + image_tokens {
+        let n = w.ubatch.min(text.before_image + image_tokens - pos);
+        image_prefill += chunk(n, pos, false);
         pos += n;
     }
-    let text = sim
-        .step(PhaseKind::Prefill, Phase::Prefill { tokens: text_tokens, start_pos: image_tokens, last: true })
-        .makespan_ns;
+    text_prefill += chunk(text.after_image, pos, true);
     let run = sim.run(&SimOptions::default());
     let vision_peak = vision.vram.total();
     let language_peak = run.metrics.vram_peak_bytes;
     Ok(VlmMetrics {
         encode_ns: encode,
         image_prefill_ns: image_prefill,
-        text_prefill_ns: text,
+        text_prefill_ns: text_prefill,
         tps: run.metrics.tps,
         gen_tokens: w.gen_tokens,
         vision_peak_bytes: vision_peak,
