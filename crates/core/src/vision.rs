@@ -71,13 +71,13 @@ impl ImageGrid {
             }
         }
         let max_side = image.max_side_px as f64;
-        let scale =
-            (max_side / image.width_px as f64).min(max_side / image.height_px as f64).min(1.0);
+        let scale = (max_side / image.width_px as f64).min(max_side / image.height_px as f64).min(1.0);
         let align = v.patch * v.spatial_merge;
         let flash = if flash_aligned { align * FLASH_ALIGN_MERGES } else { align };
         // clip.cpp truncates the scaled size to whole pixels, then aligns up.
-        let side =
-            |px: u64| ((px as f64 * scale) as u64).max(1).div_ceil(align).saturating_mul(align).div_ceil(flash) * flash;
+        let side = |px: u64| {
+            ((px as f64 * scale) as u64).max(1).div_ceil(align).saturating_mul(align).div_ceil(flash) * flash
+        };
         let (w, h) = (side(image.width_px), side(image.height_px));
         Ok(ImageGrid {
             width_px: w,
@@ -209,14 +209,10 @@ pub fn encoder_ops(
             4.0 * nf * nf
         };
         // Scores written, read and written by the softmax, read by P·V: four passes when materialised.
-        let score_bytes = if attention == VisionAttention::Flash { 0.0 } else { 4.0 * ACT_BYTES * score_elems };
+        let score_bytes =
+            if attention == VisionAttention::Flash { 0.0 } else { 4.0 * ACT_BYTES * score_elems };
         out.push(Op {
-            kind: OpKind::Attention {
-                q_heads: v.n_heads,
-                kv_heads: v.n_heads,
-                head_dim,
-                keys: n,
-            },
+            kind: OpKind::Attention { q_heads: v.n_heads, kv_heads: v.n_heads, head_dim, keys: n },
             unit,
             tokens: n,
             dtype: DType::F16,
@@ -314,9 +310,12 @@ mod tests {
         let (_, v) = cr1();
         // 3840×2160 scaled to a longer side of 640/1280/1920/2560 px, aligned up to 28 px.
         let img = |max_side_px| SourceImage { width_px: 3840, height_px: 2160, max_side_px };
-        for (side, w, h, tokens) in
-            [(640, 644, 364, 299), (1280, 1288, 728, 1196), (1920, 1932, 1092, 2691), (2560, 2576, 1456, 4784)]
-        {
+        for (side, w, h, tokens) in [
+            (640, 644, 364, 299),
+            (1280, 1288, 728, 1196),
+            (1920, 1932, 1092, 2691),
+            (2560, 2576, 1456, 4784),
+        ] {
             let g = ImageGrid::fit(&v, img(side), false).unwrap();
             assert_eq!((g.width_px, g.height_px), (w, h), "side {side}");
             assert_eq!(g.tokens(), tokens, "side {side}");
@@ -329,7 +328,8 @@ mod tests {
             assert_eq!(g.patches() % 256, 0);
         }
         // Never scaled up.
-        let g = ImageGrid::fit(&v, SourceImage { width_px: 448, height_px: 448, max_side_px: 2560 }, false).unwrap();
+        let g = ImageGrid::fit(&v, SourceImage { width_px: 448, height_px: 448, max_side_px: 2560 }, false)
+            .unwrap();
         assert_eq!((g.patches(), g.tokens()), (1024, 256));
     }
 
@@ -369,12 +369,12 @@ mod tests {
         let (_, v) = cr1();
         for (n, budget) in [(4784u64, 3u64 << 30), (10_764, 7 << 30), (19_136, 1 << 30), (19_136, 13 << 30)] {
             let q = q_tile_for_budget(&v, n, budget);
-            assert!(q % 64 == 0 || q == n, "{q}");
+            assert!(q.is_multiple_of(64) || q == n, "{q}");
             assert!((64..=n).contains(&q));
             // Rounding up to 64 may pass the budget by less than one 64-row step.
             assert!(4 * 16 * (q - 63.min(q)) * n <= budget, "n {n}: tile {q}");
             // ggml's 2 GiB limit on the mask rows of one tile.
-            assert!(q * n * 4 <= i32::MAX as u64 || q == 64);
+            assert!(i32::try_from(q * n * 4).is_ok() || q == 64);
         }
         // A budget that holds every score gives one tile.
         assert_eq!(q_tile_for_budget(&v, 1196, 1 << 30), 1196);
@@ -393,7 +393,8 @@ mod tests {
     fn encoder_ops_count_the_quadratic_attention() {
         let (spec, v) = cr1();
         let inv = Inventory::new(&spec);
-        let g = ImageGrid::fit(&v, SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 }, false).unwrap();
+        let g = ImageGrid::fit(&v, SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 }, false)
+            .unwrap();
         let ops = encoder_ops(&spec, &inv, &g, VisionAttention::Flash).unwrap();
         let attn: Vec<&Op> = ops.iter().filter(|o| matches!(o.kind, OpKind::Attention { .. })).collect();
         assert_eq!(attn.len(), 32);

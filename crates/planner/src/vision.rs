@@ -12,7 +12,8 @@ use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::VramBreakdown;
 use pipeshard_core::vision::{
-    Handover, ImageGrid, SourceImage, VisionAttention, VisionPlan, VisionWeights, encoder_scratch_bytes, q_tile_for_budget,
+    Handover, ImageGrid, SourceImage, VisionAttention, VisionPlan, VisionWeights, encoder_scratch_bytes,
+    q_tile_for_budget,
 };
 
 use crate::PlanError;
@@ -93,7 +94,8 @@ pub fn plan_vision(
         VisionWeights::Streamed => (0, vision_units().max().unwrap_or(0)),
         VisionWeights::Cpu => (0, 0),
     };
-    let scratch = if options.weights == VisionWeights::Cpu { 0 } else { encoder_scratch_bytes(v, n, attention) };
+    let scratch =
+        if options.weights == VisionWeights::Cpu { 0 } else { encoder_scratch_bytes(v, n, attention) };
     let vram = VramBreakdown {
         pinned_weights_bytes: pinned,
         streaming_slots_bytes: staged,
@@ -129,7 +131,8 @@ mod tests {
         let peak = |o: VlmOptions| plan_vision(&spec, &inv, grid, &o, &cost, big).unwrap().vram.total();
         let stock = VlmOptions::stock();
         let offload = VlmOptions { weights: VisionWeights::Streamed, ..stock };
-        let tiled = VlmOptions { attention: AttentionChoice::TiledQ { tile_budget_bytes: 1 << 30 }, ..offload };
+        let tiled =
+            VlmOptions { attention: AttentionChoice::TiledQ { tile_budget_bytes: 1 << 30 }, ..offload };
         let flash = VlmOptions { attention: AttentionChoice::Flash, ..offload };
         assert!(peak(offload) < peak(stock));
         assert!(peak(tiled) < peak(offload) / 2, "{} vs {}", peak(tiled), peak(offload));
@@ -140,7 +143,8 @@ mod tests {
         assert!(min_budget_bytes > 8 << 30);
         assert!(e.to_string().contains("raise the budget"), "{e}");
         // A tile budget large enough for every score means no tiling.
-        let untiled = VlmOptions { attention: AttentionChoice::TiledQ { tile_budget_bytes: 60 << 30 }, ..offload };
+        let untiled =
+            VlmOptions { attention: AttentionChoice::TiledQ { tile_budget_bytes: 60 << 30 }, ..offload };
         let p = plan_vision(&spec, &inv, grid, &untiled, &cost, big).unwrap();
         assert_eq!(p.attention, VisionAttention::Materialised);
     }

@@ -11,9 +11,9 @@
 //!   decode rate is that of the plan's workload (prompt = image + text tokens).
 //! - **VRAM.** The encode peaks at its plan's breakdown, the language phases at what the simulator reports;
 //!   the request at their max or sum by the [`Handover`].
-//! - **E2EL.** [`VlmMetrics::e2el_paper_ns`] is what the paper's Table 8 script adds up: encode + image decode
-//!   + llama.cpp's "prompt eval time" + `gen_tokens` / TPS. llama.cpp's prompt-eval timer counts every batch of
-//!   more than one token, image embeddings included, so that sum counts the image prefill twice;
+//! - **E2EL.** [`VlmMetrics::e2el_paper_ns`] is what the paper's Table 8 script adds up: the encode, the image
+//!   decode, llama.cpp's "prompt eval time" and `gen_tokens` / TPS. llama.cpp's prompt-eval timer counts every
+//!   batch of more than one token, image embeddings included, so that sum counts the image prefill twice;
 //!   [`VlmMetrics::e2el_ns`] is the request's wall time without the double count.
 
 use pipeshard_core::cost::{CostModel, OpContext};
