@@ -94,6 +94,17 @@ pub struct PaperFile {
     pub tolerance: f64,
 }
 
+/// Experiments in `experiments/` written in this module's schema rather than `sim sweep`'s.
+pub const VLM_EXPERIMENTS: [&str; 1] = ["table8"];
+
+impl Table8File {
+    /// Reads and parses `path`; errors name the file and the field.
+    pub fn load(path: &Path) -> anyhow::Result<Table8File> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+}
+
 /// The paper's value for one cell.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PaperCell {
@@ -259,8 +270,7 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let commit = git_commit();
     let path = a.experiments.join("table8.toml");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let f: Table8File = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let f = Table8File::load(&path)?;
     let profile_name = a.profile.clone().unwrap_or_else(|| f.profile.clone());
     let profile = load_profile(&profile_name)?;
     let cost = TableCostModel::new(&profile);
