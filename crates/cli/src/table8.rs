@@ -94,9 +94,6 @@ pub struct PaperFile {
     pub tolerance: f64,
 }
 
-/// Experiments in `experiments/` written in this module's schema rather than `sim sweep`'s.
-pub const VLM_EXPERIMENTS: [&str; 1] = ["table8"];
-
 impl Table8File {
     /// Reads and parses `path`; errors name the file and the field.
     pub fn load(path: &Path) -> anyhow::Result<Table8File> {
@@ -634,6 +631,23 @@ fn summary(f: &Table8File, profile: &str, rows: &[CellRow], vram: &[(String, Vec
         f.paper.tolerance * 100.0,
         scored.len(),
         scored.iter().map(|e| format!("{:+.0}%", e * 100.0)).collect::<Vec<_>>().join(", ")
+    );
+    let script: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let v = if r.script_oom {
+                "OOM".into()
+            } else {
+                r.script_speedup.map_or("-".into(), |x| format!("{x:.2}"))
+            };
+            format!("{} {}: {v}", r.resolution, r.vram_budget)
+        })
+        .collect();
+    let _ = writeln!(
+        s,
+        "Against the artifact script's baseline instead (no `-ngl`: every LLM layer on the CPU, one run per \
+         resolution, OOM when its peak passes the budget): {}.\n",
+        script.join("; ")
     );
     let oom_ours: Vec<String> = rows
         .iter()
