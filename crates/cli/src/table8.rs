@@ -379,6 +379,9 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
         let png = dir.join("vram.png");
         vram_plot(&vram_rows, &profile_name, &png)?;
         written.push(png);
+        let png = dir.join("speedup.png");
+        speedup_plot(&rows, &profile_name, &png)?;
+        written.push(png);
     }
     let summary = summary(&f, &profile_name, &rows, &vram_rows);
     let summary_path = dir.join("summary.md");
@@ -575,6 +578,66 @@ fn vram_plot(rows: &[(String, Vec<Option<u64>>)], profile: &str, path: &Path) ->
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 13))
+        .draw()?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Bars per (resolution, budget): the paper's speed-up and ours; "OOM" where the baseline does not fit.
+fn speedup_plot(rows: &[CellRow], profile: &str, path: &Path) -> anyhow::Result<()> {
+    crate::plots::register();
+    let hi = rows.iter().flat_map(|r| [r.speedup, r.speedup_paper]).flatten().fold(1.0, f64::max) * 1.15;
+    let root = BitMapBackend::new(path, (1100, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Table 8: E2EL speed-up of pshard + VLMOpt over -ngl-tuned llama.cpp, paper (cli2) vs ours ({profile})"),
+            ("sans-serif", 18),
+        )
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..rows.len() as f64, 0f64..hi)
+        .context("building the chart")?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_desc("E2EL speed-up (×)")
+        .label_style(("sans-serif", 12))
+        .draw()?;
+    let [paper, ours] = [crate::plots::COLOURS[0], crate::plots::COLOURS[1]];
+    for (i, r) in rows.iter().enumerate() {
+        let x = i as f64;
+        let label = format!("{} {}", r.resolution, r.vram_budget);
+        chart.draw_series([Text::new(label, (x + 0.12, hi * 0.97), ("sans-serif", 12))])?;
+        for (k, v, colour) in [(0.0, r.speedup_paper, paper), (1.0, r.speedup, ours)] {
+            match v {
+                Some(v) => {
+                    let (a, z) = (x + 0.1 + 0.4 * k, x + 0.5 + 0.4 * k);
+                    chart.draw_series([Rectangle::new([(a, 0.0), (z, v)], colour.filled())])?;
+                }
+                None => {
+                    chart.draw_series([Text::new(
+                        "OOM",
+                        (x + 0.12 + 0.4 * k, hi / 30.0),
+                        ("sans-serif", 12),
+                    )])?;
+                }
+            }
+        }
+    }
+    for (name, colour) in [("paper (cli2)", paper), ("ours", ours)] {
+        chart
+            .draw_series([Rectangle::new([(0.0, 0.0), (0.0, 0.0)], colour.filled())])?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], colour.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::Coordinate(20, 40))
+        .background_style(WHITE)
+        .border_style(BLACK)
         .draw()?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
