@@ -13,6 +13,7 @@ mod profile;
 mod repro;
 mod sim;
 mod sweep;
+mod table8;
 #[cfg(test)]
 mod testfiles;
 mod validate;

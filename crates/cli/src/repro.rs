@@ -49,6 +49,9 @@ pub enum ReproCommand {
     Table4(ReproArgs),
     /// The paper's Figure 2 (speed-ups of pshard over the -ngl baseline on cli3), against the paper.
     Figure2(ReproArgs),
+    /// The paper's Table 8 (Cosmos-Reason1-7B E2EL speed-ups of pshard + VLMOpt, OOM map, on cli2) and the
+    /// peak VRAM each VLMOpt measure saves.
+    Table8(ReproArgs),
     /// Fit a derived profile's free parameters on the calibration models of Table 4 and Figure 2.
     Calibrate(CalibrateArgs),
 }
@@ -57,14 +60,14 @@ pub enum ReproCommand {
 pub struct ReproArgs {
     /// Machine profile (default: the experiment's, `profiles/cli3.json`).
     #[arg(long)]
-    profile: Option<String>,
+    pub profile: Option<String>,
     #[arg(long, default_value = "experiments")]
-    experiments: PathBuf,
+    pub experiments: PathBuf,
     #[arg(long, default_value = "results/paper")]
-    out_dir: PathBuf,
+    pub out_dir: PathBuf,
     /// Skip the PNG plots.
     #[arg(long)]
-    no_plots: bool,
+    pub no_plots: bool,
 }
 
 #[derive(Debug, Args)]
@@ -370,6 +373,7 @@ pub fn run(cmd: ReproCommand, command: &str) -> anyhow::Result<()> {
     match cmd {
         ReproCommand::Table4(a) => repro("table4", &a, command),
         ReproCommand::Figure2(a) => repro("figure2", &a, command),
+        ReproCommand::Table8(a) => crate::table8::run(&a, command),
         ReproCommand::Calibrate(a) => calibrate(&a, command),
     }
 }

@@ -8,6 +8,8 @@
 //! - [`checkpoint`]: HF checkpoint folders (config.json + safetensors headers) and the spec they describe;
 //! - [`inventory`]: every tensor of a spec and the placement [`inventory::Unit`]s they group into;
 //! - [`workload`]: prefill chunks and decode steps, and the [`workload::Op`]s each runs (FLOPs, bytes, unit);
+//! - [`vision`]: a VLM's image → patch grid → tokens, its encoder's ops, and the VRAM of its attention
+//!   (materialised, flash, query-tiled);
 //! - [`profile`]: the versioned machine [`profile::Profile`];
 //! - [`cost`]: the [`cost::CostModel`] trait and its table implementation;
 //! - [`plan`], [`metrics`], [`trace`]: what planners emit and what the simulator and executor report.
@@ -33,6 +35,7 @@ pub mod profile;
 pub mod reference;
 pub mod trace;
 pub mod untrusted;
+pub mod vision;
 pub mod workload;
 
 /// Bytes in a GiB, the unit of budgets ("8G" = 8 GiB, as the paper's `-mva` MiB values).

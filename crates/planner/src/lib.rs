@@ -13,6 +13,8 @@
 //!   to a 0.1 % gap: one solve per plan, identical layers planned by count; then the simulator chooses among
 //!   variants of its and greedy's layouts ([`judge`]).
 //! - [`exhaustive`]: enumerates every placement and depth of small (truncated) models; an oracle for tests.
+//! - [`vision`]: the encode phase of a VLM request (tower weights pinned / streamed / on the CPU, materialised,
+//!   flash or query-tiled attention), with the VLMOpt measures one by one; its language phases use the above.
 //!
 //! # Shared pieces
 //! [`estimate`] holds the analytic estimator: per-unit GPU, CPU and copy times of each phase and a pipeline
@@ -41,6 +43,7 @@ pub mod judge;
 pub mod ngl;
 pub mod pshard;
 pub mod space;
+pub mod vision;
 
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;

@@ -12,6 +12,8 @@
 //! - [`Simulator`]: built once per plan (`Simulator::new` checks the plan against the model, the only step
 //!   that can fail); `step` runs one prefill chunk or decode step, `steps` several with the ring running
 //!   across them, `run` a whole workload and returns a [`Simulation`].
+//! - [`vision`]: a VLM request end to end (image encode, image-token prefill, text prompt, generation, peak
+//!   VRAM by hand-over), with the E2EL the paper's Table 8 script computes.
 //! - [`StepGraph`] (module [`graph`]): one step as tasks on lanes — GPU compute stream, CPU worker pool, H2D and
 //!   D2H copy engines, and latency-only CPU↔GPU hand-offs — with their dependencies and the ring items of
 //!   streamed units.
@@ -61,6 +63,7 @@ pub mod engine;
 pub mod graph;
 pub mod queue;
 mod simulator;
+pub mod vision;
 
 pub use engine::{SlotUse, StepOutcome};
 pub use graph::{Lane, StepGraph};

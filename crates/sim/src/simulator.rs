@@ -36,6 +36,8 @@ pub enum SimError {
     Workload(#[from] WorkloadError),
     #[error("invalid plan: {0}")]
     InvalidPlan(#[from] PlanInvalid),
+    #[error(transparent)]
+    Vision(#[from] pipeshard_core::vision::VisionError),
 }
 
 /// How much of a workload to simulate, and what to keep.

@@ -1,0 +1,75 @@
+//! A VLM request planned and simulated end to end: the vision plan of `vision`, the language plan of `pshard`,
+//! and pipeshard-sim's request simulation, with each VLMOpt measure checked for what it is meant to change.
+
+mod common;
+
+use pipeshard_core::GIB;
+use pipeshard_core::cost::CostModel;
+use pipeshard_core::inventory::Inventory;
+use pipeshard_core::vision::{Handover, SourceImage, VisionAttention, VisionWeights};
+use pipeshard_core::workload::Workload;
+use pipeshard_planner::Planner;
+use pipeshard_planner::pshard::Pshard;
+use pipeshard_planner::vision::{AttentionChoice, VlmOptions, plan_vision};
+use pipeshard_sim::vision::{PromptText, simulate_request};
+
+use common::{cli3, model};
+
+const TEXT: PromptText = PromptText { before_image: 15, after_image: 14 };
+
+#[test]
+fn the_hand_over_decides_max_or_sum_and_the_papers_e2el_counts_the_image_twice() {
+    let cost = cli3();
+    let spec = model("cosmos-reason1-7b");
+    let inv = Inventory::new(&spec);
+    let image = SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 };
+    let vision = plan_vision(&spec, &inv, image, &VlmOptions::paper(), &cost, 8 * GIB).unwrap();
+    assert_eq!(vision.attention, VisionAttention::Flash);
+    assert_eq!(vision.weights, VisionWeights::Streamed);
+    // 1280×720 aligned to 224 px under flash attention: 1344×896, 96×64 patches, 1536 tokens.
+    assert_eq!(vision.grid.tokens(), 1536);
+    let prompt = TEXT.before_image + vision.grid.tokens() + TEXT.after_image;
+    let w = Workload::single(prompt, 4096, 100, 512);
+    let lm = Pshard::default().plan(&spec, &w, &cost, 4 * GIB).unwrap();
+    let run = |h| simulate_request(&spec, &inv, &vision, &lm, TEXT, h, &cost).unwrap();
+    let (serial, overlap) = (run(Handover::Serialised), run(Handover::Overlapping));
+    let (v, l) = (serial.vision_peak_bytes, serial.language_peak_bytes);
+    assert!(v > 0 && l > 0);
+    assert_eq!(serial.peak_vram_bytes, v.max(l));
+    assert_eq!(overlap.peak_vram_bytes, v + l - cost.runtime_overhead_bytes());
+    assert!(serial.peak_vram_bytes < overlap.peak_vram_bytes);
+    // Three 512-token chunks of image, two text batches; the paper's sum has the image prefill twice.
+    assert!(serial.image_prefill_ns > serial.text_prefill_ns);
+    assert_eq!(serial.e2el_paper_ns(), serial.e2el_ns() + serial.image_prefill_ns);
+    assert_eq!(serial.e2el_ns(), serial.encode_ns + serial.prompt_eval_ns() + serial.generate_ns());
+    // A workload that does not hold the image's tokens is an error naming the field.
+    let short = Workload::single(prompt - 1, 4096, 100, 512);
+    let lm_short = Pshard::default().plan(&spec, &short, &cost, 4 * GIB).unwrap();
+    let e = simulate_request(&spec, &inv, &vision, &lm_short, TEXT, Handover::Serialised, &cost).unwrap_err();
+    assert!(e.to_string().contains("prompt_tokens") && e.to_string().contains("1536"), "{e}");
+}
+
+#[test]
+fn tiles_follow_the_budget_and_bound_the_encode_peak() {
+    let cost = cli3();
+    let spec = model("cosmos-reason1-7b");
+    let inv = Inventory::new(&spec);
+    let image = SourceImage { width_px: 3840, height_px: 2160, max_side_px: 2560 };
+    let tiled = |tile_budget_bytes| VlmOptions {
+        attention: AttentionChoice::TiledQ { tile_budget_bytes },
+        ..VlmOptions::paper()
+    };
+    let plan = |tile| plan_vision(&spec, &inv, image, &tiled(tile), &cost, 64 * GIB).unwrap();
+    let (small, large) = (plan(GIB / 2), plan(4 * GIB));
+    let q = |p: &pipeshard_core::vision::VisionPlan| match p.attention {
+        VisionAttention::TiledQ { q_tile } => q_tile,
+        a => panic!("{a:?}"),
+    };
+    // Eight times the tile budget, about eight times the tile (rounding to 64 rows aside).
+    let ratio = q(&large) as f64 / q(&small) as f64;
+    assert!((7.0..=9.0).contains(&ratio), "{ratio}");
+    // The tile's scores are the only part of the encode peak that the tile budget moves.
+    let d = large.vram.scratch_bytes - small.vram.scratch_bytes;
+    let expect = 4 * 16 * (q(&large) - q(&small)) * small.grid.patches();
+    assert_eq!(d, expect);
+}
