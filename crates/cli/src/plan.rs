@@ -17,6 +17,7 @@ use pipeshard_core::workload::Workload;
 use pipeshard_core::{GIB, MIB};
 use pipeshard_planner::estimate::Estimator;
 use pipeshard_planner::{NAMES, Objective, PlannerOptions, with_options};
+use pipeshard_sim::{SimOptions, Simulator};
 use serde::Serialize;
 
 use crate::args::{format_bytes, format_tokens, load_profile, parse_bytes, parse_tokens};
@@ -158,10 +159,17 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         Format::Json => println!("{}", plan.to_json()),
         f => {
             let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
+            let simulated = simulate(&r.spec, &plan, &cost)?;
             let rows = placement_rows(&plan, &r.spec, &inv);
             print!(
                 "{}",
-                output::render(f, "plan", &rows, || render(&plan, &inv, &est, &profile.machine.name))?
+                output::render(f, "plan", &rows, || render(
+                    &plan,
+                    &inv,
+                    &est,
+                    &profile.machine.name,
+                    &simulated
+                ))?
             );
         }
     }
@@ -294,6 +302,18 @@ fn placement_map(p: &PhasePlan, inv: &Inventory) -> String {
     out
 }
 
+/// The simulator's prediction of `plan` (what `sim run` reports), beside which the planner's own estimate is
+/// shown: planners rank with their estimators, which can be far off (streamed experts, for one).
+fn simulate(spec: &ModelSpec, plan: &Plan, cost: &TableCostModel) -> anyhow::Result<Prediction> {
+    let run = Simulator::new(spec, plan, cost)?.run(&SimOptions::default());
+    let gen_tokens = plan.workload.gen_tokens.max(1);
+    Ok(Prediction {
+        ttft_ns: run.metrics.ttft_ns,
+        decode_step_ns: (run.decode_ns - run.switch_ns) / gen_tokens,
+        e2el_ns: run.metrics.e2el_ns,
+    })
+}
+
 fn prediction_line(label: &str, p: &Prediction, batch: u64) -> String {
     let tps = if p.decode_step_ns > 0 { batch as f64 * 1e9 / p.decode_step_ns as f64 } else { 0.0 };
     format!(
@@ -304,7 +324,7 @@ fn prediction_line(label: &str, p: &Prediction, batch: u64) -> String {
     )
 }
 
-fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str) -> String {
+fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str, simulated: &Prediction) -> String {
     let w = &plan.workload;
     let mut out = String::new();
     let _ = writeln!(
@@ -341,8 +361,10 @@ fn render(plan: &Plan, inv: &Inventory, est: &Estimator, machine: &str) -> Strin
         let _ = writeln!(out, "  {}", vram_line(&p.vram, plan.budget_bytes));
     }
     let _ = writeln!(out, "\nswitch prefill → decode: {} re-uploaded", human(plan.switch_bytes));
+    let _ = writeln!(out, "{}", prediction_line("simulated", simulated, w.batch));
     if let Some(p) = &plan.prediction {
-        let _ = writeln!(out, "{}", prediction_line(&format!("predicted by {}", plan.planner), p, w.batch));
+        let label = format!("{}'s own estimate", plan.planner);
+        let _ = writeln!(out, "{}", prediction_line(&label, p, w.batch));
     }
     if plan.planner == "pshard" {
         let _ = writeln!(out, "{}", prediction_line("the estimator", &est.predict_plan(inv, plan), w.batch));
@@ -409,8 +431,18 @@ mod tests {
             .unwrap();
         let inv = Inventory::new(&r.spec);
         let est = Estimator::new(&r.spec, &inv, &plan.workload, &cost);
-        let text = render(&plan, &inv, &est, "cli3");
-        for needle in ["blk.0", "blk.2", "experts", "of 2.00 GiB", "TTFT", "Prefill", "Decode"] {
+        let simulated = simulate(&r.spec, &plan, &cost).unwrap();
+        let text = render(&plan, &inv, &est, "cli3", &simulated);
+        for needle in [
+            "blk.0",
+            "blk.2",
+            "experts",
+            "of 2.00 GiB",
+            "simulated: TTFT",
+            "own estimate",
+            "Prefill",
+            "Decode",
+        ] {
             assert!(text.contains(needle), "missing {needle}:\n{text}");
         }
         assert!(!text.contains("blk.3 "), "{text}");
