@@ -162,6 +162,11 @@ struct Grid {
     dtypes: Vec<DType>,
     tokens: Vec<usize>,
     attn_ctx: Vec<usize>,
+    /// Prefill attention: a chunk of this many queries seeing on average each of `attn_prefill_ctx` keys (the
+    /// decode rows' contexts, so the cost model interpolates between the two in tokens), on the most threads:
+    /// it is compute-bound, so decode's efficiency does not carry over.
+    attn_prefill_queries: usize,
+    attn_prefill_ctx: Vec<usize>,
     heads: Vec<HeadLayout>,
     elementwise_tokens: Vec<usize>,
     hidden: Vec<u64>,
@@ -181,6 +186,8 @@ fn grid(mode: Mode) -> Grid {
             dtypes: vec![DType::Bf16],
             tokens: vec![1, 4],
             attn_ctx: vec![64, 256],
+            attn_prefill_queries: 16,
+            attn_prefill_ctx: vec![64],
             heads: vec![HeadLayout { q_heads: 4, kv_heads: 2, head_dim: 64 }],
             elementwise_tokens: vec![1, 16],
             hidden: vec![256],
@@ -193,6 +200,8 @@ fn grid(mode: Mode) -> Grid {
             dtypes: vec![DType::Bf16],
             tokens: vec![1, 16],
             attn_ctx: vec![1024, 16384],
+            attn_prefill_queries: 256,
+            attn_prefill_ctx: vec![4096],
             heads: vec![HeadLayout { q_heads: t.n_heads, kv_heads: t.n_kv_heads, head_dim: t.head_dim }],
             elementwise_tokens: vec![1, 64],
             hidden: vec![t.hidden],
@@ -215,6 +224,8 @@ fn grid(mode: Mode) -> Grid {
             dtypes: vec![DType::Bf16],
             tokens: vec![1, 4, 16, 64],
             attn_ctx: vec![1024, 4096, 16384, 65536],
+            attn_prefill_queries: 256,
+            attn_prefill_ctx: vec![1024, 4096, 16384],
             heads: cat.heads.iter().copied().filter(|h| h.head_dim % 32 == 0).collect(),
             elementwise_tokens: vec![1, 4, 16, 64, 256],
             hidden: cat.hidden.clone(),
@@ -375,6 +386,47 @@ pub fn measure(
                 });
                 progress.step(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()));
             }
+        }
+    }
+
+    // Prefill attention: a chunk of queries over the cache before them and each other (causal).
+    let most = pools.iter().max_by_key(|p| p.threads()).expect("at least one thread count");
+    let m = g.attn_prefill_queries;
+    let steps = g.heads.len() * g.attn_prefill_ctx.len();
+    progress.section("CPU prefill attention (exec kernel), most threads", steps as u64);
+    for &h in &g.heads {
+        let d = dims_for(h, 1024, Elem::Bf16);
+        let q = random_f32(m * d.q_dim, 8);
+        let mut out = vec![0f32; m * d.q_dim];
+        for &ctx in &g.attn_prefill_ctx {
+            // Query i at position ctx − m/2 + i sees that many keys plus one: on average `ctx`, as the workload
+            // counts a chunk's keys.
+            let pos0 = ctx - m / 2;
+            let lay = KvLayout { ctx: pos0 + m, kv_dim: d.kv_dim, elem: kv_elem };
+            let cache = random_vec(lay.bytes(), kv_elem, 9);
+            let mut run = || -> Result<f64> {
+                let t0 = Instant::now();
+                kernels::attention(most, &d, &q, &cache, lay, m, pos0, Elem::Bf16, &mut out);
+                Ok(secs_ns(t0))
+            };
+            let (alone, under) = both(rule, dma, &mut run)?;
+            rows.push(OpRow {
+                op: OpClass::Attention,
+                dtype: DType::F16,
+                n: d.q_dim as u64,
+                k: ctx as u64,
+                tokens: m as u64,
+                threads: most.threads() as u32,
+                time_ns: alone.median.ceil() as u64,
+                time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+                spread: Some(alone.spread),
+            });
+            progress.step(&format!(
+                "{}q/{}kv {m} queries, ~{ctx} keys t={}",
+                h.q_heads,
+                h.kv_heads,
+                most.threads()
+            ));
         }
     }
 

@@ -65,7 +65,13 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
         let n = p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul && r.threads == t).count();
         assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads");
     }
-    assert!(p.cpu.ops.iter().any(|r| r.op == OpClass::Attention));
+    // Decode attention at every thread count; prefill attention (16 queries) on the most threads, over the
+    // same average keys as a decode row, so the cost model interpolates between them in tokens.
+    let attn: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Attention).collect();
+    assert!(attn.iter().any(|r| r.tokens == 1 && r.threads == 1));
+    let prefill = attn.iter().find(|r| r.tokens == 16).expect("a prefill attention row");
+    assert_eq!(prefill.threads, 2);
+    assert!(attn.iter().any(|r| r.tokens == 1 && r.k == prefill.k && r.threads == 2));
     assert!(p.cpu.ops.iter().all(|r| r.spread.is_some_and(|s| s >= 0.0)));
 
     // The cost model reproduces every measured matmul row, unless the row beat the measured roofline (small
