@@ -48,6 +48,10 @@ pub struct RunArgs {
     /// Parallel requests.
     #[arg(long, default_value_t = 1)]
     batch: u64,
+    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`ilp`/`exhaustive` (`pshard` always
+    /// runs unified, `ngl` never).
+    #[arg(long)]
+    kv_unified: bool,
     /// Prompt tokens per request (default: ctx − gen, a nearly full context as in the paper).
     #[arg(long)]
     prompt: Option<String>,
@@ -89,6 +93,9 @@ pub struct SweepArgs {
     gen_tokens: u64,
     #[arg(long, default_value_t = 1)]
     batch: u64,
+    /// One KV cache for all requests (see `sim run --kv-unified`).
+    #[arg(long)]
+    kv_unified: bool,
     /// Name of the results folder (default: the experiment's name, or `default`).
     #[arg(long)]
     name: Option<String>,
@@ -125,11 +132,12 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                             ubatch: Some(a.ubatch.iter().cloned().map(experiment::Quantity::Text).collect()),
                             depths: None,
                             prompt_tokens: None,
+                            batch: Some(experiment::Counts::One(a.batch)),
                         },
                         grid: Vec::new(),
                         planners: Some(a.planner.clone()),
                         gen_tokens: Some(a.gen_tokens),
-                        batch: Some(a.batch),
+                        kv_unified: Some(a.kv_unified),
                         weights: None,
                         budget_excludes_runtime: None,
                         ngl: None,
@@ -173,10 +181,12 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             gen_tokens: a.gen_tokens,
             ubatch: parse_tokens(&a.ubatch)?,
             batch: a.batch,
+            kv_unified: a.kv_unified,
             budget_bytes: parse_bytes(&a.budget)?,
             planner: a.planner.clone(),
             depth: None,
             ngl_layers: None,
+            ngl_flash_attn: false,
             budget_excludes_runtime: false,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");

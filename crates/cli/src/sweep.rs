@@ -91,7 +91,11 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
     if let Err(e) = w.validate() {
         return failed(Status::Error, e.to_string(), 0.0);
     }
-    let options = PlannerOptions { ngl_layers: cell.ngl_layers, ..PlannerOptions::default() };
+    let options = PlannerOptions {
+        ngl_layers: cell.ngl_layers,
+        ngl_flash_attn: cell.ngl_flash_attn,
+        ..PlannerOptions::default()
+    };
     let Some(planner) = pipeshard_planner::with_options(&cell.planner, &options) else {
         return failed(Status::Error, format!("unknown planner `{}`", cell.planner), 0.0);
     };

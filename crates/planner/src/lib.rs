@@ -105,6 +105,8 @@ pub struct PlannerOptions {
     pub objective: Objective,
     /// `ngl` only: offload exactly this many layers (llama.cpp `-ngl N`) instead of the largest N that fits.
     pub ngl_layers: Option<u32>,
+    /// `ngl` only: run the baseline with flash attention (`-fa`, as the paper's batched runs do).
+    pub ngl_flash_attn: bool,
 }
 
 /// Names [`by_name`] accepts, in the order the CLI lists them.
@@ -122,7 +124,7 @@ pub fn by_name(name: &str) -> Option<Box<dyn Planner>> {
 #[must_use]
 pub fn with_options(name: &str, options: &PlannerOptions) -> Option<Box<dyn Planner>> {
     Some(match name {
-        "ngl" => Box::new(ngl::Ngl { fixed_layers: options.ngl_layers }),
+        "ngl" => Box::new(ngl::Ngl { fixed_layers: options.ngl_layers, flash_attn: options.ngl_flash_attn }),
         "pshard" => Box::new(pshard::Pshard::default()),
         "greedy" => Box::new(greedy::Greedy { objective: options.objective, ..greedy::Greedy::default() }),
         "ilp" => Box::new(ilp::Ilp { objective: options.objective, ..ilp::Ilp::default() }),
