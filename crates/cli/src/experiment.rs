@@ -630,6 +630,36 @@ mod tests {
     }
 
     #[test]
+    fn batches_are_a_number_or_a_list_per_grid() {
+        let f: ExperimentFile = toml::from_str(
+            r#"
+            models = ["nemo-4b@2L"]
+            ctx = ["1K"]
+            budgets = ["1G"]
+            planners = ["ilp"]
+            batch = 4
+            kv_unified = true
+            [[grid]]
+            [[grid]]
+            batch = [1, 16]
+            "#,
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "b").unwrap();
+        let cells = e.cells();
+        assert_eq!(cells.iter().map(|c| c.batch).collect::<Vec<_>>(), [4, 1, 16]);
+        assert!(cells.iter().all(|c| c.kv_unified && c.workload().kv_unified));
+        assert_eq!(cells[2].workload().batch, 16);
+        for bad in ["batch = 0", "batch = [2, 100000]", "batch = []"] {
+            let f: ExperimentFile =
+                toml::from_str(&format!("models = [\"nemo-4b\"]\nctx = [1024]\nbudgets = [\"2G\"]\n{bad}"))
+                    .unwrap();
+            let err = Experiment::from_file(f, "x").unwrap_err().to_string();
+            assert!(err.contains("`batch`"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn grids_fall_back_to_the_top_level() {
         let f: ExperimentFile = toml::from_str(
             r#"

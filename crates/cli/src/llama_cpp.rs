@@ -578,9 +578,10 @@ mod tests {
     fn flags_parse_like_llama_cpp() {
         let f = Flags::parse(
             "llama-cli -m x.gguf -ngl 99 -ot 'blk\\.1[0-9]\\.ffn_.*_exps=CPU,token_embd=CUDA0' --n-cpu-moe 2 \
-             -c 8192 -np 2 -ub 256 -fa -t 12 -nkvo",
+             -c 8192 -np 2 -ub 256 -fa -t 12 -nkvo -kvu",
         )
         .unwrap();
+        assert!(f.kv_unified && f.to_args().contains("-kvu"));
         assert_eq!(f.ngl, 99);
         assert_eq!(f.overrides.len(), 3);
         assert_eq!(f.overrides[2], Override::NCpuMoe(2));

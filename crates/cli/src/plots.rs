@@ -565,8 +565,18 @@ pub fn batch_paper_plots(
             .collect();
         let file: String = m.chars().filter(char::is_ascii_alphanumeric).collect::<String>().to_lowercase();
         let path = dir.join(format!("{file}.png"));
-        let title = format!("{table}: {m} of {}, ours vs the paper ({})", e.models().into_iter().cloned().collect::<Vec<_>>().join(", "), e.profile);
-        batch_panels(&title, if m.contains("Speedup") { "speed-up (×)" } else { "tokens/s (all requests)" }, &lines, &panels, &path)?;
+        let title = format!(
+            "{table}: {m} of {}, ours vs the paper ({})",
+            e.models().into_iter().cloned().collect::<Vec<_>>().join(", "),
+            e.profile
+        );
+        batch_panels(
+            &title,
+            if m.contains("Speedup") { "speed-up (×)" } else { "tokens/s (all requests)" },
+            &lines,
+            &panels,
+            &path,
+        )?;
         out.push(path);
     }
     Ok(out)

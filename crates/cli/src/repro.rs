@@ -159,15 +159,18 @@ impl PaperTable {
                 format!("{file}: no column {}; the header is {}", names.join(" or "), header.join(","))
             })
         };
-        let (mi, bi) = (find(&MODEL_COLUMNS)?, find(&BUDGET_COLUMNS)?);
+        let mi = find(&MODEL_COLUMNS)?;
         let ni = find(&BATCH_COLUMNS).ok();
-        let ci = match (find(&CTX_COLUMNS), default_ctx) {
-            (Ok(ci), _) => Some(ci),
-            (Err(_), Some(_)) if ni.is_some() => None,
-            (Err(e), _) => {
-                return Err(e.context("a batched table without a context column needs an experiment with one ctx"));
-            }
+        let ci = match find(&CTX_COLUMNS) {
+            Ok(ci) => Some(ci),
+            Err(_) if ni.is_some() && default_ctx.is_some() => None,
+            Err(_) if ni.is_some() => bail!(
+                "{file}: no CtxK or CtxSize column, and the experiment has more than one ctx; a batched table \
+                 without one takes the experiment's only context"
+            ),
+            Err(e) => return Err(e),
         };
+        let bi = find(&BUDGET_COLUMNS)?;
         let metrics: Vec<(usize, String, Metric)> = header
             .iter()
             .enumerate()
@@ -214,7 +217,11 @@ impl PaperTable {
             });
         }
         Ok(PaperTable {
-            key_columns: [Some(mi), ci, Some(bi), ni].into_iter().flatten().map(|i| header[i].clone()).collect(),
+            key_columns: [Some(mi), ci, Some(bi), ni]
+                .into_iter()
+                .flatten()
+                .map(|i| header[i].clone())
+                .collect(),
             metrics: metrics.into_iter().map(|(_, h, m)| (h, m)).collect(),
             rows,
             batched: ni.is_some(),
@@ -558,7 +565,9 @@ fn batch_series(t: &PaperTable, comps: &[Comparison]) -> BatchSeries {
     let mut s: BatchSeries = BTreeMap::new();
     for c in comps {
         let row = &t.rows[c.row];
-        s.entry((t.metrics[c.metric].0.clone(), row.budget_bytes)).or_default().push((row.batch, c.ours, c.paper));
+        s.entry((t.metrics[c.metric].0.clone(), row.budget_bytes))
+            .or_default()
+            .push((row.batch, c.ours, c.paper));
     }
     for v in s.values_mut() {
         v.sort_by_key(|x| x.0);
@@ -873,6 +882,48 @@ mod tests {
             })
             .unwrap();
         assert_eq!(c.ngl_layers, Some(3));
+    }
+
+    /// Table 9 and Figure 7 are keyed by batch: every row has one `pshard` cell at its batch, and the baseline
+    /// replays the `-ngl N` measured at the whole `-c N×1024` (DIGEST §4: 3/20/44 at 1K … 2/15/32 at 64K).
+    #[test]
+    fn batched_tables_key_rows_by_batch_and_replay_the_total_context() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        for name in ["table9", "figure7"] {
+            let t = load_table(&dir, name).unwrap();
+            assert!(t.table.batched);
+            assert_eq!(t.table.rows.len(), 12, "{name}");
+            assert_eq!(t.table.key_columns, ["Model", "VramBudget", "BatchSize"]);
+            let cells = t.experiment.cells();
+            assert_eq!(cells.len(), 12 * 4);
+            for row in &t.table.rows {
+                let at = |planner: &str| {
+                    cells
+                        .iter()
+                        .filter(|c| {
+                            c.planner == planner && c.batch == row.batch && c.budget_bytes == row.budget_bytes
+                        })
+                        .collect::<Vec<_>>()
+                };
+                let ps = at("pshard");
+                assert_eq!(ps.len(), 1, "{name} {:?}", row.keys);
+                assert_eq!((ps[0].ctx, ps[0].prompt_tokens, ps[0].gen_tokens), (1024, 889, 128));
+                let ngl = at("ngl");
+                assert!(ngl[0].ngl_flash_attn && ps[0].kv_unified);
+                let expect = match (row.budget_bytes >> 30, row.batch) {
+                    (2, 64) => 2,
+                    (2, _) => 3,
+                    (8, 16) => 19,
+                    (8, 64) => 15,
+                    (8, _) => 20,
+                    (16, 1) => 44,
+                    (16, 4) => 43,
+                    (16, 16) => 40,
+                    _ => 32,
+                };
+                assert_eq!(ngl[0].ngl_layers, Some(expect), "{name} {:?}", row.keys);
+            }
+        }
     }
 
     #[test]

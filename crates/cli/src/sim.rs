@@ -1,4 +1,5 @@
-//! `pipeshard sim`: `run` plans one cell (or reads a plan) and simulates it; `sweep` does a whole grid.
+//! `pipeshard sim`: `run` plans one cell (or reads a plan) and simulates it; `sweep` does a whole grid;
+//! `batch-study` the batched-decode study (module `study`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -21,6 +22,9 @@ pub enum SimCommand {
     Run(RunArgs),
     /// Plan and simulate a grid (models × contexts × budgets × ubatches × planners): CSV, plots, summary.
     Sweep(SweepArgs),
+    /// Throughput against parallel requests and budget for every planner of a MoE model, and the batch from
+    /// which streaming experts to the GPU beats computing them on the CPU.
+    BatchStudy(crate::study::BatchStudyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -117,6 +121,7 @@ fn command_line() -> String {
 pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
     match cmd {
         SimCommand::Run(a) => run_one(&a),
+        SimCommand::BatchStudy(a) => crate::study::run(&a, &command_line()),
         SimCommand::Sweep(a) => {
             let mut e = match &a.experiment {
                 Some(path) => Experiment::load(path)?,

@@ -590,6 +590,57 @@ mod tests {
     }
 
     #[test]
+    fn moe_decode_of_r_tokens_reads_the_distinct_experts_they_touch() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let per_expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 }) as f64;
+        for r in [1u64, 4, 16, 64] {
+            let w = Workload::single(889, 1024, 128, 1024).batched(r, true);
+            let ops = ops(&spec, &inv, &w, w.decode_step(5));
+            let e = ops.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+            let OpKind::Experts { touched, tokens_per_touched, .. } = e.kind else { unreachable!() };
+            let expect = expected_touched_experts(128, 8, r);
+            assert!((touched - expect).abs() < 1e-9, "R = {r}");
+            assert!((e.weight_bytes - expect * per_expert).abs() < 1e-3, "R = {r}: not R × k experts");
+            assert!((tokens_per_touched * touched - 8.0 * r as f64).abs() < 1e-9, "R = {r}");
+        }
+        // 64 tokens touch almost every expert (128 · (1 − (120/128)^64) ≈ 125.9), far fewer than 64 × 8.
+        assert!((125.8..126.0).contains(&expected_touched_experts(128, 8, 64)));
+    }
+
+    #[test]
+    fn unified_kv_is_one_copy_and_a_masked_scan_on_the_gpu() {
+        use crate::cost::{CostModel, Device, OpContext, TableCostModel};
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let per_seq = Workload::single(889, 1024, 128, 1024).batched(16, false);
+        let unified = per_seq.batched(16, true);
+        let step = per_seq.decode_step(10);
+        assert_eq!((per_seq.kv_copies(step), unified.kv_copies(step)), (16, 1));
+        // A prefill chunk belongs to one sequence whatever the cache.
+        assert_eq!(per_seq.kv_copies(per_seq.prefill_chunks()[0]), 1);
+        let attn = |w: &Workload| {
+            *ops(&spec, &inv, w, step).iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let (a, b) = (attn(&per_seq), attn(&unified));
+        // The same useful work and KV traffic; the unified kernel on the GPU also scores the 15 other
+        // sequences' cells of the cache, the CPU kernel skips them.
+        assert_eq!((a.flops, a.kv_bytes), (b.flops, b.kv_bytes));
+        let OpKind::Attention { keys, scanned_keys, .. } = b.kind else { unreachable!() };
+        assert_eq!((keys, scanned_keys), (900, 16 * 900));
+        assert_eq!(a.flops_on(Device::Gpu), a.flops);
+        assert_eq!(b.flops_on(Device::Gpu), 16.0 * b.flops);
+        assert_eq!(b.flops_on(Device::Cpu), b.flops);
+        let cost = TableCostModel::new(&crate::reference::derived("cli3").unwrap());
+        assert!(cost.op_ns(&b, OpContext::gpu()) > cost.op_ns(&a, OpContext::gpu()));
+        assert_eq!(cost.op_ns(&b, OpContext::cpu(16)), cost.op_ns(&a, OpContext::cpu(16)));
+        // Plan files written before the field existed read as per-sequence KV.
+        let json = serde_json::to_string(&per_seq).unwrap().replace(",\"kv_unified\":false", "");
+        assert!(!json.contains("kv_unified"));
+        assert_eq!(serde_json::from_str::<Workload>(&json).unwrap(), per_seq);
+    }
+
+    #[test]
     fn chunks_cover_the_prompt() {
         let w = Workload::single(2500, 4096, 10, 1024);
         let c = w.prefill_chunks();

@@ -754,7 +754,8 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
                             if let Some(&(_, it, _)) = attn {
                                 (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))
                             } else {
-                                let it = b.item_taking(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, d, after);
+                                let it =
+                                    b.item_taking(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, d, after);
                                 (it, b.items[it as usize].copy)
                             }
                         }
