@@ -229,7 +229,7 @@ fn fmt(x: Option<f64>, d: usize) -> String {
 
 fn summary(e: &Experiment, model: &str, results: &[CellResult], rows: &[CrossoverRow]) -> String {
     let mut s = format!(
-        "# Batch study: {model} on {}\n\n{}\n\nAggregate decode throughput (tokens/s summed over requests), best planner per cell, and \
+        "# Batch study: {model} on {}\n\n{}\n\nAggregate decode throughput (tokens/s summed over requests) of every planner, and \
          where streaming experts beats CPU experts (pshard's STATIC_ATTN_PRIO vs SHARD_ATTN_PRIO / FULL_SHARD, \
          `crossover.csv`).\n\n## Crossover\n\n| budget | streaming first wins at batch | wins from batch on | tokens per \
          expert there (R·k/E) | distinct experts touched | speed-up of streaming there | at the largest batch | `ilp` \
