@@ -90,7 +90,12 @@ fn batching_shares_weights_and_a_unified_cache_costs_the_gpu_its_scan() {
     let spec = small("qwen3-30b-a3b", 4);
     let run = |w: Workload| {
         let p = plan(&spec, &w, SHAPE, &|_| Placement::Pinned);
-        Simulator::new(&spec, &p, &cost).unwrap().run(&SimOptions::default()).metrics
+        let sim = Simulator::new(&spec, &p, &cost).unwrap().run(&SimOptions::default());
+        // Everything pinned: the GPU bounds every step, busy most of it (hand-offs are the rest).
+        let (bound, busy) = sim.decode_bound();
+        assert_eq!(bound, Resource::GpuCompute);
+        assert!(busy > 0.5 && busy <= 1.0, "{busy}");
+        sim.metrics
     };
     let base = Workload::single(889, 1024, 16, 1024);
     let one = run(base);
