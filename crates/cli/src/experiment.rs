@@ -11,7 +11,7 @@
 //! almost full KV. A cell generates `gen_tokens`, or fewer where the prompt leaves less room: llama.cpp stops
 //! at a full context (the paper's 4K Minitron runs generate 60 tokens). `batch` (a number or a list) is the
 //! parallel requests, each with its own prompt and `ctx` tokens of KV; `kv_unified` gives the planners that do
-//! not pick it themselves (`greedy`, `ilp`, `exhaustive`) one unified cache instead of one per sequence
+//! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
 //! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs).
 //!
 //! Paper reproductions add three things:

@@ -56,8 +56,8 @@ pub struct PlanArgs {
     /// Parallel requests decoded together.
     #[arg(long, default_value_t = 1)]
     batch: u64,
-    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`ilp`/`exhaustive` (`pshard` always
-    /// runs unified, `ngl` never).
+    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`exhaustive` (`ilp` chooses;
+    /// `pshard` always runs unified, `ngl` never).
     #[arg(long)]
     kv_unified: bool,
     /// Machine profile: a JSON path, `profiles/NAME.json`, or a derived system (cli1, cli2, cli3).

@@ -52,8 +52,8 @@ pub struct RunArgs {
     /// Parallel requests.
     #[arg(long, default_value_t = 1)]
     batch: u64,
-    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`ilp`/`exhaustive` (`pshard` always
-    /// runs unified, `ngl` never).
+    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`exhaustive` (`ilp` chooses;
+    /// `pshard` always runs unified, `ngl` never).
     #[arg(long)]
     kv_unified: bool,
     /// Prompt tokens per request (default: ctx − gen, a nearly full context as in the paper).

@@ -135,9 +135,8 @@ impl Planner for Ilp {
                 best = Some((value, plan));
             }
         }
-        let (_, mut plan) = match best {
-            Some(b) => b,
-            None => return self.plan_kv(spec, workload, cost, budget_bytes),
+        let Some((_, mut plan)) = best else {
+            return self.plan_kv(spec, workload, cost, budget_bytes);
         };
         plan.notes.push(format!(
             "KV layout {} chosen by the simulator ({})",
