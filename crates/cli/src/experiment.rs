@@ -1,7 +1,7 @@
 //! Experiment definitions (`experiments/NAME.toml`) and the grid of cells they expand to.
 //!
-//! An experiment is a cartesian product: models × contexts × budgets × ubatches × planners, on one profile,
-//! with one generation length and batch — or the union of several such grids (`[[grid]]` sections, each with
+//! An experiment is a cartesian product: models × contexts × budgets × batches × ubatches × planners, on one
+//! profile, with one generation length — or the union of several such grids (`[[grid]]` sections, each with
 //! its own models, contexts, budgets and ubatches; missing fields fall back to the top level), so that one
 //! file can hold truncated models at budgets of MiB and full models at budgets of GiB. A model is a catalog name
 //! or a model file ([`resolve_model`]), optionally truncated to its first N layers with `@NL`
@@ -9,7 +9,10 @@
 //! (`{ "1K" = 908, "4K" = 4035 }`: the paper's prompt files, DIGEST §5.3, differ by tokenizer), else the
 //! context minus the generated tokens — the paper's prompts nearly fill the context, so TPS is measured at
 //! almost full KV. A cell generates `gen_tokens`, or fewer where the prompt leaves less room: llama.cpp stops
-//! at a full context (the paper's 4K Minitron runs generate 60 tokens).
+//! at a full context (the paper's 4K Minitron runs generate 60 tokens). `batch` (a number or a list) is the
+//! parallel requests, each with its own prompt and `ctx` tokens of KV; `kv_unified` gives the planners that do
+//! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
+//! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs).
 //!
 //! Paper reproductions add three things:
 //! - `budget_excludes_runtime = true`: budgets are the paper's `-mva`, which does not count the CUDA context,
@@ -17,7 +20,11 @@
 //! - `[ngl]`: the `ngl` cells replay the baseline's measured `-ngl N` from a CSV of the paper's runs
 //!   (`Model, Context, MVA, NGL, Ubatch`; MVA in decimal thousands, so 2G is looked up as 2000, as the
 //!   paper's scripts do), with a per-model fallback where the CSV has no run. A replayed N ran on the whole
-//!   card, so its plan gets the machine's VRAM as budget; the cell's budget only chose N.
+//!   card, so its plan gets the machine's VRAM as budget; the cell's budget only chose N. With
+//!   `ctx_is_total = true` the lookup context is the cell's context times its batch (the `-c N×1024` of the
+//!   paper's batched runs).
+//! - `ngl_flash_attn = true`: `ngl` plans llama.cpp's `-fa on` (the paper's batched runs did; the executor
+//!   implements flash attention only), instead of Table 4 / Figure 2's `-fa off`.
 //! - `[paper]`: the paper's CSV that `pipeshard repro` compares against, its model names, and the models
 //!   whose cells calibrate the profile.
 
@@ -30,7 +37,7 @@ use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::gguf;
 use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
-use pipeshard_core::workload::Workload;
+use pipeshard_core::workload::{MAX_BATCH, Workload};
 use serde::Deserialize;
 
 use crate::args::{format_bytes, format_tokens, parse_bytes, parse_tokens};
@@ -58,6 +65,25 @@ pub struct GridFile {
     pub depths: Option<Vec<u32>>,
     /// One prompt length, or one per context (`{ "1K" = 908 }`); default: ctx − gen_tokens.
     pub prompt_tokens: Option<PromptTokensFile>,
+    /// Parallel requests: one number or a list (default 1).
+    pub batch: Option<Counts>,
+}
+
+/// One count or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Counts {
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl Counts {
+    fn to_vec(&self) -> Vec<u64> {
+        match self {
+            Counts::One(n) => vec![*n],
+            Counts::Many(v) => v.clone(),
+        }
+    }
 }
 
 /// `prompt_tokens` as written: a number or a table by context.
@@ -78,6 +104,8 @@ pub struct NglFile {
     pub names: BTreeMap<String, String>,
     /// N where the CSV has no run for a (model, ctx, budget, ubatch), per model (the paper's scripts' maxima).
     pub fallback: BTreeMap<String, u32>,
+    /// Look N up at the cell's context × batch (the batched runs' `-c`), not its context per sequence.
+    pub ctx_is_total: Option<bool>,
 }
 
 /// The `[paper]` section: what `pipeshard repro` compares against.
@@ -109,7 +137,8 @@ pub struct ExperimentFile {
     #[serde(default)]
     pub grid: Vec<GridFile>,
     pub gen_tokens: Option<u64>,
-    pub batch: Option<u64>,
+    /// One KV cache for all sequences (llama.cpp `-kvu`) for the planners that take the workload's choice.
+    pub kv_unified: Option<bool>,
     /// Store every matrix in this format (`bf16`, `f16`) instead of the catalog's — the executor runs these.
     pub weights: Option<String>,
     /// Budgets are the paper's `-mva`: the runtime's VRAM comes on top.
@@ -133,6 +162,8 @@ pub struct Grid {
     /// `[None]`: each planner's own depth.
     pub depths: Vec<Option<u32>>,
     pub prompt_tokens: PromptTokens,
+    /// Parallel requests.
+    pub batch: Vec<u64>,
 }
 
 /// How long the prompts of a grid are.
@@ -145,8 +176,8 @@ pub enum PromptTokens {
     ByCtx(BTreeMap<u64, u64>),
 }
 
-/// Key of a replayed `-ngl N`: model, context, budget, ubatch.
-pub type NglKey = (String, u64, u64, u64);
+/// Key of a replayed `-ngl N`: model, context, budget, ubatch, batch.
+pub type NglKey = (String, u64, u64, u64, u64);
 
 /// A validated experiment.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,9 +188,10 @@ pub struct Experiment {
     pub grids: Vec<Grid>,
     pub planners: Vec<String>,
     pub gen_tokens: u64,
-    pub batch: u64,
+    pub kv_unified: bool,
     pub weights: Option<DType>,
     pub budget_excludes_runtime: bool,
+    /// `ngl` plans with flash attention on.
     pub ngl_flash_attn: bool,
     /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
     pub ngl_layers: BTreeMap<NglKey, u32>,
@@ -251,6 +283,7 @@ impl Experiment {
                 },
                 prompt_tokens: prompt_tokens(g.prompt_tokens.or_else(|| f.top.prompt_tokens.clone()))
                     .with_context(|| format!("{what}`prompt_tokens`"))?,
+                batch: g.batch.or_else(|| f.top.batch.clone()).map_or_else(|| vec![1], |b| b.to_vec()),
             });
         }
         let planners: Vec<String> =
@@ -266,7 +299,7 @@ impl Experiment {
             grids,
             planners,
             gen_tokens: f.gen_tokens.unwrap_or(DEFAULT_GEN_TOKENS),
-            batch: f.batch.unwrap_or(1),
+            kv_unified: f.kv_unified.unwrap_or(false),
             weights: f
                 .weights
                 .map(|w| w.parse::<DType>().map_err(|e| anyhow::anyhow!("`weights`: {e}")))
@@ -310,8 +343,11 @@ impl Experiment {
         for m in self.models() {
             resolve_model(m)?;
         }
-        if self.batch == 0 {
-            bail!("`batch` is 0; it must be at least 1");
+        if let Some(b) = self.grids.iter().flat_map(|g| &g.batch).find(|&&b| b == 0 || b > MAX_BATCH) {
+            bail!("`batch` holds {b}; give 1 to {MAX_BATCH} parallel requests");
+        }
+        if self.grids.iter().any(|g| g.batch.is_empty()) {
+            bail!("`batch` is empty; list at least one");
         }
         for g in &self.grids {
             for &ctx in &g.ctx {
@@ -381,13 +417,17 @@ impl Experiment {
             for m in &g.models {
                 for &ctx in &g.ctx {
                     for &budget_bytes in &g.budgets {
-                        for &ubatch in &g.ubatch {
+                        for (&batch, &ubatch) in
+                            g.batch.iter().flat_map(|b| g.ubatch.iter().map(move |u| (b, u)))
+                        {
                             let planners = g.planners.as_ref().unwrap_or(&self.planners);
                             for (p, &depth) in
                                 planners.iter().flat_map(|p| g.depths.iter().map(move |d| (p, d)))
                             {
                                 let ngl_layers = (p == "ngl")
-                                    .then(|| self.ngl_layers.get(&(m.clone(), ctx, budget_bytes, ubatch)))
+                                    .then(|| {
+                                        self.ngl_layers.get(&(m.clone(), ctx, budget_bytes, ubatch, batch))
+                                    })
                                     .flatten()
                                     .copied();
                                 let prompt_tokens = g.prompt_tokens.tokens(ctx, self.gen_tokens).unwrap_or(0);
@@ -397,7 +437,8 @@ impl Experiment {
                                     prompt_tokens,
                                     gen_tokens: self.gen_tokens.min(ctx.saturating_sub(prompt_tokens)),
                                     ubatch,
-                                    batch: self.batch,
+                                    batch,
+                                    kv_unified: self.kv_unified,
                                     budget_bytes,
                                     planner: p.clone(),
                                     depth,
@@ -488,9 +529,11 @@ fn replay_ngl(n: &NglFile, grids: &[Grid]) -> anyhow::Result<BTreeMap<NglKey, u3
                         );
                     }
                     let mva = budget / pipeshard_core::GIB * 1000;
-                    for &ub in &g.ubatch {
-                        let layers = runs.get(&(name.clone(), ctx, mva, ub)).copied().unwrap_or(fallback);
-                        out.insert((m.clone(), ctx, budget, ub), layers);
+                    for (&ub, &batch) in g.ubatch.iter().flat_map(|u| g.batch.iter().map(move |b| (u, b))) {
+                        let lookup_ctx = if n.ctx_is_total == Some(true) { ctx * batch } else { ctx };
+                        let layers =
+                            runs.get(&(name.clone(), lookup_ctx, mva, ub)).copied().unwrap_or(fallback);
+                        out.insert((m.clone(), ctx, budget, ub, batch), layers);
                     }
                 }
             }
@@ -540,6 +583,8 @@ pub struct Cell {
     pub gen_tokens: u64,
     pub ubatch: u64,
     pub batch: u64,
+    /// One KV cache for all sequences (for the planners that take the workload's choice).
+    pub kv_unified: bool,
     /// The budget as the experiment states it (see `budget_excludes_runtime`).
     pub budget_bytes: u64,
     pub planner: String,
@@ -570,10 +615,8 @@ impl Cell {
     /// The workload of the cell (f16 KV, flash attention).
     #[must_use]
     pub fn workload(&self) -> Workload {
-        Workload {
-            batch: self.batch,
-            ..Workload::single(self.prompt_tokens, self.ctx, self.gen_tokens, self.ubatch)
-        }
+        Workload::single(self.prompt_tokens, self.ctx, self.gen_tokens, self.ubatch)
+            .batched(self.batch, self.kv_unified)
     }
 }
 
@@ -609,6 +652,36 @@ mod tests {
         )
         .unwrap();
         assert!(Experiment::from_file(bad, "x").unwrap_err().to_string().contains("magic"));
+    }
+
+    #[test]
+    fn batches_are_a_number_or_a_list_per_grid() {
+        let f: ExperimentFile = toml::from_str(
+            r#"
+            models = ["nemo-4b@2L"]
+            ctx = ["1K"]
+            budgets = ["1G"]
+            planners = ["ilp"]
+            batch = 4
+            kv_unified = true
+            [[grid]]
+            [[grid]]
+            batch = [1, 16]
+            "#,
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "b").unwrap();
+        let cells = e.cells();
+        assert_eq!(cells.iter().map(|c| c.batch).collect::<Vec<_>>(), [4, 1, 16]);
+        assert!(cells.iter().all(|c| c.kv_unified && c.workload().kv_unified));
+        assert_eq!(cells[2].workload().batch, 16);
+        for bad in ["batch = 0", "batch = [2, 100000]", "batch = []"] {
+            let f: ExperimentFile =
+                toml::from_str(&format!("models = [\"nemo-4b\"]\nctx = [1024]\nbudgets = [\"2G\"]\n{bad}"))
+                    .unwrap();
+            let err = Experiment::from_file(f, "x").unwrap_err().to_string();
+            assert!(err.contains("`batch`"), "{bad}: {err}");
+        }
     }
 
     #[test]

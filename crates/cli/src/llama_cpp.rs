@@ -76,6 +76,8 @@ pub struct Flags {
     pub flash_attn: Option<bool>,
     /// `-nkvo`.
     pub no_kv_offload: bool,
+    /// `-kvu`: one KV cache for all sequences.
+    pub kv_unified: bool,
     /// `--no-op-offload`.
     pub no_op_offload: bool,
     /// Flags that do not affect placement, as written (they are ignored).
@@ -190,6 +192,7 @@ impl Flags {
             threads: Some(p.cpu_threads),
             flash_attn: Some(w.flash_attn),
             no_kv_offload: false,
+            kv_unified: w.kv_unified,
             no_op_offload: !plan.prefill.op_offload,
             ignored: Vec::new(),
         };
@@ -221,6 +224,9 @@ impl Flags {
         opt("-fa", self.flash_attn.map(|fa| if fa { "on" } else { "off" }.to_string()));
         if self.no_kv_offload {
             v.push("-nkvo".into());
+        }
+        if self.kv_unified {
+            v.push("-kvu".into());
         }
         if self.no_op_offload {
             v.push("--no-op-offload".into());
@@ -302,6 +308,7 @@ impl Flags {
                     };
                 }
                 "-nkvo" | "--no-kv-offload" => f.no_kv_offload = true,
+                "-kvu" | "--kv-unified" => f.kv_unified = true,
                 "--no-op-offload" => f.no_op_offload = true,
                 "-m" | "--model" => {
                     it.next();
@@ -362,6 +369,7 @@ impl Flags {
         let workload = Workload {
             batch,
             flash_attn: self.flash_attn.unwrap_or(true),
+            kv_unified: self.kv_unified,
             ..Workload::single(prompt, ctx, gen_tokens, self.ubatch.unwrap_or(DEFAULT_UBATCH))
         };
         workload.validate()?;
@@ -507,7 +515,7 @@ mod tests {
         let spec = resolve_model("nemo-4b@6L").unwrap();
         let w = Workload::single(900, 1024, 100, 256);
         for n in 0..=7 {
-            let ngl = pipeshard_planner::ngl::Ngl { fixed_layers: Some(n), flash_attn: false };
+            let ngl = pipeshard_planner::ngl::Ngl { fixed_layers: Some(n), ..Default::default() };
             let plan = pipeshard_planner::Planner::plan(&ngl, &spec, &w, &cost(), 1 << 40).unwrap();
             let (text, back) = round_trip(&plan, &spec);
             assert!(text.contains(&format!("-ngl {n} ")) && !text.contains("-ot"), "{text}");
@@ -570,9 +578,10 @@ mod tests {
     fn flags_parse_like_llama_cpp() {
         let f = Flags::parse(
             "llama-cli -m x.gguf -ngl 99 -ot 'blk\\.1[0-9]\\.ffn_.*_exps=CPU,token_embd=CUDA0' --n-cpu-moe 2 \
-             -c 8192 -np 2 -ub 256 -fa -t 12 -nkvo",
+             -c 8192 -np 2 -ub 256 -fa -t 12 -nkvo -kvu",
         )
         .unwrap();
+        assert!(f.kv_unified && f.to_args().contains("-kvu"));
         assert_eq!(f.ngl, 99);
         assert_eq!(f.overrides.len(), 3);
         assert_eq!(f.overrides[2], Override::NCpuMoe(2));

@@ -12,6 +12,7 @@ mod plots;
 mod profile;
 mod repro;
 mod sim;
+mod study;
 mod sweep;
 mod table8;
 #[cfg(test)]

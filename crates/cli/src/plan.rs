@@ -58,6 +58,10 @@ pub struct PlanArgs {
     /// Parallel requests decoded together.
     #[arg(long, default_value_t = 1)]
     batch: u64,
+    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`exhaustive` (`ilp` chooses;
+    /// `pshard` always runs unified, `ngl` never).
+    #[arg(long)]
+    kv_unified: bool,
     /// Machine profile: a JSON path, `profiles/NAME.json`, or a derived system (cli1, cli2, cli3).
     #[arg(long, default_value = "cli3")]
     profile: String,
@@ -122,7 +126,7 @@ fn request(a: &PlanArgs) -> anyhow::Result<Request> {
             format!("--ctx {} leaves no room for a prompt before --gen {} tokens", a.ctx, a.r#gen)
         })?,
     };
-    let workload = Workload { batch: a.batch, ..Workload::single(prompt_tokens, ctx, a.r#gen, ubatch) };
+    let workload = Workload::single(prompt_tokens, ctx, a.r#gen, ubatch).batched(a.batch, a.kv_unified);
     workload.validate()?;
     if a.ngl.is_some() && a.planner != "ngl" {
         bail!("--ngl applies to the `ngl` planner only (got --planner {})", a.planner);
@@ -132,7 +136,7 @@ fn request(a: &PlanArgs) -> anyhow::Result<Request> {
         spec,
         workload,
         budget_bytes,
-        options: PlannerOptions { objective, ngl_layers: a.ngl, ngl_flash_attn: false },
+        options: PlannerOptions { objective, ngl_layers: a.ngl, ..PlannerOptions::default() },
         profile_name: a.profile.clone(),
     })
 }

@@ -1,7 +1,9 @@
 //! PNG plots of a sweep (plotters, bitmap backend): TPS and TTFT against the VRAM budget, one panel per
 //! model × context, one line per planner. Where a sweep has several ubatches, each point is the best over them
 //! (as the paper's Figure 2 does). Log scales on both axes: budgets double, and metrics span decades.
-//! `pipeshard repro` draws ours beside the paper's: Table 4 as the same panels, Figure 2 as grouped bars.
+//! `pipeshard repro` draws ours beside the paper's: Table 4 as the same panels, Figure 2 as grouped bars, Table 9
+//! and Figure 7 as lines against the number of parallel requests, a panel per budget ([`batch_panels`], which
+//! the batch study draws too).
 //!
 //! Text is drawn with DejaVu Sans embedded in the binary (`assets/DejaVuSans.ttf`, its licence beside it) via
 //! plotters' `ab_glyph` feature, so the binary needs no fontconfig or freetype on the machine that runs it.
@@ -14,9 +16,9 @@ use anyhow::Context;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::args::format_tokens;
+use crate::args::{format_bytes, format_tokens};
 use crate::experiment::Experiment;
-use crate::repro::TableSeries;
+use crate::repro::{BatchSeries, TableSeries};
 use crate::sweep::{CellResult, gib};
 
 static FONT: Once = Once::new();
@@ -478,4 +480,104 @@ fn speedup_bars(
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+/// One panel of a batch plot: its caption and, per line, (batch, value) points.
+pub struct BatchPanel {
+    pub caption: String,
+    pub lines: BTreeMap<String, Vec<(u64, f64)>>,
+}
+
+/// Panels side by side (one per VRAM budget, say), each with lines against the number of parallel requests
+/// (log₂ x axis); `lines` gives the legend and colour order.
+pub fn batch_panels(
+    title: &str,
+    unit: &str,
+    lines: &[String],
+    panels: &[BatchPanel],
+    path: &Path,
+) -> anyhow::Result<()> {
+    register();
+    let points = || panels.iter().flat_map(|p| p.lines.values().flatten());
+    let (lo, hi) = points().fold((f64::INFINITY, 0.0f64), |(a, b), &(_, v)| (a.min(v), b.max(v)));
+    let (lo, hi) = if hi > 0.0 { (lo / 1.5, hi * 1.5) } else { (0.1, 10.0) };
+    let x_hi = points().map(|&(b, _)| b).max().unwrap_or(64) as f64 * 1.5;
+    let size = ((panels.len() as u32 * 420).max(480), 400);
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (header, body) = root.split_vertically(60);
+    header.draw(&Text::new(title.to_string(), (16, 10), ("sans-serif", 20).into_font()))?;
+    legend(&header, lines)?;
+    let areas = body.split_evenly((1, panels.len().max(1)));
+    for (area, panel) in areas.iter().zip(panels) {
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.caption, ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(34)
+            .y_label_area_size(56)
+            .build_cartesian_2d((0.7..x_hi).log_scale().base(2.0), (lo..hi).log_scale())
+            .context("building a panel")?;
+        chart
+            .configure_mesh()
+            .x_desc("parallel requests")
+            .light_line_style(WHITE)
+            .y_desc(unit)
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_label_formatter(&|v| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.2}") })
+            .label_style(("sans-serif", 12))
+            .draw()?;
+        for (li, line) in lines.iter().enumerate() {
+            let Some(pts) = panel.lines.get(line) else { continue };
+            let colour = COLOURS[li % COLOURS.len()];
+            let pts: Vec<(f64, f64)> = pts.iter().map(|&(b, v)| (b as f64, v)).collect();
+            chart.draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))?;
+            chart.draw_series(pts.into_iter().map(|pt| Circle::new(pt, 3, colour.filled())))?;
+        }
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A batched paper table (Table 9, Figure 7): per metric one PNG, a panel per budget, ours beside the paper's
+/// against the number of requests.
+pub fn batch_paper_plots(
+    table: &str,
+    e: &Experiment,
+    s: &BatchSeries,
+    dir: &Path,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let lines = ["paper".to_string(), "ours (pshard, simulated)".to_string()];
+    let mut metrics: Vec<&String> = s.keys().map(|k| &k.0).collect();
+    metrics.dedup();
+    let mut out = Vec::new();
+    for m in metrics {
+        let panels: Vec<BatchPanel> = s
+            .iter()
+            .filter(|(k, _)| &k.0 == m)
+            .map(|((_, budget), pts)| BatchPanel {
+                caption: format!("budget {}", format_bytes(*budget)),
+                lines: [
+                    (lines[0].clone(), pts.iter().map(|&(b, _, p)| (b, p)).collect()),
+                    (lines[1].clone(), pts.iter().filter_map(|&(b, o, _)| o.map(|o| (b, o))).collect()),
+                ]
+                .into(),
+            })
+            .collect();
+        let file: String = m.chars().filter(char::is_ascii_alphanumeric).collect::<String>().to_lowercase();
+        let path = dir.join(format!("{file}.png"));
+        let title = format!(
+            "{table}: {m} of {}, ours vs the paper ({})",
+            e.models().into_iter().cloned().collect::<Vec<_>>().join(", "),
+            e.profile
+        );
+        batch_panels(
+            &title,
+            if m.contains("Speedup") { "speed-up (×)" } else { "tokens/s (all requests)" },
+            &lines,
+            &panels,
+            &path,
+        )?;
+        out.push(path);
+    }
+    Ok(out)
 }

@@ -1,7 +1,7 @@
-//! `pipeshard repro`: the paper's Table 4 and Figure 2 in the simulator, side by side with the paper, and the
-//! calibration of the derived profile they run on.
+//! `pipeshard repro`: the paper's Table 4, Figure 2, Table 9 and Figure 7 in the simulator, side by side with
+//! the paper, and the calibration of the derived profile they run on.
 //!
-//! - `repro table4|figure2` runs `experiments/<table>.toml` (every planner it lists) and writes, under
+//! - `repro table4|figure2|table9|figure7` runs `experiments/<table>.toml` (every planner it lists) and writes, under
 //!   `results/paper/<table>/`: `cells.csv` — the paper CSV's key columns and, per metric X, `X` (ours),
 //!   `X_paper`, `X_err` (relative error) and `calibration` (the cell's model was fitted on); `planners.csv` —
 //!   every planner's TTFT / TPS / E2EL, the speed-ups of `greedy` and `ilp` over `pshard` and `ngl`, and the
@@ -18,7 +18,10 @@
 //! How ours is computed, as the paper's scripts do: Table 4 is `pshard`'s TPS and TTFT; Figure 2's speed-ups
 //! pair `ngl` and `pshard` at the same ubatch (TTFT and E2EL: ngl / pshard; TPS: pshard / ngl) and keep the
 //! best over the ubatches per metric, and E2EL = TTFT + `gen_tokens` / TPS whatever the cell generated (it
-//! stops at a full context). Table 4's TTFT is rounded to 100 ms in the paper's CSV, so a value that
+//! stops at a full context). Table 9 is `pshard`'s aggregate decode TPS with N parallel requests (the paper's
+//! S_TG), Figure 7 its ratio to `ngl`'s at the same N; their rows are keyed by batch rather than context (a
+//! paper CSV without a context column takes the experiment's one context). Neither is calibrated on: the
+//! profile is the one fitted on Table 4. Table 4's TTFT is rounded to 100 ms in the paper's CSV, so a value that
 //! is a multiple of 100 ms stands for the interval ±50 ms around it, and the error is the distance to that
 //! interval.
 
@@ -52,6 +55,10 @@ pub enum ReproCommand {
     /// The paper's Table 8 (Cosmos-Reason1-7B E2EL speed-ups of pshard + VLMOpt, OOM map, on cli2) and the
     /// peak VRAM each VLMOpt measure saves.
     Table8(ReproArgs),
+    /// The paper's Table 9 (pshard's aggregate decode TPS of qwen3-30b-a3b with 1–64 parallel requests).
+    Table9(ReproArgs),
+    /// The paper's Figure 7 (batched TPS speed-up of pshard, unified KV, over -ngl, per-sequence KV).
+    Figure7(ReproArgs),
     /// Fit a derived profile's free parameters on the calibration models of Table 4 and Figure 2.
     Calibrate(CalibrateArgs),
 }
@@ -124,6 +131,8 @@ struct PaperRow {
     model: String,
     ctx: u64,
     budget_bytes: u64,
+    /// Parallel requests (1 where the table has no batch column).
+    batch: u64,
     values: Vec<f64>,
 }
 
@@ -133,14 +142,18 @@ struct PaperTable {
     key_columns: Vec<String>,
     metrics: Vec<(String, Metric)>,
     rows: Vec<PaperRow>,
+    /// The rows are keyed by batch (Table 9, Figure 7).
+    batched: bool,
 }
 
 const MODEL_COLUMNS: [&str; 1] = ["Model"];
 const CTX_COLUMNS: [&str; 2] = ["CtxK", "CtxSize"];
 const BUDGET_COLUMNS: [&str; 2] = ["VramBudget", "Vram"];
+const BATCH_COLUMNS: [&str; 1] = ["BatchSize"];
 
 impl PaperTable {
-    fn load(p: &PaperRef) -> anyhow::Result<PaperTable> {
+    /// Reads the paper's CSV; a table without a context column gets `default_ctx` (the experiment's only one).
+    fn load(p: &PaperRef, default_ctx: Option<u64>) -> anyhow::Result<PaperTable> {
         let file = p.csv.display().to_string();
         let mut r = csv::Reader::from_path(&p.csv).with_context(|| format!("[paper] csv: reading {file}"))?;
         let header: Vec<String> = r.headers()?.iter().map(str::to_string).collect();
@@ -149,7 +162,18 @@ impl PaperTable {
                 format!("{file}: no column {}; the header is {}", names.join(" or "), header.join(","))
             })
         };
-        let (mi, ci, bi) = (find(&MODEL_COLUMNS)?, find(&CTX_COLUMNS)?, find(&BUDGET_COLUMNS)?);
+        let mi = find(&MODEL_COLUMNS)?;
+        let ni = find(&BATCH_COLUMNS).ok();
+        let ci = match find(&CTX_COLUMNS) {
+            Ok(ci) => Some(ci),
+            Err(_) if ni.is_some() && default_ctx.is_some() => None,
+            Err(_) if ni.is_some() => bail!(
+                "{file}: no CtxK or CtxSize column, and the experiment has more than one ctx; a batched table \
+                 without one takes the experiment's only context"
+            ),
+            Err(e) => return Err(e),
+        };
+        let bi = find(&BUDGET_COLUMNS)?;
         let metrics: Vec<(usize, String, Metric)> = header
             .iter()
             .enumerate()
@@ -174,18 +198,36 @@ impl PaperTable {
                     })
                 })
                 .collect::<anyhow::Result<Vec<f64>>>()?;
+            let keys: Vec<String> =
+                [Some(mi), ci, Some(bi), ni].into_iter().flatten().map(|i| at(i).to_string()).collect();
+            let ctx = match ci {
+                Some(ci) => parse_tokens(at(ci)).with_context(|| format!("{file}: row {}", n + 2))?,
+                None => default_ctx.expect("checked with the columns"),
+            };
+            let batch = match ni {
+                Some(ni) => at(ni).parse::<u64>().ok().filter(|b| *b > 0).with_context(|| {
+                    format!("{file}: row {}: {} = `{}` is not a positive count", n + 2, header[ni], at(ni))
+                })?,
+                None => 1,
+            };
             rows.push(PaperRow {
-                keys: vec![at(mi).to_string(), at(ci).to_string(), at(bi).to_string()],
+                keys,
                 model: (*model).to_string(),
-                ctx: parse_tokens(at(ci)).with_context(|| format!("{file}: row {}", n + 2))?,
+                ctx,
                 budget_bytes: parse_bytes(at(bi)).with_context(|| format!("{file}: row {}", n + 2))?,
+                batch,
                 values,
             });
         }
         Ok(PaperTable {
-            key_columns: vec![header[mi].clone(), header[ci].clone(), header[bi].clone()],
+            key_columns: [Some(mi), ci, Some(bi), ni]
+                .into_iter()
+                .flatten()
+                .map(|i| header[i].clone())
+                .collect(),
             metrics: metrics.into_iter().map(|(_, h, m)| (h, m)).collect(),
             rows,
+            batched: ni.is_some(),
         })
     }
 }
@@ -198,8 +240,8 @@ struct Point {
     e2el_ms: f64,
 }
 
-/// (model, ctx, budget, planner) → ubatch → point, for the cells that found a plan.
-type Points = BTreeMap<(String, u64, u64, String), BTreeMap<u64, Point>>;
+/// (model, ctx, budget, batch, planner) → ubatch → point, for the cells that found a plan.
+type Points = BTreeMap<(String, u64, u64, u64, String), BTreeMap<u64, Point>>;
 
 /// The points of `results`, E2EL as the paper's script computes it: TTFT + `gen_tokens` / TPS.
 fn points(results: &[CellResult], gen_tokens: u64) -> Points {
@@ -208,7 +250,7 @@ fn points(results: &[CellResult], gen_tokens: u64) -> Points {
         let Some(run) = r.run.as_deref() else { continue };
         let c = &r.cell;
         let x = &run.sim.metrics;
-        m.entry((c.model.clone(), c.ctx, c.budget_bytes, c.planner.clone())).or_default().insert(
+        m.entry((c.model.clone(), c.ctx, c.budget_bytes, c.batch, c.planner.clone())).or_default().insert(
             c.ubatch,
             Point {
                 ttft_ms: x.ttft_ms(),
@@ -240,7 +282,7 @@ fn best_paired(
 
 /// One planner's points on the cell of a paper row.
 fn at<'m>(pts: &'m Points, row: &PaperRow, planner: &str) -> Option<&'m BTreeMap<u64, Point>> {
-    pts.get(&(row.model.clone(), row.ctx, row.budget_bytes, planner.to_string()))
+    pts.get(&(row.model.clone(), row.ctx, row.budget_bytes, row.batch, planner.to_string()))
 }
 
 /// Ours for one paper metric on one cell.
@@ -351,7 +393,8 @@ fn load_table(dir: &Path, name: &str) -> anyhow::Result<PaperRun> {
     let paper = experiment.paper.clone().with_context(|| {
         format!("{}/{name}.toml has no [paper] section to compare against", dir.display())
     })?;
-    let table = PaperTable::load(&paper)?;
+    let contexts = experiment.contexts();
+    let table = PaperTable::load(&paper, (contexts.len() == 1).then(|| contexts[0]))?;
     Ok(PaperRun { experiment, paper, table })
 }
 
@@ -374,6 +417,8 @@ pub fn run(cmd: ReproCommand, command: &str) -> anyhow::Result<()> {
         ReproCommand::Table4(a) => repro("table4", &a, command),
         ReproCommand::Figure2(a) => repro("figure2", &a, command),
         ReproCommand::Table8(a) => crate::table8::run(&a, command),
+        ReproCommand::Table9(a) => repro("table9", &a, command),
+        ReproCommand::Figure7(a) => repro("figure7", &a, command),
         ReproCommand::Calibrate(a) => calibrate(&a, command),
     }
 }
@@ -443,7 +488,11 @@ fn repro(name: &str, a: &ReproArgs, command: &str) -> anyhow::Result<()> {
     let beat = write_planners(e, &table, &results, &pts, &specs, &cost, &written[1])?;
     write_csv(&results, &written[2])?;
     if !a.no_plots {
-        written.extend(crate::plots::paper_plots(name, e, &table_series(&table, &comps), &dir)?);
+        written.extend(if table.batched {
+            crate::plots::batch_paper_plots(name, e, &batch_series(&table, &comps), &dir)?
+        } else {
+            crate::plots::paper_plots(name, e, &table_series(&table, &comps), &dir)?
+        });
     }
     let summary = format!(
         "# {name}: ours (simulated, profile {}) vs the paper\n\n{}\n\nHit: |error| within ±{:.0}% (the issue's goal); \
@@ -513,12 +562,30 @@ fn table_series(t: &PaperTable, comps: &[Comparison]) -> TableSeries {
     s
 }
 
+/// (metric column, budget) → (batch, ours, paper) for the plots of a batched table.
+pub type BatchSeries = BTreeMap<(String, u64), Vec<(u64, Option<f64>, f64)>>;
+
+fn batch_series(t: &PaperTable, comps: &[Comparison]) -> BatchSeries {
+    let mut s: BatchSeries = BTreeMap::new();
+    for c in comps {
+        let row = &t.rows[c.row];
+        s.entry((t.metrics[c.metric].0.clone(), row.budget_bytes))
+            .or_default()
+            .push((row.batch, c.ours, c.paper));
+    }
+    for v in s.values_mut() {
+        v.sort_by_key(|x| x.0);
+    }
+    s
+}
+
 /// One row of `planners.csv`.
 #[derive(Debug, Serialize)]
 struct PlannerRow {
     model: String,
     ctx: u64,
     vram_budget_bytes: u64,
+    batch: u64,
     planner: String,
     ttft_ms: Option<f64>,
     tps: Option<f64>,
@@ -548,12 +615,14 @@ fn write_planners(
 ) -> anyhow::Result<String> {
     let inventories: BTreeMap<&String, Inventory> =
         specs.iter().map(|(m, s)| (m, Inventory::new(s))).collect();
-    // (model, ctx, budget, planner) → the result with the best E2EL over ubatches.
-    let mut best_run: BTreeMap<(&str, u64, u64, &str), &CellResult> = BTreeMap::new();
+    // (model, ctx, budget, batch, planner) → the result with the best E2EL over ubatches.
+    let mut best_run: BTreeMap<(&str, u64, u64, u64, &str), &CellResult> = BTreeMap::new();
     for r in results.iter().filter(|r| r.run.is_some()) {
         let c = &r.cell;
         let e2el = |r: &CellResult| r.run.as_deref().map_or(u64::MAX, |x| x.sim.metrics.e2el_ns);
-        let slot = best_run.entry((c.model.as_str(), c.ctx, c.budget_bytes, c.planner.as_str())).or_insert(r);
+        let slot = best_run
+            .entry((c.model.as_str(), c.ctx, c.budget_bytes, c.batch, c.planner.as_str()))
+            .or_insert(r);
         if e2el(r) < e2el(slot) {
             *slot = r;
         }
@@ -568,13 +637,14 @@ fn write_planners(
                 let me = at(pts, row, p);
                 let vs = |q: &str| best_paired(me, at(pts, row, q), |a, b| b.e2el_ms / a.e2el_ms);
                 let b = best_run
-                    .get(&(row.model.as_str(), row.ctx, row.budget_bytes, p.as_str()))
+                    .get(&(row.model.as_str(), row.ctx, row.budget_bytes, row.batch, p.as_str()))
                     .and_then(|r| bounds(r, &specs[&row.model], &inventories[&row.model], cost));
                 progress.inc(1);
                 PlannerRow {
                     model: row.model.clone(),
                     ctx: row.ctx,
                     vram_budget_bytes: row.budget_bytes,
+                    batch: row.batch,
                     planner: (*p).clone(),
                     ttft_ms: r4(best(me, |x| 1.0 / x.ttft_ms).map(|x| 1.0 / x)),
                     tps: r4(best(me, |x| x.tps)),
@@ -627,10 +697,11 @@ fn beat_summary(e: &Experiment, rows: &[PlannerRow]) -> String {
             vs_ps.len(),
             geo(&vs_ps.iter().map(|x| x.0).collect::<Vec<_>>()),
             worst.map_or_else(String::new, |(x, r)| format!(
-                "{x:.3} ({} {} {})",
+                "{x:.3} ({} {} {}{})",
                 r.model,
                 format_tokens(r.ctx),
-                format_bytes(r.vram_budget_bytes)
+                format_bytes(r.vram_budget_bytes),
+                if r.batch > 1 { format!(" × {} requests", r.batch) } else { String::new() }
             )),
             geo(&vs_ngl),
             sel.iter().filter(|r| r.e2el_ms.is_none()).count(),
@@ -817,6 +888,48 @@ mod tests {
         assert_eq!(c.ngl_layers, Some(3));
     }
 
+    /// Table 9 and Figure 7 are keyed by batch: every row has one `pshard` cell at its batch, and the baseline
+    /// replays the `-ngl N` measured at the whole `-c N×1024` (DIGEST §4: 3/20/44 at 1K … 2/15/32 at 64K).
+    #[test]
+    fn batched_tables_key_rows_by_batch_and_replay_the_total_context() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        for name in ["table9", "figure7"] {
+            let t = load_table(&dir, name).unwrap();
+            assert!(t.table.batched);
+            assert_eq!(t.table.rows.len(), 12, "{name}");
+            assert_eq!(t.table.key_columns, ["Model", "VramBudget", "BatchSize"]);
+            let cells = t.experiment.cells();
+            assert_eq!(cells.len(), 12 * 4);
+            for row in &t.table.rows {
+                let at = |planner: &str| {
+                    cells
+                        .iter()
+                        .filter(|c| {
+                            c.planner == planner && c.batch == row.batch && c.budget_bytes == row.budget_bytes
+                        })
+                        .collect::<Vec<_>>()
+                };
+                let ps = at("pshard");
+                assert_eq!(ps.len(), 1, "{name} {:?}", row.keys);
+                assert_eq!((ps[0].ctx, ps[0].prompt_tokens, ps[0].gen_tokens), (1024, 889, 128));
+                let ngl = at("ngl");
+                assert!(ngl[0].ngl_flash_attn && ps[0].kv_unified);
+                let expect = match (row.budget_bytes >> 30, row.batch) {
+                    (2, 64) => 2,
+                    (2, _) => 3,
+                    (8, 16) => 19,
+                    (8, 64) => 15,
+                    (8, _) => 20,
+                    (16, 1) => 44,
+                    (16, 4) => 43,
+                    (16, 16) => 40,
+                    _ => 32,
+                };
+                assert_eq!(ngl[0].ngl_layers, Some(expect), "{name} {:?}", row.keys);
+            }
+        }
+    }
+
     #[test]
     fn bad_paper_csv_names_file_row_and_field() {
         let dir = std::env::temp_dir().join(format!("pipeshard-repro-{}", std::process::id()));
@@ -829,13 +942,13 @@ mod tests {
             calibration_models: vec![],
             tolerance: 0.2,
         };
-        let e = PaperTable::load(&p).unwrap_err().to_string();
+        let e = PaperTable::load(&p, None).unwrap_err().to_string();
         assert!(
             e.contains("t.csv") && e.contains("row 2") && e.contains("TPSSpeedup") && e.contains("fast"),
             "{e}"
         );
         std::fs::write(&csv, "Model,Budget,TPS\nm,2G,1\n").unwrap();
-        let e = PaperTable::load(&p).unwrap_err().to_string();
+        let e = PaperTable::load(&p, None).unwrap_err().to_string();
         assert!(e.contains("CtxK or CtxSize"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

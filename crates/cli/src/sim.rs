@@ -1,4 +1,5 @@
-//! `pipeshard sim`: `run` plans one cell (or reads a plan) and simulates it; `sweep` does a whole grid.
+//! `pipeshard sim`: `run` plans one cell (or reads a plan) and simulates it; `sweep` does a whole grid;
+//! `batch-study` the batched-decode study (module `study`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -21,6 +22,9 @@ pub enum SimCommand {
     Run(RunArgs),
     /// Plan and simulate a grid (models × contexts × budgets × ubatches × planners): CSV, plots, summary.
     Sweep(SweepArgs),
+    /// Throughput against parallel requests and budget for every planner of a MoE model, and the batch from
+    /// which streaming experts to the GPU beats computing them on the CPU.
+    BatchStudy(crate::study::BatchStudyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -48,6 +52,10 @@ pub struct RunArgs {
     /// Parallel requests.
     #[arg(long, default_value_t = 1)]
     batch: u64,
+    /// One KV cache for all requests (llama.cpp `-kvu`) for `greedy`/`exhaustive` (`ilp` chooses;
+    /// `pshard` always runs unified, `ngl` never).
+    #[arg(long)]
+    kv_unified: bool,
     /// Prompt tokens per request (default: ctx − gen, a nearly full context as in the paper).
     #[arg(long)]
     prompt: Option<String>,
@@ -89,6 +97,9 @@ pub struct SweepArgs {
     gen_tokens: u64,
     #[arg(long, default_value_t = 1)]
     batch: u64,
+    /// One KV cache for all requests (see `sim run --kv-unified`).
+    #[arg(long)]
+    kv_unified: bool,
     /// Name of the results folder (default: the experiment's name, or `default`).
     #[arg(long)]
     name: Option<String>,
@@ -110,6 +121,7 @@ fn command_line() -> String {
 pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
     match cmd {
         SimCommand::Run(a) => run_one(&a),
+        SimCommand::BatchStudy(a) => crate::study::run(&a, &command_line()),
         SimCommand::Sweep(a) => {
             let mut e = match &a.experiment {
                 Some(path) => Experiment::load(path)?,
@@ -126,10 +138,11 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                             planners: Some(a.planner.clone()),
                             depths: None,
                             prompt_tokens: None,
+                            batch: Some(experiment::Counts::One(a.batch)),
                         },
                         grid: Vec::new(),
                         gen_tokens: Some(a.gen_tokens),
-                        batch: Some(a.batch),
+                        kv_unified: Some(a.kv_unified),
                         weights: None,
                         budget_excludes_runtime: None,
                         ngl_flash_attn: None,
@@ -174,6 +187,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             gen_tokens: a.gen_tokens,
             ubatch: parse_tokens(&a.ubatch)?,
             batch: a.batch,
+            kv_unified: a.kv_unified,
             budget_bytes: parse_bytes(&a.budget)?,
             planner: a.planner.clone(),
             depth: None,

@@ -217,9 +217,16 @@ struct Row<'a> {
     status: Status,
     reason: &'a str,
     ttft_ms: Option<f64>,
+    /// Decode tokens per second summed over the parallel requests.
     tps: Option<f64>,
+    /// … and of one request (`tps / batch`).
+    request_tps: Option<f64>,
+    /// One request's latency: all prompts' prefill, then the decode steps.
     e2el_ms: Option<f64>,
     decode_step_ms: Option<f64>,
+    /// The resource that bounds a decode step (gpu, h2d, d2h, cpu) and the share of decode time it is busy.
+    decode_bound: Option<&'static str>,
+    decode_bound_busy: Option<f64>,
     switch_ms: Option<f64>,
     vram_peak_bytes: Option<u64>,
     plan_vram_bytes: Option<u64>,
@@ -257,8 +264,11 @@ fn row(r: &CellResult) -> Row<'_> {
         reason: &r.reason,
         ttft_ms: m.map(|m| ms(m.ttft_ns)),
         tps: m.map(|m| round(m.tps, 3)),
+        request_tps: m.map(|m| round(m.tps / c.batch.max(1) as f64, 3)),
         e2el_ms: m.map(|m| ms(m.e2el_ns)),
         decode_step_ms: m.map(|m| ms(m.decode_step_ns)),
+        decode_bound: run.map(|x| x.sim.decode_bound().0.name()),
+        decode_bound_busy: run.map(|x| round(x.sim.decode_bound().1, 3)),
         switch_ms: run.map(|x| ms(x.sim.switch_ns)),
         vram_peak_bytes: m.map(|m| m.vram_peak_bytes),
         plan_vram_bytes: run.map(|x| x.plan.peak_vram_bytes()),

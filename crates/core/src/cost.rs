@@ -154,7 +154,7 @@ impl TableCostModel {
             }
         };
         // Attention reads KV in f16 and computes in f16/f32; matmuls use the weight format's peak.
-        (op.flops / flops * 1e9).max(op.bytes() / gbps)
+        (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
     }
 
     /// The family measured for this op: same device, class and format, nearest thread count. Routers and
@@ -234,7 +234,13 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             let q_heads = (row.n / head_dim).max(1) as u32;
             let kv = 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
             (
-                OpKind::Attention { q_heads, kv_heads: (q_heads / 4).max(1), head_dim, keys: row.k },
+                OpKind::Attention {
+                    q_heads,
+                    kv_heads: (q_heads / 4).max(1),
+                    head_dim,
+                    keys: row.k,
+                    scanned_keys: row.k,
+                },
                 4.0 * m * k * n,
                 0.0,
                 4.0 * 2.0 * m * n,

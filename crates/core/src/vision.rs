@@ -212,7 +212,13 @@ pub fn encoder_ops(
         let score_bytes =
             if attention == VisionAttention::Flash { 0.0 } else { 4.0 * ACT_BYTES * score_elems };
         out.push(Op {
-            kind: OpKind::Attention { q_heads: v.n_heads, kv_heads: v.n_heads, head_dim, keys: n },
+            kind: OpKind::Attention {
+                q_heads: v.n_heads,
+                kv_heads: v.n_heads,
+                head_dim,
+                keys: n,
+                scanned_keys: n,
+            },
             unit,
             tokens: n,
             dtype: DType::F16,

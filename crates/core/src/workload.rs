@@ -28,13 +28,45 @@ pub struct Workload {
     pub kv_dtype: DType,
     /// Flash attention (no materialised score matrix). The paper's baseline runs without it.
     pub flash_attn: bool,
+    /// One KV cache shared by all sequences (llama.cpp `-kvu`, which the paper's batched runs use) rather than
+    /// one per sequence. Unified cells are contiguous, so a layer's new cells (or its whole cache) move in one
+    /// copy instead of one per sequence; but a GPU attention kernel walks every used cell of the cache for
+    /// each query, masking the other sequences' cells (see [`OpKind::Attention`]). Irrelevant for one request.
+    #[serde(default)]
+    pub kv_unified: bool,
 }
 
 impl Workload {
     /// One request: `prompt_tokens` of prompt, `gen_tokens` generated, KV for `ctx`, f16 KV, flash attention.
     #[must_use]
     pub fn single(prompt_tokens: u64, ctx: u64, gen_tokens: u64, ubatch: u64) -> Workload {
-        Workload { prompt_tokens, ctx, gen_tokens, ubatch, batch: 1, kv_dtype: DType::F16, flash_attn: true }
+        Workload {
+            prompt_tokens,
+            ctx,
+            gen_tokens,
+            ubatch,
+            batch: 1,
+            kv_dtype: DType::F16,
+            flash_attn: true,
+            kv_unified: false,
+        }
+    }
+
+    /// `batch` parallel requests of the same shape, with unified or per-sequence KV.
+    #[must_use]
+    pub fn batched(self, batch: u64, kv_unified: bool) -> Workload {
+        Workload { batch, kv_unified, ..self }
+    }
+
+    /// Separate copies that move one layer's KV cells of a step between host and device: a prefill chunk
+    /// belongs to one sequence, and a decode step's cells (or a layer's whole cache) are contiguous when the
+    /// cache is unified, one run per sequence otherwise.
+    #[must_use]
+    pub fn kv_copies(&self, phase: Phase) -> u64 {
+        match phase {
+            Phase::Decode { batch, .. } if !self.kv_unified => batch,
+            _ => 1,
+        }
     }
 
     /// Checks the workload is runnable; errors name the field and the fix.
@@ -164,12 +196,16 @@ pub enum OpKind {
         k: u64,
     },
     Rope,
-    /// `tokens` queries over on average `keys` keys (causal masking counted), per sequence.
+    /// `tokens` queries over on average `keys` keys (causal masking counted), per sequence. A GPU kernel walks
+    /// `scanned_keys` cells per query, masked ones included: every used cell of a unified cache shared by
+    /// several sequences (llama.cpp's CUDA kernels mask, the CPU kernel skips masked cells), else `keys`.
     Attention {
         q_heads: u32,
         kv_heads: u32,
         head_dim: u64,
         keys: u64,
+        #[serde(default)]
+        scanned_keys: u64,
     },
     Activation,
     Add,
@@ -230,6 +266,20 @@ pub struct Op {
 }
 
 impl Op {
+    /// FLOPs the op costs on `device`: a GPU attention over a unified cache also scores the masked cells of the
+    /// other sequences ([`OpKind::Attention`]'s `scanned_keys`).
+    #[must_use]
+    pub fn flops_on(&self, device: crate::cost::Device) -> f64 {
+        match self.kind {
+            OpKind::Attention { keys, scanned_keys, .. }
+                if device == crate::cost::Device::Gpu && scanned_keys > keys && keys > 0 =>
+            {
+                self.flops * scanned_keys as f64 / keys as f64
+            }
+            _ => self.flops,
+        }
+    }
+
     /// All bytes moved.
     #[must_use]
     pub fn bytes(&self) -> f64 {
@@ -322,6 +372,11 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
         Phase::Prefill { .. } => 1.0,
         Phase::Decode { batch, .. } => batch as f64,
     };
+    // A unified cache holds every sequence's cells; a decode query walks all of them, masked or not.
+    let scanned_keys = match phase {
+        Phase::Decode { batch, ctx } if w.kv_unified => batch * ctx,
+        _ => keys,
+    };
     for il in 0..t.n_layers {
         let attn = UnitId::Attn { layer: il };
         let norm_bytes = tensor_of(attn, "attn_norm.weight").map_or(0.0, |tt| tt.bytes as f64);
@@ -342,6 +397,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
                 kv_heads: t.n_kv_heads,
                 head_dim: t.head_dim,
                 keys,
+                scanned_keys,
             },
             unit: UnitId::Kv { layer: il },
             tokens: m,
@@ -531,6 +587,58 @@ mod tests {
         let e = ops.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
         let per_expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 }) as f64;
         assert!((e.weight_bytes - 8.0 * per_expert).abs() < 1e-6);
+    }
+
+    #[test]
+    fn moe_decode_of_r_tokens_reads_the_distinct_experts_they_touch() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let per_expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 }) as f64;
+        for r in [1u64, 4, 16, 64] {
+            let w = Workload::single(889, 1024, 128, 1024).batched(r, true);
+            let ops = ops(&spec, &inv, &w, w.decode_step(5));
+            let e = ops.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+            let OpKind::Experts { touched, tokens_per_touched, .. } = e.kind else { unreachable!() };
+            let expect = expected_touched_experts(128, 8, r);
+            assert!((touched - expect).abs() < 1e-9, "R = {r}");
+            assert!((e.weight_bytes - expect * per_expert).abs() < 1e-3, "R = {r}: not R × k experts");
+            assert!((tokens_per_touched * touched - 8.0 * r as f64).abs() < 1e-9, "R = {r}");
+        }
+        // 64 tokens touch almost every expert (128 · (1 − (120/128)^64) ≈ 125.9), far fewer than 64 × 8.
+        assert!((125.8..126.0).contains(&expected_touched_experts(128, 8, 64)));
+    }
+
+    #[test]
+    fn unified_kv_is_one_copy_and_a_masked_scan_on_the_gpu() {
+        use crate::cost::{CostModel, Device, OpContext, TableCostModel};
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let per_seq = Workload::single(889, 1024, 128, 1024).batched(16, false);
+        let unified = per_seq.batched(16, true);
+        let step = per_seq.decode_step(10);
+        assert_eq!((per_seq.kv_copies(step), unified.kv_copies(step)), (16, 1));
+        // A prefill chunk belongs to one sequence whatever the cache.
+        assert_eq!(per_seq.kv_copies(per_seq.prefill_chunks()[0]), 1);
+        let attn = |w: &Workload| {
+            *ops(&spec, &inv, w, step).iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let (a, b) = (attn(&per_seq), attn(&unified));
+        // The same useful work and KV traffic; the unified kernel on the GPU also scores the 15 other
+        // sequences' cells of the cache, the CPU kernel skips them.
+        assert_eq!((a.flops, a.kv_bytes), (b.flops, b.kv_bytes));
+        let OpKind::Attention { keys, scanned_keys, .. } = b.kind else { unreachable!() };
+        assert_eq!((keys, scanned_keys), (900, 16 * 900));
+        let ratio = |x: f64, y: f64| x / y;
+        assert!((ratio(a.flops_on(Device::Gpu), a.flops) - 1.0).abs() < 1e-12);
+        assert!((ratio(b.flops_on(Device::Gpu), b.flops) - 16.0).abs() < 1e-12);
+        assert!((ratio(b.flops_on(Device::Cpu), b.flops) - 1.0).abs() < 1e-12);
+        let cost = TableCostModel::new(&crate::reference::derived("cli3").unwrap());
+        assert!(cost.op_ns(&b, OpContext::gpu()) > cost.op_ns(&a, OpContext::gpu()));
+        assert_eq!(cost.op_ns(&b, OpContext::cpu(16)), cost.op_ns(&a, OpContext::cpu(16)));
+        // Plan files written before the field existed read as per-sequence KV.
+        let json = serde_json::to_string(&per_seq).unwrap().replace(",\"kv_unified\":false", "");
+        assert!(!json.contains("kv_unified"));
+        assert_eq!(serde_json::from_str::<Workload>(&json).unwrap(), per_seq);
     }
 
     #[test]

@@ -39,14 +39,20 @@
 //!
 //! # Solving
 //! HiGHS runs with one thread, presolve off, a relative gap of [`MIP_REL_GAP`] and a time limit
-//! ([`Ilp::time_limit_s`]). The program's layouts and `greedy`'s, with their variants, then go to the
-//! simulator, which picks the plan ([`crate::judge`]; the estimator cannot see order and timing). With
+//! ([`Ilp::time_limit_s`]). The program's layouts, `greedy`'s and `pshard`'s (the paper's plan for the same cell),
+//! with their variants, then go to the simulator, which picks the plan ([`crate::judge`]; the estimator cannot see order and timing). With
 //! [`Ilp::simulate`] off, the plan is the program's unless `greedy`'s is better under the estimator (which
 //! can only happen when a solve stops at its limit or within its gap); the notes say which. Scratch as in
 //! `greedy` (no margin). Inside the program times are in milliseconds and bytes in MiB; the VRAM row keeps a
 //! safety margin for the solver's tolerances (16 KiB, raised to 1 and 16 MiB if the rounded solution does not
 //! fit), and the plan's breakdown is recomputed in bytes. `ttft` and `tps` take two solves: the phase's time,
 //! then E2EL with that phase capped at the time found.
+//!
+//! # Parallel requests
+//! With R > 1 requests the KV layout is a choice too (core's `Workload::kv_unified`: one copy per sequence, or a
+//! unified cache whose other sequences' cells a GPU attention scans masked); with [`Ilp::simulate`] on, both
+//! layouts are planned and the simulator keeps the better plan (its notes give both times). Plans are for the
+//! exact R.
 
 use good_lp::solvers::SolutionStatus;
 use good_lp::solvers::highs::highs;
@@ -58,9 +64,11 @@ use pipeshard_core::cost::CostModel;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
+use pipeshard_sim::Simulator;
 
 use crate::estimate::{Estimator, Layout, UnitCost, objective_ns};
-use crate::judge::{Candidate, Judge, MAX_JUDGED_DEPTH};
+use crate::judge::{Candidate, JUDGE_OPTIONS, Judge, MAX_JUDGED_DEPTH};
+use crate::pshard::Pshard;
 use crate::space::{DEPTHS, Space};
 use crate::{Decision, Objective, PlanError, Planner, assemble, greedy, prepare};
 
@@ -103,6 +111,55 @@ impl Planner for Ilp {
         cost: &dyn CostModel,
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
+        if workload.batch == 1 || !self.simulate {
+            return self.plan_kv(spec, workload, cost, budget_bytes);
+        }
+        // Parallel requests: the KV layout is ours to choose too (one copy per sequence, or a unified cache
+        // whose masked cells the GPU scans); the simulator judges the two plans.
+        let mut best: Option<(f64, Plan)> = None;
+        let mut times = Vec::new();
+        for unified in [false, true] {
+            let Ok(plan) = self.plan_kv(spec, &workload.batched(workload.batch, unified), cost, budget_bytes)
+            else {
+                continue;
+            };
+            let Ok(sim) = Simulator::new(spec, &plan, cost).map(|s| s.run(&JUDGE_OPTIONS)) else { continue };
+            let m = &sim.metrics;
+            let value = match self.objective {
+                Objective::E2el => m.e2el_ns as f64,
+                Objective::Ttft => m.ttft_ns as f64 + 1e-6 * m.e2el_ns as f64,
+                Objective::Tps => m.decode_step_ns as f64 + 1e-6 * m.e2el_ns as f64,
+            };
+            times.push(format!("{}: {:.1} ms E2EL", kv_name(unified), m.e2el_ns as f64 / 1e6));
+            if best.as_ref().is_none_or(|(v, _)| value < *v) {
+                best = Some((value, plan));
+            }
+        }
+        let Some((_, mut plan)) = best else {
+            return self.plan_kv(spec, workload, cost, budget_bytes);
+        };
+        plan.notes.push(format!(
+            "KV layout {} chosen by the simulator ({})",
+            kv_name(plan.workload.kv_unified),
+            times.join(", ")
+        ));
+        Ok(plan)
+    }
+}
+
+fn kv_name(unified: bool) -> &'static str {
+    if unified { "unified" } else { "per-sequence" }
+}
+
+impl Ilp {
+    /// The plan for the workload's own KV layout.
+    fn plan_kv(
+        &self,
+        spec: &ModelSpec,
+        workload: &Workload,
+        cost: &dyn CostModel,
+        budget_bytes: u64,
+    ) -> Result<Plan, PlanError> {
         let (inv, est) = prepare(spec, workload, cost, budget_bytes)?;
         let space = Space::new(&est.structure);
         let classes = classes(&est);
@@ -133,7 +190,16 @@ impl Planner for Ilp {
                 objective: self.objective,
                 max_depth: self.max_depth,
             };
-            self.judged(&judge, milp, greedy, &mut notes)
+            // The paper's plan for the same cell joins the candidates, so the simulator never picks worse.
+            let paper = Pshard::default().plan(spec, workload, cost, budget_bytes).ok().map(|p| {
+                let layout = |pp| {
+                    let mut l = Layout::of_phase(&est.structure, &inv, pp);
+                    l.depth = l.depth.min(self.max_depth);
+                    l
+                };
+                (layout(&p.prefill), layout(&p.decode))
+            });
+            self.judged(&judge, milp, greedy, paper, &mut notes)
         } else {
             let score = |(a, b): &(Layout, Layout)| objective_ns(self.objective, &est.predict(a, b, false));
             let (p, d) = match milp {
@@ -149,19 +215,22 @@ impl Planner for Ilp {
             .with_op_offload(&est, prefill.op_offload);
         Ok(assemble(self.name(), spec, &inv, &est, workload, budget_bytes, decision))
     }
-}
 
-impl Ilp {
     /// The simulator's choice among the variants of the program's and greedy's layouts ([`crate::judge`]).
     fn judged(
         &self,
         judge: &Judge<'_>,
         milp: Option<(Layout, Layout)>,
         greedy: (Layout, Layout),
+        paper: Option<(Layout, Layout)>,
         notes: &mut Vec<String>,
     ) -> (Candidate, Candidate) {
-        let sources: Vec<(&str, Layout, Layout)> =
-            milp.map(|(p, d)| ("MILP", p, d)).into_iter().chain([("greedy", greedy.0, greedy.1)]).collect();
+        let sources: Vec<(&str, Layout, Layout)> = milp
+            .map(|(p, d)| ("MILP", p, d))
+            .into_iter()
+            .chain([("greedy", greedy.0, greedy.1)])
+            .chain(paper.map(|(p, d)| ("pshard", p, d)))
+            .collect();
         let (p, d, note) = judge.choose(self.name(), &sources);
         notes.push(note);
         (p, d)

@@ -108,7 +108,8 @@ pub struct PlannerOptions {
     pub objective: Objective,
     /// `ngl` only: offload exactly this many layers (llama.cpp `-ngl N`) instead of the largest N that fits.
     pub ngl_layers: Option<u32>,
-    /// `ngl` only: keep flash attention on (llama.cpp `-fa on`), as the executor needs.
+    /// `ngl` only: run the baseline with flash attention (`-fa`, as the paper's batched runs do and the executor
+    /// needs).
     pub ngl_flash_attn: bool,
 }
 

@@ -6,9 +6,12 @@
 //! - No streaming and no pipelining. In prefill, steps of at least
 //!   [`OP_OFFLOAD_MIN_TOKENS`] tokens run the matmuls of CPU-resident
 //!   layers on the GPU after copying their weights, every ubatch, without overlap (llama.cpp's op offload).
-//! - **Flash attention off**, as in the paper's baseline: the plan's workload has `flash_attn = false`, so the
-//!   score matrix counts in scratch and attention time; `flash_attn: true` plans `-fa on` instead (what the
-//!   executor runs).
+//! - **Flash attention off**, as in the paper's single-request baseline: the plan's workload has
+//!   `flash_attn = false`, so the score matrix counts in scratch and attention time. [`Ngl::flash_attn`] turns
+//!   it on (the batched runs of Table 9 / Figure 7 pass `-fa` to both sides; the executor implements flash
+//!   attention only).
+//! - **Per-sequence KV** (`kv_unified = false`), as llama.cpp runs without `-kvu`: with parallel requests each
+//!   sequence's attention reads its own cache only.
 //! - VRAM: runtime overhead + offloaded weights + their KV + llama.cpp's CUDA compute buffer, which it sizes
 //!   once, for a worst-case ubatch of `min(ctx, ubatch)` tokens over the full KV with every row producing
 //!   logits: the residual stream, plus the attention temporaries (with the scores over all keys) when some
@@ -34,8 +37,7 @@ use crate::{Decision, PlanError, Planner, assemble};
 pub struct Ngl {
     /// `Some(n)`: offload exactly `n` layers (`-ngl n`); `None`: the largest `n` that fits.
     pub fixed_layers: Option<u32>,
-    /// `-fa on`: keep flash attention (what the executor runs: it implements flash attention only). Off by
-    /// default, as in the paper's baseline.
+    /// Run with flash attention (`-fa`); off by default, as the paper's Table 4 / Figure 2 baseline.
     pub flash_attn: bool,
 }
 
@@ -52,7 +54,7 @@ impl Planner for Ngl {
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
         workload.validate()?;
-        let w = Workload { flash_attn: self.flash_attn, ..*workload };
+        let w = Workload { flash_attn: self.flash_attn, kv_unified: false, ..*workload };
         let inv = Inventory::new(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         let model = Offload::new(spec, &w, &est);
@@ -75,7 +77,11 @@ impl Planner for Ngl {
                 "-ngl {n}{}",
                 if self.fixed_layers.is_some() { " (fixed)" } else { " (largest that fits)" }
             ),
-            "flash attention off (the paper's baseline)".into(),
+            if self.flash_attn {
+                "flash attention on (-fa)".into()
+            } else {
+                "flash attention off (the paper's baseline)".into()
+            },
         ];
         Ok(assemble(
             self.name(),

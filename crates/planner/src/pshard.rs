@@ -26,7 +26,8 @@
 //!   full-context KV, `B` the peak PCIe rate (for a CPU split, × 0.9 × the CPU's concurrent/standalone rate),
 //!   and `D_i` the download of a GPU split's new KV cells. Op times come from our [`CostModel`] rather than
 //!   the paper's nearest-neighbour profile lookup.
-//! - Flash attention on (`-pipe-shard` forces it): the plan's workload has `flash_attn = true`.
+//! - Flash attention on (`-pipe-shard` forces it): the plan's workload has `flash_attn = true`; and unified
+//!   KV (`-kvu`, as the paper's batched runs): `kv_unified = true`.
 //!
 //! # Quirks behind flags
 //! - [`Pshard::all_logits_at_planning`] (default on, as the artifact): plans are measured with every token of
@@ -734,7 +735,7 @@ impl Pshard {
         budget_bytes: u64,
     ) -> Result<Result<Plan, Strategy>, PlanError> {
         workload.validate()?;
-        let w = Workload { flash_attn: true, ..*workload };
+        let w = Workload { flash_attn: true, kv_unified: true, ..*workload };
         let inv = Inventory::new(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;

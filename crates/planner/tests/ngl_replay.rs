@@ -125,7 +125,7 @@ fn the_papers_n_replays_as_a_fixed_n() {
         let spec = model(c.model);
         // A budget no cell needs: the replay is about the placement; at 64K some of the paper's N would need
         // more than the 5090's 32 GiB once llama.cpp's score matrix is counted.
-        let plan = Ngl { fixed_layers: Some(c.paper), flash_attn: false }.plan(
+        let plan = Ngl { fixed_layers: Some(c.paper), ..Ngl::default() }.plan(
             &spec,
             &workload(c),
             &cost,

@@ -228,7 +228,7 @@ proptest! {
         let spec = &property_models()[which];
         let w = filled(2048, 32, 512);
         let p: Box<dyn Planner> = match (planner, fixed_ngl) {
-            ("ngl", Some(n)) => Box::new(Ngl { fixed_layers: Some(n), flash_attn: false }),
+            ("ngl", Some(n)) => Box::new(Ngl { fixed_layers: Some(n), ..Ngl::default() }),
             _ => by_name(planner).unwrap(),
         };
         let budget = budget_mib * MIB;

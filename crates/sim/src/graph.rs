@@ -323,8 +323,8 @@ impl CostKey {
     fn new(op: &Op, device: Device) -> CostKey {
         let kind = match op.kind {
             OpKind::MatMul { n, k } => [1, n, k, 0, 0, 0],
-            OpKind::Attention { q_heads, kv_heads, head_dim, keys } => {
-                [2, u64::from(q_heads), u64::from(kv_heads), head_dim, keys, 0]
+            OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys } => {
+                [2, u64::from(q_heads), u64::from(kv_heads), head_dim, keys, scanned_keys]
             }
             OpKind::Router { n_experts, top_k } => [3, u64::from(n_experts), u64::from(top_k), 0, 0, 0],
             OpKind::Experts { n_experts, touched, tokens_per_touched, ffn, hidden } => {
@@ -484,8 +484,13 @@ impl Builder<'_> {
     /// A new ring item and its copy, which also waits for `after` (a layer's router, for its experts; the
     /// previous write-back, for a KV).
     fn item(&mut self, key: StreamKey, bytes: u64, after: Option<u32>) -> u32 {
-        let item = self.items.len() as u32;
         let d = self.ctx.cost.h2d_ns(bytes, true);
+        self.item_taking(key, bytes, d, after)
+    }
+
+    /// [`Self::item`] with the copy's duration given (a per-sequence KV cache moves in one copy per sequence).
+    fn item_taking(&mut self, key: StreamKey, bytes: u64, d: u64, after: Option<u32>) -> u32 {
+        let item = self.items.len() as u32;
         let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
         self.tasks[copy as usize].item = Some(item);
         let slot = item % self.view.pipeline_depth.max(1);
@@ -494,8 +499,7 @@ impl Builder<'_> {
     }
 
     /// A layer's streamed KV joining the slot of its streamed attention: a second copy into `item`.
-    fn join_kv(&mut self, item: u32, bytes: u64, after: Option<u32>) -> u32 {
-        let d = self.ctx.cost.h2d_ns(bytes, true);
+    fn join_kv(&mut self, item: u32, bytes: u64, d: u64, after: Option<u32>) -> u32 {
         let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
         self.tasks[copy as usize].item = Some(item);
         let it = &mut self.items[item as usize];
@@ -767,11 +771,14 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
                             let w = b.last_writeback[layer as usize];
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
+                            let copies = ctx.workload.kv_copies(phase);
+                            let d = copies * ctx.cost.h2d_ns(ctx.kv_layer_bytes / copies, true);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
-                                (it, b.join_kv(it, ctx.kv_layer_bytes, after))
+                                (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))
                             } else {
-                                let it = b.item(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, after);
+                                let it =
+                                    b.item_taking(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, d, after);
                                 (it, b.items[it as usize].copy)
                             }
                         }
@@ -796,8 +803,10 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
             if let (OpKind::Attention { .. }, UnitId::Kv { layer }, Device::Gpu) = (op.kind, op.unit, dev)
                 && view.layers[layer as usize].kv_mirrored
             {
+                // One copy of the new cells per sequence unless the cache is unified.
+                let copies = ctx.workload.kv_copies(phase);
                 let bytes = op.tokens * ctx.kv_token_bytes;
-                let d = ctx.cost.d2h_ns(bytes, true);
+                let d = copies * ctx.cost.d2h_ns(bytes / copies, true);
                 let w = b.push(TaskKind::KvWriteback { op: i as u32 }, Lane::D2h, (d, d), bytes, &[t]);
                 b.last_writeback[layer as usize] = w;
                 if let Some(it) = item {

@@ -41,6 +41,11 @@
 //!   CPU; each side does the expected share (count × touched / E) of the work. Streamed experts are copied
 //!   only if touched (expected bytes), once the router has run. The GPU and CPU shares run concurrently and
 //!   join before the residual add.
+//! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
+//!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
+//!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each
+//!   paying the copy latency; with a unified cache in one, but GPU attention then also scores the other
+//!   sequences' masked cells (core's `Op::flops_on`). TPS sums the tokens of all requests.
 //! - **Shared DRAM.** While an H2D or D2H copy is in flight, CPU and GPU ops run at their cost model's
 //!   under-DMA rate; a running op switches rate when the copy starts or ends.
 //! - **Op offload** (the `ngl` baseline's prefill): ops reading CPU-resident weights copy them to the GPU and

@@ -86,9 +86,22 @@ pub struct Simulation {
     /// scratch of the largest step if anything runs on the GPU, plus op-offload weights, runtime overhead from
     /// the cost model).
     pub vram_used: [VramBreakdown; 2],
+    /// Busy time of each resource over the decode steps (switch excluded), in [`Resource::ALL`] order.
+    pub decode_busy_ns: [u64; 4],
     pub steps_simulated: u64,
     pub steps_total: u64,
     pub trace: Option<Trace>,
+}
+
+impl Simulation {
+    /// The resource that bounds a decode step (the busiest over the decode steps) and the share of decode time
+    /// it is busy: near 1, the step sits on that resource's bound.
+    #[must_use]
+    pub fn decode_bound(&self) -> (Resource, f64) {
+        let steps_ns = self.decode_ns - self.switch_ns;
+        let (i, b) = self.decode_busy_ns.iter().enumerate().max_by_key(|(_, b)| **b).expect("four resources");
+        (Resource::ALL[i], *b as f64 / steps_ns.max(1) as f64)
+    }
 }
 
 /// Simulates one plan (see the module docs).
@@ -416,10 +429,14 @@ impl<'a> Simulator<'a> {
                 *b += x * w.batch;
             }
         }
+        let mut decode_busy_ns = [0u64; 4];
         for s in &decode {
-            for (b, x) in busy.iter_mut().zip(s.busy_ns) {
+            for (b, x) in decode_busy_ns.iter_mut().zip(s.busy_ns) {
                 *b += x;
             }
+        }
+        for (b, x) in busy.iter_mut().zip(decode_busy_ns) {
+            *b += x;
         }
         busy[1] += switch_ns;
 
@@ -459,6 +476,7 @@ impl<'a> Simulator<'a> {
             switch_ns,
             decode_ns,
             vram_used,
+            decode_busy_ns,
             steps_simulated,
             steps_total,
             trace,

@@ -1,0 +1,111 @@
+//! Batched decode: R sequences decoding one token each per step, with unified or per-sequence KV.
+
+mod common;
+
+use common::{FixedCost, PhaseShape, cli3, plan, small};
+use pipeshard_core::cost::{CostModel, OpContext};
+use pipeshard_core::inventory::UnitId;
+use pipeshard_core::metrics::Resource;
+use pipeshard_core::plan::{PhaseKind, Placement};
+use pipeshard_core::workload::{Op, Workload};
+use pipeshard_sim::{SimOptions, Simulator};
+
+/// [`FixedCost`] whose copies also pay a fixed latency each, as real copies do.
+struct LatencyCost {
+    inner: FixedCost,
+    copy_latency_ns: u64,
+}
+
+impl CostModel for LatencyCost {
+    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        self.inner.op_ns(op, ctx)
+    }
+    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        self.inner.roofline_ns(op, ctx)
+    }
+    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        if bytes == 0 { 0 } else { self.copy_latency_ns + self.inner.h2d_ns(bytes, pinned) }
+    }
+    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        self.h2d_ns(bytes, pinned)
+    }
+    fn launch_ns(&self) -> u64 {
+        self.inner.launch_ns()
+    }
+    fn host_sync_ns(&self) -> u64 {
+        self.inner.host_sync_ns()
+    }
+    fn runtime_overhead_bytes(&self) -> u64 {
+        0
+    }
+    fn cpu_threads(&self) -> u32 {
+        self.inner.cpu_threads()
+    }
+    fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64 {
+        self.inner.dram_gbps(threads, under_dma)
+    }
+}
+
+const SHAPE: PhaseShape = PhaseShape { pipeline_depth: 2, op_offload: false, cpu_threads: 8 };
+
+/// Streamed attention with its KV (uploaded whole, new cells written back), everything else pinned.
+fn streamed_attention(u: UnitId) -> Placement {
+    match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+        _ => Placement::Pinned,
+    }
+}
+
+/// Per-sequence KV moves a layer's cache and its new cells in one copy per sequence; unified KV in one. With
+/// one byte per ns and no other cost, the copy engines' busy time differs by exactly (R − 1) latencies per
+/// layer and direction; with one sequence the two are the same.
+#[test]
+fn per_sequence_kv_pays_one_copy_latency_per_sequence() {
+    let latency = 5_000;
+    let cost = LatencyCost { inner: FixedCost::plain(0.001, 1.0), copy_latency_ns: latency };
+    let spec = small("qwen3-30b-a3b", 3);
+    for r in [1u64, 4, 16] {
+        let per_seq = Workload::single(300, 512, 8, 256).batched(r, false);
+        let mut p = plan(&spec, &per_seq, SHAPE, &streamed_attention);
+        let busy = |p: &pipeshard_core::plan::Plan| {
+            let sim = Simulator::new(&spec, p, &cost).unwrap();
+            sim.step(PhaseKind::Decode, per_seq.decode_step(3)).total_busy_ns()
+        };
+        let split = busy(&p);
+        p.workload.kv_unified = true;
+        let unified = busy(&p);
+        let extra = (r - 1) * latency * 3;
+        assert_eq!(split[1] - unified[1], extra, "R = {r}: H2D (KV uploads)");
+        assert_eq!(split[2] - unified[2], extra, "R = {r}: D2H (new cells)");
+        assert_eq!(split[0], unified[0], "R = {r}: the fixed cost model ignores the masked scan");
+    }
+}
+
+/// Aggregate TPS sums over requests, and batching shares the weights: on cli3 with everything pinned, 16
+/// requests decode more tokens per second than one, while each request's step takes longer. A unified cache
+/// costs the GPU its masked scan, so per-sequence KV decodes faster there.
+#[test]
+fn batching_shares_weights_and_a_unified_cache_costs_the_gpu_its_scan() {
+    let cost = cli3();
+    let spec = small("qwen3-30b-a3b", 4);
+    let run = |w: Workload| {
+        let p = plan(&spec, &w, SHAPE, &|_| Placement::Pinned);
+        let sim = Simulator::new(&spec, &p, &cost).unwrap().run(&SimOptions::default());
+        // Everything pinned: the GPU bounds every step, busy most of it (hand-offs are the rest).
+        let (bound, busy) = sim.decode_bound();
+        assert_eq!(bound, Resource::GpuCompute);
+        assert!(busy > 0.5 && busy <= 1.0, "{busy}");
+        sim.metrics
+    };
+    let base = Workload::single(889, 1024, 16, 1024);
+    let one = run(base);
+    let split = run(base.batched(16, false));
+    let unified = run(base.batched(16, true));
+    assert!(split.tps > 4.0 * one.tps, "{} vs {}", split.tps, one.tps);
+    assert!(split.decode_step_ns > one.decode_step_ns);
+    assert!(unified.tps < split.tps, "{} vs {}", unified.tps, split.tps);
+    // TPS counts every request's tokens: G × R over the decode time.
+    let decode_s = (split.e2el_ns - split.ttft_ns) as f64 / 1e9;
+    assert!((split.tps - 16.0 * 16.0 / decode_s).abs() / split.tps < 1e-9);
+    assert!(split.busy(Resource::GpuCompute) > one.busy(Resource::GpuCompute));
+}
