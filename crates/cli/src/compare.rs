@@ -285,7 +285,6 @@ mod tests {
                 planner: planner.into(),
                 depth: None,
                 ngl_layers: None,
-                ngl_flash_attn: false,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
             },

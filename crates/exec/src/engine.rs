@@ -969,7 +969,7 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
-                    self.gpu_block(lay, pool, step, m, pos0, pass)?
+                    self.gpu_block(lay, pool, step, m, pos0, pass)?;
                 }
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
@@ -1322,7 +1322,8 @@ impl<'a> Exec<'a> {
         let half = self.kv.half_bytes() as u64;
         let mut kslot = None;
         let kv_base = match step.kv {
-            None => 0,
+            // No KV, or op offload's attention over the host KV, which runs on the CPU (below) as in llama.cpp.
+            None | Some(KvLoc::Host) => 0,
             Some(KvLoc::Pinned(o)) => at(o),
             Some(KvLoc::Streamed) if joint => {
                 wb + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
@@ -1333,8 +1334,6 @@ impl<'a> Exec<'a> {
                 kslot = Some(slot);
                 addr
             }
-            // Op offload: attention over the host KV runs on the CPU (below), as llama.cpp does.
-            Some(KvLoc::Host) => 0,
         };
         let g = self.gpu.as_ref().expect("gpu");
         let gpu = g.gpu;
@@ -1478,35 +1477,24 @@ impl<'a> Exec<'a> {
             _ => unreachable!("gpu_block runs attention and FFN units"),
         }
         g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
-        if let UnitId::Attn { layer } = step.unit {
+        if let (UnitId::Attn { layer }, Some(KvLoc::Streamed)) = (step.unit, step.kv) {
             let li = layer as usize;
             let (p, n) = (self.kv.row_offset(pos0), self.kv.row_offset(pos0 + m) - self.kv.row_offset(pos0));
-            match step.kv {
-                Some(KvLoc::Streamed) => {
-                    let g = self.gpu.as_mut().expect("gpu");
-                    g.gpu.record(&g.mark, Stream::Compute)?;
-                    g.gpu.wait(Stream::D2h, &g.mark)?;
-                    let hb = self.host_kv[li].as_mut_slice();
-                    let (hk, hv) = hb.split_at_mut(half as usize);
-                    let start = g.span_start(Stream::D2h)?;
-                    // SAFETY: rows pos0..pos0+m exist in the slot and in the host mirror; the host does not read the
-                    // mirror of a streamed layer before the next upload, which waits for kv_wb.
-                    unsafe {
-                        g.gpu.d2h(Stream::D2h, &mut hk[p..p + n], kv_base + p as u64)?;
-                        g.gpu.d2h(Stream::D2h, &mut hv[p..p + n], kv_base + half + p as u64)?;
-                    }
-                    g.span_end(
-                        &mut self.tl,
-                        format!("write back blk.{layer}.kv"),
-                        Track::D2h,
-                        Stream::D2h,
-                        start,
-                    )?;
-                    g.gpu.record(&g.kv_wb[li], Stream::D2h)?;
-                    g.kv_wb_pass[li] = Some(pass);
-                }
-                _ => {}
+            let g = self.gpu.as_mut().expect("gpu");
+            g.gpu.record(&g.mark, Stream::Compute)?;
+            g.gpu.wait(Stream::D2h, &g.mark)?;
+            let hb = self.host_kv[li].as_mut_slice();
+            let (hk, hv) = hb.split_at_mut(half as usize);
+            let start = g.span_start(Stream::D2h)?;
+            // SAFETY: rows pos0..pos0+m exist in the slot and in the host mirror; the host does not read the
+            // mirror of a streamed layer before the next upload, which waits for kv_wb.
+            unsafe {
+                g.gpu.d2h(Stream::D2h, &mut hk[p..p + n], kv_base + p as u64)?;
+                g.gpu.d2h(Stream::D2h, &mut hv[p..p + n], kv_base + half + p as u64)?;
             }
+            g.span_end(&mut self.tl, format!("write back blk.{layer}.kv"), Track::D2h, Stream::D2h, start)?;
+            g.gpu.record(&g.kv_wb[li], Stream::D2h)?;
+            g.kv_wb_pass[li] = Some(pass);
         }
         // Slots are handed out round-robin, so they must come back in the order they were issued: the weights
         // (issued first) before the KV.

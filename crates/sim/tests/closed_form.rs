@@ -38,7 +38,7 @@ fn all_pinned_is_the_sum_of_op_times_and_launches() {
             let compute: u64 = ops.iter().map(|o| cost.launch_ns + cost.op_ns(o, OpContext::gpu())).sum();
             // Token ids in; sampled tokens (or nothing, for a chunk without logits) out after a host sync; in a
             // MoE layer, the routing: the router's output down to the host and back, a sync each way.
-            let act = phase.tokens() * u64::from(spec.text.hidden) * 4;
+            let act = phase.tokens() * spec.text.hidden * 4;
             let moe_layers = if spec.text.moe.is_some() { u64::from(spec.text.n_layers) } else { 0 };
             let routing =
                 moe_layers * (2 * cost.host_sync_ns + cost.d2h_ns(act, true) + cost.h2d_ns(act, true));
