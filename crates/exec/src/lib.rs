@@ -56,6 +56,7 @@ pub mod error;
 pub mod hf;
 pub mod host;
 pub mod layout;
+pub mod quant;
 pub mod reference;
 pub mod testing;
 pub mod weights;
