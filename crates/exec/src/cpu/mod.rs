@@ -6,6 +6,7 @@
 //! features × input features) in f16 or bf16; a layer's KV cache is `[K | V]`, each `[ctx, kv_heads, head_dim]`.
 //! RoPE rotates the first and second halves of the rotated dimensions (transformers' `rotate_half`).
 
+pub mod qdot;
 pub mod simd;
 
 use pipeshard_core::model::{FfnKind, NormKind};
@@ -13,6 +14,7 @@ use rayon::prelude::*;
 
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
+use crate::quant::QFormat;
 use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
 use simd::Isa;
 
@@ -69,6 +71,65 @@ impl SharedOut {
     }
 }
 
+/// A matrix row format and its `R` rows × `T` tokens inner kernel, so one tiling loop serves every format.
+trait RowFormat: Copy + Send + Sync {
+    /// Bytes of one row of `k` elements.
+    fn row_bytes(self, k: usize) -> usize;
+    /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`.
+    ///
+    /// # Safety
+    /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
+    unsafe fn dot<const R: usize, const T: usize>(
+        self,
+        isa: Isa,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    );
+}
+
+impl RowFormat for Elem {
+    fn row_bytes(self, k: usize) -> usize {
+        k * self.size_bytes()
+    }
+    unsafe fn dot<const R: usize, const T: usize>(
+        self,
+        isa: Isa,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // The kernels load with unaligned (`loadu`) instructions, so a byte pointer cast to u16 is fine.
+        #[allow(clippy::cast_ptr_alignment)]
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            simd::dot_block::<R, T>(isa, self, x, ldx, w.cast::<u16>(), k, out);
+        }
+    }
+}
+
+impl RowFormat for QFormat {
+    fn row_bytes(self, k: usize) -> usize {
+        QFormat::row_bytes(self, k)
+    }
+    unsafe fn dot<const R: usize, const T: usize>(
+        self,
+        isa: Isa,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
+        unsafe { qdot::dot_block::<R, T>(isa, self, x, ldx, w, k, out) };
+    }
+}
+
 /// `y[t][j] (+)= Σ_i x[t][i] · w[j][i]`: `x` is `[m, k]` f32, `w` is `[n, k]` in `elem`, `y` is `[m, n]`.
 pub fn matmul(
     pool: &CpuPool,
@@ -81,21 +142,53 @@ pub fn matmul(
     y: &mut [f32],
     accumulate: bool,
 ) {
-    const ROWS_PER_TASK: usize = 32;
-    assert!(x.len() >= m * k && w.len() >= n * k * 2 && y.len() >= m * n, "matmul operand sizes");
     assert!(matches!(elem, Elem::F16 | Elem::Bf16), "matrices are f16 or bf16");
+    tiled(pool, x, m, k, w, elem, n, y, accumulate);
+}
+
+/// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of 32): equal to dequantising `w`
+/// to f32 first, up to the order of f32 additions.
+pub fn matmul_quant(
+    pool: &CpuPool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    fmt: QFormat,
+    n: usize,
+    y: &mut [f32],
+    accumulate: bool,
+) {
+    assert!(k.is_multiple_of(crate::quant::BLOCK_ELEMS), "{fmt:?} rows of {k} elements are not whole blocks");
+    tiled(pool, x, m, k, w, fmt, n, y, accumulate);
+}
+
+/// The tiling loop: tasks of whole 4-row groups over the pool, 4×4 (rows × tokens) register blocks inside.
+fn tiled<F: RowFormat>(
+    pool: &CpuPool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    fmt: F,
+    n: usize,
+    y: &mut [f32],
+    accumulate: bool,
+) {
+    let rb = fmt.row_bytes(k);
+    assert!(x.len() >= m * k && w.len() >= n * rb && y.len() >= m * n, "matmul operand sizes");
+    // Four tasks per thread at most (a GEMV streams: fewer, longer tasks cost less scheduling), 32 rows at least.
+    let rows_per_task = n.div_ceil(4 * pool.threads).next_multiple_of(4).max(32);
     let isa = pool.isa;
     let out = SharedOut(y.as_mut_ptr());
-    // The kernels load with unaligned (`loadu`) instructions, so a byte pointer cast to u16 is fine.
-    #[allow(clippy::cast_ptr_alignment)]
-    let wp = w.as_ptr().cast::<u16>() as usize;
+    let wp = w.as_ptr() as usize;
     let xp = x.as_ptr() as usize;
-    let tasks = n.div_ceil(ROWS_PER_TASK);
+    let tasks = n.div_ceil(rows_per_task);
     pool.install(|| {
         (0..tasks).into_par_iter().for_each(|task| {
-            let r0 = task * ROWS_PER_TASK;
-            let r1 = (r0 + ROWS_PER_TASK).min(n);
-            let wp = wp as *const u16;
+            let r0 = task * rows_per_task;
+            let r1 = (r0 + rows_per_task).min(n);
+            let wp = wp as *const u8;
             let xp = xp as *const f32;
             let store = |t: usize, r: usize, v: f32| {
                 // SAFETY: t < m and r < n, so the index is inside y; each (t, r) is written by one task only.
@@ -109,15 +202,15 @@ pub fn matmul(
                 let tb = if m - t >= 4 { 4 } else { 1 };
                 let mut r = r0;
                 while r < r1 {
-                    let rb = if r1 - r >= 4 { 4 } else { 1 };
-                    // SAFETY: rows r..r+rb of w and tokens t..t+tb of x exist (checked sizes above).
+                    let rb4 = if r1 - r >= 4 { 4 } else { 1 };
+                    // SAFETY: rows r..r+rb4 of w and tokens t..t+tb of x exist (checked sizes above).
                     unsafe {
                         let xr = xp.add(t * k);
-                        let wr = wp.add(r * k);
-                        match (rb, tb) {
+                        let wr = wp.add(r * rb);
+                        match (rb4, tb) {
                             (4, 4) => {
                                 let mut o = [[0f32; 4]; 4];
-                                simd::dot_block::<4, 4>(isa, elem, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 4>(isa, xr, k, wr, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     for (ti, &v) in row.iter().enumerate() {
                                         store(t + ti, r + ri, v);
@@ -126,26 +219,26 @@ pub fn matmul(
                             }
                             (4, _) => {
                                 let mut o = [[0f32; 1]; 4];
-                                simd::dot_block::<4, 1>(isa, elem, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 1>(isa, xr, k, wr, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     store(t, r + ri, row[0]);
                                 }
                             }
                             (_, 4) => {
                                 let mut o = [[0f32; 4]; 1];
-                                simd::dot_block::<1, 4>(isa, elem, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 4>(isa, xr, k, wr, k, &mut o);
                                 for (ti, &v) in o[0].iter().enumerate() {
                                     store(t + ti, r, v);
                                 }
                             }
                             _ => {
                                 let mut o = [[0f32; 1]; 1];
-                                simd::dot_block::<1, 1>(isa, elem, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 1>(isa, xr, k, wr, k, &mut o);
                                 store(t, r, o[0][0]);
                             }
                         }
                     }
-                    r += rb;
+                    r += rb4;
                 }
                 t += tb;
             }
@@ -584,6 +677,47 @@ mod tests {
                         (f64::from(a) - (b + 1.0)).abs() < 1e-3 * (1.0 + b.abs()),
                         "{elem:?} {m}x{k}x{n} [{i}] {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantised_matmul_equals_dequantise_then_f32_for_every_isa_path() {
+        // Every shape hits the 4×4, 4×1, 1×4 and 1×1 register blocks; every ISA up to the detected one runs
+        // (a pool's ISA overridden downwards), so AVX-512, AVX2 and plain Rust are each checked where present.
+        let best = simd::detect();
+        let pools: Vec<CpuPool> = [Isa::Avx512, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|&i| i == Isa::Portable || i == best || (i == Isa::Avx2 && best == Isa::Avx512))
+            .map(|isa| CpuPool { isa, ..CpuPool::new(3).unwrap() })
+            .collect();
+        assert!(pools.len() >= 2, "the portable path and the detected one");
+        for pool in &pools {
+            for fmt in QFormat::ALL {
+                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4)] {
+                    let x: Vec<f32> = (0..m * k)
+                        .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
+                        .collect();
+                    let wf: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
+                    let w = fmt.quantize(&wf, k);
+                    let deq = fmt.dequantize(&w);
+                    let want: Vec<f64> = (0..m * n)
+                        .map(|i| {
+                            let (t, j) = (i / n, i % n);
+                            (0..k).map(|c| f64::from(x[t * k + c]) * f64::from(deq[j * k + c])).sum()
+                        })
+                        .collect();
+                    let mut y = vec![1f32; m * n];
+                    matmul_quant(pool, &x, m, k, &w, fmt, n, &mut y, true);
+                    for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(a) - (b + 1.0)).abs() < 1e-4 * (1.0 + b.abs()),
+                            "{:?} {fmt:?} {m}x{k}x{n} [{i}] {a} vs {}",
+                            pool.isa,
+                            b + 1.0
+                        );
+                    }
                 }
             }
         }
