@@ -104,6 +104,7 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
         qk_norm: false,
         qkv_bias: false,
         mat,
+        quant: None,
         moe: None,
         dense_ffn: true,
     }

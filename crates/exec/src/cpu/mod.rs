@@ -425,17 +425,30 @@ fn norm_params(unit: &[u8], d: &Dims, w_off: usize, b_off: Option<usize>) -> (Ve
     (w, b)
 }
 
-fn mat(unit: &[u8], off: usize, rows: usize, cols: usize) -> &[u8] {
-    &unit[off..off + rows * cols * 2]
+/// `y (+)= x · wᵀ` for the model matrix `w` `[n, k]` at `off` in `unit`, in the model's matrix format.
+fn mat_mul(
+    pool: &CpuPool,
+    d: &Dims,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    unit: &[u8],
+    off: usize,
+    n: usize,
+    y: &mut [f32],
+    accumulate: bool,
+) {
+    let w = &unit[off..off + d.mat_bytes(n, k)];
+    match d.quant {
+        Some(q) => matmul_quant(pool, x, m, k, w, q, n, y, accumulate),
+        None => matmul(pool, x, m, k, w, d.mat, n, y, accumulate),
+    }
 }
 
 /// The embedding rows of `tokens` as f32 `[m, hidden]`.
 pub fn embed(d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
     for (t, &tok) in tokens.iter().enumerate() {
-        let row = tok as usize * d.hidden;
-        for i in 0..d.hidden {
-            h[t * d.hidden + i] = d.mat.read(table, row + i);
-        }
+        h[t * d.hidden..(t + 1) * d.hidden].copy_from_slice(&d.mat_row(table, tok as usize, d.hidden));
     }
 }
 
@@ -457,9 +470,9 @@ pub fn attn_block(
     let mut q = vec![0f32; m * d.q_dim];
     let mut k = vec![0f32; m * d.kv_dim];
     let mut v = vec![0f32; m * d.kv_dim];
-    matmul(pool, &xn, m, d.hidden, mat(unit, off.q, d.q_dim, d.hidden), d.mat, d.q_dim, &mut q, false);
-    matmul(pool, &xn, m, d.hidden, mat(unit, off.k, d.kv_dim, d.hidden), d.mat, d.kv_dim, &mut k, false);
-    matmul(pool, &xn, m, d.hidden, mat(unit, off.v, d.kv_dim, d.hidden), d.mat, d.kv_dim, &mut v, false);
+    mat_mul(pool, d, &xn, m, d.hidden, unit, off.q, d.q_dim, &mut q, false);
+    mat_mul(pool, d, &xn, m, d.hidden, unit, off.k, d.kv_dim, &mut k, false);
+    mat_mul(pool, d, &xn, m, d.hidden, unit, off.v, d.kv_dim, &mut v, false);
     for (bias, x, dim) in
         [(off.q_bias, &mut q, d.q_dim), (off.k_bias, &mut k, d.kv_dim), (off.v_bias, &mut v, d.kv_dim)]
     {
@@ -483,7 +496,7 @@ pub fn attn_block(
     store_kv(kv, lay, &k, &v, m, pos0);
     let mut att = vec![0f32; m * d.q_dim];
     attention(pool, d, &q, kv, lay, m, pos0, d.mat, &mut att);
-    matmul(pool, &att, m, d.q_dim, mat(unit, off.o, d.hidden, d.q_dim), d.mat, d.hidden, h, true);
+    mat_mul(pool, d, &att, m, d.q_dim, unit, off.o, d.hidden, h, true);
 }
 
 /// One FFN block on the CPU: `h += down(act(x))`.
@@ -492,17 +505,17 @@ pub fn ffn_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &FfnOffsets, h: &mu
     let mut xn = vec![0f32; m * d.hidden];
     norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
     let mut up = vec![0f32; m * d.ffn];
-    matmul(pool, &xn, m, d.hidden, mat(unit, off.up, d.ffn, d.hidden), d.mat, d.ffn, &mut up, false);
+    mat_mul(pool, d, &xn, m, d.hidden, unit, off.up, d.ffn, &mut up, false);
     let act = if let (FfnKind::SwiGlu, Some(g_off)) = (d.ffn_kind, off.gate) {
         let mut g = vec![0f32; m * d.ffn];
-        matmul(pool, &xn, m, d.hidden, mat(unit, g_off, d.ffn, d.hidden), d.mat, d.ffn, &mut g, false);
+        mat_mul(pool, d, &xn, m, d.hidden, unit, g_off, d.ffn, &mut g, false);
         swiglu(&mut g, &up, d.mat);
         g
     } else {
         relu2(&mut up, d.mat);
         up
     };
-    matmul(pool, &act, m, d.ffn, mat(unit, off.down, d.hidden, d.ffn), d.mat, d.hidden, h, true);
+    mat_mul(pool, d, &act, m, d.ffn, unit, off.down, d.hidden, h, true);
 }
 
 /// Where the tokens of an MoE layer go: each token's `top_k` experts (most probable first) and their weights.
@@ -568,17 +581,7 @@ pub fn router_block(
     let mut xn = vec![0f32; m * d.hidden];
     norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
     let mut logits = vec![0f32; m * n_experts];
-    matmul(
-        pool,
-        &xn,
-        m,
-        d.hidden,
-        mat(unit, off.gate_inp, n_experts, d.hidden),
-        d.mat,
-        n_experts,
-        &mut logits,
-        false,
-    );
+    mat_mul(pool, d, &xn, m, d.hidden, unit, off.gate_inp, n_experts, &mut logits, false);
     (xn, logits)
 }
 
@@ -607,11 +610,11 @@ pub fn experts_block(
         }
         let mut g = vec![0f32; c * fe];
         let mut u = vec![0f32; c * fe];
-        matmul(pool, &xe, c, hd, mat(unit, off.gate, fe, hd), d.mat, fe, &mut g, false);
-        matmul(pool, &xe, c, hd, mat(unit, off.up, fe, hd), d.mat, fe, &mut u, false);
+        mat_mul(pool, d, &xe, c, hd, unit, off.gate, fe, &mut g, false);
+        mat_mul(pool, d, &xe, c, hd, unit, off.up, fe, &mut u, false);
         swiglu(&mut g, &u, d.mat);
         let mut y = vec![0f32; c * hd];
-        matmul(pool, &g, c, fe, mat(unit, off.down, hd, fe), d.mat, hd, &mut y, false);
+        mat_mul(pool, d, &g, c, fe, unit, off.down, hd, &mut y, false);
         for (row, &(t, w)) in y.chunks_exact(hd).zip(tokens) {
             let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
             o.iter_mut().zip(row).for_each(|(o, y)| *o += w * y);
@@ -627,17 +630,7 @@ pub fn output_block(pool: &CpuPool, d: &Dims, unit: &[u8], off: &OutputOffsets, 
     let mut xn = vec![0f32; rows * d.hidden];
     norm_rows(d.norm, h, d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
     let mut logits = vec![0f32; rows * d.vocab];
-    matmul(
-        pool,
-        &xn,
-        rows,
-        d.hidden,
-        mat(unit, off.head, d.vocab, d.hidden),
-        d.mat,
-        d.vocab,
-        &mut logits,
-        false,
-    );
+    mat_mul(pool, d, &xn, rows, d.hidden, unit, off.head, d.vocab, &mut logits, false);
     logits
 }
 
