@@ -38,6 +38,15 @@ impl CpuPool {
         Ok(CpuPool { pool, threads, isa: simd::detect() })
     }
 
+    /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
+    pub fn with_isa(threads: usize, isa: Isa) -> Result<CpuPool> {
+        let best = simd::detect();
+        if isa > best {
+            return Err(ExecError::Input(format!("CPU instruction set {isa:?} requested; this CPU has {best:?}")));
+        }
+        Ok(CpuPool { isa, ..CpuPool::new(threads)? })
+    }
+
     /// Worker threads.
     #[must_use]
     pub fn threads(&self) -> usize {
@@ -679,12 +688,8 @@ mod tests {
     fn quantised_matmul_equals_dequantise_then_f32_for_every_isa_path() {
         // Every shape hits the 4×4, 4×1, 1×4 and 1×1 register blocks; every ISA up to the detected one runs
         // (a pool's ISA overridden downwards), so AVX-512, AVX2 and plain Rust are each checked where present.
-        let best = simd::detect();
-        let pools: Vec<CpuPool> = [Isa::Avx512, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|&i| i == Isa::Portable || i == best || (i == Isa::Avx2 && best == Isa::Avx512))
-            .map(|isa| CpuPool { isa, ..CpuPool::new(3).unwrap() })
-            .collect();
+        let pools: Vec<CpuPool> =
+            simd::detect().and_weaker().into_iter().map(|isa| CpuPool::with_isa(3, isa).unwrap()).collect();
         assert!(pools.len() >= 2, "the portable path and the detected one");
         for pool in &pools {
             for fmt in QFormat::ALL {
