@@ -328,8 +328,9 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
     for (int b = lane >> 2; b < nb; b += 8) {
         const u8* blk = wr + (u64)b * bb;
         const float d = h2f(*(const u16*)blk);
+        // The lane's 8 weights, in the order of its 8 activations: q4_0 elements 4p..4p+3 (low nibbles) and
+        // 16+4p..16+4p+3 (high nibbles); q8_0 elements 8p..8p+7.
         float wv[8];
-        int e[8];
         if (Q4) {
             const u16* q = (const u16*)(blk + 2 + 4 * p);
             const u32 v = (u32)q[0] | ((u32)q[1] << 16);
@@ -337,8 +338,6 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
             for (int j = 0; j < 4; ++j) {
                 wv[j] = (float)((int)((v >> (8 * j)) & 15) - 8);
                 wv[4 + j] = (float)((int)((v >> (8 * j + 4)) & 15) - 8);
-                e[j] = 4 * p + j;
-                e[4 + j] = 16 + 4 * p + j;
             }
         } else {
             const u16* q = (const u16*)(blk + 2 + 8 * p);
@@ -347,17 +346,24 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
                 const u16 v = q[j];
                 wv[2 * j] = (float)(signed char)(v & 0xff);
                 wv[2 * j + 1] = (float)(signed char)(v >> 8);
-                e[2 * j] = 8 * p + 2 * j;
-                e[2 * j + 1] = 8 * p + 2 * j + 1;
             }
         }
 #pragma unroll
         for (int t = 0; t < QMAX_T; ++t) {
             if (t < m) {
+                // Activation rows are 16-byte aligned (k is a multiple of 32): vector loads of 4 or 8 values.
                 const act_t* xt = x + (u64)t * k + 32 * (u64)b;
+                u32 xw[4];
+                if (Q4) {
+                    const uint2 a = *(const uint2*)(xt + 4 * p), c = *(const uint2*)(xt + 16 + 4 * p);
+                    xw[0] = a.x; xw[1] = a.y; xw[2] = c.x; xw[3] = c.y;
+                } else {
+                    const uint4 a = *(const uint4*)(xt + 8 * p);
+                    xw[0] = a.x; xw[1] = a.y; xw[2] = a.z; xw[3] = a.w;
+                }
                 float s = 0.f;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) s = fmaf(ACT_LOAD(xt[e[j]]), wv[j], s);
+                for (int j = 0; j < 8; ++j) s = fmaf(ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1)))), wv[j], s);
                 acc[t] = fmaf(s, d, acc[t]);
             }
         }
