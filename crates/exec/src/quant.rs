@@ -15,6 +15,12 @@ use pipeshard_core::dtype::DType;
 /// Elements per block of every format here.
 pub const BLOCK_ELEMS: usize = 32;
 
+/// The most tokens a quantised matmul takes with exactly dequantised (f32) weights, as a GEMV that
+/// dequantises while it reads. With more tokens (prefill), CPU and GPU alike first dequantise the weights to
+/// bf16 (the activation type of quantised models) and run a bf16 GEMM, so both sides compute the same function
+/// for every token count.
+pub const EXACT_MAX_TOKENS: usize = 8;
+
 /// A block-quantised matrix format the executor computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QFormat {

@@ -139,9 +139,13 @@ pub fn gemv_bandwidth(cfg: &BenchConfig, gpu: Option<&Gpu>, progress: &dyn Progr
     let k = cfg.cols;
     let x: Vec<f32> = (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
     let pool = CpuPool::new(cfg.threads)?;
-    // Every format with this machine's kernels; q4_0 also with the f32 AVX-512 kernel where the bf16 one runs.
+    // Every format with this machine's kernels; the quantised ones also without software prefetch, and q4_0
+    // with the f32 AVX-512 kernel where the bf16 one runs.
     let mut cases: Vec<(Fmt, CpuPool)> =
         Fmt::ALL.into_iter().map(|f| Ok((f, CpuPool::new(cfg.threads)?))).collect::<Result<_>>()?;
+    for q in QFormat::ALL {
+        cases.push((Fmt::Quant(q), CpuPool::new(cfg.threads)?.with_prefetch(0)));
+    }
     if pool.isa() == Isa::Avx512Bf16 {
         cases.push((Fmt::Quant(QFormat::Q4_0), CpuPool::with_isa(cfg.threads, Isa::Avx512)?));
     }
@@ -176,7 +180,15 @@ pub fn gemv_bandwidth(cfg: &BenchConfig, gpu: Option<&Gpu>, progress: &dyn Progr
         rows.push(BenchRow {
             device: "cpu".into(),
             format: fmt.name().into(),
-            kernel: format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
+            kernel: match fmt {
+                Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
+                Fmt::Quant(_) => format!(
+                    "exec cpu matmul ({:?}, {} threads, prefetch {} B)",
+                    pool.isa(),
+                    pool.threads(),
+                    pool.prefetch_bytes()
+                ),
+            },
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
@@ -282,7 +294,10 @@ mod tests {
             rule: Rule { min_samples: 2, max_samples: 3, target_spread: 1.0, budget: Duration::from_millis(50) },
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
-        assert_eq!(rows.iter().map(|r| r.format.as_str()).collect::<Vec<_>>(), ["bf16", "q8_0", "q4_0"]);
+        // Every format, then the quantised ones again without prefetch (and q4_0 on f32 AVX-512 if bf16 runs).
+        let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
+        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q4_0"]);
+        assert!(rows[3].kernel.contains("prefetch 0 B") && !rows[1].kernel.contains("prefetch 0 B"));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");

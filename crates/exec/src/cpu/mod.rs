@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
-use crate::quant::QFormat;
+use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
 use simd::Isa;
 
@@ -24,7 +24,12 @@ pub struct CpuPool {
     pool: rayon::ThreadPool,
     threads: usize,
     isa: Isa,
+    prefetch_bytes: usize,
 }
+
+/// How far ahead the quantised kernels prefetch along each row (their rows are short, so the R rows a
+/// register block reads at once share pages, which the hardware prefetchers follow poorly).
+pub const QUANT_PREFETCH_BYTES: usize = 1024;
 
 impl CpuPool {
     /// A pool of `threads` workers (at least one).
@@ -35,7 +40,7 @@ impl CpuPool {
             .thread_name(|i| format!("pipeshard-cpu-{i}"))
             .build()
             .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuPool { pool, threads, isa: simd::detect() })
+        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: QUANT_PREFETCH_BYTES })
     }
 
     /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
@@ -45,6 +50,18 @@ impl CpuPool {
             return Err(ExecError::Input(format!("CPU instruction set {isa:?} requested; this CPU has {best:?}")));
         }
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
+    }
+
+    /// The same pool with the quantised kernels prefetching `bytes` ahead (0: not at all), to compare.
+    #[must_use]
+    pub fn with_prefetch(self, bytes: usize) -> CpuPool {
+        CpuPool { prefetch_bytes: bytes, ..self }
+    }
+
+    /// How far ahead the quantised kernels prefetch.
+    #[must_use]
+    pub fn prefetch_bytes(&self) -> usize {
+        self.prefetch_bytes
     }
 
     /// Worker threads.
@@ -84,13 +101,15 @@ impl SharedOut {
 trait RowFormat: Copy + Send + Sync {
     /// Bytes of one row of `k` elements.
     fn row_bytes(self, k: usize) -> usize;
-    /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`.
+    /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w` (quantised kernels prefetch
+    /// `prefetch_bytes` ahead of every block they read).
     ///
     /// # Safety
     /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
+        prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -106,6 +125,7 @@ impl RowFormat for Elem {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
+        _prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -128,6 +148,7 @@ impl RowFormat for QFormat {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
+        prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -135,7 +156,7 @@ impl RowFormat for QFormat {
         out: &mut [[f32; T]; R],
     ) {
         // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
-        unsafe { qdot::dot_block::<R, T>(isa, self, x, ldx, w, k, out) };
+        unsafe { qdot::dot_block::<R, T>(isa, self, prefetch_bytes, x, ldx, w, k, out) };
     }
 }
 
@@ -152,11 +173,12 @@ pub fn matmul(
     accumulate: bool,
 ) {
     assert!(matches!(elem, Elem::F16 | Elem::Bf16), "matrices are f16 or bf16");
-    tiled(pool, x, m, k, w, elem, n, y, accumulate);
+    tiled(pool, x, m, k, w, elem, n, y, n, accumulate);
 }
 
-/// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of 32): equal to dequantising `w`
-/// to f32 first, up to the order of f32 additions.
+/// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of 32). Up to
+/// [`EXACT_MAX_TOKENS`] tokens it equals dequantising `w` to f32 first, up to the order of f32 additions; with
+/// more, `w` is dequantised to bf16 in chunks of rows and multiplied by the bf16 kernel, as the GPU does.
 pub fn matmul_quant(
     pool: &CpuPool,
     x: &[f32],
@@ -168,11 +190,48 @@ pub fn matmul_quant(
     y: &mut [f32],
     accumulate: bool,
 ) {
+    matmul_quant_in_chunks(pool, x, m, k, w, fmt, n, y, accumulate, 8 << 20);
+}
+
+/// [`matmul_quant`] with at most `chunk_bytes` of dequantised bf16 rows at a time.
+fn matmul_quant_in_chunks(
+    pool: &CpuPool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    fmt: QFormat,
+    n: usize,
+    y: &mut [f32],
+    accumulate: bool,
+    chunk_bytes: usize,
+) {
     assert!(k.is_multiple_of(crate::quant::BLOCK_ELEMS), "{fmt:?} rows of {k} elements are not whole blocks");
-    tiled(pool, x, m, k, w, fmt, n, y, accumulate);
+    if m <= EXACT_MAX_TOKENS {
+        tiled(pool, x, m, k, w, fmt, n, y, n, accumulate);
+        return;
+    }
+    let (rb, chunk_rows) = (fmt.row_bytes(k), (chunk_bytes / (2 * k)).clamp(1, n));
+    let mut wb = vec![0u8; chunk_rows * k * 2];
+    let mut r0 = 0;
+    while r0 < n {
+        let rows = chunk_rows.min(n - r0);
+        pool.install(|| {
+            wb[..rows * k * 2].par_chunks_mut(k * 2).zip(w[r0 * rb..].par_chunks(rb)).for_each(|(out, blocks)| {
+                let mut row = vec![0f32; k];
+                fmt.dequantize_row(blocks, &mut row);
+                for (i, &v) in row.iter().enumerate() {
+                    Elem::Bf16.write(out, i, v);
+                }
+            });
+        });
+        tiled(pool, x, m, k, &wb[..rows * k * 2], Elem::Bf16, rows, &mut y[r0..], n, accumulate);
+        r0 += rows;
+    }
 }
 
 /// The tiling loop: tasks of whole 4-row groups over the pool, 4×4 (rows × tokens) register blocks inside.
+/// `y[t][j]` is at `t × ldy + j` (`ldy` > `n` when the rows are a chunk of a larger matrix).
 fn tiled<F: RowFormat>(
     pool: &CpuPool,
     x: &[f32],
@@ -182,13 +241,17 @@ fn tiled<F: RowFormat>(
     fmt: F,
     n: usize,
     y: &mut [f32],
+    ldy: usize,
     accumulate: bool,
 ) {
     let rb = fmt.row_bytes(k);
-    assert!(x.len() >= m * k && w.len() >= n * rb && y.len() >= m * n, "matmul operand sizes");
+    assert!(
+        x.len() >= m * k && w.len() >= n * rb && ldy >= n && (m == 0 || y.len() >= (m - 1) * ldy + n),
+        "matmul operand sizes"
+    );
     // Four tasks per thread at most (a GEMV streams: fewer, longer tasks cost less scheduling), 32 rows at least.
     let rows_per_task = n.div_ceil(4 * pool.threads).next_multiple_of(4).max(32);
-    let isa = pool.isa;
+    let (isa, pf) = (pool.isa, pool.prefetch_bytes);
     let out = SharedOut(y.as_mut_ptr());
     let wp = w.as_ptr() as usize;
     let xp = x.as_ptr() as usize;
@@ -202,7 +265,7 @@ fn tiled<F: RowFormat>(
             let store = |t: usize, r: usize, v: f32| {
                 // SAFETY: t < m and r < n, so the index is inside y; each (t, r) is written by one task only.
                 unsafe {
-                    let p = out.ptr().add(t * n + r);
+                    let p = out.ptr().add(t * ldy + r);
                     *p = if accumulate { *p + v } else { v };
                 }
             };
@@ -219,7 +282,7 @@ fn tiled<F: RowFormat>(
                         match (rb4, tb) {
                             (4, 4) => {
                                 let mut o = [[0f32; 4]; 4];
-                                fmt.dot::<4, 4>(isa, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 4>(isa, pf, xr, k, wr, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     for (ti, &v) in row.iter().enumerate() {
                                         store(t + ti, r + ri, v);
@@ -228,21 +291,21 @@ fn tiled<F: RowFormat>(
                             }
                             (4, _) => {
                                 let mut o = [[0f32; 1]; 4];
-                                fmt.dot::<4, 1>(isa, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 1>(isa, pf, xr, k, wr, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     store(t, r + ri, row[0]);
                                 }
                             }
                             (_, 4) => {
                                 let mut o = [[0f32; 4]; 1];
-                                fmt.dot::<1, 4>(isa, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 4>(isa, pf, xr, k, wr, k, &mut o);
                                 for (ti, &v) in o[0].iter().enumerate() {
                                     store(t + ti, r, v);
                                 }
                             }
                             _ => {
                                 let mut o = [[0f32; 1]; 1];
-                                fmt.dot::<1, 1>(isa, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 1>(isa, pf, xr, k, wr, k, &mut o);
                                 store(t, r, o[0][0]);
                             }
                         }
@@ -693,13 +756,19 @@ mod tests {
         assert!(pools.len() >= 2, "the portable path and the detected one");
         for pool in &pools {
             for fmt in QFormat::ALL {
-                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4)] {
+                // 12 and 9 tokens take the dequantise-to-bf16 path, in chunks of 5 rows.
+                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)] {
                     let x: Vec<f32> = (0..m * k)
                         .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
                         .collect();
                     let wf: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
                     let w = fmt.quantize(&wf, k);
-                    let deq = fmt.dequantize(&w);
+                    let exact = m <= EXACT_MAX_TOKENS;
+                    let deq: Vec<f32> = fmt
+                        .dequantize(&w)
+                        .into_iter()
+                        .map(|v| if exact { v } else { bf16::from_f32(v).to_f32() })
+                        .collect();
                     let want: Vec<f64> = (0..m * n)
                         .map(|i| {
                             let (t, j) = (i / n, i % n);
@@ -707,7 +776,7 @@ mod tests {
                         })
                         .collect();
                     let mut y = vec![1f32; m * n];
-                    matmul_quant(pool, &x, m, k, &w, fmt, n, &mut y, true);
+                    matmul_quant_in_chunks(pool, &x, m, k, &w, fmt, n, &mut y, true, 5 * 2 * k);
                     for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
                         assert!(
                             (f64::from(a) - (b + 1.0)).abs() < 1e-4 * (1.0 + b.abs()),

@@ -25,6 +25,7 @@ use crate::quant::{BLOCK_ELEMS, QFormat};
 pub unsafe fn dot_block<const R: usize, const T: usize>(
     isa: Isa,
     fmt: QFormat,
+    prefetch_bytes: usize,
     x: *const f32,
     ldx: usize,
     w: *const u8,
@@ -34,21 +35,21 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
     match (isa, fmt) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from the caller; Avx512Bf16 is only returned by `detect` when present.
-        (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe { x86::dot_q4_0_avx512bf16::<R, T>(x, ldx, w, k, out) },
+        (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe { x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, k, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX-512.
-        (Isa::Avx512, QFormat::Q4_0) => unsafe { x86::dot_avx512::<R, T, true>(x, ldx, w, k, out) },
+        (Isa::Avx512, QFormat::Q4_0) => unsafe { x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, k, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q8_0) => unsafe {
-            x86::dot_avx512::<R, T, false>(x, ldx, w, k, out);
+            x86::dot_avx512::<R, T, false>(prefetch_bytes, x, ldx, w, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
-        (Isa::Avx2, QFormat::Q4_0) => unsafe { x86::dot_avx2::<R, T, true>(x, ldx, w, k, out) },
+        (Isa::Avx2, QFormat::Q4_0) => unsafe { x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, k, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
-        (Isa::Avx2, QFormat::Q8_0) => unsafe { x86::dot_avx2::<R, T, false>(x, ldx, w, k, out) },
+        (Isa::Avx2, QFormat::Q8_0) => unsafe { x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, k, out) },
         _ => {
             let rb = fmt.row_bytes(k);
             let mut row = vec![0f32; k];
@@ -70,7 +71,7 @@ const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element bl
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m512, __m512bh, __m512i, _mm256_set_m128i, _mm512_cvtepu8_epi16,
+        _MM_HINT_T0, __m128i, __m256, __m512, __m512bh, __m512i, _mm_prefetch, _mm256_set_m128i, _mm512_cvtepu8_epi16,
         _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_permutexvar_epi16, _mm_and_si128, _mm_loadu_si128, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16,
         _mm_srli_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_cvtph_ps,
         _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_epi16,
@@ -80,6 +81,17 @@ mod x86 {
     };
 
     use crate::quant::QFormat;
+
+    /// Asks for the line `ahead` bytes past `p` (0: nothing). Prefetches never fault, so the address may lie
+    /// past the matrix.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn prefetch(p: *const u8, ahead: usize) {
+        if ahead != 0 {
+            // A prefetch is a hint: it reads nothing architecturally and never faults.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead).cast::<i8>());
+        }
+    }
 
     /// bf16 bit patterns of `q − 8` for nibbles `q` = 0..15, twice (`vpermw` indexes 32 entries).
     const Q4_BF16: [u16; 32] = {
@@ -95,6 +107,7 @@ mod x86 {
     /// q4_0 with AVX512_BF16; see `dot_block` and the module documentation.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn dot_q4_0_avx512bf16<const R: usize, const T: usize>(
+        prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -121,6 +134,7 @@ mod x86 {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees (2-byte scale, 16 bytes).
                 let (v, bits) = unsafe {
                     let p = w.add(r * rb + b * bb);
+                    prefetch(p, prefetch_bytes);
                     (_mm_loadu_si128(p.add(2).cast::<__m128i>()), p.cast::<i16>().read_unaligned())
                 };
                 // Nibbles in element order: low nibbles are elements 0..16, high nibbles 16..32.
@@ -173,6 +187,7 @@ mod x86 {
     /// AVX-512 kernel; see `dot_block`.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot_avx512<const R: usize, const T: usize, const Q4: bool>(
+        prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -195,6 +210,7 @@ mod x86 {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (w0, w1, d) = unsafe {
                     let p = w.add(r * rb + b * bb);
+                    prefetch(p, prefetch_bytes);
                     let (w0, w1) = quants16x2::<Q4>(p);
                     (w0, w1, scale16(p))
                 };
@@ -245,6 +261,7 @@ mod x86 {
     /// AVX2 kernel; see `dot_block`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_avx2<const R: usize, const T: usize, const Q4: bool>(
+        prefetch_bytes: usize,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -266,6 +283,7 @@ mod x86 {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (q, d) = unsafe {
                     let p = w.add(r * rb + b * bb);
+                    prefetch(p, prefetch_bytes);
                     (quants8x4::<Q4>(p), _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned())))
                 };
                 for (t, a) in row.iter_mut().enumerate() {

@@ -296,7 +296,7 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int vocab, u
 // q8_0: value = (signed char)q * d. q4_0: value = (nibble - 8) * d; byte j holds element j (low nibble) and
 // element j + 16 (high nibble). Blocks are 34 / 18 bytes, so only 2-byte loads are aligned.
 typedef unsigned char u8;
-#define QMAX_T 8
+#define QMAX_T 8  // quant::EXACT_MAX_TOKENS
 
 // Element i of a row of blocks, dequantised exactly in f32.
 template <int Q4> __device__ __forceinline__ float qval(const u8* __restrict__ row, u64 i) {

@@ -21,7 +21,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
-use crate::quant::QFormat;
+use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
 /// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
@@ -29,8 +29,6 @@ pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Where a quantised matrix is dequantised, a chunk of rows at a time, for cuBLAS (prefill). Allocated on the
 /// first such matmul, which the warm-up runs, so it counts in the measured runtime overhead.
 pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
-/// Most tokens the quantised GEMV kernel takes (`QMAX_T` in kernels.cu); more go through dequantise + cuBLAS.
-pub const QUANT_GEMV_MAX_TOKENS: usize = 8;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -547,7 +545,7 @@ impl Gpu {
     }
 
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`):
-    /// up to [`QUANT_GEMV_MAX_TOKENS`] tokens a GEMV kernel that dequantises as it reads (exact f32 weights);
+    /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
     /// more tokens dequantise chunks of rows into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation type)
     /// and run cuBLAS on each.
     ///
@@ -571,7 +569,7 @@ impl Gpu {
             // SAFETY: forwarded.
             return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
         };
-        if m <= QUANT_GEMV_MAX_TOKENS {
+        if m <= EXACT_MAX_TOKENS {
             let f = match fmt {
                 QFormat::Q8_0 => &kn.gemv_q8_0,
                 QFormat::Q4_0 => &kn.gemv_q4_0,
