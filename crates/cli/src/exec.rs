@@ -34,7 +34,7 @@ use crate::experiment::resolve_model;
 #[derive(Debug, Subcommand)]
 pub enum ExecCommand {
     /// Run plans on the GPU and CPU of this machine and measure TTFT, TPS, E2EL and peak VRAM.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0) against DRAM / HBM bandwidth.
     Bench(crate::exec_bench::BenchArgs),
 }
@@ -241,7 +241,7 @@ fn csv_field(s: &str) -> String {
 /// Runs `exec run`.
 pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     let args = match cmd {
-        ExecCommand::Run(args) => args,
+        ExecCommand::Run(args) => *args,
         ExecCommand::Bench(args) => return crate::exec_bench::run(&args),
     };
     let (commit, date, command) = provenance();

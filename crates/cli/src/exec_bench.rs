@@ -71,7 +71,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--cols {}: must be a positive multiple of 32 (the q8_0/q4_0 block)", args.cols);
     }
     let (commit, date, command) = provenance();
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
     let gpu = if args.cpu_only {
         None
     } else {
@@ -91,7 +93,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         rule: Rule { min_samples: 5, max_samples: 15, target_spread: 0.03, budget: Duration::from_secs(2) },
     };
     let rows = gemv_bandwidth(&cfg, gpu.as_ref(), &Bars::new())?;
-    let machine = format!("{} + {} ({threads} threads)", gpu.as_ref().map_or("no GPU", |g| g.name()), cpu_model());
+    let machine =
+        format!("{} + {} ({threads} threads)", gpu.as_ref().map_or("no GPU", |g| g.name()), cpu_model());
     let t = table(&rows);
     println!("{t}");
     if let Some(dir) = &args.out {

@@ -1100,10 +1100,40 @@ impl<'a> Exec<'a> {
                 // at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb and h.
                 unsafe {
                     gpu.gather_rows(&g.k, at(sc.xb), idx, at(sc.moe_x), c, hd)?;
-                    gpu.matmul(&g.k, d.quant, wb + o.gate as u64, at(sc.moe_x), at(sc.moe_gate), c, fe, hd, false)?;
-                    gpu.matmul(&g.k, d.quant, wb + o.up as u64, at(sc.moe_x), at(sc.moe_up), c, fe, hd, false)?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.gate as u64,
+                        at(sc.moe_x),
+                        at(sc.moe_gate),
+                        c,
+                        fe,
+                        hd,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.up as u64,
+                        at(sc.moe_x),
+                        at(sc.moe_up),
+                        c,
+                        fe,
+                        hd,
+                        false,
+                    )?;
                     gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), c * fe)?;
-                    gpu.matmul(&g.k, d.quant, wb + o.down as u64, at(sc.moe_act), at(sc.moe_y), c, hd, fe, false)?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.down as u64,
+                        at(sc.moe_act),
+                        at(sc.moe_y),
+                        c,
+                        hd,
+                        fe,
+                        false,
+                    )?;
                     gpu.scatter_add_rows(&g.k, at(sc.moe_y), idx, wts, at(sc.h), c, hd)?;
                 }
                 g.span_end(
@@ -1309,9 +1339,39 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), at(sc.q), m, d.q_dim, d.hidden, false)?;
-                    gpu.matmul(k, d.quant, wb + o.k as u64, at(sc.xb), at(sc.k), m, d.kv_dim, d.hidden, false)?;
-                    gpu.matmul(k, d.quant, wb + o.v as u64, at(sc.xb), at(sc.v), m, d.kv_dim, d.hidden, false)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.q as u64,
+                        at(sc.xb),
+                        at(sc.q),
+                        m,
+                        d.q_dim,
+                        d.hidden,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.k as u64,
+                        at(sc.xb),
+                        at(sc.k),
+                        m,
+                        d.kv_dim,
+                        d.hidden,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.v as u64,
+                        at(sc.xb),
+                        at(sc.v),
+                        m,
+                        d.kv_dim,
+                        d.hidden,
+                        false,
+                    )?;
                     for (b, x, dim) in
                         [(o.q_bias, sc.q, d.q_dim), (o.k_bias, sc.k, d.kv_dim), (o.v_bias, sc.v, d.kv_dim)]
                     {
@@ -1376,7 +1436,17 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.matmul(k, d.quant, wb + o.up as u64, at(sc.xb), at(sc.up), m, d.ffn, d.hidden, false)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.up as u64,
+                        at(sc.xb),
+                        at(sc.up),
+                        m,
+                        d.ffn,
+                        d.hidden,
+                        false,
+                    )?;
                     let gate = match o.gate {
                         Some(gw) => {
                             gpu.matmul(
@@ -1395,7 +1465,17 @@ impl<'a> Exec<'a> {
                         None => None,
                     };
                     gpu.ffn_act(k, gate, at(sc.up), at(sc.act), m * d.ffn)?;
-                    gpu.matmul(k, d.quant, wb + o.down as u64, at(sc.act), at(sc.h), m, d.hidden, d.ffn, true)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.down as u64,
+                        at(sc.act),
+                        at(sc.h),
+                        m,
+                        d.hidden,
+                        d.ffn,
+                        true,
+                    )?;
                 }
             }
             _ => unreachable!("gpu_block runs attention and FFN units"),
@@ -1480,7 +1560,17 @@ impl<'a> Exec<'a> {
                 d.norm_eps,
                 ln,
             )?;
-            g.gpu.matmul(&g.k, d.quant, wb + o.head as u64, at(sc.xb), at(sc.logits), 1, d.vocab, d.hidden, false)?;
+            g.gpu.matmul(
+                &g.k,
+                d.quant,
+                wb + o.head as u64,
+                at(sc.xb),
+                at(sc.logits),
+                1,
+                d.vocab,
+                d.hidden,
+                false,
+            )?;
             g.gpu.argmax(&g.k, at(sc.logits), d.vocab, at(sc.tok), 1)?;
             let io = self.io.buf.as_mut_slice();
             let (head, tail) = io.split_at_mut(self.io.logits);

@@ -112,7 +112,13 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
             };
             // Quantised matrices go out dequantised (exactly) in f32.
             let (elem, mut data) = match t.quant {
-                Some(q) => (Elem::F32, q.dequantize(u.bytes_at(t.offset, t.bytes)).iter().flat_map(|v| v.to_le_bytes()).collect()),
+                Some(q) => (
+                    Elem::F32,
+                    q.dequantize(u.bytes_at(t.offset, t.bytes))
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                ),
                 None => (t.elem, u.bytes_at(t.offset, t.bytes).to_vec()),
             };
             let offset = norm_offset(&w.dims, &t.name);

@@ -197,6 +197,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::float_cmp)] // −0.5 is exact in f16
     fn quantisers_follow_the_reference_rules() {
         // q8_0: the largest magnitude maps to ±127, d = amax / 127.
         let x: Vec<f32> = (0..32).map(|i| (i as f32 - 12.0) * 0.3).collect();
@@ -234,7 +235,10 @@ mod tests {
                 let mut worst = 0f32;
                 for (a, b) in xb.iter().zip(bb) {
                     // Plus the f16 rounding of the scale times the largest quant.
-                    assert!((a - b).abs() <= max_steps * step + amax * 1e-3, "{f:?} {a} vs {b} (step {step})");
+                    assert!(
+                        (a - b).abs() <= max_steps * step + amax * 1e-3,
+                        "{f:?} {a} vs {b} (step {step})"
+                    );
                     worst = worst.max((a - b).abs());
                 }
                 assert!(worst > 0.0, "{f:?}: random values are not all representable");

@@ -89,8 +89,7 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let d = &w.dims;
     let n = tokens.len();
     let embd = w.unit(UnitId::TokenEmbd).expect("token embedding");
-    let mut h: Vec<Vec<f64>> =
-        tokens
+    let mut h: Vec<Vec<f64>> = tokens
         .iter()
         .map(|&t| d.mat_row(embd.buf.as_slice(), t as usize, d.hidden).into_iter().map(f64::from).collect())
         .collect();

@@ -591,7 +591,8 @@ fn read_tensor(
     let mut raw = vec![0u8; ct.bytes as usize];
     read(&mut raw)?;
     if let Some(q) = t.quant {
-        let vals: Vec<f32> = (0..raw.len() / from.size_bytes()).map(|i| from.read(&raw, i) + offset).collect();
+        let vals: Vec<f32> =
+            (0..raw.len() / from.size_bytes()).map(|i| from.read(&raw, i) + offset).collect();
         let k = *t.shape.last().expect("matrices have a row length");
         out.copy_from_slice(&q.quantize(&vals, k));
         return Ok(());
@@ -741,7 +742,8 @@ mod tests {
             let spec = tiny().with_uniform_weights(q.dtype());
             let w = ModelWeights::random(&spec, 3).unwrap();
             assert_eq!((w.dims.quant, w.dims.mat), (Some(q), Elem::Bf16));
-            let (u, ub) = (w.unit(UnitId::Ffn { layer: 1 }).unwrap(), bf.unit(UnitId::Ffn { layer: 1 }).unwrap());
+            let (u, ub) =
+                (w.unit(UnitId::Ffn { layer: 1 }).unwrap(), bf.unit(UnitId::Ffn { layer: 1 }).unwrap());
             assert_eq!(u.bytes as u64, w.inventory.unit_bytes(u.id));
             let t = u.tensor("ffn_down.weight").unwrap();
             let tb = ub.tensor("ffn_down.weight").unwrap();

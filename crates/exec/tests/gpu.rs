@@ -291,7 +291,10 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
     let qwen3_moe_2l =
         catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
     // Quantised variants, named apart so PIPESHARD_GPU_CASES can pick them (`tiny-llama-q4_0`).
-    let quant = |spec: ModelSpec, d: DType| ModelSpec { name: format!("{}-{d}", spec.name), ..spec.with_uniform_weights(d) };
+    let quant = |spec: ModelSpec, d: DType| ModelSpec {
+        name: format!("{}-{d}", spec.name),
+        ..spec.with_uniform_weights(d)
+    };
     let cases = [
         tiny(quant(tiny_spec(), DType::Q4_0), MIXES),
         tiny(quant(tiny_qwen3_spec(), DType::Q8_0), MIXES),

@@ -112,7 +112,8 @@ fn random_matrix(fmt: Fmt, rows: usize, k: usize) -> Vec<u8> {
         Fmt::Quant(q) => {
             let mut f = vec![0u8; chunk.len() / rb * k * 4];
             fill_random(&mut f, Elem::F32, c as u64);
-            let vals: Vec<f32> = f.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4"))).collect();
+            let vals: Vec<f32> =
+                f.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4"))).collect();
             chunk.copy_from_slice(&q.quantize(&vals, k));
         }
     });
@@ -135,9 +136,14 @@ fn secs(t: Instant) -> f64 {
 }
 
 /// Measures the CPU GEMV of every format, and the GPU's when `gpu` is given.
-pub fn gemv_bandwidth(cfg: &BenchConfig, gpu: Option<&Gpu>, progress: &dyn Progress) -> Result<Vec<BenchRow>> {
+pub fn gemv_bandwidth(
+    cfg: &BenchConfig,
+    gpu: Option<&Gpu>,
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
     let k = cfg.cols;
-    let x: Vec<f32> = (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
+    let x: Vec<f32> =
+        (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
     let pool = CpuPool::new(cfg.threads)?;
     // Every format with this machine's kernels; the quantised ones also without software prefetch, and q4_0
     // with the f32 AVX-512 kernel where the bf16 one runs.
@@ -247,7 +253,9 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
         let t = unsafe {
             gpu.h2d(Stream::Compute, a.ptr(), &w)?;
             gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
-            sample(cfg.rule, || timed(&|| gpu.matmul(&kn, quant, a.ptr(), xd.ptr(), yd.ptr(), 1, n, k, false)))?
+            sample(cfg.rule, || {
+                timed(&|| gpu.matmul(&kn, quant, a.ptr(), xd.ptr(), yd.ptr(), 1, n, k, false))
+            })?
         };
         let mut yb = vec![0u8; 4 * CHECKED_ROWS];
         // SAFETY: yd holds n ≥ CHECKED_ROWS f32; the stream is synchronised below before yb is read.
@@ -291,7 +299,12 @@ mod tests {
             cpu_weight_bytes: 4 << 20,
             gpu_weight_bytes: 0,
             cols: 1024,
-            rule: Rule { min_samples: 2, max_samples: 3, target_spread: 1.0, budget: Duration::from_millis(50) },
+            rule: Rule {
+                min_samples: 2,
+                max_samples: 3,
+                target_spread: 1.0,
+                budget: Duration::from_millis(50),
+            },
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
         // Every format, then the quantised ones again without prefetch (and q4_0 on f32 AVX-512 if bf16 runs).

@@ -47,7 +47,9 @@ impl CpuPool {
     pub fn with_isa(threads: usize, isa: Isa) -> Result<CpuPool> {
         let best = simd::detect();
         if isa > best {
-            return Err(ExecError::Input(format!("CPU instruction set {isa:?} requested; this CPU has {best:?}")));
+            return Err(ExecError::Input(format!(
+                "CPU instruction set {isa:?} requested; this CPU has {best:?}"
+            )));
         }
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
     }
@@ -217,13 +219,15 @@ fn matmul_quant_in_chunks(
     while r0 < n {
         let rows = chunk_rows.min(n - r0);
         pool.install(|| {
-            wb[..rows * k * 2].par_chunks_mut(k * 2).zip(w[r0 * rb..].par_chunks(rb)).for_each(|(out, blocks)| {
-                let mut row = vec![0f32; k];
-                fmt.dequantize_row(blocks, &mut row);
-                for (i, &v) in row.iter().enumerate() {
-                    Elem::Bf16.write(out, i, v);
-                }
-            });
+            wb[..rows * k * 2].par_chunks_mut(k * 2).zip(w[r0 * rb..].par_chunks(rb)).for_each(
+                |(out, blocks)| {
+                    let mut row = vec![0f32; k];
+                    fmt.dequantize_row(blocks, &mut row);
+                    for (i, &v) in row.iter().enumerate() {
+                        Elem::Bf16.write(out, i, v);
+                    }
+                },
+            );
         });
         tiled(pool, x, m, k, &wb[..rows * k * 2], Elem::Bf16, rows, &mut y[r0..], n, accumulate);
         r0 += rows;
@@ -757,7 +761,8 @@ mod tests {
         for pool in &pools {
             for fmt in QFormat::ALL {
                 // 12 and 9 tokens take the dequantise-to-bf16 path, in chunks of 5 rows.
-                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)] {
+                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)]
+                {
                     let x: Vec<f32> = (0..m * k)
                         .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
                         .collect();

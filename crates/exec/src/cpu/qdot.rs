@@ -35,10 +35,14 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
     match (isa, fmt) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from the caller; Avx512Bf16 is only returned by `detect` when present.
-        (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe { x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, k, out) },
+        (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe {
+            x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, k, out);
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX-512.
-        (Isa::Avx512, QFormat::Q4_0) => unsafe { x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, k, out) },
+        (Isa::Avx512, QFormat::Q4_0) => unsafe {
+            x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, k, out);
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q8_0) => unsafe {
@@ -46,10 +50,14 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
-        (Isa::Avx2, QFormat::Q4_0) => unsafe { x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, k, out) },
+        (Isa::Avx2, QFormat::Q4_0) => unsafe {
+            x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, k, out);
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
-        (Isa::Avx2, QFormat::Q8_0) => unsafe { x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, k, out) },
+        (Isa::Avx2, QFormat::Q8_0) => unsafe {
+            x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, k, out);
+        },
         _ => {
             let rb = fmt.row_bytes(k);
             let mut row = vec![0f32; k];
@@ -69,15 +77,17 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
 const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element blocks");
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
-        _MM_HINT_T0, __m128i, __m256, __m512, __m512bh, __m512i, _mm_prefetch, _mm256_set_m128i, _mm512_cvtepu8_epi16,
-        _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_permutexvar_epi16, _mm_and_si128, _mm_loadu_si128, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16,
-        _mm_srli_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_cvtph_ps,
-        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_epi16,
-        _mm256_setzero_ps, _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
-        _mm512_cvtepu8_epi32, _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps,
-        _mm512_reduce_add_ps, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_sub_epi32,
+        __m128i, __m256, __m512, __m512bh, __m512i, _MM_HINT_T0, _mm_and_si128, _mm_loadu_si128,
+        _mm_prefetch, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16, _mm_srli_si128, _mm256_cvtepi8_epi32,
+        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps,
+        _mm256_mul_ps, _mm256_set_m128i, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_setzero_ps,
+        _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
+        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtph_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mul_ps, _mm512_permutexvar_epi16, _mm512_reduce_add_ps,
+        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_sub_epi32,
     };
 
     use crate::quant::QFormat;
@@ -138,7 +148,10 @@ mod x86 {
                     (_mm_loadu_si128(p.add(2).cast::<__m128i>()), p.cast::<i16>().read_unaligned())
                 };
                 // Nibbles in element order: low nibbles are elements 0..16, high nibbles 16..32.
-                let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m)));
+                let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
+                    _mm_and_si128(_mm_srli_epi16(v, 4), m),
+                    _mm_and_si128(v, m),
+                ));
                 // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
                 let wv: __m512bh = unsafe { std::mem::transmute(_mm512_permutexvar_epi16(idx, table)) };
                 let d = _mm512_cvtph_ps(_mm256_set1_epi16(bits));

@@ -654,8 +654,8 @@ impl Gpu {
         };
         // SAFETY: argument types match the kernel signature; sizes per the caller.
         unsafe { self.compute.launch_builder(f).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg) }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel(embed)"))
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(embed)"))
     }
 
     /// Normalises `rows` rows of `dim` f32 into the activation type (`b` = 0 for none).
