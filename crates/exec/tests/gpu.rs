@@ -185,8 +185,14 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             // Same function, same routing: a choice may differ only at a near-tie.
             let flips = out.routes.iter().zip(&reference.routes).filter(|(a, b)| a != b).count();
             assert_eq!(out.routes.len(), reference.routes.len());
-            writeln!(log, "  routing: {flips} of {} expert choices differ from all-CPU", out.routes.len())
-                .unwrap();
+            writeln!(
+                log,
+                "  routing: {flips} of {} expert choices differ from all-CPU (logits max rel err {max_err:.2e}, \
+                 tokens {})",
+                out.routes.len(),
+                if tokens_ok { "same" } else { "near-tie" }
+            )
+            .unwrap();
             assert!(flips * 100 <= out.routes.len(), "{name}: {flips} routing flips");
             // Experts are copied only when picked: never one that is not computed, exactly the computed ones
             // where every expert streams, and far fewer than all experts of every pass.
