@@ -31,7 +31,7 @@
 //! - **No GPU** ([`Mode::Tiny`] in tests, or `--cpu-only` on a development machine): the CPU sections are
 //!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name.
 //!
-//! [`bench`] (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0) on CPU and
+//! [`bench`](mod@bench) (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0) on CPU and
 //! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
 //!
 //! # Not measured (notes say so)
