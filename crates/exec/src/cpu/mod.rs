@@ -27,10 +27,6 @@ pub struct CpuPool {
     prefetch_bytes: usize,
 }
 
-/// How far ahead the quantised kernels prefetch along each row (their rows are short, so the R rows a
-/// register block reads at once share pages, which the hardware prefetchers follow poorly).
-pub const QUANT_PREFETCH_BYTES: usize = 1024;
-
 impl CpuPool {
     /// A pool of `threads` workers (at least one).
     pub fn new(threads: usize) -> Result<CpuPool> {
@@ -40,7 +36,7 @@ impl CpuPool {
             .thread_name(|i| format!("pipeshard-cpu-{i}"))
             .build()
             .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: QUANT_PREFETCH_BYTES })
+        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: 0 })
     }
 
     /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
@@ -54,7 +50,8 @@ impl CpuPool {
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
     }
 
-    /// The same pool with the quantised kernels prefetching `bytes` ahead (0: not at all), to compare.
+    /// The same pool with the quantised kernels prefetching `bytes` ahead along each row (by default they
+    /// leave it to the hardware prefetchers), to compare.
     #[must_use]
     pub fn with_prefetch(self, bytes: usize) -> CpuPool {
         CpuPool { prefetch_bytes: bytes, ..self }
@@ -101,10 +98,12 @@ impl SharedOut {
 
 /// A matrix row format and its `R` rows × `T` tokens inner kernel, so one tiling loop serves every format.
 trait RowFormat: Copy + Send + Sync {
+    /// Whether a register block's rows are taken far apart (see `tiled`); the kernels then take any row stride.
+    const SPREAD_ROWS: bool;
     /// Bytes of one row of `k` elements.
     fn row_bytes(self, k: usize) -> usize;
-    /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w` (quantised kernels prefetch
-    /// `prefetch_bytes` ahead of every block they read).
+    /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
+    /// rows unless `SPREAD_ROWS`); quantised kernels prefetch `prefetch_bytes` ahead of every block they read.
     ///
     /// # Safety
     /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
@@ -115,12 +114,14 @@ trait RowFormat: Copy + Send + Sync {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        w_stride: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     );
 }
 
 impl RowFormat for Elem {
+    const SPREAD_ROWS: bool = false;
     fn row_bytes(self, k: usize) -> usize {
         k * self.size_bytes()
     }
@@ -131,6 +132,7 @@ impl RowFormat for Elem {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        _w_stride: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
@@ -144,6 +146,7 @@ impl RowFormat for Elem {
 }
 
 impl RowFormat for QFormat {
+    const SPREAD_ROWS: bool = true;
     fn row_bytes(self, k: usize) -> usize {
         QFormat::row_bytes(self, k)
     }
@@ -154,11 +157,12 @@ impl RowFormat for QFormat {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        w_stride: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
         // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
-        unsafe { qdot::dot_block::<R, T>(isa, self, prefetch_bytes, x, ldx, w, k, out) };
+        unsafe { qdot::dot_block::<R, T>(isa, self, prefetch_bytes, x, ldx, w, w_stride, k, out) };
     }
 }
 
@@ -273,48 +277,53 @@ fn tiled<F: RowFormat>(
                     *p = if accumulate { *p + v } else { v };
                 }
             };
+            // Groups of 4 rows, then single rows. A group is 4 adjacent rows, or, for formats whose rows are
+            // short (`SPREAD_ROWS`), rows a quarter of the task apart, so that each of the 4 streams has its
+            // own pages, which the hardware prefetchers follow (two streams in one page defeat them).
+            let quads = (r1 - r0) / 4;
+            let (lane, next) = if F::SPREAD_ROWS { (quads, 1) } else { (1, 4) };
+            let groups = (0..quads).map(|g| (r0 + g * next, 4)).chain((r0 + 4 * quads..r1).map(|r| (r, 1)));
             let mut t = 0;
             while t < m {
                 let tb = if m - t >= 4 { 4 } else { 1 };
-                let mut r = r0;
-                while r < r1 {
-                    let rb4 = if r1 - r >= 4 { 4 } else { 1 };
-                    // SAFETY: rows r..r+rb4 of w and tokens t..t+tb of x exist (checked sizes above).
+                for (r, rb4) in groups.clone() {
+                    // SAFETY: rows r, r + lane, … (rb4 of them, all < r1) of w and tokens t..t+tb of x exist
+                    // (checked sizes above).
                     unsafe {
                         let xr = xp.add(t * k);
                         let wr = wp.add(r * rb);
+                        let ws = lane * rb;
                         match (rb4, tb) {
                             (4, 4) => {
                                 let mut o = [[0f32; 4]; 4];
-                                fmt.dot::<4, 4>(isa, pf, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 4>(isa, pf, xr, k, wr, ws, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     for (ti, &v) in row.iter().enumerate() {
-                                        store(t + ti, r + ri, v);
+                                        store(t + ti, r + ri * lane, v);
                                     }
                                 }
                             }
                             (4, _) => {
                                 let mut o = [[0f32; 1]; 4];
-                                fmt.dot::<4, 1>(isa, pf, xr, k, wr, k, &mut o);
+                                fmt.dot::<4, 1>(isa, pf, xr, k, wr, ws, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
-                                    store(t, r + ri, row[0]);
+                                    store(t, r + ri * lane, row[0]);
                                 }
                             }
                             (_, 4) => {
                                 let mut o = [[0f32; 4]; 1];
-                                fmt.dot::<1, 4>(isa, pf, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 4>(isa, pf, xr, k, wr, rb, k, &mut o);
                                 for (ti, &v) in o[0].iter().enumerate() {
                                     store(t + ti, r, v);
                                 }
                             }
                             _ => {
                                 let mut o = [[0f32; 1]; 1];
-                                fmt.dot::<1, 1>(isa, pf, xr, k, wr, k, &mut o);
+                                fmt.dot::<1, 1>(isa, pf, xr, k, wr, rb, k, &mut o);
                                 store(t, r, o[0][0]);
                             }
                         }
                     }
-                    r += rb4;
                 }
                 t += tb;
             }

@@ -15,11 +15,11 @@
 use super::simd::Isa;
 use crate::quant::{BLOCK_ELEMS, QFormat};
 
-/// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (`w` rows of `k` elements in `fmt`, back
-/// to back) and `T` activation rows (stride `ldx`).
+/// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (rows of `k` elements in `fmt`, `ws` bytes
+/// apart from `w`) and `T` activation rows (stride `ldx`).
 ///
 /// # Safety
-/// `k` is a multiple of 32, `w` holds `R × fmt.row_bytes(k)` bytes and `x` at least `(T − 1) × ldx + k` f32s;
+/// `k` is a multiple of 32, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R` and `x` at least `(T − 1) × ldx + k` f32s;
 /// the ISA was detected.
 #[inline]
 pub unsafe fn dot_block<const R: usize, const T: usize>(
@@ -29,6 +29,7 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
     x: *const f32,
     ldx: usize,
     w: *const u8,
+    ws: usize,
     k: usize,
     out: &mut [[f32; T]; R],
 ) {
@@ -36,34 +37,34 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from the caller; Avx512Bf16 is only returned by `detect` when present.
         (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe {
-            x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, k, out);
+            x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX-512.
         (Isa::Avx512, QFormat::Q4_0) => unsafe {
-            x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, k, out);
+            x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q8_0) => unsafe {
-            x86::dot_avx512::<R, T, false>(prefetch_bytes, x, ldx, w, k, out);
+            x86::dot_avx512::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
         (Isa::Avx2, QFormat::Q4_0) => unsafe {
-            x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, k, out);
+            x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
         (Isa::Avx2, QFormat::Q8_0) => unsafe {
-            x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, k, out);
+            x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
         },
         _ => {
             let rb = fmt.row_bytes(k);
             let mut row = vec![0f32; k];
             for (r, o) in out.iter_mut().enumerate() {
                 // SAFETY: sizes as documented.
-                fmt.dequantize_row(unsafe { std::slice::from_raw_parts(w.add(r * rb), rb) }, &mut row);
+                fmt.dequantize_row(unsafe { std::slice::from_raw_parts(w.add(r * ws), rb) }, &mut row);
                 for (t, v) in o.iter_mut().enumerate() {
                     // SAFETY: sizes as documented.
                     let xs = unsafe { std::slice::from_raw_parts(x.add(t * ldx), k) };
@@ -121,10 +122,11 @@ mod x86 {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        ws: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        let (bb, rb) = (QFormat::Q4_0.block_bytes(), QFormat::Q4_0.row_bytes(k));
+        let bb = QFormat::Q4_0.block_bytes();
         // SAFETY: the table is 64 bytes.
         let table = unsafe { _mm512_loadu_si512(Q4_BF16.as_ptr().cast::<__m512i>()) };
         let m = _mm_set1_epi8(0x0f);
@@ -143,7 +145,7 @@ mod x86 {
             for (r, row) in acc.iter_mut().enumerate() {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees (2-byte scale, 16 bytes).
                 let (v, bits) = unsafe {
-                    let p = w.add(r * rb + b * bb);
+                    let p = w.add(r * ws + b * bb);
                     prefetch(p, prefetch_bytes);
                     (_mm_loadu_si128(p.add(2).cast::<__m128i>()), p.cast::<i16>().read_unaligned())
                 };
@@ -204,11 +206,12 @@ mod x86 {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        ws: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
         let fmt = if Q4 { QFormat::Q4_0 } else { QFormat::Q8_0 };
-        let (bb, rb) = (fmt.block_bytes(), fmt.row_bytes(k));
+        let bb = fmt.block_bytes();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 32 {
             let mut xv = [[_mm512_setzero_ps(); 2]; T];
@@ -222,7 +225,7 @@ mod x86 {
             for (r, row) in acc.iter_mut().enumerate() {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (w0, w1, d) = unsafe {
-                    let p = w.add(r * rb + b * bb);
+                    let p = w.add(r * ws + b * bb);
                     prefetch(p, prefetch_bytes);
                     let (w0, w1) = quants16x2::<Q4>(p);
                     (w0, w1, scale16(p))
@@ -278,11 +281,12 @@ mod x86 {
         x: *const f32,
         ldx: usize,
         w: *const u8,
+        ws: usize,
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
         let fmt = if Q4 { QFormat::Q4_0 } else { QFormat::Q8_0 };
-        let (bb, rb) = (fmt.block_bytes(), fmt.row_bytes(k));
+        let bb = fmt.block_bytes();
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         for b in 0..k / 32 {
             let mut xv = [[_mm256_setzero_ps(); 4]; T];
@@ -295,7 +299,7 @@ mod x86 {
             for (r, row) in acc.iter_mut().enumerate() {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (q, d) = unsafe {
-                    let p = w.add(r * rb + b * bb);
+                    let p = w.add(r * ws + b * bb);
                     prefetch(p, prefetch_bytes);
                     (quants8x4::<Q4>(p), _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned())))
                 };
