@@ -509,7 +509,7 @@ mod tests {
             .a
     }
 
-    /// A checkpoint folder runs in its own bf16 format; a quantised GGUF runs only with `--weights`.
+    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`.
     #[test]
     fn model_files_get_the_executor_formats() {
         use pipeshard_core::checkpoint::Checkpoint;
@@ -525,7 +525,7 @@ mod tests {
         assert_eq!(loaded.total_bytes(), w.total_bytes());
         let gguf = crate::testfiles::write_gguf(&dir).display().to_string();
         let e = spec_for(&run_args(&format!("--model {gguf}")), &gguf).unwrap_err().to_string();
-        assert!(e.contains("q4_k") && e.contains("--weights bf16"), "{e}");
+        assert!(e.contains("q4_k") && e.contains("--weights q4_0"), "{e}");
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
         assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
         std::fs::remove_dir_all(&dir).unwrap();
