@@ -82,13 +82,14 @@ const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element bl
 mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m512, __m512bh, __m512i, _MM_HINT_T0, _mm_and_si128, _mm_loadu_si128,
-        _mm_prefetch, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16, _mm_srli_si128, _mm256_cvtepi8_epi32,
-        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps,
-        _mm256_mul_ps, _mm256_set_m128i, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_setzero_ps,
-        _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
-        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtph_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps,
-        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mul_ps, _mm512_permutexvar_epi16, _mm512_reduce_add_ps,
-        _mm512_set1_epi32, _mm512_setzero_ps, _mm512_sub_epi32,
+        _mm_prefetch, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16, _mm_srli_si128,
+        _mm256_broadcastsi128_si256, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
+        _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi16,
+        _mm256_set1_epi32, _mm256_setzero_ps, _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi8_epi32,
+        _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtph_ps,
+        _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_inserti64x4, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_mul_ps, _mm512_permutexvar_epi16, _mm512_reduce_add_ps, _mm512_set1_epi32, _mm512_set1_ps,
+        _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srlv_epi16, _mm512_sub_epi32,
     };
 
     use crate::quant::QFormat;
@@ -115,6 +116,13 @@ mod x86 {
         t
     };
 
+    /// f32 of every f16 bit pattern: a block's scale is then one broadcast load, which keeps the shuffle port
+    /// (the limit of this kernel) free of the f16 conversion.
+    fn f16_to_f32_table() -> &'static [f32] {
+        static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+        TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect())
+    }
+
     /// q4_0 with AVX512_BF16; see `dot_block` and the module documentation.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn dot_q4_0_avx512bf16<const R: usize, const T: usize>(
@@ -129,7 +137,9 @@ mod x86 {
         let bb = QFormat::Q4_0.block_bytes();
         // SAFETY: the table is 64 bytes.
         let table = unsafe { _mm512_loadu_si512(Q4_BF16.as_ptr().cast::<__m512i>()) };
-        let m = _mm_set1_epi8(0x0f);
+        // Shift counts per 16-bit lane: 0 for elements 0..16 (low nibbles), 4 for 16..32 (high nibbles).
+        let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        let scales = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 32 {
             let mut xv = [_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); T];
@@ -143,20 +153,23 @@ mod x86 {
                 }
             }
             for (r, row) in acc.iter_mut().enumerate() {
-                // SAFETY: block b of row r lies inside the R rows the caller guarantees (2-byte scale, 16 bytes).
-                let (v, bits) = unsafe {
+                // SAFETY: block b of row r lies inside the R rows the caller guarantees (2-byte scale, 16 bytes);
+                // the scale table has an entry for every 16-bit pattern.
+                let (v, d) = unsafe {
                     let p = w.add(r * ws + b * bb);
                     prefetch(p, prefetch_bytes);
-                    (_mm_loadu_si128(p.add(2).cast::<__m128i>()), p.cast::<i16>().read_unaligned())
+                    let bits = p.cast::<u16>().read_unaligned();
+                    (
+                        _mm_loadu_si128(p.add(2).cast::<__m128i>()),
+                        _mm512_set1_ps(*scales.add(usize::from(bits))),
+                    )
                 };
-                // Nibbles in element order: low nibbles are elements 0..16, high nibbles 16..32.
-                let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
-                    _mm_and_si128(_mm_srli_epi16(v, 4), m),
-                    _mm_and_si128(v, m),
-                ));
+                // The 16 quant bytes twice, as 16-bit lanes; the second copy shifted right by 4. `vpermw` reads
+                // the low 5 bits of an index, and the table repeats after 16 entries, so the low copy needs no
+                // mask: elements 0..16 take the low nibbles, 16..32 the high ones.
+                let idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(v)), shifts);
                 // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
                 let wv: __m512bh = unsafe { std::mem::transmute(_mm512_permutexvar_epi16(idx, table)) };
-                let d = _mm512_cvtph_ps(_mm256_set1_epi16(bits));
                 for (t, a) in row.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[t], wv), d, *a);
                 }
