@@ -36,7 +36,7 @@ impl CpuPool {
             .thread_name(|i| format!("pipeshard-cpu-{i}"))
             .build()
             .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: 0 })
+        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: QUANT_PREFETCH_BYTES })
     }
 
     /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
@@ -50,8 +50,8 @@ impl CpuPool {
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
     }
 
-    /// The same pool with the quantised kernels prefetching `bytes` ahead along each row (by default they
-    /// leave it to the hardware prefetchers), to compare.
+    /// The same pool with the quantised kernels prefetching `bytes` ahead along each row (0: not at all), to
+    /// compare.
     #[must_use]
     pub fn with_prefetch(self, bytes: usize) -> CpuPool {
         CpuPool { prefetch_bytes: bytes, ..self }
@@ -80,6 +80,10 @@ impl CpuPool {
         self.pool.install(f)
     }
 }
+
+/// How far ahead the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
+/// threads, `pipeshard exec bench`): q4_0 77 GB/s with it against 70 without, q8_0 118 against 102.
+pub const QUANT_PREFETCH_BYTES: usize = 1024;
 
 /// A raw pointer that tasks writing disjoint elements share.
 #[derive(Clone, Copy)]
