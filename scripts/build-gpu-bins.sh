@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, the release binaries the GPU machine runs: the CLI and the exec GPU test
-# binary, copied into .bin/ (git-ignored; name it in the device tool's `carry`). Then, on the GPU machine:
+# binary and exec's unit tests, copied into .bin/ (git-ignored; name it in the device tool's `carry`). Then, on the GPU machine:
 #   bash scripts/gpu-check.sh          (tests + transformers comparison + exec runs, logs under $OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,10 @@ cp target/release/pipeshard .bin/pipeshard
 exe=$(cargo test --release -p pipeshard-exec --test gpu --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["name"]=="gpu"][-1])')
 cp "$exe" .bin/exec-gpu-tests
-strip .bin/pipeshard .bin/exec-gpu-tests
+# exec's unit tests: on the GPU machine they check the AVX-512 kernels the development machines may lack.
+unit=$(cargo test --release -p pipeshard-exec --lib --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["kind"]==["lib"]][-1])')
+cp "$unit" .bin/exec-unit-tests
+strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests
 git rev-parse --short=12 HEAD > .bin/commit
 ls -la .bin

@@ -35,7 +35,9 @@ use crate::experiment::resolve_model;
 #[derive(Debug, Subcommand)]
 pub enum ExecCommand {
     /// Run plans on the GPU and CPU of this machine and measure TTFT, TPS, E2EL and peak VRAM.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
+    /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0) against DRAM / HBM bandwidth.
+    Bench(crate::exec_bench::BenchArgs),
 }
 
 /// Arguments of `exec run`.
@@ -64,7 +66,7 @@ pub struct RunArgs {
     /// Run these plans (JSON) instead of planning.
     #[arg(long)]
     plan: Vec<PathBuf>,
-    /// Store every matrix in this format (`bf16`, `f16`), overriding the catalog's.
+    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`), overriding the catalog's.
     #[arg(long)]
     weights: Option<String>,
     /// Load the weights of this HF checkpoint folder (config.json + bf16/f16/f32 safetensors) instead of random
@@ -125,11 +127,12 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
         let d: DType = w.parse().map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
         spec = spec.with_uniform_weights(d);
     } else if !spec.stored.is_empty() {
-        // The executor holds matrices in one of bf16/f16 and norms in f32, whatever the file stores.
+        // The executor holds every matrix in one format and norms in f32, whatever the file stores.
         let m = spec.weights.attn_q;
-        if !matches!(m, DType::Bf16 | DType::F16) {
+        if !matches!(m, DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0) {
             bail!(
-                "{model} stores its matrices as {m}; the executor runs bf16 or f16 matrices: pass --weights bf16 \
+                "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0 or q4_0 matrices: pass \
+                 --weights q4_0 (or bf16) \
                  (a checkpoint's weights are converted; a GGUF gives its architecture, with random weights unless \
                  --weights-from names a checkpoint)"
             );
@@ -225,7 +228,10 @@ fn csv_field(s: &str) -> String {
 
 /// Runs `exec run`.
 pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
-    let ExecCommand::Run(args) = cmd;
+    let args = match cmd {
+        ExecCommand::Run(args) => *args,
+        ExecCommand::Bench(args) => return crate::exec_bench::run(&args),
+    };
     let (commit, date, command) = provenance();
     let gpu = match probe() {
         Ok(_) => Some(Gpu::new().context("opening the CUDA device")?),
@@ -306,7 +312,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         "{}: {} bytes of {} weights ({source}) in {:.1} s",
         spec.name,
         weights.total_bytes(),
-        weights.dims.mat.name(),
+        weights.dims.quant.map_or(weights.dims.mat.name(), |q| q.dtype().name()),
         t.elapsed().as_secs_f64()
     );
     let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
@@ -493,7 +499,7 @@ mod tests {
             .a
     }
 
-    /// A checkpoint folder runs in its own bf16 format; a quantised GGUF runs only with `--weights`.
+    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`.
     #[test]
     fn model_files_get_the_executor_formats() {
         use pipeshard_core::checkpoint::Checkpoint;
@@ -509,7 +515,7 @@ mod tests {
         assert_eq!(loaded.total_bytes(), w.total_bytes());
         let gguf = crate::testfiles::write_gguf(&dir).display().to_string();
         let e = spec_for(&run_args(&format!("--model {gguf}")), &gguf).unwrap_err().to_string();
-        assert!(e.contains("q4_k") && e.contains("--weights bf16"), "{e}");
+        assert!(e.contains("q4_k") && e.contains("--weights q4_0"), "{e}");
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
         assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
         std::fs::remove_dir_all(&dir).unwrap();

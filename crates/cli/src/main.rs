@@ -3,6 +3,7 @@
 mod args;
 mod compare;
 mod exec;
+mod exec_bench;
 mod experiment;
 mod llama_cpp;
 mod models;

@@ -56,8 +56,14 @@ pub enum ProfileCommand {
 }
 
 /// indicatif bars, one per section.
-struct Bars {
+pub(crate) struct Bars {
     bar: std::cell::RefCell<Option<ProgressBar>>,
+}
+
+impl Bars {
+    pub(crate) fn new() -> Bars {
+        Bars { bar: std::cell::RefCell::new(None) }
+    }
 }
 
 impl Progress for Bars {
@@ -123,7 +129,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 commit,
                 date,
             };
-            let bars = Bars { bar: std::cell::RefCell::new(None) };
+            let bars = Bars::new();
             let profile = pipeshard_profiler::measure(&cfg, &bars)?;
             if let Some(b) = bars.bar.borrow_mut().take() {
                 b.finish();

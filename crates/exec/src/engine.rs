@@ -293,7 +293,7 @@ struct Exec<'a> {
 }
 
 /// Runs the GEMM shapes of a model once so cuBLAS loads its kernels; returns the lowest device free memory seen.
-fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
+fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize) -> Result<u64> {
     let mut shapes = vec![
         (d.q_dim, d.hidden),
         (d.kv_dim, d.hidden),
@@ -315,9 +315,9 @@ fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
         counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
     }
     for m in counts {
-        for &(n, k) in &shapes {
+        for &(n, kd) in &shapes {
             // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
-            unsafe { gpu.gemm(d.mat, wb.ptr(), xb.ptr(), yb.ptr(), m, n, k, false)? };
+            unsafe { gpu.matmul(kn, d.quant, wb.ptr(), xb.ptr(), yb.ptr(), m, n, kd, false)? };
         }
     }
     gpu.sync(Stream::Compute)?;
@@ -328,8 +328,8 @@ fn warm_up(gpu: &Gpu, d: &Dims, m_prefill: usize) -> Result<u64> {
 /// kernels, warmed GEMMs), plus [`lazy_load_reserve_bytes`]: what a planner should assume as runtime overhead
 /// on this machine. Measured as device total − free, so other processes on the device count too.
 pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usize) -> Result<u64> {
-    gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
-    warm_up(gpu, w, prefill_tokens)?;
+    let k = gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
+    warm_up(gpu, &k, w, prefill_tokens)?;
     let (free, total) = gpu.mem_info()?;
     Ok(total - free + lazy_load_reserve_bytes(w))
 }
@@ -483,7 +483,7 @@ impl<'a> Exec<'a> {
         let d = self.d;
         let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.elem, head_dim: d.head_dim })?;
         let (free0, total) = gpu.mem_info()?;
-        let min_free = free0.min(warm_up(gpu, d, m_prefill)?);
+        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill)?);
         let (free, _) = gpu.mem_info()?;
         let min_free = min_free.min(free);
         let overhead = total - free;
@@ -1064,8 +1064,9 @@ impl<'a> Exec<'a> {
                     d.norm_eps,
                     d.norm == pipeshard_core::model::NormKind::LayerNorm,
                 )?;
-                g.gpu.gemm(
-                    d.mat,
+                g.gpu.matmul(
+                    &g.k,
+                    d.quant,
                     wb + roff.gate_inp as u64,
                     at(sc.xb),
                     at(sc.moe_logits),
@@ -1172,10 +1173,40 @@ impl<'a> Exec<'a> {
                 // at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb and h.
                 unsafe {
                     gpu.gather_rows(&g.k, at(sc.xb), idx, at(sc.moe_x), c, hd)?;
-                    gpu.gemm(d.mat, wb + o.gate as u64, at(sc.moe_x), at(sc.moe_gate), c, fe, hd, false)?;
-                    gpu.gemm(d.mat, wb + o.up as u64, at(sc.moe_x), at(sc.moe_up), c, fe, hd, false)?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.gate as u64,
+                        at(sc.moe_x),
+                        at(sc.moe_gate),
+                        c,
+                        fe,
+                        hd,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.up as u64,
+                        at(sc.moe_x),
+                        at(sc.moe_up),
+                        c,
+                        fe,
+                        hd,
+                        false,
+                    )?;
                     gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), c * fe)?;
-                    gpu.gemm(d.mat, wb + o.down as u64, at(sc.moe_act), at(sc.moe_y), c, hd, fe, false)?;
+                    gpu.matmul(
+                        &g.k,
+                        d.quant,
+                        wb + o.down as u64,
+                        at(sc.moe_act),
+                        at(sc.moe_y),
+                        c,
+                        hd,
+                        fe,
+                        false,
+                    )?;
                     gpu.scatter_add_rows(&g.k, at(sc.moe_y), idx, wts, at(sc.h), c, hd)?;
                 }
                 g.span_end(
@@ -1279,6 +1310,7 @@ impl<'a> Exec<'a> {
             )?;
             g.gpu.embed(
                 &g.k,
+                self.d.quant,
                 wb,
                 base + lay.scratch.ids as u64,
                 base + lay.scratch.h as u64,
@@ -1358,9 +1390,39 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.gemm(d.mat, wb + o.q as u64, at(sc.xb), at(sc.q), m, d.q_dim, d.hidden, false)?;
-                    gpu.gemm(d.mat, wb + o.k as u64, at(sc.xb), at(sc.k), m, d.kv_dim, d.hidden, false)?;
-                    gpu.gemm(d.mat, wb + o.v as u64, at(sc.xb), at(sc.v), m, d.kv_dim, d.hidden, false)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.q as u64,
+                        at(sc.xb),
+                        at(sc.q),
+                        m,
+                        d.q_dim,
+                        d.hidden,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.k as u64,
+                        at(sc.xb),
+                        at(sc.k),
+                        m,
+                        d.kv_dim,
+                        d.hidden,
+                        false,
+                    )?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.v as u64,
+                        at(sc.xb),
+                        at(sc.v),
+                        m,
+                        d.kv_dim,
+                        d.hidden,
+                        false,
+                    )?;
                     for (b, x, dim) in
                         [(o.q_bias, sc.q, d.q_dim), (o.k_bias, sc.k, d.kv_dim), (o.v_bias, sc.v, d.kv_dim)]
                     {
@@ -1437,7 +1499,9 @@ impl<'a> Exec<'a> {
                     }
                 }
                 // SAFETY: as above; xb holds the m·q_dim attention output.
-                unsafe { gpu.gemm(d.mat, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)? };
+                unsafe {
+                    gpu.matmul(k, d.quant, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)?;
+                }
             }
             UnitKind::Ffn(o) => {
                 // SAFETY: as above; up/gate/act hold m·ffn elements.
@@ -1453,11 +1517,22 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.gemm(d.mat, wb + o.up as u64, at(sc.xb), at(sc.up), m, d.ffn, d.hidden, false)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.up as u64,
+                        at(sc.xb),
+                        at(sc.up),
+                        m,
+                        d.ffn,
+                        d.hidden,
+                        false,
+                    )?;
                     let gate = match o.gate {
                         Some(gw) => {
-                            gpu.gemm(
-                                d.mat,
+                            gpu.matmul(
+                                k,
+                                d.quant,
                                 wb + gw as u64,
                                 at(sc.xb),
                                 at(sc.gate),
@@ -1471,7 +1546,17 @@ impl<'a> Exec<'a> {
                         None => None,
                     };
                     gpu.ffn_act(k, gate, at(sc.up), at(sc.act), m * d.ffn)?;
-                    gpu.gemm(d.mat, wb + o.down as u64, at(sc.act), at(sc.h), m, d.hidden, d.ffn, true)?;
+                    gpu.matmul(
+                        k,
+                        d.quant,
+                        wb + o.down as u64,
+                        at(sc.act),
+                        at(sc.h),
+                        m,
+                        d.hidden,
+                        d.ffn,
+                        true,
+                    )?;
                 }
             }
             _ => unreachable!("gpu_block runs attention and FFN units"),
@@ -1535,7 +1620,17 @@ impl<'a> Exec<'a> {
                 d.norm_eps,
                 ln,
             )?;
-            g.gpu.gemm(d.mat, wb + o.head as u64, at(sc.xb), at(sc.logits), 1, d.vocab, d.hidden, false)?;
+            g.gpu.matmul(
+                &g.k,
+                d.quant,
+                wb + o.head as u64,
+                at(sc.xb),
+                at(sc.logits),
+                1,
+                d.vocab,
+                d.hidden,
+                false,
+            )?;
             g.gpu.argmax(&g.k, at(sc.logits), d.vocab, at(sc.tok), 1)?;
             let io = self.io.buf.as_mut_slice();
             let (head, tail) = io.split_at_mut(self.io.logits);

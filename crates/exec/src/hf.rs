@@ -110,15 +110,25 @@ pub fn export(w: &ModelWeights, dir: &Path, max_position: usize) -> Result<()> {
                     hint: "llama/qwen/qwen3-moe/nemotron only".into(),
                 });
             };
-            let mut data = u.bytes_at(t.offset, t.bytes).to_vec();
+            // Quantised matrices go out dequantised (exactly) in f32.
+            let (elem, mut data) = match t.quant {
+                Some(q) => (
+                    Elem::F32,
+                    q.dequantize(u.bytes_at(t.offset, t.bytes))
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect(),
+                ),
+                None => (t.elem, u.bytes_at(t.offset, t.bytes).to_vec()),
+            };
             let offset = norm_offset(&w.dims, &t.name);
             if offset != 0.0 {
-                for i in 0..t.bytes / t.elem.size_bytes() {
-                    let v = t.elem.read(&data, i) - offset;
-                    t.elem.write(&mut data, i, v);
+                for i in 0..data.len() / elem.size_bytes() {
+                    let v = elem.read(&data, i) - offset;
+                    elem.write(&mut data, i, v);
                 }
             }
-            let dtype = match t.elem {
+            let dtype = match elem {
                 Elem::F32 => Dtype::F32,
                 Elem::F16 => Dtype::F16,
                 Elem::Bf16 => Dtype::BF16,

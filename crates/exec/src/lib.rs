@@ -13,11 +13,13 @@
 //! - [`weights::ModelWeights`]: every tensor of a dense or Qwen3-MoE decoder, random from a seed, one page-aligned
 //!   host buffer per placement unit ([`host::HostBuf`]; one per routed expert); [`weights::Dims`] checks what the
 //!   executor supports.
-//! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation) and the CPU half of a forward pass; they
-//!   double as the reference for the GPU path. [`reference`](mod@reference) is an independent f64 forward pass for tests.
+//! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation; bf16/f16 rows and q8_0/q4_0 blocks)
+//!   and the CPU half of a forward pass; they double as the reference for the GPU path.
+//!   [`reference`](mod@reference) is an independent f64 forward pass for tests.
+//! - [`quant`]: the GGUF q8_0/q4_0 block formats, quantise and dequantise bit-exact with ggml's reference.
 //! - [`cuda`] (`exec::cuda`): the device seam — [`cuda::probe`], [`cuda::Gpu`] (context, compute/H2D/D2H
 //!   streams, cuBLAS GemmEx, NVRTC kernels for norms, RoPE, KV store, tiled causal attention, SwiGLU/ReLU²,
-//!   embedding and greedy sampling), raw allocations and events.
+//!   embedding and greedy sampling, q8_0/q4_0 GEMV and dequantisation), raw allocations and events.
 //! - [`layout`]: a phase plan turned into arena offsets, per-step weight/KV locations and the streaming ring's
 //!   item sequence; fails before running, naming the line that overflows.
 //! - [`engine`]: [`run`] — prefill chunks, the switch to the decode plan, decode steps, the ring, metrics.
@@ -25,6 +27,11 @@
 //! - [`testing`]: tiny specs and hand-made plans ([`testing::manual_plan`]) for tests and checks.
 //!
 //! # Decisions
+//! - Quantised matrices (q8_0, q4_0; `--weights q4_0`): every matrix, the embedding included, stays in its
+//!   blocks in host memory, in VRAM and over PCIe; activations are bf16. The CPU and the GPU decode GEMV
+//!   (≤ 8 tokens) dequantise as they read, exactly in f32; larger GPU matmuls (prefill) dequantise chunks of
+//!   rows to bf16 in a scratch buffer taken at warm-up (so it is part of the measured runtime overhead) and
+//!   run cuBLAS on them.
 //! - Numerics: activations stay f32; they are rounded to the matrix format (bf16/f16) right before every matmul
 //!   on both sides, and K/V to the cache format, so CPU and GPU compute the same function up to the order of f32
 //!   additions (measured: ≤ 1e-2 relative logits error between any two placements, ≤ 6.2e-3 against
@@ -47,8 +54,8 @@
 //!   of each pass (the host reuses its staging buffers).
 //!
 //! # Not supported (errors say so)
-//! Vision towers (issue 11), shared experts, tied embeddings, quantised formats (use `--weights bf16`),
-//! batch > 1 (issue 10).
+//! Vision towers (issue 11), shared experts, tied embeddings, mixed or K-quant formats (q4_k, q6_k, …; use
+//! `--weights q4_0`, `q8_0` or `bf16`), batch > 1 (issue 10).
 
 pub mod cpu;
 pub mod cuda;
@@ -57,6 +64,7 @@ pub mod error;
 pub mod hf;
 pub mod host;
 pub mod layout;
+pub mod quant;
 pub mod reference;
 pub mod testing;
 pub mod weights;

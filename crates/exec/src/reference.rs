@@ -13,9 +13,10 @@ fn read_vec(u: &UnitWeights, off: usize, n: usize, elem: Elem) -> Vec<f64> {
     (0..n).map(|i| f64::from(elem.read(bytes, i))).collect()
 }
 
-fn matvec(u: &UnitWeights, off: usize, rows: usize, cols: usize, elem: Elem, x: &[f64]) -> Vec<f64> {
+/// A model matrix `[rows, cols]` at `off` times `x` (quantised matrices dequantised exactly).
+fn matvec(d: &Dims, u: &UnitWeights, off: usize, rows: usize, cols: usize, x: &[f64]) -> Vec<f64> {
     let bytes = &u.buf.as_slice()[off..];
-    (0..rows).map(|r| (0..cols).map(|c| f64::from(elem.read(bytes, r * cols + c)) * x[c]).sum()).collect()
+    (0..rows).map(|r| d.mat_row(bytes, r, cols).iter().zip(x).map(|(&w, x)| f64::from(w) * x).sum()).collect()
 }
 
 fn norm(kind: NormKind, x: &[f64], w: &[f64], b: Option<&[f64]>, eps: f64) -> Vec<f64> {
@@ -62,7 +63,7 @@ fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
     let nb = r.norm_b.map(|o| read_vec(ru, o, d.hidden, Elem::F32));
     for x in h.iter_mut() {
         let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
-        let logits = matvec(ru, r.gate_inp, moe.n_experts, d.hidden, d.mat, &xn);
+        let logits = matvec(d, ru, r.gate_inp, moe.n_experts, d.hidden, &xn);
         let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let p: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
         let sum: f64 = p.iter().sum();
@@ -73,9 +74,9 @@ fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
         for &e in picked {
             let eu = w.unit(UnitId::Expert { layer, expert: e as u32 }).expect("expert unit");
             let UnitKind::Expert(o) = eu.kind else { unreachable!("expert unit kind") };
-            let g = matvec(eu, o.gate, moe.expert_ffn, d.hidden, d.mat, &xn);
-            let u = matvec(eu, o.up, moe.expert_ffn, d.hidden, d.mat, &xn);
-            let y = matvec(eu, o.down, d.hidden, moe.expert_ffn, d.mat, &swiglu(&g, &u));
+            let g = matvec(d, eu, o.gate, moe.expert_ffn, d.hidden, &xn);
+            let u = matvec(d, eu, o.up, moe.expert_ffn, d.hidden, &xn);
+            let y = matvec(d, eu, o.down, d.hidden, moe.expert_ffn, &swiglu(&g, &u));
             let weight = if moe.norm_topk_prob { p[e] / total } else { p[e] / sum };
             x.iter_mut().zip(y).for_each(|(x, y)| *x += weight * y);
         }
@@ -88,8 +89,10 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let d = &w.dims;
     let n = tokens.len();
     let embd = w.unit(UnitId::TokenEmbd).expect("token embedding");
-    let mut h: Vec<Vec<f64>> =
-        tokens.iter().map(|&t| read_vec(embd, t as usize * d.hidden * 2, d.hidden, d.mat)).collect();
+    let mut h: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| d.mat_row(embd.buf.as_slice(), t as usize, d.hidden).into_iter().map(f64::from).collect())
+        .collect();
     for l in 0..d.n_layers {
         let au = w.unit(UnitId::Attn { layer: l as u32 }).expect("attention unit");
         let UnitKind::Attn(a) = au.kind else { unreachable!("attention unit kind") };
@@ -100,9 +103,9 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
         let mut vs = Vec::new();
         for (pos, x) in h.iter().enumerate() {
             let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
-            let mut q = matvec(au, a.q, d.q_dim, d.hidden, d.mat, &xn);
-            let mut k = matvec(au, a.k, d.kv_dim, d.hidden, d.mat, &xn);
-            let mut v = matvec(au, a.v, d.kv_dim, d.hidden, d.mat, &xn);
+            let mut q = matvec(d, au, a.q, d.q_dim, d.hidden, &xn);
+            let mut k = matvec(d, au, a.k, d.kv_dim, d.hidden, &xn);
+            let mut v = matvec(d, au, a.v, d.kv_dim, d.hidden, &xn);
             for (bias, x, dim) in
                 [(a.q_bias, &mut q, d.q_dim), (a.k_bias, &mut k, d.kv_dim), (a.v_bias, &mut v, d.kv_dim)]
             {
@@ -145,7 +148,7 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
                     }
                 }
             }
-            let o = matvec(au, a.o, d.hidden, d.q_dim, d.mat, &att);
+            let o = matvec(d, au, a.o, d.hidden, d.q_dim, &att);
             h[t].iter_mut().zip(o).for_each(|(x, o)| *x += o);
         }
         if w.unit(UnitId::Router { layer: l as u32 }).is_some() {
@@ -158,12 +161,12 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
         let nb = f.norm_b.map(|o| read_vec(fu, o, d.hidden, Elem::F32));
         for x in &mut h {
             let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
-            let up = matvec(fu, f.up, d.ffn, d.hidden, d.mat, &xn);
+            let up = matvec(d, fu, f.up, d.ffn, d.hidden, &xn);
             let act: Vec<f64> = match (d.ffn_kind, f.gate) {
-                (FfnKind::SwiGlu, Some(g)) => swiglu(&matvec(fu, g, d.ffn, d.hidden, d.mat, &xn), &up),
+                (FfnKind::SwiGlu, Some(g)) => swiglu(&matvec(d, fu, g, d.ffn, d.hidden, &xn), &up),
                 _ => up.iter().map(|u| u.max(0.0) * u.max(0.0)).collect(),
             };
-            let down = matvec(fu, f.down, d.hidden, d.ffn, d.mat, &act);
+            let down = matvec(d, fu, f.down, d.hidden, d.ffn, &act);
             x.iter_mut().zip(down).for_each(|(x, o)| *x += o);
         }
     }
@@ -174,7 +177,7 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     h.iter()
         .map(|x| {
             let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
-            matvec(ou, o.head, d.vocab, d.hidden, d.mat, &xn)
+            matvec(d, ou, o.head, d.vocab, d.hidden, &xn)
         })
         .collect()
 }

@@ -25,6 +25,7 @@ use safetensors::Dtype;
 use crate::error::{ExecError, Result};
 use crate::hf;
 use crate::host::{Elem, HostBuf};
+use crate::quant::QFormat;
 
 /// Alignment of tensors inside a unit (host and device): enough for vector loads and cuBLAS.
 pub const TENSOR_ALIGN_BYTES: usize = 16;
@@ -66,8 +67,10 @@ pub struct Dims {
     pub qk_norm: bool,
     /// Bias on q, k, v.
     pub qkv_bias: bool,
-    /// Element type of every matrix, and of the activations fed to matmuls.
+    /// Element type of the activations fed to matmuls, and of every matrix unless `quant` is set.
     pub mat: Elem,
+    /// The block format every matrix is stored in, when quantised (activations are then bf16).
+    pub quant: Option<QFormat>,
     /// Routed experts of the MoE layers (`None` for a dense decoder).
     pub moe: Option<MoeDims>,
     /// Whether any layer has a dense FFN (false when every layer routes to experts, as in Qwen3-MoE).
@@ -129,13 +132,30 @@ impl Dims {
         let mat = mats[0];
         let moe_mixed = t.moe.is_some() && moe_mats.iter().any(|&d| d != mat);
         if moe_mixed || mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
-            return Err(unsupported("mixed matrix formats", "pass --weights bf16 (or f16)"));
+            return Err(unsupported("mixed matrix formats", "pass one of --weights bf16, f16, q8_0, q4_0"));
         }
-        let Some(mat @ (Elem::F16 | Elem::Bf16)) = Elem::from_dtype(mat) else {
-            return Err(unsupported(&format!("{mat} matrices"), "pass --weights bf16 (or f16)"));
+        let quant = QFormat::from_dtype(mat);
+        let mat = match (Elem::from_dtype(mat), quant) {
+            (Some(e @ (Elem::F16 | Elem::Bf16)), _) => e,
+            (_, Some(_)) => Elem::Bf16,
+            _ => {
+                return Err(unsupported(
+                    &format!("{mat} matrices"),
+                    "pass --weights bf16, f16, q8_0 or q4_0",
+                ));
+            }
         };
         if w.norms != pipeshard_core::dtype::DType::F32 {
             return Err(unsupported(&format!("{} norm weights", w.norms), "norms are stored in f32"));
+        }
+        if quant.is_some() {
+            let expert_ffn = t.moe.as_ref().map_or(32, |m| m.expert_ffn);
+            if let Some(bad) = [t.hidden, t.ffn, expert_ffn].into_iter().find(|v| v % 32 != 0) {
+                return Err(unsupported(
+                    &format!("a matrix row of {bad} elements in {}", w.attn_q),
+                    "q8_0/q4_0 rows hold whole 32-element blocks; use --weights bf16",
+                ));
+            }
         }
         let head_dim = t.head_dim as usize;
         if !head_dim.is_multiple_of(32) || head_dim > 256 {
@@ -165,6 +185,7 @@ impl Dims {
             qk_norm: t.qk_norm,
             qkv_bias: t.qkv_bias,
             mat,
+            quant,
             dense_ffn: (0..t.n_layers).any(|l| !spec.layer_is_moe(l)),
             moe: t.moe.as_ref().map(|m| MoeDims {
                 n_experts: m.n_experts as usize,
@@ -184,6 +205,27 @@ impl Dims {
             .collect()
     }
 
+    /// Bytes of a `[rows, cols]` matrix in the matrix format.
+    #[must_use]
+    pub fn mat_bytes(&self, rows: usize, cols: usize) -> usize {
+        self.quant.map_or(rows * cols * self.mat.size_bytes(), |q| rows * q.row_bytes(cols))
+    }
+
+    /// Row `row` of a matrix of `cols` columns whose bytes start `mat`, as f32 (dequantised exactly).
+    #[must_use]
+    pub fn mat_row(&self, mat: &[u8], row: usize, cols: usize) -> Vec<f32> {
+        let rb = self.mat_bytes(1, cols);
+        let bytes = &mat[row * rb..(row + 1) * rb];
+        match self.quant {
+            Some(q) => {
+                let mut out = vec![0f32; cols];
+                q.dequantize_row(bytes, &mut out);
+                out
+            }
+            None => (0..cols).map(|i| self.mat.read(bytes, i)).collect(),
+        }
+    }
+
     /// `1/√head_dim`, the attention score scale.
     #[must_use]
     pub fn attn_scale(&self) -> f32 {
@@ -198,8 +240,10 @@ pub struct TensorSlot {
     pub name: String,
     /// For an expert's slice: which expert of the merged tensor.
     pub expert: Option<usize>,
-    /// Stored element type.
+    /// Stored element type (for a quantised matrix: the activation type it computes with).
     pub elem: Elem,
+    /// The block format of a quantised matrix.
+    pub quant: Option<QFormat>,
     /// Shape, rows first (`[rows, row_elems]` for matrices and expert slices).
     pub shape: Vec<usize>,
     /// Byte offset inside the unit.
@@ -354,6 +398,25 @@ fn init_of(name: &str, shape: &[usize]) -> (f32, f32) {
     }
 }
 
+/// Fills `buf` with the rows of a quantised matrix `name` whose first element is `first_elem`: the f32 values
+/// [`fill`] would draw, quantised row by row.
+fn fill_quant(buf: &mut [u8], q: QFormat, seed: u64, name: &str, shape: &[usize], first_elem: u64) {
+    const ROWS: usize = 64;
+    let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(name);
+    let (center, half_width) = init_of(name, shape);
+    let k = *shape.last().expect("matrices have a row length");
+    buf.par_chunks_mut(ROWS * q.row_bytes(k)).enumerate().for_each(|(c, chunk)| {
+        let mut row = vec![0f32; k];
+        for (r, out) in chunk.chunks_exact_mut(q.row_bytes(k)).enumerate() {
+            let base = first_elem + ((c * ROWS + r) * k) as u64;
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = center + half_width * uniform(stream, base + j as u64);
+            }
+            q.quantize_row(&row, out);
+        }
+    });
+}
+
 /// Fills `buf` with elements `first_elem..` of the tensor `name` (an expert's slice starts past the slices
 /// before it, so the merged tensor is the same whichever way it is cut).
 fn fill(buf: &mut [u8], elem: Elem, seed: u64, name: &str, shape: &[usize], first_elem: u64) {
@@ -458,8 +521,12 @@ impl Values<'_> {
         match self {
             Values::Zero => Ok(()),
             Values::Random(seed) => {
-                let first_elem = t.expert.map_or(0, |e| (e * t.bytes / t.elem.size_bytes()) as u64);
-                fill(out, t.elem, *seed, &t.name, &t.shape, first_elem);
+                let elems: usize = t.shape.iter().product();
+                let first_elem = t.expert.map_or(0, |e| (e * elems) as u64);
+                match t.quant {
+                    Some(q) => fill_quant(out, q, *seed, &t.name, &t.shape, first_elem),
+                    None => fill(out, t.elem, *seed, &t.name, &t.shape, first_elem),
+                }
                 Ok(())
             }
             Values::Checkpoint(ck, files) => read_tensor(ck, files, out, t, dims),
@@ -518,11 +585,18 @@ fn read_tensor(
         file.read_exact_at(buf, ct.file_offset).map_err(|e| err(&ct.file, format!("cannot be read: {e}")))
     };
     let offset = hf::norm_offset(dims, &t.name);
-    if from == t.elem && offset == 0.0 {
+    if from == t.elem && offset == 0.0 && t.quant.is_none() {
         return read(out);
     }
     let mut raw = vec![0u8; ct.bytes as usize];
     read(&mut raw)?;
+    if let Some(q) = t.quant {
+        let vals: Vec<f32> =
+            (0..raw.len() / from.size_bytes()).map(|i| from.read(&raw, i) + offset).collect();
+        let k = *t.shape.last().expect("matrices have a row length");
+        out.copy_from_slice(&q.quantize(&vals, k));
+        return Ok(());
+    }
     for i in 0..out.len() / t.elem.size_bytes() {
         t.elem.write(out, i, from.read(&raw, i) + offset);
     }
@@ -561,10 +635,13 @@ impl ModelWeights {
             let mut offset = 0usize;
             for part in &unit.parts {
                 let t = &inventory.tensors[part.tensor];
-                let elem = Elem::from_dtype(t.dtype).ok_or_else(|| ExecError::UnsupportedModel {
-                    model: spec.name.clone(),
-                    what: format!("{} stored as {}", t.name, t.dtype),
-                    hint: "pass --weights bf16 (or f16)".into(),
+                let quant = QFormat::from_dtype(t.dtype);
+                let elem = Elem::from_dtype(t.dtype).or(quant.map(|_| dims.mat)).ok_or_else(|| {
+                    ExecError::UnsupportedModel {
+                        model: spec.name.clone(),
+                        what: format!("{} stored as {}", t.name, t.dtype),
+                        hint: "pass --weights bf16, f16, q8_0 or q4_0".into(),
+                    }
                 })?;
                 let bytes = part.bytes as usize;
                 // An expert's slice of `[n_experts, rows, row_elems]` is `[rows, row_elems]`.
@@ -574,6 +651,7 @@ impl ModelWeights {
                     name: t.name.clone(),
                     expert: part.expert.map(|e| e as usize),
                     elem,
+                    quant,
                     shape,
                     offset,
                     bytes,
@@ -655,6 +733,36 @@ mod tests {
         let norm = u.tensor("ffn_norm.weight").unwrap();
         let g = Elem::F32.read(u.bytes_at(norm.offset, norm.bytes), 3);
         assert!((0.8..=1.2).contains(&g));
+    }
+
+    #[test]
+    fn quantised_weights_are_the_same_values_quantised() {
+        let bf = ModelWeights::random(&tiny(), 3).unwrap();
+        for q in QFormat::ALL {
+            let spec = tiny().with_uniform_weights(q.dtype());
+            let w = ModelWeights::random(&spec, 3).unwrap();
+            assert_eq!((w.dims.quant, w.dims.mat), (Some(q), Elem::Bf16));
+            let (u, ub) =
+                (w.unit(UnitId::Ffn { layer: 1 }).unwrap(), bf.unit(UnitId::Ffn { layer: 1 }).unwrap());
+            assert_eq!(u.bytes as u64, w.inventory.unit_bytes(u.id));
+            let t = u.tensor("ffn_down.weight").unwrap();
+            let tb = ub.tensor("ffn_down.weight").unwrap();
+            assert_eq!(t.bytes, t.shape[0] * q.row_bytes(t.shape[1]));
+            let (rows, k) = (t.shape[0], t.shape[1]);
+            let m = u.bytes_at(t.offset, t.bytes);
+            let mut worst = 0f32;
+            for r in [0, rows / 2, rows - 1] {
+                let deq = w.dims.mat_row(m, r, k);
+                let want = bf.dims.mat_row(ub.bytes_at(tb.offset, tb.bytes), r, k);
+                let amax = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (a, b) in deq.iter().zip(&want) {
+                    worst = worst.max((a - b).abs() / amax);
+                }
+            }
+            // One quantisation step (1/8 of the block maximum for q4_0, 1/127 for q8_0) plus bf16 rounding.
+            let bound = if q == QFormat::Q4_0 { 0.13 } else { 0.012 };
+            assert!(worst > 0.0 && worst < bound, "{q:?}: worst {worst}");
+        }
     }
 
     #[test]

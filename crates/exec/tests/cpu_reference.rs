@@ -1,5 +1,6 @@
 //! All-CPU execution of tiny models against the straightforward f64 reference (CI runs this; no GPU needed).
 
+use pipeshard_core::dtype::DType;
 use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::reference::{logits_f64, rel_err};
@@ -12,7 +13,14 @@ use pipeshard_exec::{ExecError, RunOptions, run};
 #[test]
 fn all_cpu_matches_the_f64_reference() {
     let mut checked = 0;
-    for spec in [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec(), tiny_qwen3_moe_spec()] {
+    let specs = [tiny_spec(), tiny_nemotron_spec(), tiny_qwen3_spec(), tiny_qwen3_moe_spec()];
+    // Quantised matrices too: the reference dequantises them exactly, so only activation rounding differs.
+    let quantised = [
+        tiny_spec().with_uniform_weights(DType::Q4_0),
+        tiny_qwen3_spec().with_uniform_weights(DType::Q8_0),
+        tiny_qwen3_moe_spec().with_uniform_weights(DType::Q4_0),
+    ];
+    for spec in specs.into_iter().chain(quantised) {
         let w = ModelWeights::random(&spec, 42).unwrap();
         let prompt = random_tokens(11, w.dims.vocab, 3);
         let force = random_tokens(5, w.dims.vocab, 4);
@@ -49,7 +57,7 @@ fn all_cpu_matches_the_f64_reference() {
         assert!(out.metrics.ttft_ns > 0 && out.metrics.tps > 0.0);
         assert!(out.vram.is_none());
     }
-    assert_eq!(checked, 24);
+    assert_eq!(checked, 42);
 }
 
 /// The CPU runs only the experts the router picks: each decode step's MoE block computes at most top-k

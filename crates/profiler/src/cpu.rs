@@ -104,6 +104,7 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
         qk_norm: false,
         qkv_bias: false,
         mat,
+        quant: None,
         moe: None,
         dense_ffn: true,
     }
@@ -111,7 +112,7 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
 
 /// The sum of a slice read as u64 words (the DRAM read kernel): 64-byte AVX-512 loads where available, as
 /// exec's matmul uses, so that DRAM bandwidth is the CPU kernels' real ceiling; eight plain lanes otherwise.
-fn read_sum(words: &[u64]) -> u64 {
+pub(crate) fn read_sum(words: &[u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {

@@ -31,10 +31,14 @@
 //! - **No GPU** ([`Mode::Tiny`] in tests, or `--cpu-only` on a development machine): the CPU sections are
 //!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name.
 //!
+//! [`bench`](mod@bench) (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0) on CPU and
+//! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
+//!
 //! # Not measured (notes say so)
-//! Quantised formats (exec runs f16/bf16 only: their families fall back to the roofline); a grouped expert
-//! kernel (exec has none yet: experts are per-expert GEMMs).
+//! Quantised formats in the profile (exec runs q8_0/q4_0, but their op families still fall back to the
+//! roofline); a grouped expert kernel (exec has none yet: experts are per-expert GEMMs).
 
+pub mod bench;
 pub mod cpu;
 pub mod gpu;
 pub mod machine;

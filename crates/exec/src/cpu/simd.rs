@@ -7,15 +7,25 @@
 
 use crate::host::Elem;
 
-/// The instruction set the kernels use on this machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The instruction set the kernels use on this machine, weakest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
-    /// AVX-512F (16 lanes).
-    Avx512,
-    /// AVX2 + FMA + F16C (8 lanes).
-    Avx2,
     /// Plain Rust.
     Portable,
+    /// AVX2 + FMA + F16C (8 lanes).
+    Avx2,
+    /// AVX-512F (16 lanes).
+    Avx512,
+    /// AVX-512F with BW and BF16: as `Avx512`, and q4_0 blocks go through bf16 dot products.
+    Avx512Bf16,
+}
+
+impl Isa {
+    /// This instruction set and every weaker one, strongest first (what a machine that has it can run).
+    #[must_use]
+    pub fn and_weaker(self) -> Vec<Isa> {
+        [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().filter(|&i| i <= self).collect()
+    }
 }
 
 /// The best instruction set available.
@@ -27,6 +37,13 @@ pub fn detect() -> Isa {
             return Isa::Portable;
         }
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("f16c") {
+            // PIPESHARD_CPU_NO_BF16 keeps the f32 block kernels (to compare, or should the bf16 path misbehave).
+            if is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512bf16")
+                && std::env::var_os("PIPESHARD_CPU_NO_BF16").is_none()
+            {
+                return Isa::Avx512Bf16;
+            }
             return Isa::Avx512;
         }
         if is_x86_feature_detected!("avx2")
@@ -67,7 +84,7 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from the caller; Avx512 is only returned by `detect` when present.
-        Isa::Avx512 => unsafe {
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             if elem == Elem::Bf16 {
                 x86::dot_block_avx512::<R, T, true>(x, ldx, w, k, out);
             } else {
@@ -102,7 +119,7 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
 pub fn dot_kv(isa: Isa, q: &[f32], kv: &[u8], elem: Elem) -> f32 {
     debug_assert!(kv.len() >= q.len() * elem.size_bytes());
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 || isa == Isa::Avx512 {
+    if isa != Isa::Portable {
         // SAFETY: AVX2/F16C were detected (Avx512 implies them on every CPU that has it, and detect checks f16c);
         // lengths checked above.
         return unsafe { x86::dot_kv_avx2(q, kv, elem) };
@@ -115,7 +132,7 @@ pub fn dot_kv(isa: Isa, q: &[f32], kv: &[u8], elem: Elem) -> f32 {
 pub fn axpy_kv(isa: Isa, acc: &mut [f32], p: f32, kv: &[u8], elem: Elem) {
     debug_assert!(kv.len() >= acc.len() * elem.size_bytes());
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 || isa == Isa::Avx512 {
+    if isa != Isa::Portable {
         // SAFETY: as in dot_kv.
         unsafe { x86::axpy_kv_avx2(acc, p, kv, elem) };
         return;

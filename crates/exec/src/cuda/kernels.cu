@@ -291,3 +291,117 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int vocab, u
         if (lane == 0) out[blockIdx.x] = (u32)idx;
     }
 }
+
+// ---- Block-quantised matrices (GGUF q8_0 / q4_0, 32 elements per block: an f16 scale d, then the quants).
+// q8_0: value = (signed char)q * d. q4_0: value = (nibble - 8) * d; byte j holds element j (low nibble) and
+// element j + 16 (high nibble). Blocks are 34 / 18 bytes, so only 2-byte loads are aligned.
+typedef unsigned char u8;
+#define QMAX_T 8  // quant::EXACT_MAX_TOKENS
+
+// Element i of a row of blocks, dequantised exactly in f32.
+template <int Q4> __device__ __forceinline__ float qval(const u8* __restrict__ row, u64 i) {
+    const u8* blk = row + (i >> 5) * (Q4 ? 18 : 34);
+    const int e = (int)(i & 31);
+    const float d = h2f(*(const u16*)blk);
+    if (Q4) {
+        const u8 q = blk[2 + (e & 15)];
+        return (float)((e < 16 ? q & 15 : q >> 4) - 8) * d;
+    }
+    return (float)(signed char)blk[2 + e] * d;
+}
+
+// Decode GEMV: y[t, r] (+)= sum_i x[t, i] * w[r, i] for t < m <= QMAX_T tokens, x in activations, y f32.
+// One warp per row; four lanes per block (8 elements each), so one warp step reads 8 consecutive blocks.
+// Per block the lane forms sum x*q, then scales by d (as the CPU kernels do).
+template <int Q4>
+__device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                       int n, int k, int m, int accumulate) {
+    const int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31, p = lane & 3;
+    if (row >= n) return;
+    const int bb = Q4 ? 18 : 34, nb = k >> 5;
+    const u8* wr = w + (u64)row * nb * bb;
+    float acc[QMAX_T];
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) acc[t] = 0.f;
+#pragma unroll 2
+    for (int b = lane >> 2; b < nb; b += 8) {
+        const u8* blk = wr + (u64)b * bb;
+        const float d = h2f(*(const u16*)blk);
+        // The lane's 8 weights, in the order of its 8 activations: q4_0 elements 4p..4p+3 (low nibbles) and
+        // 16+4p..16+4p+3 (high nibbles); q8_0 elements 8p..8p+7.
+        float wv[8];
+        if (Q4) {
+            const u16* q = (const u16*)(blk + 2 + 4 * p);
+            const u32 v = (u32)q[0] | ((u32)q[1] << 16);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                wv[j] = (float)((int)((v >> (8 * j)) & 15) - 8);
+                wv[4 + j] = (float)((int)((v >> (8 * j + 4)) & 15) - 8);
+            }
+        } else {
+            const u16* q = (const u16*)(blk + 2 + 8 * p);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u16 v = q[j];
+                wv[2 * j] = (float)(signed char)(v & 0xff);
+                wv[2 * j + 1] = (float)(signed char)(v >> 8);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) {
+            if (t < m) {
+                // Activation rows are 16-byte aligned (k is a multiple of 32): vector loads of 4 or 8 values.
+                const act_t* xt = x + (u64)t * k + 32 * (u64)b;
+                u32 xw[4];
+                if (Q4) {
+                    const uint2 a = *(const uint2*)(xt + 4 * p), c = *(const uint2*)(xt + 16 + 4 * p);
+                    xw[0] = a.x; xw[1] = a.y; xw[2] = c.x; xw[3] = c.y;
+                } else {
+                    const uint4 a = *(const uint4*)(xt + 8 * p);
+                    xw[0] = a.x; xw[1] = a.y; xw[2] = a.z; xw[3] = a.w;
+                }
+                float s = 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) s = fmaf(ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1)))), wv[j], s);
+                acc[t] = fmaf(s, d, acc[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) {
+        if (t < m) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) {
+                float* o = y + (u64)t * n + row;
+                *o = accumulate ? *o + s : s;
+            }
+        }
+    }
+}
+extern "C" __global__ void gemv_q8_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<0>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv_q4_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<1>(w, x, y, n, k, m, acc);
+}
+
+// Prefill path: out[i] = w[i] dequantised and rounded to the activation type, for n elements (whole rows).
+extern "C" __global__ void dequant_q8_0(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(qval<0>(w, i));
+}
+extern "C" __global__ void dequant_q4_0(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(qval<1>(w, i));
+}
+
+// h[t, :] = table[ids[t], :] for a quantised table (one block per token), exact in f32.
+extern "C" __global__ void embed_q8_0(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 5) * 34;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = qval<0>(row, i);
+}
+extern "C" __global__ void embed_q4_0(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 5) * 18;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = qval<1>(row, i);
+}

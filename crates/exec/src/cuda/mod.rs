@@ -21,10 +21,14 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
+use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
 /// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
 pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+/// Where a quantised matrix is dequantised, a chunk of rows at a time, for cuBLAS (prefill). Allocated on the
+/// first such matmul, which the warm-up runs, so it counts in the measured runtime overhead.
+pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -100,6 +104,12 @@ pub struct Kernels {
     argmax: CudaFunction,
     gather_rows: CudaFunction,
     scatter_add_rows: CudaFunction,
+    gemv_q8_0: CudaFunction,
+    gemv_q4_0: CudaFunction,
+    dequant_q8_0: CudaFunction,
+    dequant_q4_0: CudaFunction,
+    embed_q8_0: CudaFunction,
+    embed_q4_0: CudaFunction,
 }
 
 impl Kernels {
@@ -189,6 +199,7 @@ pub struct Gpu {
     name: String,
     arch: Option<&'static str>,
     kernels: Mutex<HashMap<KernelKey, Arc<Kernels>>>,
+    dequant_scratch: Mutex<Option<DevBuf>>,
 }
 
 // SAFETY: the cuBLAS handle is only used from the thread that drives the executor, with the context bound; the
@@ -254,6 +265,7 @@ impl Gpu {
             name,
             arch,
             kernels: Mutex::new(HashMap::new()),
+            dequant_scratch: Mutex::new(None),
         })
     }
 
@@ -449,6 +461,12 @@ impl Gpu {
             argmax: f("argmax")?,
             gather_rows: f("gather_rows")?,
             scatter_add_rows: f("scatter_add_rows")?,
+            gemv_q8_0: f("gemv_q8_0")?,
+            gemv_q4_0: f("gemv_q4_0")?,
+            dequant_q8_0: f("dequant_q8_0")?,
+            dequant_q4_0: f("dequant_q4_0")?,
+            embed_q8_0: f("embed_q8_0")?,
+            embed_q4_0: f("embed_q4_0")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -469,6 +487,27 @@ impl Gpu {
         m: usize,
         n: usize,
         k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        // SAFETY: forwarded; row stride n.
+        unsafe { self.gemm_strided(act, w, x, y, m, n, k, n, accumulate) }
+    }
+
+    /// [`Gpu::gemm`] writing columns of a wider `y` (row stride `ldy` ≥ `n`): how a chunk of a matrix's rows
+    /// fills its slice of the output.
+    ///
+    /// # Safety
+    /// As [`Gpu::gemm`], with `y` holding `(m − 1) × ldy + n` f32.
+    unsafe fn gemm_strided(
+        &self,
+        act: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        ldy: usize,
         accumulate: bool,
     ) -> Result<()> {
         let dt = if act == Elem::Bf16 {
@@ -497,25 +536,109 @@ impl Gpu {
                 std::ptr::from_ref(&beta).cast(),
                 y as *mut c_void,
                 cublas_sys::cudaDataType::CUDA_R_32F,
-                n as i32,
+                ldy as i32,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
         .map_err(cublas_err("cublasGemmEx"))
     }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`):
+    /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
+    /// more tokens dequantise chunks of rows into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation type)
+    /// and run cuBLAS on each.
+    ///
+    /// # Safety
+    /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of 32 when quantised), `x` `m × k`
+    /// activations of `kn`'s type, `y` `m × n` f32, all in live allocations.
+    pub unsafe fn matmul(
+        &self,
+        kn: &Kernels,
+        quant: Option<QFormat>,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let act = kn.key.act;
+        let Some(fmt) = quant else {
+            // SAFETY: forwarded.
+            return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
+        };
+        if m <= EXACT_MAX_TOKENS {
+            let f = match fmt {
+                QFormat::Q8_0 => &kn.gemv_q8_0,
+                QFormat::Q4_0 => &kn.gemv_q4_0,
+            };
+            let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
+            // Four warps per block, one row each.
+            let cfg = threads_for(n as u64 * 32, 128);
+            // SAFETY: argument types match the kernel; the kernel reads n rows of k/32 blocks of w and m rows
+            // of k activations, and writes y[t·n + r] for t < m, r < n (the caller's sizes).
+            return unsafe {
+                self.compute
+                    .launch_builder(f)
+                    .arg(&w)
+                    .arg(&x)
+                    .arg(&y)
+                    .arg(&n32)
+                    .arg(&k32)
+                    .arg(&m32)
+                    .arg(&acc)
+                    .launch(cfg)
+            }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(gemv_q)"));
+        }
+        let mut scratch = self.dequant_scratch.lock().expect("dequant scratch lock");
+        if scratch.is_none() {
+            *scratch = Some(self.alloc(DEQUANT_SCRATCH_BYTES)?);
+        }
+        let sp = scratch.as_ref().map_or(0, DevBuf::ptr);
+        let chunk_rows = (DEQUANT_SCRATCH_BYTES / (k * act.size_bytes())).max(1).min(n);
+        let f = match fmt {
+            QFormat::Q8_0 => &kn.dequant_q8_0,
+            QFormat::Q4_0 => &kn.dequant_q4_0,
+        };
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = chunk_rows.min(n - r0);
+            let elems = (rows * k) as u64;
+            let src = w + (r0 * fmt.row_bytes(k)) as u64;
+            // SAFETY: the chunk's rows lie inside w; the scratch holds rows·k activations (chunk_rows sized it,
+            // and a single row of k ≤ 8M elements fits); kernels run in order on the compute stream, so the
+            // next chunk overwrites the scratch only after this chunk's GEMM read it.
+            unsafe {
+                self.compute
+                    .launch_builder(f)
+                    .arg(&src)
+                    .arg(&sp)
+                    .arg(&elems)
+                    .launch(threads_for(elems, 256))
+                    .map_err(driver_err("cuLaunchKernel(dequant_q)"))?;
+                self.gemm_strided(act, sp, x, y + (r0 * 4) as u64, m, rows, k, n, accumulate)?;
+            }
+            r0 += rows;
+        }
+        Ok(())
+    }
 }
 
 /// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
 /// sizes it reads and writes.
 impl Gpu {
-    /// `h[t] = table[ids[t]]` for `m` tokens.
+    /// `h[t] = table[ids[t]]` for `m` tokens, the table stored as `quant` (or in the activation type).
     ///
     /// # Safety
-    /// `ids` holds `m` in-range token ids, `table` `vocab × hidden`, `h` `m × hidden` f32.
+    /// `ids` holds `m` in-range token ids, `table` `vocab × hidden` in its format, `h` `m × hidden` f32.
     pub unsafe fn embed(
         &self,
         k: &Kernels,
+        quant: Option<QFormat>,
         table: u64,
         ids: u64,
         h: u64,
@@ -524,12 +647,15 @@ impl Gpu {
     ) -> Result<()> {
         let hidden = hidden as i32;
         let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let f = match quant {
+            None => &k.embed,
+            Some(QFormat::Q8_0) => &k.embed_q8_0,
+            Some(QFormat::Q4_0) => &k.embed_q4_0,
+        };
         // SAFETY: argument types match the kernel signature; sizes per the caller.
-        unsafe {
-            self.compute.launch_builder(&k.embed).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg)
-        }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel(embed)"))
+        unsafe { self.compute.launch_builder(f).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(embed)"))
     }
 
     /// Normalises `rows` rows of `dim` f32 into the activation type (`b` = 0 for none).

@@ -1,0 +1,334 @@
+//! SIMD inner loops of the CPU matmul on q8_0/q4_0 rows: f32 activations against block-quantised weights.
+//!
+//! Per block, the quants widen to f32 in registers, `Σ x·q` over the block's 32 elements is formed with FMAs and
+//! then scaled by the block's f16 scale into the accumulator, so the result equals dequantise-then-f32 up to
+//! the order and rounding of f32 additions. Activations stay f32 (rounded to bf16/f16 by the caller, as for
+//! bf16 matrices), rather than quantised to 8 bits as llama.cpp does for VNNI dot products: the GPU path
+//! computes the same function, and one pass over 4.5-bit weights is bound by DRAM bandwidth, not by the FMAs.
+//! AVX-512F and AVX2+FMA+F16C paths are chosen with the same run-time detection as [`super::simd`].
+//!
+//! With AVX512_BF16, q4_0 takes a shorter path: a 16-entry table lookup (`vpermw`) turns the 32 nibbles of a
+//! block into the bf16 values of `q − 8` (small integers, exact in bf16), and `vdpbf16ps` multiplies them with
+//! the activations converted to bf16 (exact when they hold bf16 values, as every matmul input here does; else
+//! rounded as the GPU rounds them). Products of two bf16 are exact in f32, so this is still the same function.
+
+use super::simd::Isa;
+use crate::quant::{BLOCK_ELEMS, QFormat};
+
+/// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (rows of `k` elements in `fmt`, `ws` bytes
+/// apart from `w`) and `T` activation rows (stride `ldx`).
+///
+/// # Safety
+/// `k` is a multiple of 32, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R` and `x` at least `(T − 1) × ldx + k` f32s;
+/// the ISA was detected.
+#[inline]
+pub unsafe fn dot_block<const R: usize, const T: usize>(
+    isa: Isa,
+    fmt: QFormat,
+    prefetch_bytes: usize,
+    x: *const f32,
+    ldx: usize,
+    w: *const u8,
+    ws: usize,
+    k: usize,
+    out: &mut [[f32; T]; R],
+) {
+    match (isa, fmt) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded from the caller; Avx512Bf16 is only returned by `detect` when present.
+        (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe {
+            x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above for AVX-512.
+        (Isa::Avx512, QFormat::Q4_0) => unsafe {
+            x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q8_0) => unsafe {
+            x86::dot_avx512::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above for AVX2.
+        (Isa::Avx2, QFormat::Q4_0) => unsafe {
+            x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above for AVX2.
+        (Isa::Avx2, QFormat::Q8_0) => unsafe {
+            x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
+        },
+        _ => {
+            let rb = fmt.row_bytes(k);
+            let mut row = vec![0f32; k];
+            for (r, o) in out.iter_mut().enumerate() {
+                // SAFETY: sizes as documented.
+                fmt.dequantize_row(unsafe { std::slice::from_raw_parts(w.add(r * ws), rb) }, &mut row);
+                for (t, v) in o.iter_mut().enumerate() {
+                    // SAFETY: sizes as documented.
+                    let xs = unsafe { std::slice::from_raw_parts(x.add(t * ldx), k) };
+                    *v = xs.iter().zip(&row).map(|(a, b)| a * b).sum();
+                }
+            }
+        }
+    }
+}
+
+const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element blocks");
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
+mod x86 {
+    use std::arch::x86_64::{
+        __m128i, __m256, __m512, __m512bh, __m512i, _MM_HINT_T0, _mm_and_si128, _mm_loadu_si128,
+        _mm_prefetch, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16, _mm_srli_si128,
+        _mm256_broadcastsi128_si256, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
+        _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi16,
+        _mm256_set1_epi32, _mm256_setzero_ps, _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi8_epi32,
+        _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtph_ps,
+        _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_inserti64x4, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_mul_ps, _mm512_permutexvar_epi16, _mm512_reduce_add_ps, _mm512_set1_epi32, _mm512_set1_ps,
+        _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srlv_epi16, _mm512_sub_epi32,
+    };
+
+    use crate::quant::QFormat;
+
+    /// Asks for the line `ahead` bytes past `p` (0: nothing). Prefetches never fault, so the address may lie
+    /// past the matrix.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn prefetch(p: *const u8, ahead: usize) {
+        if ahead != 0 {
+            // A prefetch is a hint: it reads nothing architecturally and never faults.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead).cast::<i8>());
+        }
+    }
+
+    /// bf16 bit patterns of `q − 8` for nibbles `q` = 0..15, twice (`vpermw` indexes 32 entries).
+    const Q4_BF16: [u16; 32] = {
+        let mut t = [0u16; 32];
+        let mut i = 0;
+        while i < 32 {
+            t[i] = (((i % 16) as f32 - 8.0).to_bits() >> 16) as u16;
+            i += 1;
+        }
+        t
+    };
+
+    /// f32 of every f16 bit pattern: a block's scale is then one broadcast load, which keeps the shuffle port
+    /// (the limit of this kernel) free of the f16 conversion.
+    fn f16_to_f32_table() -> &'static [f32] {
+        static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+        TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect())
+    }
+
+    /// q4_0 with AVX512_BF16; see `dot_block` and the module documentation.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_avx512bf16<const R: usize, const T: usize>(
+        prefetch_bytes: usize,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let bb = QFormat::Q4_0.block_bytes();
+        // SAFETY: the table is 64 bytes.
+        let table = unsafe { _mm512_loadu_si512(Q4_BF16.as_ptr().cast::<__m512i>()) };
+        // Shift counts per 16-bit lane: 0 for elements 0..16 (low nibbles), 4 for 16..32 (high nibbles).
+        let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        let scales = f16_to_f32_table().as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 32 {
+            let mut xv = [_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); T];
+            for (t, v) in xv.iter_mut().enumerate() {
+                // SAFETY: block b covers elements 32b..32b+32 < k of every activation row.
+                unsafe {
+                    let lo = _mm512_loadu_ps(x.add(t * ldx + 32 * b));
+                    let hi = _mm512_loadu_ps(x.add(t * ldx + 32 * b + 16));
+                    // The second operand fills the low half: elements 0..16, then 16..32.
+                    *v = _mm512_cvtne2ps_pbh(hi, lo);
+                }
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: block b of row r lies inside the R rows the caller guarantees (2-byte scale, 16 bytes);
+                // the scale table has an entry for every 16-bit pattern.
+                let (v, d) = unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    prefetch(p, prefetch_bytes);
+                    let bits = p.cast::<u16>().read_unaligned();
+                    (
+                        _mm_loadu_si128(p.add(2).cast::<__m128i>()),
+                        _mm512_set1_ps(*scales.add(usize::from(bits))),
+                    )
+                };
+                // The 16 quant bytes twice, as 16-bit lanes; the second copy shifted right by 4. `vpermw` reads
+                // the low 5 bits of an index, and the table repeats after 16 entries, so the low copy needs no
+                // mask: elements 0..16 take the low nibbles, 16..32 the high ones.
+                let idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(v)), shifts);
+                // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                let wv: __m512bh = unsafe { std::mem::transmute(_mm512_permutexvar_epi16(idx, table)) };
+                for (t, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[t], wv), d, *a);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+
+    /// The block's 32 weights as f32 quants (q − 8 for q4_0), in element order, 16 per vector.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn quants16x2<const Q4: bool>(p: *const u8) -> (__m512, __m512) {
+        if Q4 {
+            // SAFETY: a q4_0 block has 16 quant bytes after its 2-byte scale.
+            let v = unsafe { _mm_loadu_si128(p.add(2).cast::<__m128i>()) };
+            let m = _mm_set1_epi8(0x0f);
+            let eight = _mm512_set1_epi32(8);
+            let lo = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(v, m)), eight);
+            let hi = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m)), eight);
+            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
+        } else {
+            // SAFETY: a q8_0 block has 32 quant bytes after its 2-byte scale.
+            let (a, b) = unsafe {
+                (_mm_loadu_si128(p.add(2).cast::<__m128i>()), _mm_loadu_si128(p.add(18).cast::<__m128i>()))
+            };
+            (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)))
+        }
+    }
+
+    /// The block's f16 scale, widened and broadcast.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn scale16(p: *const u8) -> __m512 {
+        // SAFETY: every block starts with its 2-byte scale.
+        let bits = unsafe { p.cast::<i16>().read_unaligned() };
+        _mm512_cvtph_ps(_mm256_set1_epi16(bits))
+    }
+
+    /// AVX-512 kernel; see `dot_block`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_avx512<const R: usize, const T: usize, const Q4: bool>(
+        prefetch_bytes: usize,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let fmt = if Q4 { QFormat::Q4_0 } else { QFormat::Q8_0 };
+        let bb = fmt.block_bytes();
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 32 {
+            let mut xv = [[_mm512_setzero_ps(); 2]; T];
+            for (t, v) in xv.iter_mut().enumerate() {
+                // SAFETY: block b covers elements 32b..32b+32 < k of every activation row.
+                unsafe {
+                    v[0] = _mm512_loadu_ps(x.add(t * ldx + 32 * b));
+                    v[1] = _mm512_loadu_ps(x.add(t * ldx + 32 * b + 16));
+                }
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: block b of row r lies inside the R rows the caller guarantees.
+                let (w0, w1, d) = unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    prefetch(p, prefetch_bytes);
+                    let (w0, w1) = quants16x2::<Q4>(p);
+                    (w0, w1, scale16(p))
+                };
+                for (t, a) in row.iter_mut().enumerate() {
+                    let s = _mm512_fmadd_ps(xv[t][1], w1, _mm512_mul_ps(xv[t][0], w0));
+                    *a = _mm512_fmadd_ps(s, d, *a);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum8(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: a has 8 f32.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+    }
+
+    /// The block's 32 weights as f32 quants, 8 per vector.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants8x4<const Q4: bool>(p: *const u8) -> [__m256; 4] {
+        if Q4 {
+            // SAFETY: a q4_0 block has 16 quant bytes after its 2-byte scale.
+            let v = unsafe { _mm_loadu_si128(p.add(2).cast::<__m128i>()) };
+            let m = _mm_set1_epi8(0x0f);
+            let eight = _mm256_set1_epi32(8);
+            let (lo, hi) = (_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+            let f = |h: __m128i| _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(h), eight));
+            [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+        } else {
+            // SAFETY: a q8_0 block has 32 quant bytes after its 2-byte scale.
+            let (a, b) = unsafe {
+                (_mm_loadu_si128(p.add(2).cast::<__m128i>()), _mm_loadu_si128(p.add(18).cast::<__m128i>()))
+            };
+            let f = |h: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+            [f(a), f(_mm_srli_si128(a, 8)), f(b), f(_mm_srli_si128(b, 8))]
+        }
+    }
+
+    /// AVX2 kernel; see `dot_block`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2<const R: usize, const T: usize, const Q4: bool>(
+        prefetch_bytes: usize,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let fmt = if Q4 { QFormat::Q4_0 } else { QFormat::Q8_0 };
+        let bb = fmt.block_bytes();
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for b in 0..k / 32 {
+            let mut xv = [[_mm256_setzero_ps(); 4]; T];
+            for (t, v) in xv.iter_mut().enumerate() {
+                for (c, vc) in v.iter_mut().enumerate() {
+                    // SAFETY: block b covers elements 32b..32b+32 < k.
+                    *vc = unsafe { _mm256_loadu_ps(x.add(t * ldx + 32 * b + 8 * c)) };
+                }
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: block b of row r lies inside the R rows the caller guarantees.
+                let (q, d) = unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    prefetch(p, prefetch_bytes);
+                    (quants8x4::<Q4>(p), _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned())))
+                };
+                for (t, a) in row.iter_mut().enumerate() {
+                    let mut s = _mm256_mul_ps(xv[t][0], q[0]);
+                    for c in 1..4 {
+                        s = _mm256_fmadd_ps(xv[t][c], q[c], s);
+                    }
+                    *a = _mm256_fmadd_ps(s, d, *a);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum8(acc[r][t]);
+            }
+        }
+    }
+}

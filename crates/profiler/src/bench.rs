@@ -1,0 +1,322 @@
+//! The decode GEMV's bandwidth per weight format, measured against what bounds it (`pipeshard exec bench`).
+//!
+//! A decode step reads every weight once, so a GEMV is as fast as the bytes of its weights stream: on the
+//! CPU the bound is the DRAM read bandwidth with the same threads over a buffer of the same size, on the GPU
+//! a device-to-device copy (read + write bytes over its time). Each format's matrix is sized to the same byte
+//! count, far above the caches, and filled with random values; the first rows of every result are checked
+//! against an f64 product with the dequantised weights, so a fast but wrong kernel shows.
+
+use std::time::Instant;
+
+use half::bf16;
+use pipeshard_exec::cpu::simd::Isa;
+use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant};
+use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
+use pipeshard_exec::host::Elem;
+use pipeshard_exec::quant::QFormat;
+use rayon::prelude::*;
+
+use crate::cpu::{fill_random, read_sum};
+use crate::stats::{Rule, sample};
+use crate::{Progress, Result};
+
+/// What to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchConfig {
+    /// CPU threads.
+    pub threads: usize,
+    /// Bytes of each CPU matrix (and of the DRAM read).
+    pub cpu_weight_bytes: usize,
+    /// Bytes of each GPU matrix (and of the copy).
+    pub gpu_weight_bytes: usize,
+    /// Row length of the matrices.
+    pub cols: usize,
+    /// Sampling rule.
+    pub rule: Rule,
+}
+
+/// One measured GEMV.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchRow {
+    /// `cpu` or `gpu`.
+    pub device: String,
+    /// Weight format.
+    pub format: String,
+    /// The kernel that ran.
+    pub kernel: String,
+    /// Matrix rows (outputs) and columns (inputs).
+    pub rows: usize,
+    pub cols: usize,
+    /// Bytes of weights one GEMV reads.
+    pub weight_bytes: u64,
+    /// Median time of one GEMV.
+    pub time_ns: f64,
+    /// `weight_bytes / time`.
+    pub gbps: f64,
+    /// What bounds it, and that bound measured.
+    pub bound: String,
+    pub bound_gbps: f64,
+    /// Largest error of the checked rows over the largest reference value.
+    pub max_rel_err: f64,
+}
+
+/// A weight format of the bench.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fmt {
+    Bf16,
+    Quant(QFormat),
+}
+
+impl Fmt {
+    const ALL: [Fmt; 3] = [Fmt::Bf16, Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0)];
+
+    fn name(self) -> &'static str {
+        match self {
+            Fmt::Bf16 => "bf16",
+            Fmt::Quant(q) => q.dtype().name(),
+        }
+    }
+
+    fn row_bytes(self, k: usize) -> usize {
+        match self {
+            Fmt::Bf16 => 2 * k,
+            Fmt::Quant(q) => q.row_bytes(k),
+        }
+    }
+
+    /// Row `r` dequantised (widened) to f32.
+    fn row(self, w: &[u8], r: usize, k: usize) -> Vec<f32> {
+        let rb = self.row_bytes(k);
+        let bytes = &w[r * rb..(r + 1) * rb];
+        match self {
+            Fmt::Bf16 => (0..k).map(|i| Elem::Bf16.read(bytes, i)).collect(),
+            Fmt::Quant(q) => {
+                let mut out = vec![0f32; k];
+                q.dequantize_row(bytes, &mut out);
+                out
+            }
+        }
+    }
+}
+
+/// Rows checked against the f64 reference.
+const CHECKED_ROWS: usize = 64;
+
+/// A random `[rows, k]` matrix in `fmt` (quantised formats quantise random f32 rows), filled in parallel.
+fn random_matrix(fmt: Fmt, rows: usize, k: usize) -> Vec<u8> {
+    const CHUNK_ROWS: usize = 256;
+    let rb = fmt.row_bytes(k);
+    let mut w = vec![0u8; rows * rb];
+    w.par_chunks_mut(CHUNK_ROWS * rb).enumerate().for_each(|(c, chunk)| match fmt {
+        Fmt::Bf16 => fill_random(chunk, Elem::Bf16, c as u64),
+        Fmt::Quant(q) => {
+            let mut f = vec![0u8; chunk.len() / rb * k * 4];
+            fill_random(&mut f, Elem::F32, c as u64);
+            let vals: Vec<f32> =
+                f.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4"))).collect();
+            chunk.copy_from_slice(&q.quantize(&vals, k));
+        }
+    });
+    w
+}
+
+/// The largest error of `y`'s first rows against the f64 product, over the largest reference value.
+fn check(fmt: Fmt, w: &[u8], x: &[f32], y: &[f32], k: usize) -> f64 {
+    let (mut err, mut top) = (0f64, 0f64);
+    for (r, &got) in y.iter().enumerate().take(CHECKED_ROWS) {
+        let want: f64 = fmt.row(w, r, k).iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+        err = err.max((f64::from(got) - want).abs());
+        top = top.max(want.abs());
+    }
+    err / top.max(f64::MIN_POSITIVE)
+}
+
+fn secs(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64().max(1e-9)
+}
+
+/// Measures the CPU GEMV of every format, and the GPU's when `gpu` is given.
+pub fn gemv_bandwidth(
+    cfg: &BenchConfig,
+    gpu: Option<&Gpu>,
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
+    let k = cfg.cols;
+    let x: Vec<f32> =
+        (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
+    let pool = CpuPool::new(cfg.threads)?;
+    // Every format with this machine's kernels; the quantised ones also without software prefetch, and q4_0
+    // with the f32 AVX-512 kernel where the bf16 one runs.
+    let mut cases: Vec<(Fmt, CpuPool)> =
+        Fmt::ALL.into_iter().map(|f| Ok((f, CpuPool::new(cfg.threads)?))).collect::<Result<_>>()?;
+    for q in QFormat::ALL {
+        cases.push((Fmt::Quant(q), CpuPool::new(cfg.threads)?.with_prefetch(0)));
+    }
+    if pool.isa() == Isa::Avx512Bf16 {
+        cases.push((Fmt::Quant(QFormat::Q4_0), CpuPool::with_isa(cfg.threads, Isa::Avx512)?));
+    }
+    let mut rows = Vec::new();
+
+    progress.section("CPU: DRAM read, then GEMV per format", 1 + cases.len() as u64);
+    let words = vec![1u64; cfg.cpu_weight_bytes / 8];
+    let chunk = words.len().div_ceil(pool.threads());
+    let dram = sample(cfg.rule, || -> Result<f64> {
+        let t = Instant::now();
+        let s = pool.install(|| words.par_chunks(chunk).map(read_sum).reduce(|| 0, u64::wrapping_add));
+        std::hint::black_box(s);
+        Ok(secs(t))
+    })?;
+    drop(words);
+    let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
+    progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
+    for (fmt, pool) in &cases {
+        let (fmt, pool) = (*fmt, pool);
+        let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
+        let w = random_matrix(fmt, n, k);
+        let mut y = vec![0f32; n];
+        let t = sample(cfg.rule, || -> Result<f64> {
+            let t = Instant::now();
+            match fmt {
+                Fmt::Bf16 => matmul(pool, &x, 1, k, &w, Elem::Bf16, n, &mut y, false),
+                Fmt::Quant(q) => matmul_quant(pool, &x, 1, k, &w, q, n, &mut y, false),
+            }
+            Ok(secs(t))
+        })?;
+        let gbps = w.len() as f64 / t.median / 1e9;
+        rows.push(BenchRow {
+            device: "cpu".into(),
+            format: fmt.name().into(),
+            kernel: match fmt {
+                Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
+                Fmt::Quant(_) => format!(
+                    "exec cpu matmul ({:?}, {} threads, prefetch {} B)",
+                    pool.isa(),
+                    pool.threads(),
+                    pool.prefetch_bytes()
+                ),
+            },
+            rows: n,
+            cols: k,
+            weight_bytes: w.len() as u64,
+            time_ns: t.median * 1e9,
+            gbps,
+            bound: format!("DRAM read, {} threads", pool.threads()),
+            bound_gbps: dram_gbps,
+            max_rel_err: check(fmt, &w, &x, &y, k),
+        });
+        progress.step(&format!("{} ({:?}): {gbps:.1} GB/s", fmt.name(), pool.isa()));
+    }
+    if let Some(gpu) = gpu {
+        rows.extend(gpu_rows(cfg, gpu, &x, progress)?);
+    }
+    Ok(rows)
+}
+
+fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) -> Result<Vec<BenchRow>> {
+    const REPS: usize = 20;
+    let k = cfg.cols;
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
+    progress.section("GPU: device copy, then GEMV per format", 1 + Fmt::ALL.len() as u64);
+    let (start, end) = (gpu.event(true)?, gpu.event(true)?);
+    // Times `REPS` launches of `f` on the compute stream; seconds per launch.
+    let timed = |f: &dyn Fn() -> pipeshard_exec::Result<()>| -> Result<f64> {
+        gpu.record(&start, Stream::Compute)?;
+        for _ in 0..REPS {
+            f()?;
+        }
+        gpu.record(&end, Stream::Compute)?;
+        gpu.sync_event(&end)?;
+        Ok(f64::from(gpu.elapsed_ms(&start, &end)?) / 1e3 / REPS as f64)
+    };
+    let bytes = cfg.gpu_weight_bytes;
+    let (a, b) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
+    // SAFETY: both buffers hold `bytes`, do not overlap, and outlive the synchronised measurement.
+    let copy = sample(cfg.rule, || timed(&|| unsafe { gpu.d2d(Stream::Compute, b.ptr(), a.ptr(), bytes) }))?;
+    let hbm_gbps = 2.0 * bytes as f64 / copy.median / 1e9;
+    progress.step(&format!("device copy: {hbm_gbps:.0} GB/s (read + write)"));
+    drop(b);
+    let mut xb = vec![0u8; 2 * k];
+    for (i, &v) in x.iter().enumerate() {
+        Elem::Bf16.write(&mut xb, i, v);
+    }
+    let xd = gpu.alloc(xb.len())?;
+    let mut rows = Vec::new();
+    for fmt in Fmt::ALL {
+        let n = bytes / fmt.row_bytes(k);
+        let w = random_matrix(fmt, n, k);
+        let yd = gpu.alloc(4 * n)?;
+        let quant = match fmt {
+            Fmt::Bf16 => None,
+            Fmt::Quant(q) => Some(q),
+        };
+        // SAFETY: `a` holds `bytes` ≥ w.len(), xd k activations, yd n f32; all synchronised before reading.
+        let t = unsafe {
+            gpu.h2d(Stream::Compute, a.ptr(), &w)?;
+            gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
+            sample(cfg.rule, || {
+                timed(&|| gpu.matmul(&kn, quant, a.ptr(), xd.ptr(), yd.ptr(), 1, n, k, false))
+            })?
+        };
+        let mut yb = vec![0u8; 4 * CHECKED_ROWS];
+        // SAFETY: yd holds n ≥ CHECKED_ROWS f32; the stream is synchronised below before yb is read.
+        unsafe { gpu.d2h(Stream::Compute, &mut yb, yd.ptr())? };
+        gpu.sync(Stream::Compute)?;
+        let y: Vec<f32> = yb.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+        let gbps = w.len() as f64 / t.median / 1e9;
+        rows.push(BenchRow {
+            device: "gpu".into(),
+            format: fmt.name().into(),
+            kernel: if quant.is_some() { "exec gemv_q (NVRTC)".into() } else { "cuBLAS GemmEx".into() },
+            rows: n,
+            cols: k,
+            weight_bytes: w.len() as u64,
+            time_ns: t.median * 1e9,
+            gbps,
+            bound: "device-to-device copy".into(),
+            bound_gbps: hbm_gbps,
+            max_rel_err: check(fmt, &w, x, &y, k),
+        });
+        progress.step(&format!("{}: {gbps:.0} GB/s", fmt.name()));
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    struct Quiet;
+    impl Progress for Quiet {
+        fn section(&self, _: &str, _: u64) {}
+        fn step(&self, _: &str) {}
+    }
+
+    #[test]
+    fn every_format_is_measured_and_correct_on_the_cpu() {
+        let cfg = BenchConfig {
+            threads: 2,
+            cpu_weight_bytes: 4 << 20,
+            gpu_weight_bytes: 0,
+            cols: 1024,
+            rule: Rule {
+                min_samples: 2,
+                max_samples: 3,
+                target_spread: 1.0,
+                budget: Duration::from_millis(50),
+            },
+        };
+        let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
+        // Every format, then the quantised ones again without prefetch (and q4_0 on f32 AVX-512 if bf16 runs).
+        let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
+        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q4_0"]);
+        assert!(rows[3].kernel.contains("prefetch 0 B") && rows[1].kernel.contains("prefetch 1024 B"));
+        for r in &rows {
+            assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
+            assert!(r.max_rel_err < 1e-4, "{r:?}");
+            assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
+        }
+        // q4_0 packs the most rows into the same bytes.
+        assert!(rows[2].rows > rows[1].rows && rows[1].rows > rows[0].rows);
+    }
+}
