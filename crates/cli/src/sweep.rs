@@ -348,7 +348,8 @@ pub fn write_provenance(
 }
 
 /// The commit of this run: `PIPESHARD_COMMIT` when set (machines that run a copied binary, whose checkout may
-/// be another commit's), else the checkout's (`-dirty` with uncommitted changes), or `unknown` outside one.
+/// be another commit's), else the checkout's (`-dirty` with uncommitted changes outside `results/` and
+/// `profiles/`), or `unknown` outside one.
 #[must_use]
 pub fn git_commit() -> String {
     if let Ok(c) = std::env::var("PIPESHARD_COMMIT") {
@@ -363,7 +364,13 @@ pub fn git_commit() -> String {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     match run(&["rev-parse", "HEAD"]) {
-        Some(c) if run(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()) => format!("{c}-dirty"),
+        // Outputs of earlier commands (results/, profiles/) do not make the code that produced them dirty.
+        Some(c)
+            if run(&["status", "--porcelain", "--", ".", ":!results", ":!profiles"])
+                .is_some_and(|s| !s.is_empty()) =>
+        {
+            format!("{c}-dirty")
+        }
         Some(c) => c,
         None => "unknown".into(),
     }
