@@ -2,7 +2,8 @@
 //!
 //! An experiment is a cartesian product: models × contexts × budgets × batches × ubatches × planners, on one
 //! profile, with one generation length — or the union of several such grids (`[[grid]]` sections, each with
-//! its own models, contexts, budgets and ubatches; missing fields fall back to the top level), so that one
+//! its own models, contexts, budgets and ubatches, and optionally a subset of the planners; missing fields fall
+//! back to the top level), so that one
 //! file can hold truncated models at budgets of MiB and full models at budgets of GiB. A model is a catalog name
 //! or a model file ([`resolve_model`]), optionally truncated to its first N layers with `@NL`
 //! (`qwen3-30b-a3b@2L`), which is how CI-sized grids stay small enough for the exhaustive planner. Prompt length, per grid: `prompt_tokens` as one number, or as a table by context
@@ -14,7 +15,7 @@
 //! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
 //! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs).
 //!
-//! Paper reproductions add three things:
+//! Paper reproductions and executor runs add:
 //! - `budget_excludes_runtime = true`: budgets are the paper's `-mva`, which does not count the CUDA context,
 //!   so planners get the budget plus the profile's runtime overhead.
 //! - `[ngl]`: the `ngl` cells replay the baseline's measured `-ngl N` from a CSV of the paper's runs
