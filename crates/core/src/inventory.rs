@@ -12,7 +12,7 @@
 //!
 //! Merged expert tensors are the one case where a tensor spans units: each expert unit owns an equal slice.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -159,7 +159,8 @@ pub struct Inventory {
     pub tensors: Vec<Tensor>,
     pub units: Vec<Unit>,
     #[serde(skip)]
-    index: BTreeMap<UnitId, usize>,
+    /// Unit → position; hashed, as planners and the simulator look units up per placement.
+    index: HashMap<UnitId, usize>,
 }
 
 struct Builder<'a> {
