@@ -18,6 +18,7 @@ use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::workload::Workload;
 use pipeshard_sim::{SimOptions, Simulator};
+use rayon::prelude::*;
 
 use crate::estimate::{Estimator, Layout};
 use crate::space::{Choice, Space};
@@ -210,7 +211,9 @@ impl Judge<'_> {
         planner: &str,
         sources: &[(&str, Layout, Layout)],
     ) -> (Candidate, Candidate, String) {
-        let mut timed: [Vec<Timed>; 2] = [Vec::new(), Vec::new()];
+        // Every distinct candidate of each phase with the partner it is judged beside, in source order; they
+        // are simulated in parallel (independent and pure), and kept in that order, so the choice is the same.
+        let mut jobs: [Vec<(Candidate, Candidate, usize)>; 2] = [Vec::new(), Vec::new()];
         for (k, (_, p, d)) in sources.iter().enumerate() {
             for (i, phase, own, other) in [(0, PhaseKind::Prefill, p, d), (1, PhaseKind::Decode, d, p)] {
                 let mut cands = self.variants(phase, own);
@@ -218,16 +221,23 @@ impl Judge<'_> {
                 // The other phase as its source has it (prefill's KV write-backs depend on the decode plan).
                 let partner = Candidate { layout: other.clone(), op_offload: false };
                 for c in cands {
-                    if timed[i].iter().any(|t| t.candidate == c) {
-                        continue;
-                    }
-                    let pair = if i == 0 { (&c, &partner) } else { (&partner, &c) };
-                    if let Some(ns) = self.simulate(planner, phase, pair.0, pair.1) {
-                        timed[i].push(Timed { candidate: c, ns, source: k });
+                    if !jobs[i].iter().any(|(j, ..)| *j == c) {
+                        jobs[i].push((c, partner.clone(), k));
                     }
                 }
             }
         }
+        let timed: [Vec<Timed>; 2] = [PhaseKind::Prefill, PhaseKind::Decode].map(|phase| {
+            let i = phase_slot(phase);
+            jobs[i]
+                .par_iter()
+                .filter_map(|(c, partner, k)| {
+                    let pair = if i == 0 { (c, partner) } else { (partner, c) };
+                    let ns = self.simulate(planner, phase, pair.0, pair.1)?;
+                    Some(Timed { candidate: c.clone(), ns, source: *k })
+                })
+                .collect()
+        });
         let [pre, dec] = &timed;
         let gen_tokens = self.workload.gen_tokens as f64;
         let mut best: Option<(f64, usize, usize)> = None;
@@ -287,6 +297,14 @@ impl Judge<'_> {
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
         Some(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64)
+    }
+}
+
+/// Index of a phase's candidates in [`Judge::choose`].
+fn phase_slot(phase: PhaseKind) -> usize {
+    match phase {
+        PhaseKind::Prefill => 0,
+        PhaseKind::Decode => 1,
     }
 }
 
