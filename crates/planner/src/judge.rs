@@ -227,8 +227,7 @@ impl Judge<'_> {
                 }
             }
         }
-        let timed: [Vec<Timed>; 2] = [PhaseKind::Prefill, PhaseKind::Decode].map(|phase| {
-            let i = phase_slot(phase);
+        let timed: [Vec<Timed>; 2] = [(0, PhaseKind::Prefill), (1, PhaseKind::Decode)].map(|(i, phase)| {
             jobs[i]
                 .par_iter()
                 .filter_map(|(c, partner, k)| {
@@ -297,14 +296,6 @@ impl Judge<'_> {
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
         Some(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64)
-    }
-}
-
-/// Index of a phase's candidates in [`Judge::choose`].
-fn phase_slot(phase: PhaseKind) -> usize {
-    match phase {
-        PhaseKind::Prefill => 0,
-        PhaseKind::Decode => 1,
     }
 }
 
