@@ -270,6 +270,27 @@ fn both(
     Ok((alone, under))
 }
 
+/// The row of an f16-KV attention measurement: `tokens` queries over on average `keys` keys.
+fn attention_row(
+    (alone, under): (Stat, Option<Stat>),
+    q_dim: usize,
+    keys: usize,
+    tokens: usize,
+    threads: usize,
+) -> OpRow {
+    OpRow {
+        op: OpClass::Attention,
+        dtype: DType::F16,
+        n: q_dim as u64,
+        k: keys as u64,
+        tokens: tokens as u64,
+        threads: threads as u32,
+        time_ns: alone.median.ceil() as u64,
+        time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+        spread: Some(alone.spread),
+    }
+}
+
 /// Measures DRAM and the CPU kernels with every thread count in `threads`.
 pub fn measure(
     mode: Mode,
@@ -375,18 +396,7 @@ pub fn measure(
                     kernels::attention(pool, &d, &q, cache, lay, 1, ctx - 1, Elem::Bf16, &mut out);
                     Ok(secs_ns(t0))
                 };
-                let (alone, under) = both(rule, dma, &mut run)?;
-                rows.push(OpRow {
-                    op: OpClass::Attention,
-                    dtype: DType::F16,
-                    n: d.q_dim as u64,
-                    k: ctx as u64,
-                    tokens: 1,
-                    threads: pool.threads() as u32,
-                    time_ns: alone.median.ceil() as u64,
-                    time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-                    spread: Some(alone.spread),
-                });
+                rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, 1, pool.threads()));
                 progress.step(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()));
             }
         }
@@ -412,18 +422,7 @@ pub fn measure(
                 kernels::attention(most, &d, &q, &cache, lay, m, pos0, Elem::Bf16, &mut out);
                 Ok(secs_ns(t0))
             };
-            let (alone, under) = both(rule, dma, &mut run)?;
-            rows.push(OpRow {
-                op: OpClass::Attention,
-                dtype: DType::F16,
-                n: d.q_dim as u64,
-                k: ctx as u64,
-                tokens: m as u64,
-                threads: most.threads() as u32,
-                time_ns: alone.median.ceil() as u64,
-                time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-                spread: Some(alone.spread),
-            });
+            rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, m, most.threads()));
             progress.step(&format!(
                 "{}q/{}kv {m} queries, ~{ctx} keys t={}",
                 h.q_heads,
