@@ -31,7 +31,7 @@ use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
-use crate::layout::{KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_phase};
+use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
 use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
@@ -339,7 +339,12 @@ fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
         || (plan.op_offload
             && plan.phase == PhaseKind::Prefill
             && tokens >= 32
-            && plan.placements.iter().any(|p| matches!(p.unit, UnitId::Attn { .. } | UnitId::Ffn { .. })))
+            && plan.placements.iter().any(|p| {
+                matches!(
+                    p.unit,
+                    UnitId::Attn { .. } | UnitId::Ffn { .. } | UnitId::Router { .. } | UnitId::Expert { .. }
+                )
+            }))
 }
 
 /// Bytes of [`host_attention`]'s staging for `m` tokens: q, k, v (f32) then the output (activations).
@@ -503,8 +508,13 @@ impl<'a> Exec<'a> {
         }
         let arena_bytes = budget - overhead - reserve;
         // Check both layouts before taking the arena.
-        layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes as usize, budget, overhead)?;
-        layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes as usize, budget, overhead)?;
+        layout_plan(
+            self.w,
+            plan,
+            self.kv,
+            m_prefill,
+            Arena { bytes: arena_bytes as usize, budget_bytes: budget, overhead_bytes: overhead },
+        )?;
         let arena = gpu.alloc(arena_bytes as usize)?;
         let mut regs = Vec::new();
         for u in self.w.units() {
@@ -542,8 +552,8 @@ impl<'a> Exec<'a> {
     fn run(mut self, plan: &Plan, chunks: &[(usize, usize)], m_prefill: usize) -> Result<RunOutput> {
         let arena_bytes = self.gpu.as_ref().map_or(usize::MAX / 4, |g| g.arena.bytes());
         let (budget, overhead) = (plan.budget_bytes, self.gpu.as_ref().map_or(0, |g| g.overhead_bytes));
-        let lay_p = layout_phase(self.w, &plan.prefill, self.kv, m_prefill, arena_bytes, budget, overhead)?;
-        let lay_d = layout_phase(self.w, &plan.decode, self.kv, 1, arena_bytes, budget, overhead)?;
+        let arena = Arena { bytes: arena_bytes, budget_bytes: budget, overhead_bytes: overhead };
+        let [lay_p, lay_d] = layout_plan(self.w, plan, self.kv, m_prefill, arena)?;
         let pool_p = CpuPool::new(plan.prefill.cpu_threads as usize)?;
         let pool_d = if plan.decode.cpu_threads == plan.prefill.cpu_threads {
             None
@@ -940,7 +950,7 @@ impl<'a> Exec<'a> {
             match (uw.kind, step.weights.on_gpu()) {
                 (UnitKind::Embd, false) => {
                     let t = self.tl.now_ns();
-                    cpu::embed(self.d, uw.buf.as_slice(), tokens, self.h_host.f32s_mut());
+                    cpu::embed(pool, self.d, uw.buf.as_slice(), tokens, self.h_host.f32s_mut());
                     self.tl.host("cpu token_embd".into(), Track::Cpu, t);
                     self.h_on_dev = false;
                 }
@@ -1275,13 +1285,13 @@ impl<'a> Exec<'a> {
                 let (slot, addr) = self.acquire(RingItem::Weights(step.unit))?;
                 (addr, Some(slot))
             }
-            WeightLoc::Staged => {
-                let (off, _) = lay.staging.expect("staged units have a staging area");
+            WeightLoc::Staged(o) => {
+                let off = lay.staging.expect("staged units have a staging area").0 + o;
                 let g = self.gpu.as_ref().expect("gpu");
                 let uw = self.w.unit(step.unit).expect("weight unit");
                 let start = g.span_start(Stream::Compute)?;
-                // SAFETY: the staging area holds ≥ align(u.bytes); the compute stream orders this copy after the
-                // previous staged unit's compute; weights are registered and outlive the run.
+                // SAFETY: the staging area holds ≥ o + align(u.bytes); the compute stream orders this copy after
+                // the previous staged unit's compute; weights are registered and outlive the run.
                 unsafe { g.gpu.h2d(Stream::Compute, base + off as u64, &uw.buf.as_slice()[..uw.bytes])? };
                 g.span_end(&mut self.tl, format!("stage {}", step.unit), Track::H2d, Stream::Compute, start)?;
                 (base + off as u64, None)

@@ -107,6 +107,9 @@ const MOE_MIXES: &[(&str, u32, bool, Rule)] = &[
         (_, 1) => Placement::Streamed,
         _ => Placement::Cpu,
     }),
+    ("moe: op offload: layer 0 on the CPU (router, experts staged), the rest pinned", 0, true, |_, u| {
+        if u.layer() == Some(0) || u == UnitId::TokenEmbd { Placement::Cpu } else { Placement::Pinned }
+    }),
     ("moe: switch: prefill streamed d2, decode experts CPU", 2, false, |ph, u| match (ph, u) {
         (PhaseKind::Prefill, _) => Placement::Streamed,
         (PhaseKind::Decode, UnitId::Expert { .. }) => Placement::Cpu,
