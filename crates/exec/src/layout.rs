@@ -140,16 +140,19 @@ pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> Scrat
     s.h = take(m * d.hidden * 4);
     s.xb = take(m * d.hidden.max(d.q_dim) * act);
     s.logits = take(d.vocab * 4);
-    if attn_splits > 1 {
-        s.part_o = take(m * d.n_heads * attn_splits * d.head_dim * 4);
-        s.part_ml = take(m * d.n_heads * attn_splits * 2 * 4);
-    }
-    // Attention temporaries and FFN temporaries are never live at once: they share one region.
+    // Attention temporaries (q, k, v and the split-attention partials) and FFN temporaries are never live at
+    // once: they share one region (core's `scratch_parts` counts them the same way).
     let union_base = at;
     let q = union_base;
     let k = align(q + m * d.q_dim * 4);
     let v = align(k + m * d.kv_dim * 4);
-    let attn_end = align(v + m * d.kv_dim * 4);
+    let mut attn_end = align(v + m * d.kv_dim * 4);
+    if attn_splits > 1 {
+        s.part_o = attn_end;
+        attn_end = align(attn_end + m * d.n_heads * attn_splits * d.head_dim * 4);
+        s.part_ml = attn_end;
+        attn_end = align(attn_end + m * d.n_heads * attn_splits * 2 * 4);
+    }
     let up = union_base;
     let gate = align(up + m * d.ffn * 4);
     let act_off = if d.ffn_kind == FfnKind::SwiGlu { align(gate + m * d.ffn * 4) } else { gate };
@@ -678,5 +681,27 @@ mod tests {
         }
         assert!(d.pinned_offset(UnitId::Expert { layer: 0, expert: 0 }).is_some());
         assert_ne!(p.kv_offset(0), d.kv_offset(0), "only layer 1's KV is shared");
+    }
+    /// The planner's scratch line (core's `scratch_bytes`) covers the executor's scratch in decode, where the
+    /// split-attention partials grow with the context (a nemo-8b 8K decode plan was refused for them).
+    #[test]
+    fn core_scratch_covers_exec_scratch_in_decode() {
+        for name in ["nemo-8b", "qwen3-30b-a3b", "nemo-4b"] {
+            let spec = pipeshard_core::catalog::get(name)
+                .unwrap()
+                .with_uniform_weights(pipeshard_core::dtype::DType::Bf16);
+            let d = crate::weights::Dims::new(&spec).unwrap();
+            for ctx in [1024u64, 8192, 32768] {
+                let wl = pipeshard_core::workload::Workload::single(ctx - 16, ctx, 16, 1024);
+                let planned = pipeshard_core::workload::scratch_bytes(&spec, &wl, wl.decode_step(15));
+                let exec = scratch_layout(&d, 1, ctx as usize, 0);
+                assert!(exec.attn_splits > 1, "{name} {ctx}: decode splits the keys");
+                assert!(
+                    exec.bytes as u64 <= planned,
+                    "{name} ctx {ctx}: exec {} > planned {planned}",
+                    exec.bytes
+                );
+            }
+        }
     }
 }
