@@ -832,16 +832,38 @@ mod tests {
         for x in ["ttft_ms", "tps", "e2el_ms", "vram_peak_bytes"] {
             assert!(header.contains(&format!("{x}_pred,{x}_meas")), "{header}");
         }
-        assert!(header.ends_with(",calibration"));
+        assert!(header.ends_with(",calibration,plan_fingerprint"));
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("infeasible: needs at least 3 GiB"));
         let back = read_csvs(&[dir.join("cells.csv")]).unwrap();
         assert_eq!((back[0].pred, back[0].meas), (outcomes[0].pred, outcomes[0].meas));
+        assert_eq!(back[0].plan_fingerprint.as_deref(), Some("0123abcd"));
+        // Runs from before the fingerprint column still read.
+        let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
+        std::fs::write(dir.join("old.csv"), old).unwrap();
+        let back_old = read_csvs(&[dir.join("old.csv")]).unwrap();
+        assert_eq!((back_old[0].pred, back_old[0].plan_fingerprint.as_deref()), (outcomes[0].pred, None));
         assert_eq!((back[1].pred, back[1].status.as_str()), (None, "infeasible: needs at least 3 GiB"));
         assert_eq!(summary(&back), summary(&outcomes));
         scatter(&outcomes, &["ngl".into(), "ilp".into()], &dir.join("scatter.png")).unwrap();
         assert!(std::fs::metadata(dir.join("scatter.png")).unwrap().len() > 10_000);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn plan_fingerprints_follow_placements_not_notes() {
+        use pipeshard_core::inventory::UnitId;
+        use pipeshard_core::plan::Placement;
+        use pipeshard_exec::testing::{manual_plan, tiny_spec};
+        let (spec, wl) = (tiny_spec(), pipeshard_core::workload::Workload::single(16, 64, 4, 8));
+        let a = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, _| Placement::Pinned);
+        let mut b = a.clone();
+        b.notes.push("another estimate".into());
+        assert_eq!(plan_fingerprint(&a), plan_fingerprint(&b));
+        let c = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, u| {
+            if u == UnitId::Output { Placement::Cpu } else { Placement::Pinned }
+        });
+        assert_ne!(plan_fingerprint(&a), plan_fingerprint(&c));
     }
 
     #[test]
