@@ -278,6 +278,9 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
             profile = measured;
         }
         let cost = TableCostModel::new(&profile);
+        for w in crate::args::borrowed_rows(&cost, &args.profile, [&spec]) {
+            eprintln!("{w}");
+        }
         for planner in args.planner.split(',') {
             // The executor runs flash attention only: `ngl` plans llama.cpp's `-fa on`.
             let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };

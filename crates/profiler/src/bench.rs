@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use half::bf16;
 use pipeshard_exec::cpu::simd::Isa;
-use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant};
+use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, matmul, matmul_quant};
 use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::quant::QFormat;
@@ -27,6 +27,8 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Bytes of each CPU matrix (and of the DRAM read).
     pub cpu_weight_bytes: usize,
+    /// Bytes of the cache-resident CPU matrices (the kernels' compute ceiling).
+    pub cpu_cache_bytes: usize,
     /// Bytes of each GPU matrix (and of the copy).
     pub gpu_weight_bytes: usize,
     /// Row length of the matrices.
@@ -99,6 +101,68 @@ impl Fmt {
     }
 }
 
+/// One CPU measurement: a format, a kernel variant (the pool's ISA and prefetch) and the matrix bytes.
+struct CpuCase {
+    fmt: Fmt,
+    pool: CpuPool,
+    bytes: usize,
+}
+
+/// Every format with this machine's kernels first; then the quantised ones without software prefetch and with
+/// other prefetch distances and levels, q4_0 with fewer and more tasks per thread and with the f32 AVX-512
+/// kernel where the bf16 one runs, and the quantised kernels over a cache-resident matrix (their compute
+/// ceiling).
+fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
+    let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
+    let full = cfg.cpu_weight_bytes;
+    let pf = |bytes, level| Prefetch { bytes, level };
+    let mut v: Vec<(Fmt, Variant, usize)> =
+        Fmt::ALL.into_iter().map(|f| (f, Variant::default(), full)).collect();
+    for (f, p) in [
+        (q8, pf(0, CacheLevel::L1)),
+        (q4, pf(0, CacheLevel::L1)),
+        (q4, pf(2048, CacheLevel::L1)),
+        (q4, pf(4096, CacheLevel::L1)),
+        (q4, pf(1024, CacheLevel::L2)),
+        (q4, pf(2048, CacheLevel::L2)),
+        (q4, pf(4096, CacheLevel::L2)),
+        (q8, pf(2048, CacheLevel::L2)),
+    ] {
+        v.push((f, Variant { prefetch: Some(p), ..Variant::default() }, full));
+    }
+    for tasks in [1, 16] {
+        v.push((q4, Variant { tasks_per_thread: Some(tasks), ..Variant::default() }, full));
+    }
+    if pool.isa() == Isa::Avx512Bf16 {
+        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }, full));
+    }
+    v.push((q8, Variant::default(), cfg.cpu_cache_bytes));
+    v.push((q4, Variant::default(), cfg.cpu_cache_bytes));
+    v.into_iter()
+        .map(|(fmt, var, bytes)| {
+            let mut pool = match var.isa {
+                Some(isa) => CpuPool::with_isa(cfg.threads, isa)?,
+                None => CpuPool::new(cfg.threads)?,
+            };
+            if let Some(p) = var.prefetch {
+                pool = pool.with_prefetch(p);
+            }
+            if let Some(t) = var.tasks_per_thread {
+                pool = pool.with_tasks_per_thread(t);
+            }
+            Ok(CpuCase { fmt, pool, bytes })
+        })
+        .collect()
+}
+
+/// A kernel variant: what differs from the pool's defaults.
+#[derive(Default)]
+struct Variant {
+    prefetch: Option<Prefetch>,
+    isa: Option<Isa>,
+    tasks_per_thread: Option<usize>,
+}
+
 /// Rows checked against the f64 reference.
 const CHECKED_ROWS: usize = 64;
 
@@ -145,19 +209,10 @@ pub fn gemv_bandwidth(
     let x: Vec<f32> =
         (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
     let pool = CpuPool::new(cfg.threads)?;
-    // Every format with this machine's kernels; the quantised ones also without software prefetch, and q4_0
-    // with the f32 AVX-512 kernel where the bf16 one runs.
-    let mut cases: Vec<(Fmt, CpuPool)> =
-        Fmt::ALL.into_iter().map(|f| Ok((f, CpuPool::new(cfg.threads)?))).collect::<Result<_>>()?;
-    for q in QFormat::ALL {
-        cases.push((Fmt::Quant(q), CpuPool::new(cfg.threads)?.with_prefetch(0)));
-    }
-    if pool.isa() == Isa::Avx512Bf16 {
-        cases.push((Fmt::Quant(QFormat::Q4_0), CpuPool::with_isa(cfg.threads, Isa::Avx512)?));
-    }
+    let cases = cpu_cases(cfg, &pool)?;
     let mut rows = Vec::new();
 
-    progress.section("CPU: DRAM read, then GEMV per format", 1 + cases.len() as u64);
+    progress.section("CPU: DRAM read, then GEMV per format and kernel variant", 1 + cases.len() as u64);
     let words = vec![1u64; cfg.cpu_weight_bytes / 8];
     let chunk = words.len().div_ceil(pool.threads());
     let dram = sample(cfg.rule, || -> Result<f64> {
@@ -169,50 +224,71 @@ pub fn gemv_bandwidth(
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
     progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
-    for (fmt, pool) in &cases {
-        let (fmt, pool) = (*fmt, pool);
-        let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
-        let w = random_matrix(fmt, n, k);
+    // One random matrix per format and size, shared by the variants that read it.
+    let mut matrices: Vec<((Fmt, usize), Vec<u8>)> = Vec::new();
+    for case in &cases {
+        let (fmt, pool) = (case.fmt, &case.pool);
+        let n = case.bytes / fmt.row_bytes(k);
+        if !matrices.iter().any(|(key, _)| *key == (fmt, case.bytes)) {
+            matrices.push(((fmt, case.bytes), random_matrix(fmt, n, k)));
+        }
+        let w = &matrices.iter().find(|(key, _)| *key == (fmt, case.bytes)).expect("generated above").1;
         let mut y = vec![0f32; n];
         let t = sample(cfg.rule, || -> Result<f64> {
             let t = Instant::now();
             match fmt {
-                Fmt::Bf16 => matmul(pool, &x, 1, k, &w, Elem::Bf16, n, &mut y, false),
-                Fmt::Quant(q) => matmul_quant(pool, &x, 1, k, &w, q, n, &mut y, false),
+                Fmt::Bf16 => matmul(pool, &x, 1, k, w, Elem::Bf16, n, &mut y, false),
+                Fmt::Quant(q) => matmul_quant(pool, &x, 1, k, w, q, n, &mut y, false),
             }
             Ok(secs(t))
         })?;
         let gbps = w.len() as f64 / t.median / 1e9;
+        let kernel = match fmt {
+            Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
+            Fmt::Quant(_) => {
+                format!(
+                    "exec cpu matmul ({:?}, {} threads × {} tasks, {})",
+                    pool.isa(),
+                    pool.threads(),
+                    pool.tasks_per_thread(),
+                    pool.prefetch()
+                )
+            }
+        };
         rows.push(BenchRow {
             device: "cpu".into(),
             format: fmt.name().into(),
-            kernel: match fmt {
-                Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
-                Fmt::Quant(_) => format!(
-                    "exec cpu matmul ({:?}, {} threads, prefetch {} B)",
-                    pool.isa(),
-                    pool.threads(),
-                    pool.prefetch_bytes()
-                ),
-            },
+            kernel,
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
             time_ns: t.median * 1e9,
             gbps,
-            bound: format!("DRAM read, {} threads", pool.threads()),
+            bound: if case.bytes == cfg.cpu_weight_bytes {
+                format!("DRAM read, {} threads", pool.threads())
+            } else {
+                // Repeated over a matrix that stays in the caches: what the kernel computes at most.
+                "DRAM read (matrix cache-resident: the kernel's own ceiling)".into()
+            },
             bound_gbps: dram_gbps,
-            max_rel_err: check(fmt, &w, &x, &y, k),
+            max_rel_err: check(fmt, w, &x, &y, k),
         });
-        progress.step(&format!("{} ({:?}): {gbps:.1} GB/s", fmt.name(), pool.isa()));
+        progress.step(&format!("{} ({:?}, {}): {gbps:.1} GB/s", fmt.name(), pool.isa(), pool.prefetch()));
     }
     if let Some(gpu) = gpu {
-        rows.extend(gpu_rows(cfg, gpu, &x, progress)?);
+        rows.extend(gpu_rows(cfg, gpu, &x, &matrices, progress)?);
     }
     Ok(rows)
 }
 
-fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) -> Result<Vec<BenchRow>> {
+/// The GPU rows; `cpu_matrices` are reused where one has the GPU matrix's format and bytes.
+fn gpu_rows(
+    cfg: &BenchConfig,
+    gpu: &Gpu,
+    x: &[f32],
+    cpu_matrices: &[((Fmt, usize), Vec<u8>)],
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
     const REPS: usize = 20;
     let k = cfg.cols;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
@@ -243,7 +319,14 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
     let mut rows = Vec::new();
     for fmt in Fmt::ALL {
         let n = bytes / fmt.row_bytes(k);
-        let w = random_matrix(fmt, n, k);
+        let generated;
+        let w = match cpu_matrices.iter().find(|(key, _)| *key == (fmt, bytes)) {
+            Some((_, w)) => w,
+            None => {
+                generated = random_matrix(fmt, n, k);
+                &generated
+            }
+        };
         let yd = gpu.alloc(4 * n)?;
         let quant = match fmt {
             Fmt::Bf16 => None,
@@ -251,7 +334,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
         };
         // SAFETY: `a` holds `bytes` ≥ w.len(), xd k activations, yd n f32; all synchronised before reading.
         let t = unsafe {
-            gpu.h2d(Stream::Compute, a.ptr(), &w)?;
+            gpu.h2d(Stream::Compute, a.ptr(), w)?;
             gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
             sample(cfg.rule, || {
                 timed(&|| gpu.matmul(&kn, quant, a.ptr(), xd.ptr(), yd.ptr(), 1, n, k, false))
@@ -274,7 +357,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
             gbps,
             bound: "device-to-device copy".into(),
             bound_gbps: hbm_gbps,
-            max_rel_err: check(fmt, &w, x, &y, k),
+            max_rel_err: check(fmt, w, x, &y, k),
         });
         progress.step(&format!("{}: {gbps:.0} GB/s", fmt.name()));
     }
@@ -297,6 +380,7 @@ mod tests {
         let cfg = BenchConfig {
             threads: 2,
             cpu_weight_bytes: 4 << 20,
+            cpu_cache_bytes: 1 << 20,
             gpu_weight_bytes: 0,
             cols: 1024,
             rule: Rule {
@@ -307,15 +391,18 @@ mod tests {
             },
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
-        // Every format, then the quantised ones again without prefetch (and q4_0 on f32 AVX-512 if bf16 runs).
+        // Every format with the default kernels, then the quantised variants, then the cache-resident ones.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
         assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q4_0"]);
-        assert!(rows[3].kernel.contains("prefetch 0 B") && rows[1].kernel.contains("prefetch 1024 B"));
+        assert!(rows[3].kernel.contains("no prefetch") && rows[1].kernel.contains("prefetch 1024 B to L1"));
+        assert!(rows.iter().any(|r| r.kernel.contains("prefetch 4096 B to L2")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");
-            assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
+            let bytes = if r.bound.contains("cache-resident") { 1 << 20 } else { 4 << 20 };
+            assert!(r.weight_bytes <= bytes && r.weight_bytes > bytes / 2, "{r:?}");
         }
+        assert_eq!(rows.iter().filter(|r| r.bound.contains("cache-resident")).count(), 2);
         // q4_0 packs the most rows into the same bytes.
         assert!(rows[2].rows > rows[1].rows && rows[1].rows > rows[0].rows);
     }

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use pipeshard_core::cost::{CostModel, OpContext, TableCostModel};
+use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::profile::{Profile, Provenance};
 use pipeshard_core::reference;
@@ -62,8 +63,15 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     assert_eq!(p.dram.iter().map(|d| d.threads).collect::<Vec<_>>(), vec![1, 2]);
     assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
     for t in [1, 2] {
-        let n = p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul && r.threads == t).count();
-        assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads");
+        for d in [DType::Bf16, DType::Q4_0] {
+            let n = p
+                .cpu
+                .ops
+                .iter()
+                .filter(|r| r.op == OpClass::MatMul && r.threads == t && r.dtype == d)
+                .count();
+            assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads in {d}");
+        }
     }
     // Decode attention at every thread count; prefill attention (16 queries) on the most threads, over the
     // same average keys as a decode row, so the cost model interpolates between them in tokens.
@@ -85,7 +93,7 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
             tokens: r.tokens,
             dtype: r.dtype,
             flops: 2.0 * mf * n * k,
-            weight_bytes: 2.0 * n * k,
+            weight_bytes: r.dtype.tensor_bytes(r.k, r.n).unwrap() as f64,
             act_bytes: 4.0 * mf * (n + k),
             kv_bytes: 0.0,
         };

@@ -16,6 +16,7 @@ use crate::error::{ExecError, Result};
 use crate::host::Elem;
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
+pub use qdot::{CacheLevel, Prefetch};
 use simd::Isa;
 
 /// A worker pool of `threads` threads and the instruction set its kernels use.
@@ -24,7 +25,8 @@ pub struct CpuPool {
     pool: rayon::ThreadPool,
     threads: usize,
     isa: Isa,
-    prefetch_bytes: usize,
+    prefetch: Prefetch,
+    tasks_per_thread: usize,
 }
 
 impl CpuPool {
@@ -36,7 +38,13 @@ impl CpuPool {
             .thread_name(|i| format!("pipeshard-cpu-{i}"))
             .build()
             .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: QUANT_PREFETCH_BYTES })
+        Ok(CpuPool {
+            pool,
+            threads,
+            isa: simd::detect(),
+            prefetch: QUANT_PREFETCH,
+            tasks_per_thread: TASKS_PER_THREAD,
+        })
     }
 
     /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
@@ -50,17 +58,28 @@ impl CpuPool {
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
     }
 
-    /// The same pool with the quantised kernels prefetching `bytes` ahead along each row (0: not at all), to
-    /// compare.
+    /// The same pool with the quantised kernels prefetching as `prefetch` says, to compare.
     #[must_use]
-    pub fn with_prefetch(self, bytes: usize) -> CpuPool {
-        CpuPool { prefetch_bytes: bytes, ..self }
+    pub fn with_prefetch(self, prefetch: Prefetch) -> CpuPool {
+        CpuPool { prefetch, ..self }
     }
 
-    /// How far ahead the quantised kernels prefetch.
+    /// How the quantised kernels prefetch.
     #[must_use]
-    pub fn prefetch_bytes(&self) -> usize {
-        self.prefetch_bytes
+    pub fn prefetch(&self) -> Prefetch {
+        self.prefetch
+    }
+
+    /// The same pool with a matmul's rows cut into `tasks` tasks per thread (at least 1), to compare.
+    #[must_use]
+    pub fn with_tasks_per_thread(self, tasks: usize) -> CpuPool {
+        CpuPool { tasks_per_thread: tasks.max(1), ..self }
+    }
+
+    /// Tasks per thread a matmul's rows are cut into.
+    #[must_use]
+    pub fn tasks_per_thread(&self) -> usize {
+        self.tasks_per_thread
     }
 
     /// Worker threads.
@@ -81,9 +100,13 @@ impl CpuPool {
     }
 }
 
-/// How far ahead the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
+/// How the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
 /// threads, `pipeshard exec bench`): q4_0 77 GB/s with it against 70 without, q8_0 118 against 102.
-pub const QUANT_PREFETCH_BYTES: usize = 1024;
+pub const QUANT_PREFETCH: Prefetch = Prefetch { bytes: 1024, level: CacheLevel::L1 };
+
+/// Tasks per thread a matmul's rows are cut into: few, long tasks cost the least scheduling in a streaming
+/// GEMV; more of them even out the threads' finishing times.
+pub const TASKS_PER_THREAD: usize = 4;
 
 /// A raw pointer that tasks writing disjoint elements share.
 #[derive(Clone, Copy)]
@@ -107,14 +130,14 @@ trait RowFormat: Copy + Send + Sync {
     /// Bytes of one row of `k` elements.
     fn row_bytes(self, k: usize) -> usize;
     /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
-    /// rows unless `SPREAD_ROWS`); quantised kernels prefetch `prefetch_bytes` ahead of every block they read.
+    /// rows unless `SPREAD_ROWS`); quantised kernels prefetch ahead of every block they read as `pf` says.
     ///
     /// # Safety
     /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -132,7 +155,7 @@ impl RowFormat for Elem {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        _prefetch_bytes: usize,
+        _pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -157,7 +180,7 @@ impl RowFormat for QFormat {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -166,7 +189,7 @@ impl RowFormat for QFormat {
         out: &mut [[f32; T]; R],
     ) {
         // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
-        unsafe { qdot::dot_block::<R, T>(isa, self, prefetch_bytes, x, ldx, w, w_stride, k, out) };
+        unsafe { qdot::dot_block::<R, T>(isa, self, pf, x, ldx, w, w_stride, k, out) };
     }
 }
 
@@ -261,9 +284,9 @@ fn tiled<F: RowFormat>(
         x.len() >= m * k && w.len() >= n * rb && ldy >= n && (m == 0 || y.len() >= (m - 1) * ldy + n),
         "matmul operand sizes"
     );
-    // Four tasks per thread at most (a GEMV streams: fewer, longer tasks cost less scheduling), 32 rows at least.
-    let rows_per_task = n.div_ceil(4 * pool.threads).next_multiple_of(4).max(32);
-    let (isa, pf) = (pool.isa, pool.prefetch_bytes);
+    // `tasks_per_thread` tasks per thread at most, 32 rows at least.
+    let rows_per_task = n.div_ceil(pool.tasks_per_thread * pool.threads).next_multiple_of(4).max(32);
+    let (isa, pf) = (pool.isa, pool.prefetch);
     let out = SharedOut(y.as_mut_ptr());
     let wp = w.as_ptr() as usize;
     let xp = x.as_ptr() as usize;
