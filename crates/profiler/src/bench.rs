@@ -109,8 +109,8 @@ struct CpuCase {
 }
 
 /// Every format with this machine's kernels first; then the quantised ones without software prefetch and with
-/// other prefetch distances and levels, q4_0 with fewer and more tasks per thread and with the f32 AVX-512
-/// kernel where the bf16 one runs, and the quantised kernels over a cache-resident matrix (their compute
+/// other prefetch distances and levels, q4_0 with fewer and more tasks per thread, with 8 rows a register
+/// block and with the f32 AVX-512 kernel where the bf16 one runs, and the quantised kernels over a cache-resident matrix (their compute
 /// ceiling).
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
@@ -133,6 +133,14 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     for tasks in [1, 16] {
         v.push((q4, Variant { tasks_per_thread: Some(tasks), ..Variant::default() }, full));
     }
+    for f in [q4, q8] {
+        v.push((f, Variant { gemv_rows: Some(8), ..Variant::default() }, full));
+    }
+    v.push((
+        q4,
+        Variant { gemv_rows: Some(8), prefetch: Some(pf(2048, CacheLevel::L2)), ..Variant::default() },
+        full,
+    ));
     if pool.isa() == Isa::Avx512Bf16 {
         v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }, full));
     }
@@ -150,6 +158,9 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
             if let Some(t) = var.tasks_per_thread {
                 pool = pool.with_tasks_per_thread(t);
             }
+            if let Some(r) = var.gemv_rows {
+                pool = pool.with_gemv_rows(r)?;
+            }
             Ok(CpuCase { fmt, pool, bytes })
         })
         .collect()
@@ -161,6 +172,7 @@ struct Variant {
     prefetch: Option<Prefetch>,
     isa: Option<Isa>,
     tasks_per_thread: Option<usize>,
+    gemv_rows: Option<usize>,
 }
 
 /// Rows checked against the f64 reference.
@@ -247,10 +259,11 @@ pub fn gemv_bandwidth(
             Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
             Fmt::Quant(_) => {
                 format!(
-                    "exec cpu matmul ({:?}, {} threads × {} tasks, {})",
+                    "exec cpu matmul ({:?}, {} threads × {} tasks, {} rows a block, {})",
                     pool.isa(),
                     pool.threads(),
                     pool.tasks_per_thread(),
+                    pool.gemv_rows(),
                     pool.prefetch()
                 )
             }
