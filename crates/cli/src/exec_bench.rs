@@ -26,9 +26,6 @@ pub struct BenchArgs {
     /// Bytes of each CPU matrix and of the DRAM read (well above the last-level cache).
     #[arg(long, default_value = "1G")]
     cpu_bytes: String,
-    /// Bytes of the CPU matrices that stay in the caches (the quantised kernels' compute ceiling).
-    #[arg(long, default_value = "16M")]
-    cpu_cache_bytes: String,
     /// Bytes of each GPU matrix and of the device copy.
     #[arg(long, default_value = "1G")]
     gpu_bytes: String,
@@ -91,7 +88,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let cfg = BenchConfig {
         threads,
         cpu_weight_bytes: usize::try_from(parse_bytes(&args.cpu_bytes)?).context("--cpu-bytes")?,
-        cpu_cache_bytes: usize::try_from(parse_bytes(&args.cpu_cache_bytes)?).context("--cpu-cache-bytes")?,
         gpu_weight_bytes: usize::try_from(parse_bytes(&args.gpu_bytes)?).context("--gpu-bytes")?,
         cols: args.cols,
         rule: Rule { min_samples: 5, max_samples: 15, target_spread: 0.03, budget: Duration::from_secs(2) },

@@ -26,7 +26,7 @@ use safetensors::Dtype;
 use crate::error::{ExecError, Result};
 use crate::hf;
 use crate::host::{Elem, HostBuf};
-use crate::quant::QFormat;
+use crate::quant::{QFormat, dequantize_gguf};
 
 /// Alignment of tensors inside a unit (host and device): enough for vector loads and cuBLAS.
 pub const TENSOR_ALIGN_BYTES: usize = 16;
@@ -551,7 +551,8 @@ impl Values<'_> {
 impl GgufSource<'_> {
     /// Reads our tensor `t` (an expert's slice of a merged `*_exps` tensor) into `out`: the file's bytes as
     /// they are where the formats match (quantised blocks stay quantised), else converted through f32
-    /// (dequantised exactly, then rounded or quantised to `t`'s format) and noted in `converted`.
+    /// (dequantised exactly, K-quants included, then rounded or quantised to `t`'s format) and noted in
+    /// `converted`.
     fn read(&mut self, out: &mut [u8], t: &TensorSlot, dims: &Dims) -> Result<()> {
         let h = self.header;
         let file =
@@ -598,15 +599,15 @@ impl GgufSource<'_> {
             out.copy_from_slice(&raw);
             return Ok(());
         }
-        let vals: Vec<f32> = match (Elem::from_dtype(from), QFormat::from_dtype(from)) {
+        let vals: Vec<f32> = match (Elem::from_dtype(from), dequantize_gguf(from, &raw)) {
             (Some(e), _) => (0..raw.len() / e.size_bytes()).map(|i| e.read(&raw, i)).collect(),
-            (None, Some(q)) => q.dequantize(&raw),
+            (None, Some(vals)) => vals,
             (None, None) => {
                 return Err(err(
                     info.split,
                     format!(
-                        "is {from}, which the executor cannot read (it reads f32, f16, bf16, q8_0 and q4_0 \
-                         tensors); requantise the file to q8_0 or q4_0"
+                        "is {from}, which the executor cannot read (it reads f32, f16, bf16, q8_0, q4_0, q4_k and \
+                         q6_k tensors); requantise the file to one of these"
                     ),
                 ));
             }

@@ -27,8 +27,6 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Bytes of each CPU matrix (and of the DRAM read).
     pub cpu_weight_bytes: usize,
-    /// Bytes of the cache-resident CPU matrices (the kernels' compute ceiling).
-    pub cpu_cache_bytes: usize,
     /// Bytes of each GPU matrix (and of the copy).
     pub gpu_weight_bytes: usize,
     /// Row length of the matrices.
@@ -101,53 +99,35 @@ impl Fmt {
     }
 }
 
-/// One CPU measurement: a format, a kernel variant (the pool's ISA and prefetch) and the matrix bytes.
+/// One CPU measurement: a format and a kernel variant (the pool's ISA, prefetch, tasks and rows a block).
 struct CpuCase {
     fmt: Fmt,
     pool: CpuPool,
-    bytes: usize,
 }
 
-/// Every format with this machine's kernels first; then the quantised ones without software prefetch and with
-/// other prefetch distances and levels, q4_0 with fewer and more tasks per thread, with 8 rows a register
-/// block and with the f32 AVX-512 kernel where the bf16 one runs, and the quantised kernels over a cache-resident matrix (their compute
-/// ceiling).
+/// Every format with this machine's kernels first; then the quantised ones with 4 rows a register block and
+/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread and with the
+/// f32 AVX-512 kernel where the bf16 one runs.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
-    let full = cfg.cpu_weight_bytes;
-    let pf = |bytes, level| Prefetch { bytes, level };
-    let mut v: Vec<(Fmt, Variant, usize)> =
-        Fmt::ALL.into_iter().map(|f| (f, Variant::default(), full)).collect();
-    for (f, p) in [
-        (q8, pf(0, CacheLevel::L1)),
-        (q4, pf(0, CacheLevel::L1)),
-        (q4, pf(2048, CacheLevel::L1)),
-        (q4, pf(4096, CacheLevel::L1)),
-        (q4, pf(1024, CacheLevel::L2)),
-        (q4, pf(2048, CacheLevel::L2)),
-        (q4, pf(4096, CacheLevel::L2)),
-        (q8, pf(2048, CacheLevel::L2)),
-    ] {
-        v.push((f, Variant { prefetch: Some(p), ..Variant::default() }, full));
-    }
-    for tasks in [1, 16] {
-        v.push((q4, Variant { tasks_per_thread: Some(tasks), ..Variant::default() }, full));
-    }
-    for f in [q4, q8] {
-        v.push((f, Variant { gemv_rows: Some(8), ..Variant::default() }, full));
+    let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
+    for f in [q8, q4] {
+        v.push((f, Variant { gemv_rows: Some(4), ..Variant::default() }));
+        v.push((
+            f,
+            Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
+        ));
     }
     v.push((
         q4,
-        Variant { gemv_rows: Some(8), prefetch: Some(pf(2048, CacheLevel::L2)), ..Variant::default() },
-        full,
+        Variant { prefetch: Some(Prefetch { bytes: 4096, level: CacheLevel::L2 }), ..Variant::default() },
     ));
+    v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
     if pool.isa() == Isa::Avx512Bf16 {
-        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }, full));
+        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
     }
-    v.push((q8, Variant::default(), cfg.cpu_cache_bytes));
-    v.push((q4, Variant::default(), cfg.cpu_cache_bytes));
     v.into_iter()
-        .map(|(fmt, var, bytes)| {
+        .map(|(fmt, var)| {
             let mut pool = match var.isa {
                 Some(isa) => CpuPool::with_isa(cfg.threads, isa)?,
                 None => CpuPool::new(cfg.threads)?,
@@ -161,7 +141,7 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
             if let Some(r) = var.gemv_rows {
                 pool = pool.with_gemv_rows(r)?;
             }
-            Ok(CpuCase { fmt, pool, bytes })
+            Ok(CpuCase { fmt, pool })
         })
         .collect()
 }
@@ -236,15 +216,15 @@ pub fn gemv_bandwidth(
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
     progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
-    // One random matrix per format and size, shared by the variants that read it.
-    let mut matrices: Vec<((Fmt, usize), Vec<u8>)> = Vec::new();
+    // One random matrix per format, shared by the variants that read it (and by the GPU).
+    let mut matrices: Vec<(Fmt, Vec<u8>)> = Vec::new();
     for case in &cases {
         let (fmt, pool) = (case.fmt, &case.pool);
-        let n = case.bytes / fmt.row_bytes(k);
-        if !matrices.iter().any(|(key, _)| *key == (fmt, case.bytes)) {
-            matrices.push(((fmt, case.bytes), random_matrix(fmt, n, k)));
+        let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
+        if !matrices.iter().any(|(f, _)| *f == fmt) {
+            matrices.push((fmt, random_matrix(fmt, n, k)));
         }
-        let w = &matrices.iter().find(|(key, _)| *key == (fmt, case.bytes)).expect("generated above").1;
+        let w = &matrices.iter().find(|(f, _)| *f == fmt).expect("generated above").1;
         let mut y = vec![0f32; n];
         let t = sample(cfg.rule, || -> Result<f64> {
             let t = Instant::now();
@@ -277,12 +257,7 @@ pub fn gemv_bandwidth(
             weight_bytes: w.len() as u64,
             time_ns: t.median * 1e9,
             gbps,
-            bound: if case.bytes == cfg.cpu_weight_bytes {
-                format!("DRAM read, {} threads", pool.threads())
-            } else {
-                // Repeated over a matrix that stays in the caches: what the kernel computes at most.
-                "DRAM read (matrix cache-resident: the kernel's own ceiling)".into()
-            },
+            bound: format!("DRAM read, {} threads", pool.threads()),
             bound_gbps: dram_gbps,
             max_rel_err: check(fmt, w, &x, &y, k),
         });
@@ -294,12 +269,12 @@ pub fn gemv_bandwidth(
     Ok(rows)
 }
 
-/// The GPU rows; `cpu_matrices` are reused where one has the GPU matrix's format and bytes.
+/// The GPU rows; `cpu_matrices` are reused where the GPU matrices have the CPU's bytes.
 fn gpu_rows(
     cfg: &BenchConfig,
     gpu: &Gpu,
     x: &[f32],
-    cpu_matrices: &[((Fmt, usize), Vec<u8>)],
+    cpu_matrices: &[(Fmt, Vec<u8>)],
     progress: &dyn Progress,
 ) -> Result<Vec<BenchRow>> {
     const REPS: usize = 20;
@@ -333,7 +308,7 @@ fn gpu_rows(
     for fmt in Fmt::ALL {
         let n = bytes / fmt.row_bytes(k);
         let generated;
-        let w = match cpu_matrices.iter().find(|(key, _)| *key == (fmt, bytes)) {
+        let w = match cpu_matrices.iter().find(|(f, w)| *f == fmt && w.len() == n * fmt.row_bytes(k)) {
             Some((_, w)) => w,
             None => {
                 generated = random_matrix(fmt, n, k);
@@ -393,7 +368,6 @@ mod tests {
         let cfg = BenchConfig {
             threads: 2,
             cpu_weight_bytes: 4 << 20,
-            cpu_cache_bytes: 1 << 20,
             gpu_weight_bytes: 0,
             cols: 1024,
             rule: Rule {
@@ -404,18 +378,17 @@ mod tests {
             },
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
-        // Every format with the default kernels, then the quantised variants, then the cache-resident ones.
+        // Every format with the default kernels, then the quantised variants.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
-        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q4_0"]);
-        assert!(rows[3].kernel.contains("no prefetch") && rows[1].kernel.contains("prefetch 1024 B to L1"));
-        assert!(rows.iter().any(|r| r.kernel.contains("prefetch 4096 B to L2")));
+        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q8_0"]);
+        assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
+        assert!(rows[3].kernel.contains("4 rows a block") && rows[4].kernel.contains("no prefetch"));
+        assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");
-            let bytes = if r.bound.contains("cache-resident") { 1 << 20 } else { 4 << 20 };
-            assert!(r.weight_bytes <= bytes && r.weight_bytes > bytes / 2, "{r:?}");
+            assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
         }
-        assert_eq!(rows.iter().filter(|r| r.bound.contains("cache-resident")).count(), 2);
         // q4_0 packs the most rows into the same bytes.
         assert!(rows[2].rows > rows[1].rows && rows[1].rows > rows[0].rows);
     }

@@ -318,7 +318,9 @@ template <int Q4> __device__ __forceinline__ float qval(const u8* __restrict__ r
 // 2^23 and the format's offset (q4_0: 8; q8_0: 128, after flipping the sign bit of every byte).
 // Per block the lane forms sum x*q, then scales by d (as the CPU kernels do).
 #define QROWS 4  // cuda::GEMV_ROWS_PER_WARP
-template <int Q4>
+// MT: the most tokens the instance takes (1 for the single-token decode GEMV, which then keeps no
+// accumulators for absent tokens and so fits more warps on an SM; QMAX_T otherwise).
+template <int Q4, int MT>
 __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                        int n, int k, int m, int accumulate) {
     const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
@@ -329,9 +331,9 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
 #pragma unroll
     for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * bb;  // past n: re-read, not stored
     const float bias = Q4 ? 8388616.f : 8388736.f;  // 2^23 + 8, 2^23 + 128
-    float acc[QMAX_T][QROWS];
+    float acc[MT][QROWS];
 #pragma unroll
-    for (int t = 0; t < QMAX_T; ++t)
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) acc[t][r] = 0.f;
 #pragma unroll 2
@@ -361,7 +363,7 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
             for (int j = 0; j < 8; ++j)
                 wv[r][j] = __int_as_float((int)__byte_perm(qw[r][j >> 2], 0x4b000000u, 0x7440u + (j & 3))) - bias;
 #pragma unroll
-        for (int t = 0; t < QMAX_T; ++t) {
+        for (int t = 0; t < MT; ++t) {
             if (t < m) {
                 // Activation rows are 16-byte aligned (k is a multiple of 32): vector loads of 4 or 8 values.
                 const act_t* xt = x + (u64)t * k + 32 * (u64)b;
@@ -387,7 +389,7 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
         }
     }
 #pragma unroll
-    for (int t = 0; t < QMAX_T; ++t) {
+    for (int t = 0; t < MT; ++t) {
         if (t < m) {
 #pragma unroll
             for (int r = 0; r < QROWS; ++r) {
@@ -401,10 +403,16 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
     }
 }
 extern "C" __global__ void gemv_q8_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_q<0>(w, x, y, n, k, m, acc);
+    gemv_q<0, QMAX_T>(w, x, y, n, k, m, acc);
 }
 extern "C" __global__ void gemv_q4_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_q<1>(w, x, y, n, k, m, acc);
+    gemv_q<1, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q8_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<0, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q4_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<1, 1>(w, x, y, n, k, m, acc);
 }
 
 // Prefill path: out[i] = w[i] dequantised and rounded to the activation type, for n elements (whole rows).

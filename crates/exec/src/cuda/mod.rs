@@ -109,6 +109,8 @@ pub struct Kernels {
     scatter_add_rows: CudaFunction,
     gemv_q8_0: CudaFunction,
     gemv_q4_0: CudaFunction,
+    gemv1_q8_0: CudaFunction,
+    gemv1_q4_0: CudaFunction,
     dequant_q8_0: CudaFunction,
     dequant_q4_0: CudaFunction,
     embed_q8_0: CudaFunction,
@@ -466,6 +468,8 @@ impl Gpu {
             scatter_add_rows: f("scatter_add_rows")?,
             gemv_q8_0: f("gemv_q8_0")?,
             gemv_q4_0: f("gemv_q4_0")?,
+            gemv1_q8_0: f("gemv1_q8_0")?,
+            gemv1_q4_0: f("gemv1_q4_0")?,
             dequant_q8_0: f("dequant_q8_0")?,
             dequant_q4_0: f("dequant_q4_0")?,
             embed_q8_0: f("embed_q8_0")?,
@@ -573,9 +577,11 @@ impl Gpu {
             return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
         };
         if m <= EXACT_MAX_TOKENS {
-            let f = match fmt {
-                QFormat::Q8_0 => &kn.gemv_q8_0,
-                QFormat::Q4_0 => &kn.gemv_q4_0,
+            let f = match (fmt, m) {
+                (QFormat::Q8_0, 1) => &kn.gemv1_q8_0,
+                (QFormat::Q4_0, 1) => &kn.gemv1_q4_0,
+                (QFormat::Q8_0, _) => &kn.gemv_q8_0,
+                (QFormat::Q4_0, _) => &kn.gemv_q4_0,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
             // Four warps per block, GEMV_ROWS_PER_WARP rows each.
