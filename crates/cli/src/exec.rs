@@ -308,7 +308,9 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     let (weights, source) = if let Some(dir) = checkpoint.filter(|_| !args.random_weights) {
         let w = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(dir)?).context("loading weights")?;
         (w, format!("from {}", dir.display()))
-    } else if base.ends_with(".gguf") && !args.random_weights {
+    } else if Path::new(base).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        && !args.random_weights
+    {
         let header = gguf::read_header(Path::new(base))?;
         let (w, converted) = ModelWeights::from_gguf(&spec, &header).context("loading weights")?;
         if !converted.is_empty() {

@@ -13,7 +13,9 @@
 //! at a full context (the paper's 4K Minitron runs generate 60 tokens). `batch` (a number or a list) is the
 //! parallel requests, each with its own prompt and `ctx` tokens of KV; `kv_unified` gives the planners that do
 //! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
-//! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs).
+//! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs). `weights` stores every matrix in
+//! one format (the executor's: `bf16`, `f16`, `q8_0`, `q4_0`); a `[[grid]]` may name its own, and its models are
+//! then labelled `model:format` in cells and results, so one experiment can run a model in two formats.
 //!
 //! Paper reproductions and executor runs add:
 //! - `budget_excludes_runtime = true`: budgets are the paper's `-mva`, which does not count the CUDA context,

@@ -525,7 +525,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         outcomes.len()
     );
     for w in &borrowed {
-        md.push_str(&format!("\n{w}\n"));
+        md.push('\n');
+        md.push_str(w);
+        md.push('\n');
     }
     scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
 

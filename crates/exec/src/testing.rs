@@ -176,18 +176,16 @@ pub fn write_gguf(
         for t in &u.tensors {
             let bytes = &u.buf.as_slice()[t.offset..t.offset + t.bytes];
             let dtype = t.quant.map_or_else(|| t.elem.dtype(), crate::quant::QFormat::dtype);
-            match tensors.iter_mut().find(|x| x.0 == t.name) {
-                Some(x) => {
-                    x.1[0] += 1;
-                    x.3.extend_from_slice(bytes);
+            if let Some(x) = tensors.iter_mut().find(|x| x.0 == t.name) {
+                // The next expert of a merged tensor.
+                x.1[0] += 1;
+                x.3.extend_from_slice(bytes);
+            } else {
+                let mut dims: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+                if t.expert.is_some() {
+                    dims.insert(0, 1);
                 }
-                None => {
-                    let mut dims: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-                    if t.expert.is_some() {
-                        dims.insert(0, 1);
-                    }
-                    tensors.push((t.name.clone(), dims, dtype, bytes.to_vec()));
-                }
+                tensors.push((t.name.clone(), dims, dtype, bytes.to_vec()));
             }
         }
     }

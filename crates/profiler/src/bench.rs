@@ -308,12 +308,13 @@ fn gpu_rows(
     for fmt in Fmt::ALL {
         let n = bytes / fmt.row_bytes(k);
         let generated;
-        let w = match cpu_matrices.iter().find(|(f, w)| *f == fmt && w.len() == n * fmt.row_bytes(k)) {
-            Some((_, w)) => w,
-            None => {
-                generated = random_matrix(fmt, n, k);
-                &generated
-            }
+        let w = if let Some((_, w)) =
+            cpu_matrices.iter().find(|(f, w)| *f == fmt && w.len() == n * fmt.row_bytes(k))
+        {
+            w
+        } else {
+            generated = random_matrix(fmt, n, k);
+            &generated
         };
         let yd = gpu.alloc(4 * n)?;
         let quant = match fmt {

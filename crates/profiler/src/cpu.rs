@@ -69,6 +69,7 @@ pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
 
 /// `len_bytes` (rounded down to whole blocks) of random `fmt` blocks: random quants, and scales that are
 /// normal f16 values (2^-7 … 2^-6), so that no kernel meets a NaN or a subnormal.
+#[must_use]
 pub fn random_blocks(fmt: QFormat, len_bytes: usize, seed: u64) -> Vec<u8> {
     let bb = fmt.block_bytes();
     let mut v = random_vec(len_bytes / bb * bb, Elem::F32, seed);

@@ -317,7 +317,7 @@ pub fn measure_all(
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
     // are not whole blocks have no quantised rows.
     let fits = |dtype: DType, n: u64, k: u64, experts: bool| {
-        !dtype.is_quantized() || (k % 32 == 0 && (!experts || n % 32 == 0))
+        !dtype.is_quantized() || (k.is_multiple_of(32) && (!experts || n.is_multiple_of(32)))
     };
     let shapes: Vec<(&shapes::MatShape, bool)> =
         cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
