@@ -517,7 +517,8 @@ mod tests {
             .a
     }
 
-    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`.
+    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`, its
+    /// tensors converted as they load.
     #[test]
     fn model_files_get_the_executor_formats() {
         use pipeshard_core::checkpoint::Checkpoint;
@@ -536,6 +537,16 @@ mod tests {
         assert!(e.contains("q4_k") && e.contains("--weights q4_0"), "{e}");
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
         assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
+        // Its tensors load (the file's data is zero): every matrix converted from q4_k, q8_0 or q6_k to q4_0,
+        // the f32 norms read as they are.
+        let spec = spec_for(&run_args(&format!("--model {gguf} --weights q4_0")), &gguf).unwrap();
+        let header = gguf::read_header(Path::new(&gguf)).unwrap();
+        let (w, converted) = ModelWeights::from_gguf(&spec, &header).unwrap();
+        let matrices = w.units().iter().flat_map(|u| &u.tensors).filter(|t| t.shape.len() > 1).count();
+        assert_eq!(converted.len(), matrices, "{converted:?}");
+        for from in ["q4_k → q4_0", "q8_0 → q4_0", "q6_k → q4_0"] {
+            assert!(converted.iter().any(|c| c.ends_with(from)), "{from}: {converted:?}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
