@@ -198,7 +198,7 @@ pub fn write_gguf(
             } else {
                 continue;
             };
-            // The inverse of `weights::halves_from_interleaved`: half-row j·d/2 + i goes to row 2i + j.
+            // What llama.cpp's converter does (the loader undoes it): half-row j·d/2 + i goes to row 2i + j.
             let rows = dims[0] as usize;
             let (row_bytes, d) = (bytes.len() / rows, rows / heads);
             let mut out = vec![0u8; bytes.len()];

@@ -1,5 +1,6 @@
 //! Model geometry and weights: every tensor of a decoder (dense, or Qwen3-MoE with routed experts),
-//! random-initialised from a seed or loaded from an HF checkpoint ([`ModelWeights::from_checkpoint`]). An
+//! random-initialised from a seed or loaded from an HF checkpoint ([`ModelWeights::from_checkpoint`]) or a
+//! GGUF file ([`ModelWeights::from_gguf`]). An
 //! expert's unit holds its slices of the merged `*_exps` tensors.
 //!
 //! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
@@ -629,7 +630,7 @@ impl GgufSource<'_> {
 /// within a head of `d` rows, row `2i + j` of the input is row `j·d/2 + i` of the output. Rows move whole, so
 /// this works on quantised rows too.
 #[must_use]
-pub fn halves_from_interleaved(raw: &[u8], rows: usize, heads: usize) -> Vec<u8> {
+fn halves_from_interleaved(raw: &[u8], rows: usize, heads: usize) -> Vec<u8> {
     let (row_bytes, d) = (raw.len() / rows, rows / heads);
     let mut out = vec![0u8; raw.len()];
     for h in 0..heads {
