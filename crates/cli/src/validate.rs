@@ -589,6 +589,10 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
     let specs = e.specs()?;
+    let borrowed = crate::args::borrowed_rows(&TableCostModel::new(&profile), &profile_name, specs.values());
+    for w in &borrowed {
+        eprintln!("{w}");
+    }
     let cells = e.cells();
     let bar = ProgressBar::new(cells.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} cells {elapsed} {msg}").expect("a valid template"),
@@ -628,6 +632,11 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         e.name,
         outcomes.len()
     );
+    for w in &borrowed {
+        md.push('\n');
+        md.push_str(w);
+        md.push('\n');
+    }
     scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
 
     let mut ranked: Vec<&Outcome> = outcomes.iter().filter(|o| o.run.is_some() && o.pred.is_some()).collect();

@@ -127,6 +127,16 @@ impl Elem {
         }
     }
 
+    /// The core format of this element type.
+    #[must_use]
+    pub const fn dtype(self) -> DType {
+        match self {
+            Elem::F32 => DType::F32,
+            Elem::F16 => DType::F16,
+            Elem::Bf16 => DType::Bf16,
+        }
+    }
+
     /// Bytes per element.
     #[must_use]
     pub const fn size_bytes(self) -> usize {

@@ -9,6 +9,7 @@ use pipeshard_core::profile::{DeviceProfile, DramPoint, OpRow, Roofline};
 use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cpu::{self as kernels, CpuPool, ExpertWork, KvLayout};
 use pipeshard_exec::host::Elem;
+use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::weights::{Dims, ExpertOffsets};
 use rayon::prelude::*;
 
@@ -64,6 +65,18 @@ pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
             }
         }
     }
+}
+
+/// `len_bytes` (rounded down to whole blocks) of random `fmt` blocks: random quants, and scales that are
+/// normal f16 values (2^-7 … 2^-6), so that no kernel meets a NaN or a subnormal.
+#[must_use]
+pub fn random_blocks(fmt: QFormat, len_bytes: usize, seed: u64) -> Vec<u8> {
+    let bb = fmt.block_bytes();
+    let mut v = random_vec(len_bytes / bb * bb, Elem::F32, seed);
+    for (i, b) in v.chunks_exact_mut(bb).enumerate() {
+        b[..2].copy_from_slice(&(0x2000u16 | (i as u16 & 0x3ff)).to_le_bytes());
+    }
+    v
 }
 
 /// A random buffer of `len_bytes`.
@@ -189,7 +202,7 @@ fn grid(mode: Mode) -> Grid {
             dram_bytes: 16 << 20,
             rotation_bytes: 4 << 20,
             matmul: vec![(256, 128), (1024, 256)],
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 4],
             prefill_tokens: vec![16],
             experts: vec![(128, 64)],
@@ -206,7 +219,7 @@ fn grid(mode: Mode) -> Grid {
             dram_bytes: 1 << 30,
             rotation_bytes: 512 << 20,
             matmul: vec![(t.ffn, t.hidden), (q_dim, t.hidden)],
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 16],
             prefill_tokens: vec![],
             experts: cat.experts.iter().take(1).map(|s| (s.n, s.k)).collect(),
@@ -233,7 +246,7 @@ fn grid(mode: Mode) -> Grid {
             .into_iter()
             .chain(cat.experts.iter().map(|s| (s.n, s.k)))
             .collect(),
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q8_0, DType::Q4_0],
             tokens: vec![1, 4, 16, 64],
             prefill_tokens: vec![256],
             experts: cat.experts.iter().map(|s| (s.n, s.k)).collect(),
@@ -355,9 +368,15 @@ pub fn measure(
     let steps = g.dtypes.len() * g.matmul.len() * (g.tokens.len() * pools.len() + g.prefill_tokens.len());
     progress.section("CPU matmul (exec kernels) by threads, alone and under DMA", steps as u64);
     for &dtype in &g.dtypes {
-        let elem = Elem::from_dtype(dtype).expect("f16/bf16");
-        let max_w = g.matmul.iter().map(|&(n, k)| (n * k * 2) as usize).max().unwrap_or(0);
-        let wall = random_vec(g.rotation_bytes.max(max_w), elem, 2);
+        let quant = QFormat::from_dtype(dtype);
+        // Quantised matmuls take activations rounded to bf16, as a quantised model's are.
+        let elem = if quant.is_some() { Elem::Bf16 } else { Elem::from_dtype(dtype).expect("f16/bf16") };
+        let row_bytes = |k: u64| quant.map_or(2 * k as usize, |q| q.row_bytes(k as usize));
+        let max_w = g.matmul.iter().map(|&(n, k)| n as usize * row_bytes(k)).max().unwrap_or(0);
+        let wall = match quant {
+            Some(q) => random_blocks(q, g.rotation_bytes.max(max_w), 2),
+            None => random_vec(g.rotation_bytes.max(max_w), elem, 2),
+        };
         let max_k = g.matmul.iter().map(|s| s.1).max().unwrap_or(1) as usize;
         let max_n = g.matmul.iter().map(|s| s.0).max().unwrap_or(1) as usize;
         let max_m = g.tokens.iter().chain(&g.prefill_tokens).copied().max().unwrap_or(1);
@@ -369,7 +388,7 @@ pub fn measure(
             .map(|&m| (m, &pools[..]))
             .chain(g.prefill_tokens.iter().map(|&m| (m, std::slice::from_ref(most))));
         for &(n, k) in &g.matmul {
-            let wbytes = (n * k * 2) as usize;
+            let wbytes = n as usize * row_bytes(k);
             let copies = (wall.len() / wbytes).max(1);
             for (m, pools) in runs.clone() {
                 for pool in pools {
@@ -377,8 +396,12 @@ pub fn measure(
                     let mut run = || -> Result<f64> {
                         i = (i + 1) % copies;
                         let w = &wall[i * wbytes..(i + 1) * wbytes];
+                        let (k, n) = (k as usize, n as usize);
                         let t0 = Instant::now();
-                        kernels::matmul(pool, &x, m, k as usize, w, elem, n as usize, &mut y, false);
+                        match quant {
+                            Some(q) => kernels::matmul_quant(pool, &x, m, k, w, q, n, &mut y, false),
+                            None => kernels::matmul(pool, &x, m, k, w, elem, n, &mut y, false),
+                        }
                         Ok(secs_ns(t0))
                     };
                     let (alone, under) = both(rule, dma, &mut run)?;
@@ -429,9 +452,10 @@ pub fn measure(
     // Routed experts: exec's expert block (gather, gate and up, SwiGLU, down, weighted scatter-add) over
     // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
     // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN).
-    let steps = g.dtypes.len() * g.experts.len() * g.expert_tokens.len();
+    let plain: Vec<DType> = g.dtypes.iter().copied().filter(|&d| QFormat::from_dtype(d).is_none()).collect();
+    let steps = plain.len() * g.experts.len() * g.expert_tokens.len();
     progress.section("CPU routed experts (exec kernel), most threads", steps as u64);
-    for &dtype in &g.dtypes {
+    for &dtype in &plain {
         let elem = Elem::from_dtype(dtype).expect("f16/bf16");
         for &(n, k) in &g.experts {
             let (nu, ku) = (n as usize, k as usize);
