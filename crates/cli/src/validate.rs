@@ -405,7 +405,7 @@ fn scatter(outcomes: &[Outcome], planners: &[String], path: &Path) -> anyhow::Re
 }
 
 /// A file-name-safe slug of the GPU's name (`NVIDIA H200` → `nvidia-h200`).
-fn slug(name: &str) -> String {
+pub(crate) fn slug(name: &str) -> String {
     let s: String =
         name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
     s.split('-').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("-")
@@ -624,6 +624,7 @@ fn validate_cell(
         gen_tokens: workload.gen_tokens as usize,
         force_tokens: None,
         keep_logits: false,
+        ..RunOptions::default()
     };
     match pipeshard_exec::run(weights, &plan, Some(gpu), &opts) {
         Ok(out) => {

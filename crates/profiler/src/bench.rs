@@ -168,7 +168,7 @@ pub fn gemv_bandwidth(
     })?;
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
-    progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
+    progress.tick(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()))?;
     for (fmt, pool) in &cases {
         let (fmt, pool) = (*fmt, pool);
         let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
@@ -204,7 +204,7 @@ pub fn gemv_bandwidth(
             bound_gbps: dram_gbps,
             max_rel_err: check(fmt, &w, &x, &y, k),
         });
-        progress.step(&format!("{} ({:?}): {gbps:.1} GB/s", fmt.name(), pool.isa()));
+        progress.tick(&format!("{} ({:?}): {gbps:.1} GB/s", fmt.name(), pool.isa()))?;
     }
     if let Some(gpu) = gpu {
         rows.extend(gpu_rows(cfg, gpu, &x, progress)?);
@@ -233,7 +233,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
     // SAFETY: both buffers hold `bytes`, do not overlap, and outlive the synchronised measurement.
     let copy = sample(cfg.rule, || timed(&|| unsafe { gpu.d2d(Stream::Compute, b.ptr(), a.ptr(), bytes) }))?;
     let hbm_gbps = 2.0 * bytes as f64 / copy.median / 1e9;
-    progress.step(&format!("device copy: {hbm_gbps:.0} GB/s (read + write)"));
+    progress.tick(&format!("device copy: {hbm_gbps:.0} GB/s (read + write)"))?;
     drop(b);
     let mut xb = vec![0u8; 2 * k];
     for (i, &v) in x.iter().enumerate() {
@@ -276,7 +276,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
             bound_gbps: hbm_gbps,
             max_rel_err: check(fmt, &w, x, &y, k),
         });
-        progress.step(&format!("{}: {gbps:.0} GB/s", fmt.name()));
+        progress.tick(&format!("{}: {gbps:.0} GB/s", fmt.name()))?;
     }
     Ok(rows)
 }
