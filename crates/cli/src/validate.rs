@@ -477,6 +477,11 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         num_cpus(),
         profile.machine.cpu_threads
     );
+    // Predictions from another machine's profile are still made, but never silently.
+    let mut warned = crate::exec::WarnOnce::default();
+    for w in profile.mismatch_warnings(Some(gpu.name()), profile.machine.cpu_threads) {
+        warned.warn(&format!("profile {profile_name}: {w}"));
+    }
     let dir = a.out.join(format!("{}-{}", &date[..date.len().min(10)], slug(gpu.name())));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
