@@ -535,7 +535,7 @@ mod tests {
     use super::*;
     use pipeshard_core::inventory::Inventory;
     use pipeshard_exec::cpu::KvLayout;
-    use pipeshard_exec::layout::layout_phase;
+    use pipeshard_exec::layout::{Arena, layout_plan};
 
     fn run_args(line: &str) -> RunArgs {
         #[derive(Debug, clap::Parser)]
@@ -647,25 +647,20 @@ mod tests {
                 for gib in [2u64, 4, 8] {
                     let budget = gib << 30;
                     let Ok(plan) = p.plan(&spec, &workload, &cost, budget) else { continue };
-                    for (phase, tokens) in [(&plan.prefill, 1024), (&plan.decode, 1)] {
-                        let arena = (budget - phase.vram.runtime_overhead_bytes) as usize;
-                        if let Err(e) = layout_phase(
-                            &weights,
-                            phase,
-                            kv,
-                            tokens,
-                            arena,
-                            budget,
-                            phase.vram.runtime_overhead_bytes,
-                        ) {
-                            panic!("{model} {planner} {gib}G {:?}: {e}", phase.phase);
-                        }
-                        checked += 1;
+                    let overhead = plan.prefill.vram.runtime_overhead_bytes;
+                    let arena = Arena {
+                        bytes: (budget - overhead) as usize,
+                        budget_bytes: budget,
+                        overhead_bytes: overhead,
+                    };
+                    if let Err(e) = layout_plan(&weights, &plan, kv, 1024, arena) {
+                        panic!("{model} {planner} {gib}G: {e}");
                     }
+                    checked += 1;
                 }
             }
         }
         assert!(checked > 0, "no planner produced a plan");
-        eprintln!("{checked} phase plans laid out");
+        eprintln!("{checked} plans laid out (both phases)");
     }
 }

@@ -64,6 +64,12 @@ pub struct ValidateArgs {
     /// in several device sessions).
     #[arg(long, num_args = 1..)]
     summarize: Vec<PathBuf>,
+    /// Run nothing on a GPU: plan and simulate the experiment's cells again with this build and compare them
+    /// with the measurements of an earlier run's `cells.csv` of the same experiment. Cells whose plan differs
+    /// from the one that ran (another fingerprint, or where none was recorded other depths or predicted VRAM)
+    /// are reported and left out: their measurement belongs to another plan.
+    #[arg(long, conflicts_with = "summarize")]
+    repredict: Option<PathBuf>,
 }
 
 /// What one side (simulator or executor) says about a cell.
@@ -108,6 +114,8 @@ pub struct Outcome {
     /// Measured process VRAM peak (context and arena included).
     pub process_peak_bytes: Option<u64>,
     pub runtime_overhead_bytes: u64,
+    /// [`plan_fingerprint`] of the plan that was predicted (and run).
+    pub plan_fingerprint: Option<String>,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
     pub run: Option<(Plan, Trace)>,
 }
@@ -207,6 +215,9 @@ struct Row {
     process_vram_peak_bytes: Option<u64>,
     runtime_overhead_bytes: u64,
     calibration: bool,
+    /// Absent from runs before the column existed.
+    #[serde(default)]
+    plan_fingerprint: Option<String>,
 }
 
 fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
@@ -246,6 +257,7 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             process_vram_peak_bytes: o.process_peak_bytes,
             runtime_overhead_bytes: o.runtime_overhead_bytes,
             calibration: false,
+            plan_fingerprint: o.plan_fingerprint.clone(),
         })?;
     }
     w.flush()?;
@@ -287,6 +299,7 @@ impl Row {
             depths: self.prefill_pipeline_depth.zip(self.decode_pipeline_depth),
             process_peak_bytes: self.process_vram_peak_bytes,
             runtime_overhead_bytes: self.runtime_overhead_bytes,
+            plan_fingerprint: self.plan_fingerprint,
             run: None,
             status: self.status,
             cell: Cell {
@@ -427,6 +440,98 @@ struct Provenance {
     fitted: &'static str,
 }
 
+/// What identifies the plan a cell ran: a CRC-32 of both phase plans (placements, depths, slots, offload,
+/// threads, VRAM lines), not of the planner's notes or estimate.
+#[must_use]
+pub fn plan_fingerprint(plan: &Plan) -> String {
+    let phases = serde_json::to_vec(&(&plan.prefill, &plan.decode)).expect("plans serialise");
+    format!("{:08x}", crc32fast::hash(&phases))
+}
+
+/// The grid coordinates a `cells.csv` row records.
+fn same_cell(a: &Cell, b: &Cell) -> bool {
+    (&a.model, a.ctx, a.prompt_tokens, a.gen_tokens, a.ubatch, a.budget_bytes, &a.planner, a.depth)
+        == (&b.model, b.ctx, b.prompt_tokens, b.gen_tokens, b.ubatch, b.budget_bytes, &b.planner, b.depth)
+}
+
+/// `--repredict`: this build's predictions of an earlier run's measured cells (see [`ValidateArgs`]).
+fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
+    let e = Experiment::load(&a.experiment)?;
+    let profile_name = a.profile.clone().unwrap_or_else(|| e.profile.clone());
+    let profile = load_profile(&profile_name)?;
+    let specs = e.specs()?;
+    let measured = read_csvs(&[csv.to_path_buf()])?;
+    let (mut outcomes, mut changed) = (Vec::new(), Vec::new());
+    for cell in e.cells() {
+        let Some(old) = measured.iter().find(|o| same_cell(&o.cell, &cell)) else { continue };
+        let Some(meas) = old.meas else { continue };
+        let spec = &specs[&cell.model];
+        let mut prof = profile.clone();
+        prof.runtime_overhead_bytes = old.runtime_overhead_bytes;
+        let cost = TableCostModel::new(&prof);
+        let planned = run_cell(&cell, spec, &Inventory::new(spec), &cost);
+        let label = format!(
+            "{} {} ctx {} budget {}",
+            cell.planner,
+            cell.model,
+            format_tokens(cell.ctx),
+            format_bytes(cell.budget_bytes)
+        );
+        let Some(run) = planned.run else {
+            changed.push(format!("{label}: no plan now ({})", planned.reason));
+            continue;
+        };
+        let pred = Sample::new(&run.sim.metrics, run.sim.metrics.vram_peak_bytes);
+        let depths = (run.plan.prefill.pipeline_depth, run.plan.decode.pipeline_depth);
+        let fingerprint = plan_fingerprint(&run.plan);
+        let same = match &old.plan_fingerprint {
+            Some(f) => *f == fingerprint,
+            None => {
+                old.depths == Some(depths)
+                    && old.pred.is_some_and(|p| p.vram_peak_bytes == pred.vram_peak_bytes)
+            }
+        };
+        if !same {
+            changed.push(format!("{label}: the plan differs from the one that ran"));
+            continue;
+        }
+        outcomes.push(Outcome {
+            kind: old.kind,
+            status: "ok".into(),
+            pred: Some(pred),
+            meas: Some(meas),
+            depths: Some(depths),
+            process_peak_bytes: old.process_peak_bytes,
+            runtime_overhead_bytes: old.runtime_overhead_bytes,
+            plan_fingerprint: Some(fingerprint),
+            run: None,
+            cell,
+        });
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    write_csv(&outcomes, &a.out.join("cells.csv"))?;
+    scatter(&outcomes, &e.planners, &a.out.join("scatter.png"))?;
+    let mut md = format!(
+        "# Re-prediction of `{}` with this build (commit {}, profile `{profile_name}`)\n\n{} cells re-predicted \
+         against their measurements; {} left out because their plan changed; nothing fitted.\n\n{}",
+        csv.display(),
+        provenance().0,
+        outcomes.len(),
+        changed.len(),
+        summary(&outcomes)
+    );
+    if !changed.is_empty() {
+        md.push_str("\n## Left out\n\n");
+        for c in &changed {
+            let _ = writeln!(md, "- {c}");
+        }
+    }
+    std::fs::write(a.out.join("summary.md"), &md)
+        .with_context(|| format!("writing {}/summary.md", a.out.display()))?;
+    print!("{md}");
+    Ok(())
+}
+
 /// Writes `summary.md` and `scatter.png` of earlier runs' `cells.csv` files into `a.out`.
 fn summarize(a: &ValidateArgs) -> anyhow::Result<()> {
     let outcomes = read_csvs(&a.summarize)?;
@@ -457,6 +562,9 @@ fn summarize(a: &ValidateArgs) -> anyhow::Result<()> {
 pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     if !a.summarize.is_empty() {
         return summarize(a);
+    }
+    if let Some(csv) = &a.repredict {
+        return repredict(a, csv);
     }
     let (commit, date, command) = provenance();
     let t0 = Instant::now();
@@ -612,6 +720,7 @@ fn validate_cell(
         depths: None,
         process_peak_bytes: None,
         runtime_overhead_bytes: prof.runtime_overhead_bytes,
+        plan_fingerprint: None,
         run: None,
         cell,
     };
@@ -624,6 +733,7 @@ fn validate_cell(
     let (plan, sim) = (run.plan, run.sim);
     outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
     outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
+    outcome.plan_fingerprint = Some(plan_fingerprint(&plan));
     let opts = RunOptions {
         prompt: random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed),
         gen_tokens: workload.gen_tokens as usize,
@@ -681,6 +791,7 @@ mod tests {
             depths: Some((2, 2)),
             process_peak_bytes: Some(2 << 30),
             runtime_overhead_bytes: 500 << 20,
+            plan_fingerprint: Some("0123abcd".into()),
             run: None,
         }
     }

@@ -168,6 +168,28 @@ impl Elem {
         }
     }
 
+    /// Elements `0..out.len()` of a byte slice holding this type, as f32 (one dispatch per row, so the loop
+    /// vectorises; embedding a 1024-token ubatch element by element took 6.8 ms on the H200 machine).
+    pub fn read_row(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            Elem::F32 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Elem::F16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Elem::Bf16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+                }
+            }
+        }
+    }
+
     /// Writes `x` (rounded) as element `i` of a byte slice holding this type.
     pub fn write(self, bytes: &mut [u8], i: usize, x: f32) {
         match self {

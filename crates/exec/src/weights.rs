@@ -214,15 +214,18 @@ impl Dims {
     /// Row `row` of a matrix of `cols` columns whose bytes start `mat`, as f32 (dequantised exactly).
     #[must_use]
     pub fn mat_row(&self, mat: &[u8], row: usize, cols: usize) -> Vec<f32> {
-        let rb = self.mat_bytes(1, cols);
+        let mut out = vec![0f32; cols];
+        self.mat_row_into(mat, row, &mut out);
+        out
+    }
+
+    /// [`Self::mat_row`] into `out` (its length is the row's), without allocating.
+    pub fn mat_row_into(&self, mat: &[u8], row: usize, out: &mut [f32]) {
+        let rb = self.mat_bytes(1, out.len());
         let bytes = &mat[row * rb..(row + 1) * rb];
         match self.quant {
-            Some(q) => {
-                let mut out = vec![0f32; cols];
-                q.dequantize_row(bytes, &mut out);
-                out
-            }
-            None => (0..cols).map(|i| self.mat.read(bytes, i)).collect(),
+            Some(q) => q.dequantize_row(bytes, out),
+            None => self.mat.read_row(bytes, out),
         }
     }
 

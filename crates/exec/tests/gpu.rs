@@ -107,6 +107,9 @@ const MOE_MIXES: &[(&str, u32, bool, Rule)] = &[
         (_, 1) => Placement::Streamed,
         _ => Placement::Cpu,
     }),
+    ("moe: op offload: layer 0 on the CPU (router, experts staged), the rest pinned", 0, true, |_, u| {
+        if u.layer() == Some(0) || u == UnitId::TokenEmbd { Placement::Cpu } else { Placement::Pinned }
+    }),
     ("moe: switch: prefill streamed d2, decode experts CPU", 2, false, |ph, u| match (ph, u) {
         (PhaseKind::Prefill, _) => Placement::Streamed,
         (PhaseKind::Decode, UnitId::Expert { .. }) => Placement::Cpu,
@@ -141,15 +144,21 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
     let prompt = random_tokens(case.prompt, w.dims.vocab, 11);
     let wl = Workload::single(case.prompt as u64, case.ctx, case.n_gen as u64, case.ubatch);
     let cpu_plan = manual_plan(spec, wl, case.budget, 0, 0, case.threads, |_, _| Placement::Cpu);
-    let reference = run(&w, &cpu_plan, None, &opts(&prompt, case.n_gen, None)).unwrap();
-    let force: Vec<u32> = reference.tokens[..case.n_gen].to_vec();
+    let chunked = run(&w, &cpu_plan, None, &opts(&prompt, case.n_gen, None)).unwrap();
+    let force: Vec<u32> = chunked.tokens[..case.n_gen].to_vec();
+    // Op offload needs ≥ 32-token ubatches, so those mixes prefill in one chunk; their reference does too
+    // (routes are recorded chunk by chunk, layer by layer).
+    let one_chunk_wl = Workload { ubatch: case.prompt as u64, ..wl };
+    let one_chunk_plan =
+        manual_plan(spec, one_chunk_wl, case.budget, 0, 0, case.threads, |_, _| Placement::Cpu);
+    let one_chunk = run(&w, &one_chunk_plan, None, &opts(&prompt, case.n_gen, Some(force.clone()))).unwrap();
     writeln!(
         log,
         "\n{} ({} layers, {}): all-CPU tokens {:?}",
         spec.name,
         w.dims.n_layers,
         w.dims.mat.name(),
-        reference.tokens
+        chunked.tokens
     )
     .unwrap();
     writeln!(
@@ -165,6 +174,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             plan.prefill.op_offload = true;
             plan.workload.ubatch = case.prompt as u64;
         }
+        let reference = if offload { &one_chunk } else { &chunked };
         let out: RunOutput = run(&w, &plan, Some(gpu), &opts(&prompt, case.n_gen, Some(force.clone())))
             .unwrap_or_else(|e| panic!("{}: {name}: {e}", spec.name));
         let mut max_err = 0f64;
@@ -250,7 +260,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             export_for_hf(
                 &w,
                 &prompt,
-                &reference,
+                reference,
                 &out,
                 std::path::Path::new(&dir).join(&spec.name).as_path(),
                 case.ctx as usize,

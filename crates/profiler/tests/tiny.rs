@@ -61,10 +61,16 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     // Every thread count measured the DRAM and the matmul grid, with spreads.
     assert_eq!(p.dram.iter().map(|d| d.threads).collect::<Vec<_>>(), vec![1, 2]);
     assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
-    for t in [1, 2] {
+    for (t, want) in [(1, 4), (2, 6)] {
         let n = p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul && r.threads == t).count();
-        assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads");
+        assert_eq!(
+            n, want,
+            "2 shapes × 2 token counts at {t} threads, and a prefill-sized row each at the most"
+        );
     }
+    // Routed experts (exec's expert block) on the most threads, one row per tokens-per-expert count.
+    let experts: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Experts).collect();
+    assert_eq!(experts.iter().map(|r| (r.tokens, r.threads)).collect::<Vec<_>>(), vec![(1, 2), (4, 2)]);
     // Decode attention at every thread count; prefill attention (16 queries) on the most threads, over the
     // same average keys as a decode row, so the cost model interpolates between them in tokens.
     let attn: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Attention).collect();
@@ -93,6 +99,30 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
         let want = (r.time_ns as f64).max(m.roofline_ns(&op, ctx) as f64);
         let got = m.op_ns(&op, ctx) as f64;
         assert!((got - want).abs() <= 0.01 * want + 1.0, "{r:?}: predicted {got} ns, expected {want} ns");
+    }
+    // A routed-experts op of one touched expert is costed by the expert rows, not the matmul rows.
+    for r in experts {
+        let (mf, n, k) = (r.tokens as f64, r.n as f64, r.k as f64);
+        let op = Op {
+            kind: OpKind::Experts {
+                n_experts: 1,
+                touched: 1.0,
+                tokens_per_touched: mf,
+                ffn: r.n,
+                hidden: r.k,
+            },
+            unit: UnitId::TokenEmbd,
+            tokens: r.tokens,
+            dtype: r.dtype,
+            flops: 6.0 * mf * n * k,
+            weight_bytes: 6.0 * n * k,
+            act_bytes: 4.0 * mf * (2.0 * k + 3.0 * n),
+            kv_bytes: 0.0,
+        };
+        let ctx = OpContext::cpu(r.threads);
+        let want = (r.time_ns as f64).max(m.roofline_ns(&op, ctx) as f64);
+        let got = m.op_ns(&op, ctx) as f64;
+        assert!((got - want).abs() <= 0.02 * want + 1.0, "{r:?}: predicted {got} ns, expected {want} ns");
     }
     assert_copies_monotone("tiny", &p);
 }

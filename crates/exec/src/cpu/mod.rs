@@ -535,10 +535,13 @@ fn mat_mul(
 }
 
 /// The embedding rows of `tokens` as f32 `[m, hidden]`.
-pub fn embed(d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
-    for (t, &tok) in tokens.iter().enumerate() {
-        h[t * d.hidden..(t + 1) * d.hidden].copy_from_slice(&d.mat_row(table, tok as usize, d.hidden));
-    }
+pub fn embed(pool: &CpuPool, d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
+    pool.install(|| {
+        h[..tokens.len() * d.hidden]
+            .par_chunks_mut(d.hidden)
+            .zip(tokens)
+            .for_each(|(row, &tok)| d.mat_row_into(table, tok as usize, row));
+    });
 }
 
 /// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))`, writing K/V into the cache.
