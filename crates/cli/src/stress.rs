@@ -692,7 +692,7 @@ mod tests {
     use super::*;
     use pipeshard_exec::cpu::KvLayout;
     use pipeshard_exec::host::Elem;
-    use pipeshard_exec::layout::layout_phase;
+    use pipeshard_exec::layout::{Arena, layout_plan};
 
     /// Every drawn plan validates against its model, fits its budget, and lays out in the executor's arena at
     /// that budget (what the GPU run relies on before it measures anything), exact-fit mixes included; the
@@ -737,14 +737,14 @@ mod tests {
                 let kv =
                     KvLayout { ctx: workload.ctx as usize, kv_dim: weights.dims.kv_dim, elem: Elem::F16 };
                 let m = workload.ubatch.min(workload.prompt_tokens) as usize;
-                for (phase, tokens) in [(&plan.prefill, m), (&plan.decode, 1)] {
-                    let overhead = phase.vram.runtime_overhead_bytes;
-                    let arena = (plan.budget_bytes - overhead) as usize;
-                    if let Err(e) =
-                        layout_phase(&weights, phase, kv, tokens, arena, plan.budget_bytes, overhead)
-                    {
-                        panic!("{} {source:?} {:?}: {e}", spec.name, phase.phase);
-                    }
+                let overhead = plan.prefill.vram.runtime_overhead_bytes;
+                let arena = Arena {
+                    bytes: (plan.budget_bytes - overhead) as usize,
+                    budget_bytes: plan.budget_bytes,
+                    overhead_bytes: overhead,
+                };
+                if let Err(e) = layout_plan(&weights, &plan, kv, m, arena) {
+                    panic!("{} {source:?}: {e}", spec.name);
                 }
             }
         }

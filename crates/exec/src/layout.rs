@@ -420,9 +420,9 @@ fn layout_phase(
         (o, staging_bytes)
     });
     let mut scratch = scratch_layout(d, tokens, kv.ctx, at);
-    // The split attention's partial sums are not in the plan's scratch line: in an arena that tight, split
-    // the keys fewer ways (a slower decode attention, the same function up to f32 rounding) rather than
-    // refuse the plan.
+    // Core's scratch line counts the split attention's partial sums without the 256-byte alignment of each
+    // buffer here: in an arena that tight (an exact-fit plan of a small model), split the keys fewer ways (a
+    // slower decode attention, the same function up to f32 rounding) rather than refuse the plan.
     let room = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
     while scratch.attn_splits > 1 && at + scratch.bytes + pinned_used > room {
         scratch = scratch_layout_split(d, tokens, scratch.attn_splits / 2, at);

@@ -54,8 +54,8 @@
 //!   page-lock, or past [`RunOptions::pinned_limit_bytes`], stay pageable and [`RunOutput::warnings`] says so;
 //!   a host allocation that fails is [`ExecError::HostMemory`], not an abort; [`RunOptions::interrupt`]
 //!   (Ctrl-C) stops a run before its next forward pass with [`ExecError::Interrupted`], freeing what it holds.
-//!   In an arena too tight for the split decode attention's partial sums (which the plan's scratch line does
-//!   not count), the keys are split fewer ways rather than the plan refused.
+//!   A plan that fits its budget exactly but not the split decode attention's aligned partial buffers runs
+//!   with fewer splits rather than being refused.
 //! - Host sync only where data crosses: residual to the host before a CPU unit, the sampled token, and the end
 //!   of each pass (the host reuses its staging buffers).
 //!

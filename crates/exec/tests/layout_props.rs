@@ -9,7 +9,7 @@ use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cpu::KvLayout;
 use pipeshard_exec::host::Elem;
-use pipeshard_exec::layout::layout_phase;
+use pipeshard_exec::layout::{Arena, layout_plan};
 use pipeshard_exec::testing::{
     manual_plan, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
 };
@@ -63,13 +63,17 @@ proptest! {
         plan.budget_bytes = plan.peak_vram_bytes() + slack;
         prop_assert!(plan.validate(&inv).is_ok(), "{:?}", plan.validate(&inv));
         let kv = KvLayout { ctx: workload.ctx as usize, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
-        let arena = (plan.budget_bytes - overhead) as usize;
-        for (phase, tokens) in [(&plan.prefill, ubatch.min(prompt) as usize), (&plan.decode, 1)] {
-            let lay = layout_phase(&w, phase, kv, tokens, arena, plan.budget_bytes, overhead);
-            prop_assert!(lay.is_ok(), "{:?}: {}", phase.phase, lay.unwrap_err());
-            let u = lay.unwrap().used;
+        let arena = Arena {
+            bytes: (plan.budget_bytes - overhead) as usize,
+            budget_bytes: plan.budget_bytes,
+            overhead_bytes: overhead,
+        };
+        let lay = layout_plan(&w, &plan, kv, ubatch.min(prompt) as usize, arena);
+        prop_assert!(lay.is_ok(), "{}", lay.unwrap_err());
+        for l in lay.unwrap() {
+            let u = l.used;
             let carved = u.pinned_weights_bytes + u.streaming_slots_bytes + u.kv_bytes + u.scratch_bytes;
-            prop_assert!(carved as usize <= arena, "{:?}: carved {carved} > arena {arena}", phase.phase);
+            prop_assert!(carved as usize <= arena.bytes, "{:?}: carved {carved} > arena {}", l.phase, arena.bytes);
         }
     }
 }
