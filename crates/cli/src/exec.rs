@@ -6,8 +6,8 @@
 //! not fit is reported and the others go on. `--plan plan.json` (repeatable) runs hand-made or saved plans.
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -26,7 +26,7 @@ use pipeshard_exec::host::Elem;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
+use pipeshard_exec::{ExecError, RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
 use pipeshard_planner::PlannerOptions;
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
@@ -39,6 +39,9 @@ pub enum ExecCommand {
     Run(Box<RunArgs>),
     /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0) against DRAM / HBM bandwidth.
     Bench(crate::exec_bench::BenchArgs),
+    /// Run random feasible plans (random truncated catalog models, budgets, depths, placements) and check that
+    /// the measured VRAM peak never exceeds the budget; CSV and summary under results/reliability/.
+    Stress(crate::stress::StressArgs),
 }
 
 /// Arguments of `exec run`.
@@ -94,7 +97,8 @@ pub struct RunArgs {
     /// Write the measured Chrome trace (one file per cell: `NAME-PLANNER-BUDGET.json` next to this path).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Append one CSV row per cell (header written when the file is new).
+    /// Append one CSV row per cell (header written when the file is new); the file is replaced whole at the
+    /// end, so a run stopped by Ctrl-C leaves it as it was.
     #[arg(long)]
     csv: Option<PathBuf>,
     /// First run the whole model pinned (budget unconstrained) as the reference, then feed every cell the
@@ -227,13 +231,36 @@ fn csv_field(s: &str) -> String {
     if s.contains([',', '"', '\n']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() }
 }
 
-/// Runs `exec run`.
+/// Prints each warning the first time it comes (a profile that does not match the machine, weights left
+/// pageable): loud once, not once per cell.
+#[derive(Debug, Default)]
+pub(crate) struct WarnOnce(std::collections::HashSet<String>);
+
+impl WarnOnce {
+    /// Prints `msg` to stderr unless it was printed before; returns whether it printed.
+    pub(crate) fn warn(&mut self, msg: &str) -> bool {
+        let new = self.0.insert(msg.to_string());
+        if new {
+            eprintln!("warning: {msg}");
+        }
+        new
+    }
+}
+
+/// Runs `exec …`.
 pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
-    let args = match cmd {
-        ExecCommand::Run(args) => *args,
-        ExecCommand::Bench(args) => return crate::exec_bench::run(&args),
-    };
+    crate::interrupt::install();
+    match cmd {
+        ExecCommand::Run(args) => run_cells(&args, &crate::interrupt::FLAG),
+        ExecCommand::Bench(args) => crate::exec_bench::run(&args),
+        ExecCommand::Stress(args) => crate::stress::run(&args),
+    }
+}
+
+/// Runs `exec run`; `interrupt` (Ctrl-C) stops it before the next forward pass, writing nothing.
+fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<()> {
     let (commit, date, command) = provenance();
+    let mut warned = WarnOnce::default();
     let gpu = match probe() {
         Ok(_) => Some(Gpu::new().context("opening the CUDA device")?),
         Err(reason) => {
@@ -256,7 +283,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         }
         (None, None) => bail!("--model or --plan is required"),
     };
-    let spec = spec_for(&args, &model_name)?;
+    let spec = spec_for(args, &model_name)?;
     let prompt_tokens = parse_tokens(&args.prompt_tokens)?;
     let workload = Workload::single(
         prompt_tokens,
@@ -265,6 +292,8 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         parse_tokens(&args.ubatch)?,
     );
     workload.validate()?;
+    // The profile the planners cost with (plan files bring their own decisions).
+    let mut profile_used = None;
     if args.plan.is_empty() {
         let mut profile = load_profile(&args.profile)?;
         if let Some(g) = &gpu {
@@ -282,6 +311,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         for w in crate::args::borrowed_rows(&cost, &args.profile, [&spec]) {
             eprintln!("{w}");
         }
+        profile_used = Some(profile.clone());
         for planner in args.planner.split(',') {
             // The executor runs flash attention only: `ngl` plans llama.cpp's `-fa on`.
             let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
@@ -334,19 +364,12 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
+    // The CSV's old rows and this run's, written whole at the end.
     let mut csv = match &args.csv {
-        Some(path) => {
-            let new = !path.exists();
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .with_context(|| format!("opening {}", path.display()))?;
-            if new {
-                writeln!(f, "{CSV_HEADER}")?;
-            }
-            Some(f)
+        Some(path) if path.exists() => {
+            Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)
         }
+        Some(_) => Some(format!("{CSV_HEADER}\n")),
         None => None,
     };
     let reference = if args.check {
@@ -360,11 +383,16 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         let opts = RunOptions {
             prompt: prompt.clone(),
             gen_tokens: args.gen_tokens as usize,
-            force_tokens: None,
             keep_logits: true,
+            interrupt: Some(interrupt),
+            ..RunOptions::default()
         };
-        let r = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts)
-            .context("reference run (everything pinned)")?;
+        let r = match pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts) {
+            Err(ExecError::Interrupted { .. }) => {
+                return Err(crate::interrupt::stopped("nothing was written"));
+            }
+            r => r.context("reference run (everything pinned)")?,
+        };
         println!(
             "reference (all pinned, unconstrained budget): TTFT {:.1} ms, TPS {:.2}, tokens {:?}…",
             r.metrics.ttft_ms(),
@@ -392,15 +420,34 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         }
         let label = format!("{} / {} / budget {}", spec.name, plan.planner, format_bytes(plan.budget_bytes));
         println!("{label}");
+        if let Some(p) = &profile_used {
+            let threads = plan.prefill.cpu_threads.max(plan.decode.cpu_threads);
+            for w in p.mismatch_warnings(gpu.as_ref().map(Gpu::name), threads) {
+                warned.warn(&format!("profile {}: {w}", args.profile));
+            }
+        }
         let opts = RunOptions {
             prompt: prompt.clone(),
             gen_tokens: args.gen_tokens as usize,
             force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
             keep_logits: reference.is_some(),
+            interrupt: Some(interrupt),
+            ..RunOptions::default()
         };
         let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
         let (status, out) = match result {
-            Ok(out) => ("ok".to_string(), Some(out)),
+            Err(ExecError::Interrupted { .. }) => {
+                return Err(crate::interrupt::stopped(&match &args.csv {
+                    Some(p) => format!("{} was left as it was", p.display()),
+                    None => "nothing was written".into(),
+                }));
+            }
+            Ok(out) => {
+                for w in &out.warnings {
+                    warned.warn(w);
+                }
+                ("ok".to_string(), Some(out))
+            }
             Err(e) => {
                 println!("  failed: {e}");
                 failures += 1;
@@ -442,12 +489,11 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
             }
             if let Some(path) = &args.trace {
                 let file = trace_path(path, &spec.name, &plan);
-                std::fs::write(&file, out.trace.to_json())
-                    .with_context(|| format!("writing {}", file.display()))?;
+                crate::interrupt::write_atomic(&file, out.trace.to_json().as_bytes())?;
                 println!("  trace: {}", file.display());
             }
         }
-        if let Some(f) = &mut csv {
+        if let Some(text) = &mut csv {
             let m = out.as_ref().map(|o| &o.metrics);
             let v = out.as_ref().and_then(|o| o.vram.as_ref());
             let ms = |r: Resource| m.map_or(String::new(), |m| format!("{:.3}", m.busy(r) as f64 / 1e6));
@@ -478,8 +524,11 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
                 date.clone(),
                 command.clone(),
             ];
-            writeln!(f, "{}", row.iter().map(|s| csv_field(s)).collect::<Vec<_>>().join(","))?;
+            let _ = writeln!(text, "{}", row.iter().map(|s| csv_field(s)).collect::<Vec<_>>().join(","));
         }
+    }
+    if let (Some(path), Some(text)) = (&args.csv, &csv) {
+        crate::interrupt::write_atomic(path, text.as_bytes())?;
     }
     if failures > 0 {
         eprintln!("{failures} cell(s) failed");
@@ -548,6 +597,59 @@ mod tests {
             assert!(converted.iter().any(|c| c.ends_with(from)), "{from}: {converted:?}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `exec run --csv` writes its file whole at the end: a run stopped by Ctrl-C leaves an existing CSV as
+    /// it was and no temporary file beside it; a run that finishes appends its rows.
+    #[test]
+    fn an_interrupted_run_leaves_no_partial_results() {
+        use pipeshard_exec::testing::{manual_plan, tiny_spec};
+        static RAISED: AtomicBool = AtomicBool::new(true);
+        static CALM: AtomicBool = AtomicBool::new(false);
+
+        let dir = crate::testfiles::temp_dir("exec-interrupt");
+        let model = dir.join("model");
+        pipeshard_exec::hf::export(&ModelWeights::random(&tiny_spec(), 3).unwrap(), &model, 4096).unwrap();
+        let spec = spec_for(&run_args(&format!("--model {}", model.display())), &model.display().to_string())
+            .unwrap();
+        let plan = manual_plan(&spec, Workload::single(4, 16, 2, 4), 1 << 30, 0, 0, 1, |_, _| Placement::Cpu);
+        let plan_file = dir.join("plan.json");
+        std::fs::write(&plan_file, plan.to_json()).unwrap();
+        let csv = dir.join("cells.csv");
+        std::fs::write(&csv, "earlier rows\n").unwrap();
+        let line = format!(
+            "--model {} --plan {} --prompt-tokens 4 --gen 2 --ctx 16 --ubatch 4 --csv {}",
+            model.display(),
+            plan_file.display(),
+            csv.display()
+        );
+        let e = run_cells(&run_args(&line), &RAISED).unwrap_err().to_string();
+        assert!(e.contains("interrupted") && e.contains("left as it was"), "{e}");
+        assert_eq!(std::fs::read_to_string(&csv).unwrap(), "earlier rows\n");
+        let files = || {
+            let mut v: Vec<String> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(files(), ["cells.csv", "model", "plan.json"]);
+        run_cells(&run_args(&line), &CALM).unwrap();
+        let text = std::fs::read_to_string(&csv).unwrap();
+        assert!(text.starts_with("earlier rows\n") && text.lines().count() == 2, "{text}");
+        assert!(text.lines().nth(1).unwrap().contains(",ok,"), "{text}");
+        assert_eq!(files(), ["cells.csv", "model", "plan.json"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Each warning is printed once however many cells raise it.
+    #[test]
+    fn warnings_print_once() {
+        let mut w = WarnOnce::default();
+        assert!(w.warn("profile cli3: measured on another GPU"));
+        assert!(!w.warn("profile cli3: measured on another GPU"));
+        assert!(w.warn("weights left pageable"));
     }
 
     /// Every planner's plans for the done-when models lay out in the executor's arena, given the runtime

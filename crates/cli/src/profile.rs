@@ -90,6 +90,10 @@ impl Progress for Bars {
             }
         }
     }
+
+    fn interrupted(&self) -> bool {
+        crate::interrupt::raised()
+    }
 }
 
 pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
@@ -130,6 +134,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 date,
             };
             let bars = Bars::new();
+            crate::interrupt::install();
             let profile = pipeshard_profiler::measure(&cfg, &bars)?;
             if let Some(b) = bars.bar.borrow_mut().take() {
                 b.finish();
@@ -137,8 +142,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             }
-            std::fs::write(&out, profile.to_json() + "\n")
-                .with_context(|| format!("writing {}", out.display()))?;
+            crate::interrupt::write_atomic(&out, (profile.to_json() + "\n").as_bytes())?;
             // Read it back: what was written is a valid profile.
             let profile = Profile::load(&out)?;
             println!("wrote {}", out.display());

@@ -418,7 +418,7 @@ fn scatter(outcomes: &[Outcome], planners: &[String], path: &Path) -> anyhow::Re
 }
 
 /// A file-name-safe slug of the GPU's name (`NVIDIA H200` → `nvidia-h200`).
-fn slug(name: &str) -> String {
+pub(crate) fn slug(name: &str) -> String {
     let s: String =
         name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
     s.split('-').filter(|p| !p.is_empty()).collect::<Vec<_>>().join("-")
@@ -585,6 +585,11 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         num_cpus(),
         profile.machine.cpu_threads
     );
+    // Predictions from another machine's profile are still made, but never silently.
+    let mut warned = crate::exec::WarnOnce::default();
+    for w in profile.mismatch_warnings(Some(gpu.name()), profile.machine.cpu_threads) {
+        warned.warn(&format!("profile {profile_name}: {w}"));
+    }
     let dir = a.out.join(format!("{}-{}", &date[..date.len().min(10)], slug(gpu.name())));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
@@ -743,6 +748,7 @@ fn validate_cell(
         gen_tokens: workload.gen_tokens as usize,
         force_tokens: None,
         keep_logits: false,
+        ..RunOptions::default()
     };
     match pipeshard_exec::run(weights, &plan, Some(gpu), &opts) {
         Ok(out) => {

@@ -331,6 +331,49 @@ impl Profile {
     }
 }
 
+impl Profile {
+    /// What a run on the GPU named `gpu` with `threads` CPU threads should be told before it is costed with
+    /// this profile: a GPU other than the one measured (its costs are then that GPU's), or a thread count the
+    /// CPU rows were not measured at (DRAM bandwidth is then interpolated linearly between the measured counts
+    /// or held beyond them, and op efficiencies come from the nearest measured count). Empty when they match.
+    #[must_use]
+    pub fn mismatch_warnings(&self, gpu: Option<&str>, threads: u32) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(g) = gpu.filter(|g| !self.machine.gpu.contains(g)) {
+            out.push(format!(
+                "measured on {} ({}) but the run uses {g}: GPU and PCIe costs are that machine's; measure this \
+                 one with `pipeshard profile measure`",
+                self.machine.gpu, self.machine.name
+            ));
+        }
+        let mut counts: Vec<u32> = self.cpu.ops.iter().map(|r| r.threads).collect();
+        if counts.is_empty() {
+            counts = self.dram.iter().map(|d| d.threads).collect();
+        }
+        counts.sort_unstable();
+        counts.dedup();
+        let (Some(&lo), Some(&hi)) = (counts.first(), counts.last()) else { return out };
+        if counts.contains(&threads) {
+            return out;
+        }
+        let listed = counts.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+        let how = if threads > hi {
+            format!("extrapolated from {hi} threads (DRAM bandwidth held at {hi} threads')")
+        } else if threads < lo {
+            format!("scaled down from {lo} threads")
+        } else {
+            let below = counts.iter().rev().find(|&&c| c < threads).copied().unwrap_or(lo);
+            let above = counts.iter().find(|&&c| c > threads).copied().unwrap_or(hi);
+            format!("interpolated between {below} and {above} threads")
+        };
+        out.push(format!(
+            "CPU rows measured at {listed} threads, the run uses {threads}: CPU costs are {how}; for exact \
+             costs measure with `pipeshard profile measure --threads {threads}` or run with a measured count"
+        ));
+        out
+    }
+}
+
 /// Bandwidth at `bytes`, linear in log(size) between points and clamped at the ends.
 fn interp_bw(curve: &[BwPoint], bytes: u64) -> f64 {
     let x = (bytes.max(1) as f64).ln();
@@ -342,5 +385,31 @@ fn interp_bw(curve: &[BwPoint], bytes: u64) -> f64 {
             a.gbps + (x - xa) / (xb - xa) * (b.gbps - a.gbps)
         }
         None => curve[curve.len() - 1].gbps,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::reference::derived;
+
+    /// A profile used on another GPU or at a thread count it was not measured at says so, and says how the
+    /// costs are obtained; a matching one says nothing.
+    #[test]
+    fn mismatched_machines_and_thread_counts_are_reported() {
+        let mut p = derived("cli3").unwrap();
+        p.machine.gpu = "NVIDIA H200, driver 580".into();
+        for (i, t) in [1u32, 2, 4, 8, 16].into_iter().enumerate() {
+            let n = p.cpu.ops.len();
+            p.cpu.ops[i % n].threads = t;
+        }
+        assert!(p.mismatch_warnings(Some("NVIDIA H200"), 8).is_empty());
+        let w = p.mismatch_warnings(Some("NVIDIA GeForce RTX 4090"), 16);
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("NVIDIA H200, driver 580") && w[0].contains("RTX 4090"), "{}", w[0]);
+        let w = p.mismatch_warnings(None, 6);
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("interpolated between 4 and 8") && w[0].contains("uses 6"), "{}", w[0]);
+        assert!(p.mismatch_warnings(None, 32)[0].contains("extrapolated from 16"));
+        assert_eq!(p.mismatch_warnings(Some("NVIDIA H200"), 0).len(), 1);
     }
 }

@@ -17,13 +17,14 @@
 //! `budget − overhead − lazy_load_reserve_bytes` is allocated and carved per phase (see `layout`); device free
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::metrics::{Metrics, Resource};
-use pipeshard_core::plan::{PhaseKind, PhasePlan, Plan, VramBreakdown};
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
 use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
@@ -49,7 +50,7 @@ pub fn lazy_load_reserve_bytes(d: &Dims) -> u64 {
 }
 
 /// What to run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
@@ -59,6 +60,13 @@ pub struct RunOptions {
     pub force_tokens: Option<Vec<u32>>,
     /// Keep the logits of every produced token.
     pub keep_logits: bool,
+    /// Host bytes of weights the run may page-lock (`None`: all of them). Units past the limit, and any whose
+    /// page-locking the driver refuses, stay pageable: they still run, with slower copies, and
+    /// [`RunOutput::warnings`] says how many bytes were left pageable and why.
+    pub pinned_limit_bytes: Option<u64>,
+    /// Checked before every forward pass: once set (by a Ctrl-C handler), the run stops with
+    /// [`ExecError::Interrupted`] and releases its device and page-locked memory on the way out.
+    pub interrupt: Option<&'static AtomicBool>,
 }
 
 /// VRAM as planned, as carved, and as measured.
@@ -78,6 +86,9 @@ pub struct VramReport {
     pub used: [VramBreakdown; 2],
     /// Bytes uploaded when switching from the prefill to the decode layout.
     pub switch_uploaded_bytes: u64,
+    /// Weight bytes left pageable (see [`RunOptions::pinned_limit_bytes`]).
+    #[serde(default)]
+    pub pageable_weight_bytes: u64,
 }
 
 /// What a run produced.
@@ -96,6 +107,8 @@ pub struct RunOutput {
     /// With `keep_logits`, the experts every MoE layer picked: pass by pass, layer by layer, `[tokens, top_k]`
     /// each (empty for dense models). Two runs of the same inputs route alike unless a near-tie flipped.
     pub routes: Vec<u32>,
+    /// What the run did differently from what was asked, and why (weights left pageable).
+    pub warnings: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +196,8 @@ struct GpuSide<'a> {
     mark: Event,
     t0: Event,
     t0_ns: u64,
+    /// Weight bytes that could not be page-locked, and the warning that says why.
+    pageable: Option<(u64, String)>,
     _regs: Vec<HostRegistration>,
 }
 
@@ -334,6 +349,23 @@ pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usi
     Ok(total - free + lazy_load_reserve_bytes(w))
 }
 
+/// Which weight buffers to page-lock, given each one's (bytes, streamed in some phase) and the limit: streamed
+/// units first (they cross PCIe every pass), then the rest, each in order while it fits under the limit.
+fn page_lock_choice(units: &[(u64, bool)], limit_bytes: Option<u64>) -> Vec<bool> {
+    let Some(limit) = limit_bytes else { return vec![true; units.len()] };
+    let mut lock = vec![false; units.len()];
+    let mut used = 0u64;
+    for streamed_pass in [true, false] {
+        for (i, &(bytes, streamed)) in units.iter().enumerate() {
+            if streamed == streamed_pass && used + bytes <= limit {
+                used += bytes;
+                lock[i] = true;
+            }
+        }
+    }
+    lock
+}
+
 fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
     plan.placements.iter().any(|p| p.placement.on_gpu())
         || (plan.op_offload
@@ -461,7 +493,9 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         opts,
         kv,
         gpu: None,
-        host_kv: (0..d.n_layers).map(|_| HostBuf::zeroed(kv.bytes())).collect(),
+        host_kv: (0..d.n_layers)
+            .map(|l| HostBuf::try_zeroed(kv.bytes(), &format!("the host KV cache of layer {l} (ctx {ctx})")))
+            .collect::<Result<_>>()?,
         h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
         io: Io::new(d, m_prefill),
         moe_io: MoeIo::new(d, m_prefill),
@@ -517,14 +551,50 @@ impl<'a> Exec<'a> {
         )?;
         let arena = gpu.alloc(arena_bytes as usize)?;
         let mut regs = Vec::new();
-        for u in self.w.units() {
-            // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
-            regs.push(unsafe { gpu.register(&u.buf)? });
-        }
+        // Staging buffers first: small, and the host reads them right after asynchronous copies.
         for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf, &self.attn_io]) {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
+        let units = self.w.units();
+        let streamed: HashSet<UnitId> = plan
+            .phases()
+            .iter()
+            .flat_map(|p| p.placements.iter().filter(|u| u.placement == Placement::Streamed).map(|u| u.unit))
+            .collect();
+        let wanted: Vec<(u64, bool)> =
+            units.iter().map(|u| (u.buf.capacity_bytes() as u64, streamed.contains(&u.id))).collect();
+        let (mut pageable_bytes, mut refused) = (0u64, None);
+        for (u, lock) in units.iter().zip(page_lock_choice(&wanted, self.opts.pinned_limit_bytes)) {
+            if lock && refused.is_none() {
+                // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
+                match unsafe { gpu.register(&u.buf) } {
+                    Ok(r) => {
+                        regs.push(r);
+                        continue;
+                    }
+                    // Copies from pageable memory are correct, only slower: run on and say so.
+                    Err(e) => refused = Some(e.to_string()),
+                }
+            }
+            pageable_bytes += u.buf.capacity_bytes() as u64;
+        }
+        let pageable = (pageable_bytes > 0).then(|| {
+            let why = match (&refused, self.opts.pinned_limit_bytes) {
+                (Some(e), _) => format!("the driver refused to page-lock more ({e})"),
+                (None, Some(limit)) => format!("the page-lock limit is {limit} bytes"),
+                (None, None) => unreachable!("nothing is left pageable without a limit or a refusal"),
+            };
+            let total: u64 = wanted.iter().map(|w| w.0).sum();
+            (
+                pageable_bytes,
+                format!(
+                    "{pageable_bytes} of {total} bytes of weights stay pageable because {why}: their copies run \
+                     at pageable speed (several times slower than page-locked); free host memory or raise the \
+                     locked-memory limit (`ulimit -l`) to page-lock them"
+                ),
+            )
+        });
         let kv_wb = (0..d.n_layers).map(|_| gpu.event(false)).collect::<Result<Vec<_>>>()?;
         let t0 = gpu.event(true)?;
         let mark = gpu.event(false)?;
@@ -543,6 +613,7 @@ impl<'a> Exec<'a> {
             mark,
             t0,
             t0_ns: 0,
+            pageable,
             _regs: regs,
         };
         side.sample_vram()?;
@@ -576,6 +647,7 @@ impl<'a> Exec<'a> {
         let run_opts = self.opts;
         let t_prefill = self.tl.now_ns();
         for (i, &(pos0, m)) in chunks.iter().enumerate() {
+            self.check_interrupt(pass)?;
             let last = i + 1 == chunks.len();
             let next = chunks.get(i + 1).map(|c| (c.0, i + 2 == chunks.len()));
             let t = self.tl.now_ns();
@@ -596,6 +668,7 @@ impl<'a> Exec<'a> {
         let pool = pool_d.as_ref().unwrap_or(&pool_p);
         let mut decode_ns = self.tl.now_ns() - t_switch;
         for step in 0..self.opts.gen_tokens {
+            self.check_interrupt(pass)?;
             let input = self
                 .opts
                 .force_tokens
@@ -614,6 +687,13 @@ impl<'a> Exec<'a> {
             logits.extend(lg);
         }
         self.finish(plan, &lay_p, &lay_d, tokens, logits, ttft_ns, decode_ns, switch_uploaded_bytes)
+    }
+
+    fn check_interrupt(&self, passes: usize) -> Result<()> {
+        match self.opts.interrupt {
+            Some(flag) if flag.load(Ordering::Relaxed) => Err(ExecError::Interrupted { passes }),
+            _ => Ok(()),
+        }
     }
 
     fn finish(
@@ -665,6 +745,7 @@ impl<'a> Exec<'a> {
                 planned: [plan.prefill.vram, plan.decode.vram],
                 used: [lay_p.used, lay_d.used],
                 switch_uploaded_bytes,
+                pageable_weight_bytes: g.pageable.as_ref().map_or(0, |p| p.0),
             };
             if peak > plan.budget_bytes {
                 return Err(ExecError::BudgetExceeded { peak_bytes: peak, budget_bytes: plan.budget_bytes });
@@ -687,7 +768,9 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes })
+        let warnings =
+            self.gpu.as_ref().and_then(|g| g.pageable.as_ref()).map(|p| p.1.clone()).into_iter().collect();
+        Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
     /// Makes `lay` current: moves KV and pinned weights that change place, uploads RoPE frequencies, resets the
@@ -1672,5 +1755,23 @@ impl<'a> Exec<'a> {
                 .collect()
         });
         Ok((tok, logits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::page_lock_choice;
+
+    /// Under a page-lock limit, streamed units are locked first, then the others in order while they fit;
+    /// without a limit everything is.
+    #[test]
+    fn page_locking_prefers_streamed_units_under_a_limit() {
+        let units = [(100, false), (300, true), (50, false), (200, true)];
+        assert_eq!(page_lock_choice(&units, None), [true; 4]);
+        assert_eq!(page_lock_choice(&units, Some(0)), [false; 4]);
+        // 300 + 200 streamed first, then 100 does not fit, 50 does.
+        assert_eq!(page_lock_choice(&units, Some(560)), [false, true, true, true]);
+        assert_eq!(page_lock_choice(&units, Some(350)), [false, true, true, false]);
+        assert_eq!(page_lock_choice(&units, Some(650)), [true, true, true, true]);
     }
 }

@@ -50,6 +50,15 @@ pub enum ExecError {
     /// Weights could not be loaded from a checkpoint.
     #[error("cannot load weights from {file}: tensor `{tensor}` {problem}")]
     Checkpoint { file: String, tensor: String, problem: String },
+    /// The host could not allocate a buffer (weights, KV mirror): out of memory, or an absurd size.
+    #[error(
+        "cannot allocate {bytes} bytes of host memory for {what}: free host memory, or run fewer layers \
+         (`--layers`), a smaller context (`--ctx`) or smaller weights (`--weights q4_0`)"
+    )]
+    HostMemory { what: String, bytes: u64 },
+    /// The run was stopped from outside (Ctrl-C); device memory and page-locked host memory are released.
+    #[error("interrupted after {passes} forward passes; device memory released")]
+    Interrupted { passes: usize },
     /// Writing an export (safetensors, config) failed.
     #[error("cannot write {path}: {reason}")]
     Io { path: String, reason: String },

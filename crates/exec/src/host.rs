@@ -8,6 +8,8 @@ use std::ptr::NonNull;
 use half::{bf16, f16};
 use pipeshard_core::dtype::DType;
 
+use crate::error::{ExecError, Result};
+
 /// Alignment of host buffers: one page, so that registering them pins whole pages only.
 pub const HOST_ALIGN_BYTES: usize = 4096;
 
@@ -29,16 +31,26 @@ impl std::fmt::Debug for HostBuf {
 }
 
 impl HostBuf {
-    /// A buffer of `len_bytes` zero bytes (at least one page is allocated so the pointer is never dangling).
+    /// A buffer of `len_bytes` zero bytes (at least one page is allocated so the pointer is never dangling),
+    /// for small internal buffers; sizes that come from a model or a plan go through [`HostBuf::try_zeroed`].
     #[must_use]
     pub fn zeroed(len_bytes: usize) -> HostBuf {
-        let layout =
-            Layout::from_size_align(len_bytes.max(1).next_multiple_of(HOST_ALIGN_BYTES), HOST_ALIGN_BYTES)
-                .expect("host buffer size fits a Layout");
+        Self::try_zeroed(len_bytes, "a staging buffer").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A buffer of `len_bytes` zero bytes, or [`ExecError::HostMemory`] naming `what` and the size when the
+    /// host cannot give it (instead of aborting the process, as a failed allocation otherwise does).
+    pub fn try_zeroed(len_bytes: usize, what: &str) -> Result<HostBuf> {
+        let fail = || ExecError::HostMemory { what: what.to_string(), bytes: len_bytes as u64 };
+        let layout = len_bytes
+            .max(1)
+            .checked_next_multiple_of(HOST_ALIGN_BYTES)
+            .and_then(|n| Layout::from_size_align(n, HOST_ALIGN_BYTES).ok())
+            .ok_or_else(fail)?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HostBuf { ptr, len_bytes }
+        let ptr = NonNull::new(raw).ok_or_else(fail)?;
+        Ok(HostBuf { ptr, len_bytes })
     }
 
     /// Length in bytes.
@@ -220,6 +232,17 @@ mod tests {
         b.as_mut_slice()[9_999] = 7;
         assert_eq!(b.as_slice()[9_999], 7);
         assert_eq!(b.capacity_bytes(), 12_288);
+    }
+
+    /// An allocation the host cannot give is an error naming what and how much, not an abort.
+    #[test]
+    fn an_absurd_host_allocation_is_an_error() {
+        for bytes in [1usize << 62, usize::MAX - 10] {
+            let e = HostBuf::try_zeroed(bytes, "unit blk.0.ffn").unwrap_err();
+            assert_eq!(e, ExecError::HostMemory { what: "unit blk.0.ffn".into(), bytes: bytes as u64 });
+            let msg = e.to_string();
+            assert!(msg.contains(&bytes.to_string()) && msg.contains("--layers"), "{msg}");
+        }
     }
 
     #[test]

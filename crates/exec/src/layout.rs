@@ -124,9 +124,14 @@ pub struct ScratchLayout {
 /// Bytes of scratch a phase of `tokens` tokens per step needs, with its offsets relative to `base`.
 #[must_use]
 pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> ScratchLayout {
+    let attn_splits = if tokens <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
+    scratch_layout_split(d, tokens, attn_splits, base)
+}
+
+/// [`scratch_layout`] with decode attention split `attn_splits` ways.
+fn scratch_layout_split(d: &Dims, tokens: usize, attn_splits: usize, base: usize) -> ScratchLayout {
     let m = tokens;
     let act = d.mat.size_bytes();
-    let attn_splits = if m <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
     let mut s = ScratchLayout { tokens: m, attn_splits, ..ScratchLayout::default() };
     let mut at = base;
     let mut take = |bytes: usize| {
@@ -414,7 +419,14 @@ fn layout_phase(
         at += staging_bytes;
         (o, staging_bytes)
     });
-    let scratch = scratch_layout(d, tokens, kv.ctx, at);
+    let mut scratch = scratch_layout(d, tokens, kv.ctx, at);
+    // Core's scratch line counts the split attention's partial sums without the 256-byte alignment of each
+    // buffer here: in an arena that tight (an exact-fit plan of a small model), split the keys fewer ways (a
+    // slower decode attention, the same function up to f32 rounding) rather than refuse the plan.
+    let room = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
+    while scratch.attn_splits > 1 && at + scratch.bytes + pinned_used > room {
+        scratch = scratch_layout_split(d, tokens, scratch.attn_splits / 2, at);
+    }
     at += scratch.bytes;
     let used = VramBreakdown {
         pinned_weights_bytes: pinned_used as u64,

@@ -52,6 +52,12 @@
 //!   come to the host, which routes and permutes the tokens; only picked experts run — GPU experts as
 //!   per-expert cuBLAS calls (streamed ones copied only when picked, through a ring placeholder expanded once
 //!   the routing is known), CPU experts meanwhile on the host.
+//! - Failing loudly, never silently (docs/DESIGN-NOTES.md, "reliability"): weights the driver will not
+//!   page-lock, or past [`RunOptions::pinned_limit_bytes`], stay pageable and [`RunOutput::warnings`] says so;
+//!   a host allocation that fails is [`ExecError::HostMemory`], not an abort; [`RunOptions::interrupt`]
+//!   (Ctrl-C) stops a run before its next forward pass with [`ExecError::Interrupted`], freeing what it holds.
+//!   A plan that fits its budget exactly but not the split decode attention's aligned partial buffers runs
+//!   with fewer splits rather than being refused.
 //! - Host sync only where data crosses: residual to the host before a CPU unit, the sampled token, and the end
 //!   of each pass (the host reuses its staging buffers).
 //!

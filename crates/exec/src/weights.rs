@@ -804,7 +804,7 @@ impl ModelWeights {
                 }
                 other => other,
             })?;
-            let mut buf = HostBuf::zeroed(bytes);
+            let mut buf = HostBuf::try_zeroed(bytes, &format!("the weights of unit {}", unit.id))?;
             for t in &tensors {
                 values.fill(&mut buf.as_mut_slice()[t.offset..t.offset + t.bytes], t, &dims)?;
             }

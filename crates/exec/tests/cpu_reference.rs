@@ -36,6 +36,7 @@ fn all_cpu_matches_the_f64_reference() {
                 gen_tokens: 5,
                 force_tokens: Some(force.clone()),
                 keep_logits: true,
+                ..RunOptions::default()
             },
         )
         .unwrap();
@@ -68,7 +69,8 @@ fn moe_decode_computes_only_the_picked_experts() {
     let w = ModelWeights::random(&spec, 5).unwrap();
     let moe = w.dims.moe.unwrap();
     let prompt = random_tokens(12, w.dims.vocab, 8);
-    let opts = RunOptions { prompt, gen_tokens: 4, force_tokens: None, keep_logits: true };
+    let opts =
+        RunOptions { prompt, gen_tokens: 4, force_tokens: None, keep_logits: true, ..RunOptions::default() };
     let plan = manual_plan(&spec, Workload::single(12, 32, 4, 12), 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
     let out = run(&w, &plan, None, &opts).unwrap();
     let layers = w.dims.n_layers;
@@ -124,7 +126,13 @@ fn free_running_tokens_follow_the_reference_argmax() {
         &w,
         &plan,
         None,
-        &RunOptions { prompt: prompt.clone(), gen_tokens: 4, force_tokens: None, keep_logits: true },
+        &RunOptions {
+            prompt: prompt.clone(),
+            gen_tokens: 4,
+            force_tokens: None,
+            keep_logits: true,
+            ..RunOptions::default()
+        },
     )
     .unwrap();
     let mut seq = prompt.clone();
@@ -151,7 +159,13 @@ fn gpu_plans_without_a_device_fail_clearly() {
         &w,
         &plan,
         None,
-        &RunOptions { prompt: vec![1, 2, 3, 4], gen_tokens: 2, force_tokens: None, keep_logits: false },
+        &RunOptions {
+            prompt: vec![1, 2, 3, 4],
+            gen_tokens: 2,
+            force_tokens: None,
+            keep_logits: false,
+            ..RunOptions::default()
+        },
     )
     .unwrap_err();
     assert!(matches!(e, ExecError::NoCuda { .. }), "{e}");
@@ -159,7 +173,13 @@ fn gpu_plans_without_a_device_fail_clearly() {
         &w,
         &plan,
         None,
-        &RunOptions { prompt: vec![1, 2, 3, 4, 9999], gen_tokens: 2, force_tokens: None, keep_logits: false },
+        &RunOptions {
+            prompt: vec![1, 2, 3, 4, 9999],
+            gen_tokens: 2,
+            force_tokens: None,
+            keep_logits: false,
+            ..RunOptions::default()
+        },
     )
     .unwrap_err();
     assert!(
@@ -168,4 +188,41 @@ fn gpu_plans_without_a_device_fail_clearly() {
             || matches!(e, ExecError::NoCuda { .. }),
         "{e}"
     );
+}
+
+/// A plan made for another model (here: four layers, the weights have three) is refused before anything runs,
+/// naming the first unit the model lacks.
+#[test]
+fn a_plan_naming_units_the_model_lacks_is_an_error() {
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 1).unwrap();
+    let mut deeper = spec.clone();
+    deeper.text.n_layers += 1;
+    let plan = manual_plan(&deeper, Workload::single(4, 16, 2, 4), 1 << 30, 0, 0, 1, |_, _| Placement::Cpu);
+    let opts = RunOptions { prompt: vec![1, 2, 3, 4], gen_tokens: 2, ..RunOptions::default() };
+    let e = run(&w, &plan, None, &opts).unwrap_err();
+    assert!(matches!(e, ExecError::InvalidPlan(_)), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("blk.3") && msg.contains("does not have"), "{msg}");
+}
+
+/// A raised interrupt flag stops a run before its next forward pass with `Interrupted`; a lowered one changes
+/// nothing.
+#[test]
+fn an_interrupt_stops_the_run() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FLAG: AtomicBool = AtomicBool::new(false);
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 1).unwrap();
+    let plan = manual_plan(&spec, Workload::single(8, 32, 3, 4), 1 << 30, 0, 0, 1, |_, _| Placement::Cpu);
+    let opts = RunOptions {
+        prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
+        gen_tokens: 3,
+        interrupt: Some(&FLAG),
+        ..RunOptions::default()
+    };
+    assert_eq!(run(&w, &plan, None, &opts).unwrap().tokens.len(), 4);
+    FLAG.store(true, Ordering::Relaxed);
+    let e = run(&w, &plan, None, &opts).unwrap_err();
+    assert_eq!(e, ExecError::Interrupted { passes: 0 });
 }

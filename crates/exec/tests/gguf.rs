@@ -26,6 +26,7 @@ fn logits(w: &ModelWeights) -> Vec<f32> {
         gen_tokens: 3,
         force_tokens: Some(random_tokens(3, w.dims.vocab, 6)),
         keep_logits: true,
+        ..RunOptions::default()
     };
     run(w, &plan, None, &opts).unwrap().logits.into_iter().flatten().collect()
 }

@@ -129,7 +129,13 @@ struct Case {
 }
 
 fn opts(prompt: &[u32], n_gen: usize, force: Option<Vec<u32>>) -> RunOptions {
-    RunOptions { prompt: prompt.to_vec(), gen_tokens: n_gen, force_tokens: force, keep_logits: true }
+    RunOptions {
+        prompt: prompt.to_vec(),
+        gen_tokens: n_gen,
+        force_tokens: force,
+        keep_logits: true,
+        ..RunOptions::default()
+    }
 }
 
 fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {

@@ -214,7 +214,7 @@ fn property_models() -> Vec<ModelSpec> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Any budget either plans within itself or is infeasible with a minimum that plans when retried.
     #[test]

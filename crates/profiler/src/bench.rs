@@ -215,7 +215,7 @@ pub fn gemv_bandwidth(
     })?;
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
-    progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
+    progress.tick(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()))?;
     // One random matrix per format, shared by the variants that read it (and by the GPU).
     let mut matrices: Vec<(Fmt, Vec<u8>)> = Vec::new();
     for case in &cases {
@@ -261,7 +261,7 @@ pub fn gemv_bandwidth(
             bound_gbps: dram_gbps,
             max_rel_err: check(fmt, w, &x, &y, k),
         });
-        progress.step(&format!("{} ({:?}, {}): {gbps:.1} GB/s", fmt.name(), pool.isa(), pool.prefetch()));
+        progress.tick(&format!("{} ({:?}, {}): {gbps:.1} GB/s", fmt.name(), pool.isa(), pool.prefetch()))?;
     }
     if let Some(gpu) = gpu {
         rows.extend(gpu_rows(cfg, gpu, &x, &matrices, progress)?);
@@ -297,7 +297,7 @@ fn gpu_rows(
     // SAFETY: both buffers hold `bytes`, do not overlap, and outlive the synchronised measurement.
     let copy = sample(cfg.rule, || timed(&|| unsafe { gpu.d2d(Stream::Compute, b.ptr(), a.ptr(), bytes) }))?;
     let hbm_gbps = 2.0 * bytes as f64 / copy.median / 1e9;
-    progress.step(&format!("device copy: {hbm_gbps:.0} GB/s (read + write)"));
+    progress.tick(&format!("device copy: {hbm_gbps:.0} GB/s (read + write)"))?;
     drop(b);
     let mut xb = vec![0u8; 2 * k];
     for (i, &v) in x.iter().enumerate() {
@@ -348,7 +348,7 @@ fn gpu_rows(
             bound_gbps: hbm_gbps,
             max_rel_err: check(fmt, w, x, &y, k),
         });
-        progress.step(&format!("{}: {gbps:.0} GB/s", fmt.name()));
+        progress.tick(&format!("{}: {gbps:.0} GB/s", fmt.name()))?;
     }
     Ok(rows)
 }

@@ -358,7 +358,7 @@ pub fn measure(
             gbps_under_dma: under.map_or(alone.median, |u| u.median),
             spread: Some(alone.spread),
         });
-        progress.step(&format!("{} threads: {:.1} GB/s", pool.threads(), alone.median));
+        progress.tick(&format!("{} threads: {:.1} GB/s", pool.threads(), alone.median))?;
     }
     drop(words);
 
@@ -416,7 +416,7 @@ pub fn measure(
                         time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
                         spread: Some(alone.spread),
                     });
-                    progress.step(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()));
+                    progress.tick(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()))?;
                 }
             }
         }
@@ -444,7 +444,7 @@ pub fn measure(
                     Ok(secs_ns(t0))
                 };
                 rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, 1, pool.threads()));
-                progress.step(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()));
+                progress.tick(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()))?;
             }
         }
     }
@@ -518,12 +518,12 @@ pub fn measure(
                 Ok(secs_ns(t0))
             };
             rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, m, most.threads()));
-            progress.step(&format!(
+            progress.tick(&format!(
                 "{}q/{}kv {m} queries, ~{ctx} keys t={}",
                 h.q_heads,
                 h.kv_heads,
                 most.threads()
-            ));
+            ))?;
         }
     }
 
@@ -542,7 +542,7 @@ pub fn measure(
                 Ok(secs_ns(t0))
             })?;
             rows.push(elementwise_row(OpClass::Norm, hid as u64, m, s));
-            progress.step(&format!("norm {hid} m={m}"));
+            progress.tick(&format!("norm {hid} m={m}"))?;
             // RoPE over `hidden` worth of q (128-dim heads): the shape the layer rotates.
             let head_dim = 128usize;
             let heads = (hid / head_dim).max(1);
@@ -555,7 +555,7 @@ pub fn measure(
                 Ok(secs_ns(t0))
             })?;
             rows.push(elementwise_row(OpClass::Rope, (heads * head_dim) as u64, m, s));
-            progress.step(&format!("rope {hid} m={m}"));
+            progress.tick(&format!("rope {hid} m={m}"))?;
         }
         for &f in &g.ffn {
             let f = f as usize;
@@ -567,7 +567,7 @@ pub fn measure(
                 Ok(secs_ns(t0))
             })?;
             rows.push(elementwise_row(OpClass::Activation, f as u64, m, s));
-            progress.step(&format!("swiglu {f} m={m}"));
+            progress.tick(&format!("swiglu {f} m={m}"))?;
         }
     }
 

@@ -200,7 +200,7 @@ pub fn measure_all(
     })?;
     figures.add("copy latency (4-byte pinned H2D)", "ns", tiny_h2d);
     figures.add("copy latency (4-byte pinned D2H)", "ns", tiny_d2h);
-    progress.step(&format!("copy latency {:.1} / {:.1} µs", tiny_h2d.median / 1e3, tiny_d2h.median / 1e3));
+    progress.tick(&format!("copy latency {:.1} / {:.1} µs", tiny_h2d.median / 1e3, tiny_d2h.median / 1e3))?;
     // The fixed cost both directions pay: the smaller of the two.
     let latency_ns = tiny_h2d.median.min(tiny_d2h.median);
     let mut raw: [Vec<(usize, Stat)>; 4] = Default::default();
@@ -210,14 +210,14 @@ pub fn measure_all(
             unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..size]) }.map_err(Into::into)
         })?;
         raw[0].push((size, s));
-        progress.step(&format!("pinned H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        progress.tick(&format!("pinned H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
         let s = b.events(Stream::D2h, &mut |_| {
             // SAFETY: as above; the host buffer is not read meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(pinned.as_ptr(), size) };
             unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr()) }.map_err(Into::into)
         })?;
         raw[1].push((size, s));
-        progress.step(&format!("pinned D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        progress.tick(&format!("pinned D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
         // Pageable copies stage through the driver's buffers and hold the host thread: time them on the host.
         let s = sample(rule, || -> Result<f64> {
             let t0 = Instant::now();
@@ -227,7 +227,7 @@ pub fn measure_all(
             Ok(t0.elapsed().as_nanos() as f64)
         })?;
         raw[2].push((size, s));
-        progress.step(&format!("pageable H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        progress.tick(&format!("pageable H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
         let s = sample(rule, || -> Result<f64> {
             let t0 = Instant::now();
             // SAFETY: as above.
@@ -236,7 +236,7 @@ pub fn measure_all(
             Ok(t0.elapsed().as_nanos() as f64)
         })?;
         raw[3].push((size, s));
-        progress.step(&format!("pageable D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median));
+        progress.tick(&format!("pageable D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
     }
     // Effective rate after the fixed latency, never above the curve's best raw rate (no copy streams faster
     // than the link; a copy that beats latency + bytes at that rate is predicted slightly slow).
@@ -277,7 +277,7 @@ pub fn measure_all(
         Ok(2.0 * big as f64 / t0.elapsed().as_nanos() as f64)
     })?;
     figures.add("H2D + D2H at once, aggregate (256 MiB each)", "GB/s", bidir);
-    progress.step(&format!("both directions: {:.1} GB/s", bidir.median));
+    progress.tick(&format!("both directions: {:.1} GB/s", bidir.median))?;
 
     // Device memory bandwidth: a device-to-device copy, bytes read + written.
     let half = host_bytes / 2;
@@ -287,8 +287,8 @@ pub fn measure_all(
     })?;
     let d2d_gbps = 2.0 * half as f64 / d2d.median;
     figures.add("device memory: D2D copy, read + written", "GB/s", Stat { median: d2d_gbps, ..d2d });
-    progress.step(&format!("device D2D copy: {d2d_gbps:.0} GB/s"));
-    progress.step("PCIe done");
+    progress.tick(&format!("device D2D copy: {d2d_gbps:.0} GB/s"))?;
+    progress.tick("PCIe done")?;
 
     let h2d_big = h2d_pinned.last().expect("sizes").gbps;
     let dma_chunk = (256 * MIB).min(host_bytes / 2);
@@ -374,7 +374,7 @@ pub fn measure_all(
                     spread: Some(s.spread),
                 });
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
-                progress.step(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3));
+                progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
             }
         }
     }
@@ -449,14 +449,14 @@ pub fn measure_all(
                         time_ns_under_dma: None,
                         spread: Some(s.spread),
                     });
-                    progress.step(&format!(
+                    progress.tick(&format!(
                         "{kv_dtype:?} {}q/{}kv×{} ctx {ctx} {}: {:.1} µs",
                         h.q_heads,
                         h.kv_heads,
                         h.head_dim,
                         if decode { "decode" } else { "prefill" },
                         s.median / 1e3
-                    ));
+                    ))?;
                 }
             }
         }
@@ -494,7 +494,7 @@ pub fn measure_all(
                 .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Norm, hid as u64, m, s));
-            progress.step(&format!("norm {hid} m={m}"));
+            progress.tick(&format!("norm {hid} m={m}"))?;
             let heads = (hid / 128).max(1);
             let s = b.events(Stream::Compute, &mut |_| {
                 // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
@@ -502,7 +502,7 @@ pub fn measure_all(
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Rope, (heads * 128) as u64, m, s));
-            progress.step(&format!("rope {hid} m={m}"));
+            progress.tick(&format!("rope {hid} m={m}"))?;
         }
         for &f in &cat.ffn {
             let f = f as usize;
@@ -512,7 +512,7 @@ pub fn measure_all(
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));
-            progress.step(&format!("swiglu {f} m={m}"));
+            progress.tick(&format!("swiglu {f} m={m}"))?;
         }
     }
 
@@ -528,7 +528,7 @@ pub fn measure_all(
     })?;
     let launch = Stat { median: s.median / f64::from(launches), ..s };
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
-    progress.step(&format!("launch {:.2} µs", launch.median / 1e3));
+    progress.tick(&format!("launch {:.2} µs", launch.median / 1e3))?;
     let sync = sample(rule, || -> Result<f64> {
         let t0 = Instant::now();
         // SAFETY: as above.
@@ -537,7 +537,7 @@ pub fn measure_all(
         Ok(t0.elapsed().as_nanos() as f64)
     })?;
     figures.add("host sync (launch a tiny kernel, wait for it on the host)", "ns", sync);
-    progress.step(&format!("host sync {:.1} µs", sync.median / 1e3));
+    progress.tick(&format!("host sync {:.1} µs", sync.median / 1e3))?;
 
     // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
@@ -566,7 +566,7 @@ pub fn measure_all(
             "x",
             Stat { median: ratio, spread: alone.spread.max(under.spread), samples: under.samples },
         );
-        progress.step(&format!("{label} under H2D: ×{ratio:.3}"));
+        progress.tick(&format!("{label} under H2D: ×{ratio:.3}"))?;
         op_stats.push((m, alone, ratio));
     }
     let gemv_slowdown = op_stats[0].2.max(1.0);
@@ -592,7 +592,7 @@ pub fn measure_all(
         })?;
         let label = if *m == 1 { "GEMV" } else { "GEMM" };
         figures.add(&format!("pinned H2D (256 MiB) while GPU runs {label}s"), "GB/s", s);
-        progress.step(&format!("H2D during {label}s: {:.1} GB/s", s.median));
+        progress.tick(&format!("H2D during {label}s: {:.1} GB/s", s.median))?;
         h2d_under.push(s.median);
     }
     drop((wbuf, xbuf, ybuf, ew));

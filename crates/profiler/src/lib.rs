@@ -110,6 +110,16 @@ pub trait Progress {
     fn section(&self, name: &str, steps: u64);
     /// One step of the current section is done.
     fn step(&self, detail: &str);
+    /// Whether the user asked to stop (Ctrl-C): checked after every step.
+    fn interrupted(&self) -> bool {
+        false
+    }
+    /// [`Progress::step`], then [`ProfilerError::Interrupted`] if [`Progress::interrupted`]: the measurement
+    /// unwinds, releasing its device and page-locked buffers, and no profile is produced.
+    fn tick(&self, detail: &str) -> Result<()> {
+        self.step(detail);
+        if self.interrupted() { Err(ProfilerError::Interrupted) } else { Ok(()) }
+    }
 }
 
 /// A profiling failure.
@@ -124,6 +134,8 @@ pub enum ProfilerError {
     Exec(#[from] ExecError),
     #[error("{0}")]
     Input(String),
+    #[error("interrupted (Ctrl-C): no profile was written")]
+    Interrupted,
 }
 
 /// A result of this crate.

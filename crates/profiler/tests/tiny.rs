@@ -169,3 +169,33 @@ fn copy_curves_are_capped_where_interpolation_would_make_more_bytes_faster() {
     p.pcie.h2d_pageable = curve;
     assert_copies_monotone("capped", &p);
 }
+
+/// Ctrl-C during a measurement (here: raised after the third step) stops it at the next step with
+/// `Interrupted`, producing no profile.
+#[test]
+fn an_interrupt_stops_the_measurement() {
+    use std::cell::Cell;
+    struct StopAfter(Cell<u32>);
+    impl Progress for StopAfter {
+        fn section(&self, _: &str, _: u64) {}
+        fn step(&self, _: &str) {
+            self.0.set(self.0.get() + 1);
+        }
+        fn interrupted(&self) -> bool {
+            self.0.get() >= 3
+        }
+    }
+    let cfg = Config {
+        mode: Mode::Tiny,
+        name: "ci".into(),
+        threads: vec![1, 2],
+        gpu_from: Some(reference::derived("cli3").unwrap()),
+        command: "test".into(),
+        commit: "test".into(),
+        date: "2026-11-30T00:00:00Z".into(),
+    };
+    let progress = StopAfter(Cell::new(0));
+    let e = measure(&cfg, &progress).unwrap_err();
+    assert!(matches!(e, pipeshard_profiler::ProfilerError::Interrupted), "{e}");
+    assert_eq!(progress.0.get(), 3, "no step after the interrupt");
+}
