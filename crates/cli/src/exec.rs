@@ -116,8 +116,8 @@ pub(crate) fn with_measured_overhead(
 ) -> anyhow::Result<Profile> {
     let dims = Dims::new(spec)?;
     let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
-    let overhead =
-        runtime_overhead_bytes(gpu, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
+    let prefill_tokens = workload.ubatch.min(workload.prompt_tokens) as usize;
+    let overhead = runtime_overhead_bytes(gpu, &dims, kv, prefill_tokens, workload.batch as usize)?;
     Ok(Profile { runtime_overhead_bytes: overhead, ..profile.clone() })
 }
 
@@ -341,6 +341,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         });
         let opts = RunOptions {
             prompt: prompt.clone(),
+            other_prompts: Vec::new(),
             gen_tokens: args.gen_tokens as usize,
             force_tokens: None,
             keep_logits: true,
@@ -376,6 +377,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         println!("{label}");
         let opts = RunOptions {
             prompt: prompt.clone(),
+            other_prompts: Vec::new(),
             gen_tokens: args.gen_tokens as usize,
             force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
             keep_logits: reference.is_some(),

@@ -226,7 +226,13 @@ mod tests {
             let wl = Workload::single(12, 64, 3, 8);
             let plan = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
             let prompt = random_tokens(12, w.dims.vocab, 4);
-            let opts = RunOptions { prompt, gen_tokens: 3, force_tokens: None, keep_logits: true };
+            let opts = RunOptions {
+                prompt,
+                other_prompts: Vec::new(),
+                gen_tokens: 3,
+                force_tokens: None,
+                keep_logits: true,
+            };
             let (a, b) = (run(&w, &plan, None, &opts).unwrap(), run(&loaded, &plan, None, &opts).unwrap());
             assert!(!a.logits.is_empty());
             assert_eq!((a.tokens, a.logits), (b.tokens, b.logits), "{}", spec.name);

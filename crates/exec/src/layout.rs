@@ -119,9 +119,10 @@ pub struct ScratchLayout {
     pub bytes: usize,
 }
 
-/// Bytes of scratch a phase of `tokens` tokens per step needs, with its offsets relative to `base`.
+/// Bytes of scratch a phase of `tokens` tokens per step, `logit_rows` of which produce a token (1 in prefill,
+/// every sequence's in decode), needs, with its offsets relative to `base`.
 #[must_use]
-pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> ScratchLayout {
+pub fn scratch_layout(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize, base: usize) -> ScratchLayout {
     let m = tokens;
     let act = d.mat.size_bytes();
     let attn_splits = if m <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
@@ -133,11 +134,11 @@ pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> Scrat
         off
     };
     s.ids = take(m * 4);
-    s.tok = take(16);
+    s.tok = take(16.max(logit_rows * 4));
     s.inv_freq = take(d.rot_dims / 2 * 4 + 4);
     s.h = take(m * d.hidden * 4);
     s.xb = take(m * d.hidden.max(d.q_dim) * act);
-    s.logits = take(d.vocab * 4);
+    s.logits = take(logit_rows * d.vocab * 4);
     if attn_splits > 1 {
         s.part_o = take(m * d.n_heads * attn_splits * d.head_dim * 4);
         s.part_ml = take(m * d.n_heads * attn_splits * 2 * 4);
@@ -355,7 +356,8 @@ pub fn layout_phase(
         at += staging_bytes;
         (o, staging_bytes)
     });
-    let scratch = scratch_layout(d, tokens, kv.ctx, at);
+    let logit_rows = if phase == PhaseKind::Decode { tokens } else { 1 };
+    let scratch = scratch_layout(d, tokens, logit_rows, kv.ctx, at);
     at += scratch.bytes;
     let used = VramBreakdown {
         pinned_weights_bytes: pinned_used as u64,
@@ -505,7 +507,7 @@ mod tests {
             "MoE temporaries leave the normed input alone"
         );
         assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
-        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 64, 0);
+        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 4, 64, 0);
         assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
     }
 
