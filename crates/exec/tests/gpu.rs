@@ -425,7 +425,7 @@ fn batched_decode_matches_independent_runs_on_the_gpu() {
             (0..*r).map(|s| random_tokens(40, w.dims.vocab, 11 + s as u64)).collect();
         let force = random_tokens(5, w.dims.vocab, 7);
         writeln!(log, "\n{} batched, {r} sequences", spec.name).unwrap();
-        for &(name, depth, _, rule) in mixes.iter() {
+        for &(name, depth, _, rule) in mixes.as_slice() {
             for unified in [false, true] {
                 let wl = Workload::single(40, 64, 5, 16).batched(*r as u64, unified);
                 let plan = manual_plan(spec, wl, *budget, 0, depth, threads, rule);
