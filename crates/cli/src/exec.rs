@@ -489,6 +489,7 @@ mod tests {
     use pipeshard_core::inventory::Inventory;
     use pipeshard_exec::cpu::KvLayout;
     use pipeshard_exec::layout::layout_phase;
+    use pipeshard_exec::seqs::SeqKv;
 
     fn run_args(line: &str) -> RunArgs {
         #[derive(Debug, clap::Parser)]
@@ -524,30 +525,41 @@ mod tests {
     }
 
     /// Every planner's plans for the done-when models lay out in the executor's arena, given the runtime
-    /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown.
+    /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown — for one
+    /// request and for 4 and 16 parallel ones (issue 10's validation cells; the planner picks the KV layout).
     #[test]
     fn planner_plans_fit_the_executor_arena() {
         let profile = load_profile("cli3").unwrap();
         let cost = TableCostModel::new(&profile);
         let mut checked = 0;
+        let workloads = [
+            Workload::single(1024, 4096, 16, 1024),
+            Workload::single(1008, 1024, 16, 1024).batched(4, false),
+            Workload::single(1008, 1024, 16, 1024).batched(16, false),
+        ];
         for model in ["nemo-8b@4L", "llama-3.1-8b@4L", "qwen3-30b-a3b@4L"] {
             let spec = resolve_model(model).unwrap().with_uniform_weights(DType::Bf16);
             let inv = Inventory::new(&spec);
-            let workload = Workload::single(1024, 4096, 16, 1024);
-            let kv = KvLayout {
-                ctx: 4096,
-                kv_dim: inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").unwrap().shape[0]
-                    as usize,
-                elem: Elem::F16,
-            };
+            let kv_dim =
+                inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").unwrap().shape[0] as usize;
             let weights = ModelWeights::zeroed(&spec).unwrap();
-            for planner in ["ngl", "pshard", "ilp"] {
+            for (planner, workload) in
+                ["ngl", "pshard", "ilp"].iter().flat_map(|p| workloads.map(|w| (*p, w)))
+            {
                 let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
                 let p = pipeshard_planner::with_options(planner, &options).unwrap();
                 for gib in [2u64, 4, 8] {
                     let budget = gib << 30;
                     let Ok(plan) = p.plan(&spec, &workload, &cost, budget) else { continue };
-                    for (phase, tokens) in [(&plan.prefill, 1024), (&plan.decode, 1)] {
+                    let wl = plan.workload;
+                    let kv = SeqKv {
+                        seq: KvLayout { ctx: wl.ctx as usize, kv_dim, elem: Elem::F16 },
+                        seqs: wl.batch as usize,
+                        unified: wl.kv_unified,
+                        prompt: wl.prompt_tokens as usize,
+                    };
+                    let seqs = wl.batch as usize;
+                    for (phase, tokens) in [(&plan.prefill, 1024), (&plan.decode, seqs)] {
                         let arena = (budget - phase.vram.runtime_overhead_bytes) as usize;
                         if let Err(e) = layout_phase(
                             &weights,
@@ -558,7 +570,7 @@ mod tests {
                             budget,
                             phase.vram.runtime_overhead_bytes,
                         ) {
-                            panic!("{model} {planner} {gib}G {:?}: {e}", phase.phase);
+                            panic!("{model} {planner} {gib}G batch {seqs} {:?}: {e}", phase.phase);
                         }
                         checked += 1;
                     }

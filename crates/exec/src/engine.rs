@@ -539,7 +539,7 @@ impl<'a> Exec<'a> {
         }
         let arena_bytes = budget - overhead - reserve;
         // Check both layouts before taking the arena.
-        let kv = self.kv.whole();
+        let kv = self.kv;
         layout_phase(self.w, &plan.prefill, kv, m_prefill, arena_bytes as usize, budget, overhead)?;
         layout_phase(self.w, &plan.decode, kv, seqs, arena_bytes as usize, budget, overhead)?;
         let arena = gpu.alloc(arena_bytes as usize)?;
@@ -579,7 +579,7 @@ impl<'a> Exec<'a> {
     fn run(mut self, plan: &Plan, chunks: &[(usize, usize)], m_prefill: usize) -> Result<RunOutput> {
         let arena_bytes = self.gpu.as_ref().map_or(usize::MAX / 4, |g| g.arena.bytes());
         let (budget, overhead) = (plan.budget_bytes, self.gpu.as_ref().map_or(0, |g| g.overhead_bytes));
-        let (kv, seqs) = (self.kv.whole(), self.kv.seqs);
+        let (kv, seqs) = (self.kv, self.kv.seqs);
         let lay_p = layout_phase(self.w, &plan.prefill, kv, m_prefill, arena_bytes, budget, overhead)?;
         let lay_d = layout_phase(self.w, &plan.decode, kv, seqs, arena_bytes, budget, overhead)?;
         let pool_p = CpuPool::new(plan.prefill.cpu_threads as usize)?;

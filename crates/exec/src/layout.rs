@@ -13,8 +13,8 @@ use pipeshard_core::inventory::UnitId;
 use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, VramBreakdown};
 
-use crate::cpu::KvLayout;
 use crate::error::{ExecError, Result};
+use crate::seqs::SeqKv;
 use crate::weights::{Dims, ModelWeights};
 
 /// Alignment of every region in the arena.
@@ -139,16 +139,18 @@ pub fn scratch_layout(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize, ba
     s.h = take(m * d.hidden * 4);
     s.xb = take(m * d.hidden.max(d.q_dim) * act);
     s.logits = take(logit_rows * d.vocab * 4);
-    if attn_splits > 1 {
-        s.part_o = take(m * d.n_heads * attn_splits * d.head_dim * 4);
-        s.part_ml = take(m * d.n_heads * attn_splits * 2 * 4);
-    }
-    // Attention temporaries and FFN temporaries are never live at once: they share one region.
+    // Attention temporaries (q, k, v and the key splits' partial sums) and FFN temporaries are never live at
+    // once: they share one region.
     let union_base = at;
     let q = union_base;
     let k = align(q + m * d.q_dim * 4);
     let v = align(k + m * d.kv_dim * 4);
-    let attn_end = align(v + m * d.kv_dim * 4);
+    let mut attn_end = align(v + m * d.kv_dim * 4);
+    if attn_splits > 1 {
+        s.part_o = attn_end;
+        s.part_ml = align(s.part_o + m * d.n_heads * attn_splits * d.head_dim * 4);
+        attn_end = align(s.part_ml + m * d.n_heads * attn_splits * 2 * 4);
+    }
     let up = union_base;
     let gate = align(up + m * d.ffn * 4);
     let act_off = if d.ffn_kind == FfnKind::SwiGlu { align(gate + m * d.ffn * 4) } else { gate };
@@ -225,12 +227,13 @@ impl PhaseLayout {
     }
 }
 
-/// Lays out `plan` for `w` in an arena of `arena_bytes`, for steps of at most `tokens` tokens and a KV cache of
-/// `kv`; fails before anything runs if the plan cannot be executed or does not fit, naming the lines.
+/// Lays out `plan` for `w` in an arena of `arena_bytes`, for steps of at most `tokens` tokens and the KV cache
+/// of `kv`'s sequences; fails before anything runs if the plan cannot be executed or does not fit, naming the
+/// lines.
 pub fn layout_phase(
     w: &ModelWeights,
     plan: &PhasePlan,
-    kv: KvLayout,
+    kv: SeqKv,
     tokens: usize,
     arena_bytes: usize,
     budget_bytes: u64,
@@ -242,7 +245,7 @@ pub fn layout_phase(
         plan.placements.iter().map(|p| (p.unit, p.placement)).collect();
     let get = |unit: UnitId| placement.get(&unit).copied().ok_or(ExecError::MissingPlacement { phase, unit });
     let offload = plan.op_offload && phase == PhaseKind::Prefill && tokens >= 32;
-    let kv_bytes = kv.bytes();
+    let kv_bytes = kv.whole().bytes();
 
     // KV of VRAM-resident layers, bottom up.
     let mut bottom = 0usize;
@@ -357,7 +360,9 @@ pub fn layout_phase(
         (o, staging_bytes)
     });
     let logit_rows = if phase == PhaseKind::Decode { tokens } else { 1 };
-    let scratch = scratch_layout(d, tokens, logit_rows, kv.ctx, at);
+    // Key splits follow one sequence's context: a unified cache's masked scan is longer, but its VRAM must
+    // not depend on the layout.
+    let scratch = scratch_layout(d, tokens, logit_rows, kv.seq.ctx, at);
     at += scratch.bytes;
     let used = VramBreakdown {
         pinned_weights_bytes: pinned_used as u64,
@@ -410,6 +415,7 @@ pub fn layout_phase(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::KvLayout;
     use crate::host::Elem;
     use crate::testing::tiny_spec;
     use pipeshard_core::plan::UnitPlacement;
@@ -435,7 +441,7 @@ mod tests {
     #[test]
     fn regions_are_disjoint_and_inside_the_arena() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -454,7 +460,7 @@ mod tests {
                 regions.push((o, w.unit(s.unit).unwrap().bytes));
             }
             if let Some(KvLoc::Pinned(o)) = s.kv {
-                regions.push((o, kv.bytes()));
+                regions.push((o, kv.whole().bytes()));
             }
         }
         regions.sort_unstable();
@@ -466,13 +472,13 @@ mod tests {
         assert_eq!(l.ring_items[1], RingItem::AttnKv(1));
         assert_eq!(l.ring_items[2], RingItem::Weights(UnitId::Ffn { layer: 1 }));
         let attn = align(w.unit(UnitId::Attn { layer: 1 }).unwrap().bytes);
-        assert!(l.slot_bytes >= attn + kv.bytes(), "a streamed attention carries its KV in its slot");
+        assert!(l.slot_bytes >= attn + kv.whole().bytes(), "a streamed attention carries its KV in its slot");
     }
 
     #[test]
     fn streamed_experts_share_one_ring_placeholder_per_layer() {
         let w = ModelWeights::random(&crate::testing::tiny_qwen3_moe_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -514,7 +520,7 @@ mod tests {
     #[test]
     fn too_small_arenas_fail_naming_the_lines() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(&w, |_| Placement::Pinned, 0);
         let e = layout_phase(&w, &p, kv, 1, 100_000, 200_000, 100_000).unwrap_err();
         let s = e.to_string();
@@ -525,7 +531,7 @@ mod tests {
     #[test]
     fn kv_streams_alone_only_under_pinned_attention() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -537,7 +543,7 @@ mod tests {
         );
         let l = layout_phase(&w, &p, kv, 1, 64 << 20, 0, 0).unwrap();
         assert_eq!(l.ring_items, vec![RingItem::Kv(0), RingItem::Kv(1), RingItem::Kv(2)]);
-        assert_eq!(l.slot_bytes, align(kv.bytes()));
+        assert_eq!(l.slot_bytes, align(kv.whole().bytes()));
         let bad = phase_plan(
             &w,
             |u| if matches!(u, UnitId::Kv { .. }) { Placement::Pinned } else { Placement::Cpu },

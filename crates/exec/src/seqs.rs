@@ -93,6 +93,12 @@ pub struct SeqKv {
 }
 
 impl SeqKv {
+    /// One request's cache.
+    #[must_use]
+    pub fn single(seq: KvLayout) -> SeqKv {
+        SeqKv { seq, seqs: 1, unified: false, prompt: 0 }
+    }
+
     /// The whole `[K | V]` buffer: `seqs × ctx` rows.
     #[must_use]
     pub fn whole(&self) -> KvLayout {
