@@ -119,13 +119,39 @@ pub struct ScratchLayout {
     pub bytes: usize,
 }
 
+/// Key splits of attention over `ctx` keys for steps of `tokens` tokens, `logit_rows` of which produce a
+/// token: up to 8 tokens, one split per 256 keys (at most 64); a decode step of more sequences splits until
+/// about 4096 warps run (one per query, head and split), still at least 256 keys a split; a prefill chunk of
+/// more tokens has warps enough and does not split.
+#[must_use]
+pub fn attn_splits(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize) -> usize {
+    let by_keys = ctx.div_ceil(256).clamp(1, 64);
+    if tokens <= 8 {
+        by_keys
+    } else if logit_rows == tokens {
+        by_keys.min(4096usize.div_ceil(tokens * d.n_heads))
+    } else {
+        1
+    }
+}
+
 /// Bytes of scratch a phase of `tokens` tokens per step, `logit_rows` of which produce a token (1 in prefill,
-/// every sequence's in decode), needs, with its offsets relative to `base`.
+/// every sequence's in decode), needs over a context of `ctx` keys, with its offsets relative to `base`.
 #[must_use]
 pub fn scratch_layout(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize, base: usize) -> ScratchLayout {
+    carve_scratch(d, tokens, logit_rows, attn_splits(d, tokens, logit_rows, ctx), base)
+}
+
+/// [`scratch_layout`] with `attn_splits` key splits.
+fn carve_scratch(
+    d: &Dims,
+    tokens: usize,
+    logit_rows: usize,
+    attn_splits: usize,
+    base: usize,
+) -> ScratchLayout {
     let m = tokens;
     let act = d.mat.size_bytes();
-    let attn_splits = if m <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
     let mut s = ScratchLayout { tokens: m, attn_splits, ..ScratchLayout::default() };
     let mut at = base;
     let mut take = |bytes: usize| {
@@ -361,8 +387,15 @@ pub fn layout_phase(
     });
     let logit_rows = if phase == PhaseKind::Decode { tokens } else { 1 };
     // Key splits follow one sequence's context: a unified cache's masked scan is longer, but its VRAM must
-    // not depend on the layout.
-    let scratch = scratch_layout(d, tokens, logit_rows, kv.seq.ctx, at);
+    // not depend on the layout. A decode step of many sequences splits only within the scratch the plan gave
+    // (their partial sums are buffers a planner does not count).
+    let mut scratch = scratch_layout(d, tokens, logit_rows, kv.seq.ctx, at);
+    if tokens > 8
+        && scratch.attn_splits > 1
+        && (scratch.bytes + staging_bytes) as u64 > plan.vram.scratch_bytes
+    {
+        scratch = carve_scratch(d, tokens, logit_rows, 1, at);
+    }
     at += scratch.bytes;
     let used = VramBreakdown {
         pinned_weights_bytes: pinned_used as u64,
@@ -515,6 +548,26 @@ mod tests {
         assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
         let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 4, 64, 0);
         assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
+    }
+
+    /// A decode step of many sequences splits its keys only within the scratch the plan gave; one sequence's
+    /// decode splits by its context whatever the plan.
+    #[test]
+    fn many_sequences_split_keys_only_within_the_planned_scratch() {
+        let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
+        let seq = KvLayout { ctx: 4096, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv { seq, seqs: 16, unified: true, prompt: 8 };
+        let mut p = phase_plan(&w, |_| Placement::Pinned, 0);
+        p.vram.scratch_bytes = 0;
+        let tight = layout_phase(&w, &p, kv, 16, 64 << 20, 0, 0).unwrap();
+        assert_eq!(tight.scratch.attn_splits, 1);
+        p.vram.scratch_bytes = 64 << 20;
+        let roomy = layout_phase(&w, &p, kv, 16, 64 << 20, 0, 0).unwrap();
+        assert_eq!(roomy.scratch.attn_splits, 16, "4096 keys in 256-key splits");
+        assert!(roomy.scratch.bytes > tight.scratch.bytes, "the partial sums take room");
+        p.vram.scratch_bytes = 0;
+        let one = layout_phase(&w, &p, SeqKv::single(seq), 1, 64 << 20, 0, 0).unwrap();
+        assert_eq!(one.scratch.attn_splits, 16);
     }
 
     #[test]
