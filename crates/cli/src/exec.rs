@@ -54,9 +54,15 @@ pub struct RunArgs {
     /// Decode steps after the prompt.
     #[arg(long = "gen", default_value_t = 64)]
     gen_tokens: u64,
-    /// Context the KV cache is allocated for.
+    /// Context the KV cache is allocated for (per request).
     #[arg(long, default_value = "4K")]
     ctx: String,
+    /// Parallel requests decoded together, each with its own random prompt.
+    #[arg(long, default_value_t = 1)]
+    batch: u64,
+    /// One unified KV cache for the parallel requests (llama.cpp `-kvu`; planners that pick a layout ignore it).
+    #[arg(long)]
+    kv_unified: bool,
     /// VRAM budgets, comma-separated (`2G,4G,8G`).
     #[arg(long, default_value = "8G")]
     budget: String,
@@ -262,7 +268,8 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         parse_tokens(&args.ctx)?,
         args.gen_tokens,
         parse_tokens(&args.ubatch)?,
-    );
+    )
+    .batched(args.batch, args.kv_unified);
     workload.validate()?;
     if args.plan.is_empty() {
         let mut profile = load_profile(&args.profile)?;
@@ -316,6 +323,14 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
+    // A plan file's workload says how many requests run; each gets a prompt of its own.
+    let requests = plans.iter().flatten().map(|p| p.workload.batch).max().unwrap_or(1);
+    if args.check && requests > 1 {
+        bail!("--check compares one request with its reference; run it with --batch 1 (plans of {requests})");
+    }
+    let other_prompts: Vec<Vec<u32>> = (1..requests)
+        .map(|s| random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed + s))
+        .collect();
     let mut csv = match &args.csv {
         Some(path) => {
             let new = !path.exists();
@@ -377,7 +392,7 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
         println!("{label}");
         let opts = RunOptions {
             prompt: prompt.clone(),
-            other_prompts: Vec::new(),
+            other_prompts: other_prompts[..plan.workload.batch as usize - 1].to_vec(),
             gen_tokens: args.gen_tokens as usize,
             force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
             keep_logits: reference.is_some(),
