@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on the GPU machine, in one command: the GEMV bandwidth bench, the quantised GPU placement tests, and
-# qwen3-30b-a3b in q4_0 at 2/4/8/16 GB. Binaries from scripts/build-gpu-bins.sh in $BIN (default .bin).
+# Issue 14 on the GPU machine, in one command: the GEMV bandwidth bench, the quantised GPU kernel and placement
+# tests, and qwen3-30b-a3b in q4_0 at 2/4/8/16 GB. Binaries from scripts/build-gpu-bins.sh in $BIN (default .bin).
 # Logs, CSV and the bench table under $OUT (/tmp/pipeshard-out elsewhere).
 set -uo pipefail
 BIN=${BIN:-.bin}
@@ -20,6 +20,9 @@ if [[ ${PARTS:-bench tests exec} == *bench* ]]; then
   grep -E "^\||exit" "$OUT/bench.log"
 fi
 if [[ ${PARTS:-bench tests exec} == *tests* ]]; then
+  timeout 60 "$BIN/exec-gpu-tests" quantised_matmul --test-threads=1 --nocapture > "$OUT/gpu-kernel.log" 2>&1
+  echo "gpu kernel test exit $?" >> "$OUT/gpu-kernel.log"
+  grep -E "test result|panicked|exit" "$OUT/gpu-kernel.log"
   PIPESHARD_GPU_CASES=${CASES:-tiny-llama-q4_0,tiny-qwen3-q8_0,tiny-qwen3-moe-q4_0} \
     timeout ${TESTS_TIMEOUT:-200} "$BIN/exec-gpu-tests" placement_mixes --test-threads=1 --nocapture > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"

@@ -1,10 +1,14 @@
 //! Parsing of the quantities users type: token counts (`16K`, `1024`) and byte sizes (`8G`, `512M`, `1.5G`),
-//! and machine profiles by name or path. Suffixes are binary: K = 1024, M = 2^20, G = 2^30 (a budget of "8G" is
+//! and machine profiles by name or path (and what a profile lacks for the models at hand). Suffixes are binary: K = 1024, M = 2^20, G = 2^30 (a budget of "8G" is
 //! 8 GiB, like the paper's `-mva` MiB values).
 
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use pipeshard_core::cost::{Device, TableCostModel};
+use pipeshard_core::dtype::DType;
+use pipeshard_core::inventory::Inventory;
+use pipeshard_core::model::ModelSpec;
 use pipeshard_core::profile::Profile;
 use pipeshard_core::reference;
 
@@ -87,6 +91,35 @@ pub fn load_profile(name: &str) -> anyhow::Result<Profile> {
             reference::systems().join(", ")
         )
     })
+}
+
+/// One warning per (format, device) in which `cost` prices some of `specs`' matrices from the bf16 rows: a
+/// measured profile without rows of that quantised format there ([`TableCostModel::borrows_bf16`]).
+pub fn borrowed_rows<'a>(
+    cost: &TableCostModel,
+    profile_name: &str,
+    specs: impl IntoIterator<Item = &'a ModelSpec>,
+) -> Vec<String> {
+    let mut dtypes: Vec<DType> = specs
+        .into_iter()
+        .flat_map(|s| Inventory::new(s).tensors.into_iter().filter(|t| t.shape.len() > 1).map(|t| t.dtype))
+        .collect();
+    dtypes.sort_unstable();
+    dtypes.dedup();
+    let mut v = Vec::new();
+    for d in dtypes {
+        for (device, name) in [(Device::Gpu, "GPU"), (Device::Cpu, "CPU")] {
+            if cost.borrows_bf16(device, d) {
+                v.push(format!(
+                    "warning: profile {profile_name} has no {d} rows on the {name}: {d} matmuls there are priced at \
+                     the bf16 rows' efficiency over their own bytes (re-run `pipeshard profile measure` to \
+                     measure them)",
+                    d = d.name()
+                ));
+            }
+        }
+    }
+    v
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use clap::{Args, Subcommand};
 use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::dtype::DType;
+use pipeshard_core::gguf;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
@@ -43,9 +44,8 @@ pub enum ExecCommand {
 /// Arguments of `exec run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Catalog model, `.gguf` file (sizes only: the executor runs bf16/f16), HF checkpoint folder (its real
-    /// weights are loaded) or config.json, optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's
-    /// model.
+    /// Catalog model, `.gguf` file or HF checkpoint folder (their real weights are loaded) or config.json,
+    /// optionally truncated (`nemo-8b`, `nemo-8b@4L`); default: the plan's model.
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
     /// Prompt tokens (random ids from --seed).
@@ -79,6 +79,9 @@ pub struct RunArgs {
     /// ones; default: the `--model` folder when it is one.
     #[arg(long)]
     weights_from: Option<PathBuf>,
+    /// Random weights (from --seed) for a GGUF file or checkpoint folder too, which otherwise load their own.
+    #[arg(long)]
+    random_weights: bool,
     /// Keep only the first N decoder layers.
     #[arg(long)]
     layers: Option<u32>,
@@ -138,9 +141,7 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
         if !matches!(m, DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0) {
             bail!(
                 "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0 or q4_0 matrices: pass \
-                 --weights q4_0 (or bf16) \
-                 (a checkpoint's weights are converted; a GGUF gives its architecture, with random weights unless \
-                 --weights-from names a checkpoint)"
+                 --weights q4_0 (or bf16); the file's tensors are converted as they load"
             );
         }
         spec = spec.with_uniform_weights(m);
@@ -285,6 +286,9 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
             profile = measured;
         }
         let cost = TableCostModel::new(&profile);
+        for w in crate::args::borrowed_rows(&cost, &args.profile, [&spec]) {
+            eprintln!("{w}");
+        }
         for planner in args.planner.split(',') {
             // The executor runs flash attention only: `ngl` plans llama.cpp's `-fa on`.
             let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
@@ -308,9 +312,23 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     let t = Instant::now();
     let base = model_name.rsplit_once('@').map_or(model_name.as_str(), |(b, _)| b);
     let checkpoint = args.weights_from.as_deref().or(Path::new(base).is_dir().then_some(Path::new(base)));
-    let (weights, source) = if let Some(dir) = checkpoint {
+    let (weights, source) = if let Some(dir) = checkpoint.filter(|_| !args.random_weights) {
         let w = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(dir)?).context("loading weights")?;
         (w, format!("from {}", dir.display()))
+    } else if Path::new(base).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        && !args.random_weights
+    {
+        let header = gguf::read_header(Path::new(base))?;
+        let (w, converted) = ModelWeights::from_gguf(&spec, &header).context("loading weights")?;
+        if !converted.is_empty() {
+            eprintln!(
+                "{} of {base}'s tensors converted to the executor's formats (e.g. {}); pass --weights to pick \
+                 the format",
+                converted.len(),
+                converted[0]
+            );
+        }
+        (w, format!("from {base}"))
     } else {
         let w = ModelWeights::random(&spec, args.seed).context("generating weights")?;
         (w, format!("random, seed {}", args.seed))
@@ -503,7 +521,7 @@ mod tests {
     use super::*;
     use pipeshard_core::inventory::Inventory;
     use pipeshard_exec::cpu::KvLayout;
-    use pipeshard_exec::layout::layout_phase;
+    use pipeshard_exec::layout::{Arena, layout_plan};
     use pipeshard_exec::seqs::SeqKv;
 
     fn run_args(line: &str) -> RunArgs {
@@ -517,7 +535,8 @@ mod tests {
             .a
     }
 
-    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`.
+    /// A checkpoint folder runs in its own bf16 format; a GGUF of K-quants runs only with `--weights`, its
+    /// tensors converted as they load.
     #[test]
     fn model_files_get_the_executor_formats() {
         use pipeshard_core::checkpoint::Checkpoint;
@@ -536,6 +555,16 @@ mod tests {
         assert!(e.contains("q4_k") && e.contains("--weights q4_0"), "{e}");
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
         assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
+        // Its tensors load (the file's data is zero): every matrix converted from q4_k, q8_0 or q6_k to q4_0,
+        // the f32 norms read as they are.
+        let spec = spec_for(&run_args(&format!("--model {gguf} --weights q4_0")), &gguf).unwrap();
+        let header = gguf::read_header(Path::new(&gguf)).unwrap();
+        let (w, converted) = ModelWeights::from_gguf(&spec, &header).unwrap();
+        let matrices = w.units().iter().flat_map(|u| &u.tensors).filter(|t| t.shape.len() > 1).count();
+        assert_eq!(converted.len(), matrices, "{converted:?}");
+        for from in ["q4_k → q4_0", "q8_0 → q4_0", "q6_k → q4_0"] {
+            assert!(converted.iter().any(|c| c.ends_with(from)), "{from}: {converted:?}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -573,26 +602,20 @@ mod tests {
                         unified: wl.kv_unified,
                         prompt: wl.prompt_tokens as usize,
                     };
-                    let seqs = wl.batch as usize;
-                    for (phase, tokens) in [(&plan.prefill, 1024), (&plan.decode, seqs)] {
-                        let arena = (budget - phase.vram.runtime_overhead_bytes) as usize;
-                        if let Err(e) = layout_phase(
-                            &weights,
-                            phase,
-                            kv,
-                            tokens,
-                            arena,
-                            budget,
-                            phase.vram.runtime_overhead_bytes,
-                        ) {
-                            panic!("{model} {planner} {gib}G batch {seqs} {:?}: {e}", phase.phase);
-                        }
-                        checked += 1;
+                    let overhead = plan.prefill.vram.runtime_overhead_bytes;
+                    let arena = Arena {
+                        bytes: (budget - overhead) as usize,
+                        budget_bytes: budget,
+                        overhead_bytes: overhead,
+                    };
+                    if let Err(e) = layout_plan(&weights, &plan, kv, 1024, arena) {
+                        panic!("{model} {planner} {gib}G batch {}: {e}", wl.batch);
                     }
+                    checked += 1;
                 }
             }
         }
         assert!(checked > 0, "no planner produced a plan");
-        eprintln!("{checked} phase plans laid out");
+        eprintln!("{checked} plans laid out (both phases)");
     }
 }

@@ -13,7 +13,9 @@
 //! at a full context (the paper's 4K Minitron runs generate 60 tokens). `batch` (a number or a list) is the
 //! parallel requests, each with its own prompt and `ctx` tokens of KV; `kv_unified` gives the planners that do
 //! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
-//! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs).
+//! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs). `weights` stores every matrix in
+//! one format (the executor's: `bf16`, `f16`, `q8_0`, `q4_0`); a `[[grid]]` may name its own, and its models are
+//! then labelled `model:format` in cells and results, so one experiment can run a model in two formats.
 //!
 //! Paper reproductions and executor runs add:
 //! - `budget_excludes_runtime = true`: budgets are the paper's `-mva`, which does not count the CUDA context,
@@ -68,6 +70,9 @@ pub struct GridFile {
     pub prompt_tokens: Option<PromptTokensFile>,
     /// Parallel requests: one number or a list (default 1).
     pub batch: Option<Counts>,
+    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`) instead of the catalog's — the
+    /// executor runs these. At the top level: every grid's default; in a `[[grid]]`: that grid's models.
+    pub weights: Option<String>,
 }
 
 /// One count or a list of them.
@@ -140,8 +145,6 @@ pub struct ExperimentFile {
     pub gen_tokens: Option<u64>,
     /// One KV cache for all sequences (llama.cpp `-kvu`) for the planners that take the workload's choice.
     pub kv_unified: Option<bool>,
-    /// Store every matrix in this format (`bf16`, `f16`) instead of the catalog's — the executor runs these.
-    pub weights: Option<String>,
     /// Budgets are the paper's `-mva`: the runtime's VRAM comes on top.
     pub budget_excludes_runtime: Option<bool>,
     /// Plan `ngl` with flash attention on (llama.cpp `-fa on`) instead of the paper's `-fa off`: the executor
@@ -165,6 +168,11 @@ pub struct Grid {
     pub prompt_tokens: PromptTokens,
     /// Parallel requests.
     pub batch: Vec<u64>,
+    /// The matrices' format (`None`: each model's own).
+    pub weights: Option<DType>,
+    /// The name of each of `models` in cells and results: the model, with `:FORMAT` where the grid's
+    /// `weights` differ from the experiment's (so one model may run in two formats).
+    pub labels: Vec<String>,
 }
 
 /// How long the prompts of a grid are.
@@ -251,6 +259,7 @@ impl Experiment {
 
     /// Checks a parsed file; `stem` names it when it has no `name`.
     pub fn from_file(f: ExperimentFile, stem: &str) -> anyhow::Result<Experiment> {
+        let top_weights = f.top.weights.as_deref().map(parse_weights).transpose().context("`weights`")?;
         let sections = if f.grid.is_empty() { vec![GridFile::default()] } else { f.grid.clone() };
         let mut grids = Vec::with_capacity(sections.len());
         for (i, g) in sections.into_iter().enumerate() {
@@ -264,8 +273,15 @@ impl Experiment {
                 .or_else(|| f.top.models.clone())
                 .filter(|v| !v.is_empty())
                 .with_context(|| format!("{what}`models` is missing or empty"))?;
+            let weights = match &g.weights {
+                Some(w) => Some(parse_weights(w).with_context(|| format!("{what}`weights`"))?),
+                None => top_weights,
+            };
+            let suffix = match weights {
+                Some(d) if weights != top_weights => format!(":{}", d.name()),
+                _ => String::new(),
+            };
             grids.push(Grid {
-                models,
                 planners: g.planners,
                 ctx: quantities(&need(pick(g.ctx, &f.top.ctx), "ctx")?, parse_tokens, "ctx")?,
                 budgets: quantities(
@@ -285,6 +301,9 @@ impl Experiment {
                 prompt_tokens: prompt_tokens(g.prompt_tokens.or_else(|| f.top.prompt_tokens.clone()))
                     .with_context(|| format!("{what}`prompt_tokens`"))?,
                 batch: g.batch.or_else(|| f.top.batch.clone()).map_or_else(|| vec![1], |b| b.to_vec()),
+                labels: models.iter().map(|m| format!("{m}{suffix}")).collect(),
+                weights,
+                models,
             });
         }
         let planners: Vec<String> =
@@ -301,10 +320,7 @@ impl Experiment {
             planners,
             gen_tokens: f.gen_tokens.unwrap_or(DEFAULT_GEN_TOKENS),
             kv_unified: f.kv_unified.unwrap_or(false),
-            weights: f
-                .weights
-                .map(|w| w.parse::<DType>().map_err(|e| anyhow::anyhow!("`weights`: {e}")))
-                .transpose()?,
+            weights: top_weights,
             budget_excludes_runtime: f.budget_excludes_runtime.unwrap_or(false),
             ngl_flash_attn: f.ngl_flash_attn.unwrap_or(false),
             ngl_layers,
@@ -341,7 +357,7 @@ impl Experiment {
                 None => {}
             }
         }
-        for m in self.models() {
+        for m in self.grids.iter().flat_map(|g| &g.models) {
             resolve_model(m)?;
         }
         if let Some(b) = self.grids.iter().flat_map(|g| &g.batch).find(|&&b| b == 0 || b > MAX_BATCH) {
@@ -380,11 +396,11 @@ impl Experiment {
         Ok(())
     }
 
-    /// Every model of every grid, first appearance first.
+    /// Every model of every grid by its label (see [`Grid::labels`]), first appearance first.
     #[must_use]
     pub fn models(&self) -> Vec<&String> {
         let mut v: Vec<&String> = Vec::new();
-        for m in self.grids.iter().flat_map(|g| &g.models) {
+        for m in self.grids.iter().flat_map(|g| &g.labels) {
             if !v.contains(&m) {
                 v.push(m);
             }
@@ -415,7 +431,7 @@ impl Experiment {
     pub fn cells(&self) -> Vec<Cell> {
         let mut v = Vec::new();
         for g in &self.grids {
-            for m in &g.models {
+            for (m, label) in g.models.iter().zip(&g.labels) {
                 for &ctx in &g.ctx {
                     for &budget_bytes in &g.budgets {
                         for (&batch, &ubatch) in
@@ -433,7 +449,7 @@ impl Experiment {
                                     .copied();
                                 let prompt_tokens = g.prompt_tokens.tokens(ctx, self.gen_tokens).unwrap_or(0);
                                 v.push(Cell {
-                                    model: m.clone(),
+                                    model: label.clone(),
                                     ctx,
                                     prompt_tokens,
                                     gen_tokens: self.gen_tokens.min(ctx.saturating_sub(prompt_tokens)),
@@ -456,17 +472,28 @@ impl Experiment {
         v
     }
 
-    /// The specs of every model (in the experiment's `weights` format, if it names one), by the name the
-    /// experiment uses.
+    /// The specs of every model (in its grid's `weights` format, if it names one), by the label cells use.
     pub fn specs(&self) -> anyhow::Result<BTreeMap<String, ModelSpec>> {
-        self.models()
-            .into_iter()
-            .map(|m| {
-                let spec = resolve_model(m)?;
-                Ok((m.clone(), if let Some(d) = self.weights { spec.with_uniform_weights(d) } else { spec }))
-            })
-            .collect()
+        let mut specs = BTreeMap::new();
+        for g in &self.grids {
+            for (m, label) in g.models.iter().zip(&g.labels) {
+                if !specs.contains_key(label) {
+                    let spec = resolve_model(m)?;
+                    let spec = match g.weights {
+                        Some(d) => spec.with_uniform_weights(d),
+                        None => spec,
+                    };
+                    specs.insert(label.clone(), spec);
+                }
+            }
+        }
+        Ok(specs)
     }
+}
+
+/// A `weights` value: a format name.
+fn parse_weights(w: &str) -> anyhow::Result<DType> {
+    w.parse::<DType>().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 impl PromptTokens {
@@ -845,6 +872,50 @@ mod tests {
         };
         assert!(parse("depths = [0, 2]").contains("`depths` holds 0"));
         assert!(parse("weights = \"bf17\"").contains("`weights`"));
+    }
+
+    #[test]
+    fn a_grid_may_store_its_models_in_another_format() {
+        let f: ExperimentFile = toml::from_str(
+            r#"
+            models = ["qwen3-30b-a3b@2L"]
+            ctx = ["1K"]
+            budgets = ["2G"]
+            planners = ["pshard"]
+            weights = "bf16"
+            [[grid]]
+            [[grid]]
+            weights = "q4_0"
+            budgets = ["2G", "4G"]
+            [[grid]]
+            weights = "bf16"
+            "#,
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "q").unwrap();
+        let cells = e.cells();
+        let labels: Vec<&str> = cells.iter().map(|c| c.model.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["qwen3-30b-a3b@2L", "qwen3-30b-a3b@2L:q4_0", "qwen3-30b-a3b@2L:q4_0", "qwen3-30b-a3b@2L"]
+        );
+        assert_eq!(e.models(), ["qwen3-30b-a3b@2L", "qwen3-30b-a3b@2L:q4_0"]);
+        let specs = e.specs().unwrap();
+        let bytes = |label: &str, dtype: DType| {
+            let inv = Inventory::new(&specs[label]);
+            let matrices: Vec<_> = inv.tensors.iter().filter(|t| t.shape.len() > 1).collect();
+            assert!(matrices.iter().all(|t| t.dtype == dtype), "{label}: every matrix in {dtype:?}");
+            matrices.iter().map(|t| t.bytes).sum::<u64>() as f64
+        };
+        // q4_0 stores 4.5 bits a weight against bf16's 16.
+        let ratio = bytes("qwen3-30b-a3b@2L", DType::Bf16) / bytes("qwen3-30b-a3b@2L:q4_0", DType::Q4_0);
+        assert!((ratio - 16.0 / 4.5).abs() < 0.01, "{ratio}");
+        let f: ExperimentFile = toml::from_str(
+            "models = [\"nemo-4b\"]\nctx = [1024]\nbudgets = [\"2G\"]\n[[grid]]\nweights = \"q4\"",
+        )
+        .unwrap();
+        let err = format!("{:#}", Experiment::from_file(f, "x").unwrap_err());
+        assert!(err.contains("[[grid]] 1: `weights`") && err.contains("q4_0"), "{err}");
     }
 
     #[test]

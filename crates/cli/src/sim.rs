@@ -139,11 +139,11 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                             depths: None,
                             prompt_tokens: None,
                             batch: Some(experiment::Counts::One(a.batch)),
+                            weights: None,
                         },
                         grid: Vec::new(),
                         gen_tokens: Some(a.gen_tokens),
                         kv_unified: Some(a.kv_unified),
-                        weights: None,
                         budget_excludes_runtime: None,
                         ngl_flash_attn: None,
                         ngl: None,
@@ -201,6 +201,9 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("no plan for {model} at ctx {}, budget {}", a.ctx, a.budget))?;
         (spec, plan)
     };
+    for w in crate::args::borrowed_rows(&cost, &a.profile, [&spec]) {
+        eprintln!("{w}");
+    }
     let opts = SimOptions { exact: a.exact, trace: a.trace.is_some(), ..SimOptions::default() };
     let sim = Simulator::new(&spec, &plan, &cost)?.run(&opts);
     if let (Some(path), Some(trace)) = (&a.trace, &sim.trace) {

@@ -544,6 +544,9 @@ pub fn sweep(
     let profile = load_profile(&e.profile)?;
     let cost = TableCostModel::new(&profile);
     let specs = e.specs()?;
+    for w in crate::args::borrowed_rows(&cost, &e.profile, specs.values()) {
+        eprintln!("{w}");
+    }
     let cells = e.cells();
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let results = run_cells(&cells, &specs, &cost, progress);

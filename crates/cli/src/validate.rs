@@ -64,6 +64,12 @@ pub struct ValidateArgs {
     /// in several device sessions).
     #[arg(long, num_args = 1..)]
     summarize: Vec<PathBuf>,
+    /// Run nothing on a GPU: plan and simulate the experiment's cells again with this build and compare them
+    /// with the measurements of an earlier run's `cells.csv` of the same experiment. Cells whose plan differs
+    /// from the one that ran (another fingerprint, or where none was recorded other depths or predicted VRAM)
+    /// are reported and left out: their measurement belongs to another plan.
+    #[arg(long, conflicts_with = "summarize")]
+    repredict: Option<PathBuf>,
 }
 
 /// What one side (simulator or executor) says about a cell.
@@ -108,6 +114,8 @@ pub struct Outcome {
     /// Measured process VRAM peak (context and arena included).
     pub process_peak_bytes: Option<u64>,
     pub runtime_overhead_bytes: u64,
+    /// [`plan_fingerprint`] of the plan that was predicted (and run).
+    pub plan_fingerprint: Option<String>,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
     pub run: Option<(Plan, Trace)>,
 }
@@ -217,6 +225,9 @@ struct Row {
     process_vram_peak_bytes: Option<u64>,
     runtime_overhead_bytes: u64,
     calibration: bool,
+    /// Absent from runs before the column existed.
+    #[serde(default)]
+    plan_fingerprint: Option<String>,
 }
 
 fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
@@ -258,6 +269,7 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             process_vram_peak_bytes: o.process_peak_bytes,
             runtime_overhead_bytes: o.runtime_overhead_bytes,
             calibration: false,
+            plan_fingerprint: o.plan_fingerprint.clone(),
         })?;
     }
     w.flush()?;
@@ -299,6 +311,7 @@ impl Row {
             depths: self.prefill_pipeline_depth.zip(self.decode_pipeline_depth),
             process_peak_bytes: self.process_vram_peak_bytes,
             runtime_overhead_bytes: self.runtime_overhead_bytes,
+            plan_fingerprint: self.plan_fingerprint,
             run: None,
             status: self.status,
             cell: Cell {
@@ -439,6 +452,98 @@ struct Provenance {
     fitted: &'static str,
 }
 
+/// What identifies the plan a cell ran: a CRC-32 of both phase plans (placements, depths, slots, offload,
+/// threads, VRAM lines), not of the planner's notes or estimate.
+#[must_use]
+pub fn plan_fingerprint(plan: &Plan) -> String {
+    let phases = serde_json::to_vec(&(&plan.prefill, &plan.decode)).expect("plans serialise");
+    format!("{:08x}", crc32fast::hash(&phases))
+}
+
+/// The grid coordinates a `cells.csv` row records.
+fn same_cell(a: &Cell, b: &Cell) -> bool {
+    (&a.model, a.ctx, a.prompt_tokens, a.gen_tokens, a.ubatch, a.budget_bytes, &a.planner, a.depth)
+        == (&b.model, b.ctx, b.prompt_tokens, b.gen_tokens, b.ubatch, b.budget_bytes, &b.planner, b.depth)
+}
+
+/// `--repredict`: this build's predictions of an earlier run's measured cells (see [`ValidateArgs`]).
+fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
+    let e = Experiment::load(&a.experiment)?;
+    let profile_name = a.profile.clone().unwrap_or_else(|| e.profile.clone());
+    let profile = load_profile(&profile_name)?;
+    let specs = e.specs()?;
+    let measured = read_csvs(&[csv.to_path_buf()])?;
+    let (mut outcomes, mut changed) = (Vec::new(), Vec::new());
+    for cell in e.cells() {
+        let Some(old) = measured.iter().find(|o| same_cell(&o.cell, &cell)) else { continue };
+        let Some(meas) = old.meas else { continue };
+        let spec = &specs[&cell.model];
+        let mut prof = profile.clone();
+        prof.runtime_overhead_bytes = old.runtime_overhead_bytes;
+        let cost = TableCostModel::new(&prof);
+        let planned = run_cell(&cell, spec, &Inventory::new(spec), &cost);
+        let label = format!(
+            "{} {} ctx {} budget {}",
+            cell.planner,
+            cell.model,
+            format_tokens(cell.ctx),
+            format_bytes(cell.budget_bytes)
+        );
+        let Some(run) = planned.run else {
+            changed.push(format!("{label}: no plan now ({})", planned.reason));
+            continue;
+        };
+        let pred = Sample::new(&run.sim.metrics, run.sim.metrics.vram_peak_bytes);
+        let depths = (run.plan.prefill.pipeline_depth, run.plan.decode.pipeline_depth);
+        let fingerprint = plan_fingerprint(&run.plan);
+        let same = match &old.plan_fingerprint {
+            Some(f) => *f == fingerprint,
+            None => {
+                old.depths == Some(depths)
+                    && old.pred.is_some_and(|p| p.vram_peak_bytes == pred.vram_peak_bytes)
+            }
+        };
+        if !same {
+            changed.push(format!("{label}: the plan differs from the one that ran"));
+            continue;
+        }
+        outcomes.push(Outcome {
+            kind: old.kind,
+            status: "ok".into(),
+            pred: Some(pred),
+            meas: Some(meas),
+            depths: Some(depths),
+            process_peak_bytes: old.process_peak_bytes,
+            runtime_overhead_bytes: old.runtime_overhead_bytes,
+            plan_fingerprint: Some(fingerprint),
+            run: None,
+            cell,
+        });
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    write_csv(&outcomes, &a.out.join("cells.csv"))?;
+    scatter(&outcomes, &e.planners, &a.out.join("scatter.png"))?;
+    let mut md = format!(
+        "# Re-prediction of `{}` with this build (commit {}, profile `{profile_name}`)\n\n{} cells re-predicted \
+         against their measurements; {} left out because their plan changed; nothing fitted.\n\n{}",
+        csv.display(),
+        provenance().0,
+        outcomes.len(),
+        changed.len(),
+        summary(&outcomes)
+    );
+    if !changed.is_empty() {
+        md.push_str("\n## Left out\n\n");
+        for c in &changed {
+            let _ = writeln!(md, "- {c}");
+        }
+    }
+    std::fs::write(a.out.join("summary.md"), &md)
+        .with_context(|| format!("writing {}/summary.md", a.out.display()))?;
+    print!("{md}");
+    Ok(())
+}
+
 /// Writes `summary.md` and `scatter.png` of earlier runs' `cells.csv` files into `a.out`.
 fn summarize(a: &ValidateArgs) -> anyhow::Result<()> {
     let outcomes = read_csvs(&a.summarize)?;
@@ -470,6 +575,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     if !a.summarize.is_empty() {
         return summarize(a);
     }
+    if let Some(csv) = &a.repredict {
+        return repredict(a, csv);
+    }
     let (commit, date, command) = provenance();
     let t0 = Instant::now();
     let e = Experiment::load(&a.experiment)?;
@@ -493,6 +601,10 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
     let specs = e.specs()?;
+    let borrowed = crate::args::borrowed_rows(&TableCostModel::new(&profile), &profile_name, specs.values());
+    for w in &borrowed {
+        eprintln!("{w}");
+    }
     let cells = e.cells();
     let bar = ProgressBar::new(cells.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} cells {elapsed} {msg}").expect("a valid template"),
@@ -532,6 +644,11 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         e.name,
         outcomes.len()
     );
+    for w in &borrowed {
+        md.push('\n');
+        md.push_str(w);
+        md.push('\n');
+    }
     scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
 
     let mut ranked: Vec<&Outcome> = outcomes.iter().filter(|o| o.run.is_some() && o.pred.is_some()).collect();
@@ -619,6 +736,7 @@ fn validate_cell(
         depths: None,
         process_peak_bytes: None,
         runtime_overhead_bytes: prof.runtime_overhead_bytes,
+        plan_fingerprint: None,
         run: None,
         cell,
     };
@@ -631,6 +749,7 @@ fn validate_cell(
     let (plan, sim) = (run.plan, run.sim);
     outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
     outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
+    outcome.plan_fingerprint = Some(plan_fingerprint(&plan));
     // Every parallel request gets a prompt of its own.
     let prompt = |s: u64| random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed + s);
     let opts = RunOptions {
@@ -690,6 +809,7 @@ mod tests {
             depths: Some((2, 2)),
             process_peak_bytes: Some(2 << 30),
             runtime_overhead_bytes: 500 << 20,
+            plan_fingerprint: Some("0123abcd".into()),
             run: None,
         }
     }
@@ -736,16 +856,38 @@ mod tests {
         for x in ["ttft_ms", "tps", "e2el_ms", "vram_peak_bytes"] {
             assert!(header.contains(&format!("{x}_pred,{x}_meas")), "{header}");
         }
-        assert!(header.ends_with(",calibration"));
+        assert!(header.ends_with(",calibration,plan_fingerprint"));
         assert_eq!(text.lines().count(), 3);
         assert!(text.contains("infeasible: needs at least 3 GiB"));
         let back = read_csvs(&[dir.join("cells.csv")]).unwrap();
         assert_eq!((back[0].pred, back[0].meas), (outcomes[0].pred, outcomes[0].meas));
+        assert_eq!(back[0].plan_fingerprint.as_deref(), Some("0123abcd"));
+        // Runs from before the fingerprint column still read.
+        let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
+        std::fs::write(dir.join("old.csv"), old).unwrap();
+        let back_old = read_csvs(&[dir.join("old.csv")]).unwrap();
+        assert_eq!((back_old[0].pred, back_old[0].plan_fingerprint.as_deref()), (outcomes[0].pred, None));
         assert_eq!((back[1].pred, back[1].status.as_str()), (None, "infeasible: needs at least 3 GiB"));
         assert_eq!(summary(&back), summary(&outcomes));
         scatter(&outcomes, &["ngl".into(), "ilp".into()], &dir.join("scatter.png")).unwrap();
         assert!(std::fs::metadata(dir.join("scatter.png")).unwrap().len() > 10_000);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn plan_fingerprints_follow_placements_not_notes() {
+        use pipeshard_core::inventory::UnitId;
+        use pipeshard_core::plan::Placement;
+        use pipeshard_exec::testing::{manual_plan, tiny_spec};
+        let (spec, wl) = (tiny_spec(), pipeshard_core::workload::Workload::single(16, 64, 4, 8));
+        let a = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, _| Placement::Pinned);
+        let mut b = a.clone();
+        b.notes.push("another estimate".into());
+        assert_eq!(plan_fingerprint(&a), plan_fingerprint(&b));
+        let c = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, u| {
+            if u == UnitId::Output { Placement::Cpu } else { Placement::Pinned }
+        });
+        assert_ne!(plan_fingerprint(&a), plan_fingerprint(&c));
     }
 
     #[test]

@@ -5,13 +5,16 @@
 //! bandwidth; CPU rates at the thread count asked for) and divides by an *efficiency* — the fraction of the
 //! roofline the measured rows achieved — interpolated log-linearly in tokens between rows of the same op family
 //! and format, taken from the rows nearest in shape. Efficiencies are capped at 1, so a prediction is never
-//! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1).
+//! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1), except
+//! that a block-quantised format a measured profile has no rows of borrows the bf16 rows' efficiency
+//! ([`TableCostModel::borrows_bf16`]).
 //! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
 //! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
 
 use serde::{Deserialize, Serialize};
 
-use crate::profile::{OpRow, Profile};
+use crate::dtype::DType;
+use crate::profile::{OpRow, Profile, Provenance};
 use crate::workload::{Op, OpClass, OpKind};
 
 /// Where an op runs.
@@ -76,7 +79,7 @@ pub trait CostModel: Send + Sync {
 struct Family {
     device: Device,
     class: OpClass,
-    dtype: crate::dtype::DType,
+    dtype: DType,
     threads: u32,
     /// (log n·k, log tokens, efficiency alone, efficiency under DMA)
     points: Vec<(f64, f64, f64, Option<f64>)>,
@@ -158,19 +161,41 @@ impl TableCostModel {
     }
 
     /// The family measured for this op: same device, class and format, nearest thread count. Routers and
-    /// expert FFNs are matmuls, so they borrow the matmul rows when they have none of their own.
+    /// expert FFNs are matmuls, so they borrow the matmul rows when they have none of their own; a
+    /// block-quantised format without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
-        let find = |class: OpClass| {
+        let find = |class: OpClass, dtype: DType| {
             self.families
                 .iter()
-                .filter(|f| f.device == ctx.device && f.class == class && f.dtype == op.dtype)
+                .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| f.threads.abs_diff(threads))
         };
         let class = op.kind.class();
-        find(class).or_else(|| {
-            if matches!(class, OpClass::Router | OpClass::Experts) { find(OpClass::MatMul) } else { None }
-        })
+        let find_matmul = |dtype: DType| {
+            find(class, dtype).or_else(|| {
+                if matches!(class, OpClass::Router | OpClass::Experts) {
+                    find(OpClass::MatMul, dtype)
+                } else {
+                    None
+                }
+            })
+        };
+        find_matmul(op.dtype)
+            .or_else(|| if self.borrows_bf16(ctx.device, op.dtype) { find_matmul(DType::Bf16) } else { None })
+    }
+
+    /// Whether matmuls in `dtype` on `device` are priced with the efficiency of the bf16 rows (at the roofline
+    /// of their own bytes, i.e. the bf16 measurement scaled by bytes): a block-quantised format that a
+    /// *measured* profile has no rows of there — the executor's quantised kernels were not profiled, and its
+    /// bf16 kernels are the nearest measurement. Callers should warn (the quantised GEMV may run well below
+    /// bf16's share of the bandwidth). A derived profile keeps the roofline for formats its published figures
+    /// do not cover, as it was calibrated that way.
+    #[must_use]
+    pub fn borrows_bf16(&self, device: Device, dtype: DType) -> bool {
+        dtype.is_quantized()
+            && matches!(self.profile.provenance, Provenance::Measured { .. })
+            && !self.families.iter().any(|f| f.device == device && f.dtype == dtype)
     }
 
     /// Efficiency for `op`: the rows of the nearest measured shape, interpolated in log tokens. Points are
@@ -420,6 +445,55 @@ mod tests {
             let expect = touched * row_ns(tokens);
             assert!((t - expect).abs() / expect < 0.05, "{phase:?}: {t} vs {expect}");
         }
+    }
+
+    #[test]
+    fn quantised_ops_use_their_rows_else_a_measured_profiles_bf16_rows() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let measured = Profile::load(&path).unwrap();
+        let spec = catalog::get("nemo-8b").unwrap().truncated(1).unwrap();
+        let w = Workload::single(1024, 4096, 10, 1024);
+        let up = |d: DType| {
+            let s = spec.with_uniform_weights(d);
+            let all = ops(&s, &Inventory::new(&s), &w, w.decode_step(0));
+            all.into_iter().find(|o| matches!(o.kind, OpKind::MatMul { n: 11520, .. })).unwrap()
+        };
+        let (bf16, q4) = (up(DType::Bf16), up(DType::Q4_0));
+        // No q4_0 rows: q4_0 borrows bf16's efficiency at its own (3.6× fewer) bytes.
+        let m = TableCostModel::new(&measured);
+        assert!(m.borrows_bf16(Device::Gpu, DType::Q4_0) && !m.borrows_bf16(Device::Gpu, DType::Bf16));
+        for ctx in [OpContext::gpu(), OpContext::cpu(16)] {
+            let eff = |op: &Op| m.roofline_f(op, ctx) / m.op_ns(op, ctx) as f64;
+            assert!((eff(&q4) - eff(&bf16)).abs() < 0.01, "{ctx:?}: {} vs {}", eff(&q4), eff(&bf16));
+            // On the GPU bf16's decode GEMV runs at 70% of the roofline, so borrowing it is not the roofline.
+            assert!(ctx.device == Device::Cpu || eff(&bf16) < 0.9, "{}", eff(&bf16));
+        }
+        // With a q4_0 row of that shape, its own time comes back.
+        let mut with_q4 = measured.clone();
+        let row = OpRow {
+            op: OpClass::MatMul,
+            dtype: DType::Q4_0,
+            n: 11520,
+            k: 4096,
+            tokens: 1,
+            threads: 0,
+            time_ns: 50_000,
+            time_ns_under_dma: None,
+            spread: None,
+        };
+        with_q4.gpu.ops.push(row);
+        let m = TableCostModel::new(&with_q4);
+        assert!(!m.borrows_bf16(Device::Gpu, DType::Q4_0) && m.borrows_bf16(Device::Cpu, DType::Q4_0));
+        let t = m.op_ns(&q4, OpContext::gpu());
+        assert!(t.abs_diff(50_000) < 500, "{t}");
+        // A derived profile keeps the roofline for a format it has no rows of (q6_k on cli3).
+        let derived = model();
+        let q6 = up(DType::Q6K);
+        assert!(!derived.borrows_bf16(Device::Gpu, DType::Q6K));
+        assert_eq!(
+            derived.op_ns(&q6, OpContext::gpu()),
+            derived.roofline_f(&q6, OpContext::gpu()).ceil() as u64
+        );
     }
 
     #[test]

@@ -110,6 +110,9 @@ pub struct GgufHeader {
     pub alignment: u64,
     /// The files read, first split first.
     pub files: Vec<PathBuf>,
+    /// Where each file's tensor data begins (byte offset; a tensor's `offset` counts from there), in `files`
+    /// order.
+    pub data_starts: Vec<u64>,
 }
 
 impl GgufHeader {
@@ -394,7 +397,14 @@ pub fn parse<R: Read>(file: &str, source: R, len: u64, split: u32) -> Result<Ggu
             });
         }
     }
-    Ok(GgufHeader { version, metadata, tensors, alignment, files: vec![PathBuf::from(file)] })
+    Ok(GgufHeader {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        files: vec![PathBuf::from(file)],
+        data_starts: vec![data_start],
+    })
 }
 
 /// `(stem, index, count)` of a split file name `stem-0000i-of-0000n.gguf`.
@@ -431,6 +441,7 @@ pub fn read_header(path: &Path) -> Result<GgufHeader, GgufError> {
             Some(m) => {
                 m.tensors.extend(h.tensors);
                 m.files.extend(h.files);
+                m.data_starts.extend(h.data_starts);
             }
         }
     }

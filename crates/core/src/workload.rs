@@ -530,7 +530,12 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
         Phase::Decode { ctx, .. } => ctx as f64,
     };
     let attn_tmp = if w.flash_attn {
-        m * (q_dim + 2.0 * kv_dim)
+        // Flash decoding: up to 8 query tokens split the keys into chunks of 256 (at most 64, sized for the
+        // cache's full context) whose partial outputs and (max, sum) pairs are combined after.
+        let splits = if m <= 8.0 { w.ctx.div_ceil(256).clamp(1, 64) as f64 } else { 1.0 };
+        let partials =
+            if splits > 1.0 { m * f64::from(t.n_heads) * splits * (t.head_dim as f64 + 2.0) } else { 0.0 };
+        m * (q_dim + 2.0 * kv_dim) + partials
     } else {
         m * (q_dim + 2.0 * kv_dim) + m * keys * f64::from(t.n_heads)
     };

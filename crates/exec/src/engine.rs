@@ -31,7 +31,7 @@ use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
-use crate::layout::{KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_phase};
+use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
 use crate::seqs::{Pass, SeqKv};
 use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
@@ -356,7 +356,12 @@ fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
         || (plan.op_offload
             && plan.phase == PhaseKind::Prefill
             && tokens >= 32
-            && plan.placements.iter().any(|p| matches!(p.unit, UnitId::Attn { .. } | UnitId::Ffn { .. })))
+            && plan.placements.iter().any(|p| {
+                matches!(
+                    p.unit,
+                    UnitId::Attn { .. } | UnitId::Ffn { .. } | UnitId::Router { .. } | UnitId::Expert { .. }
+                )
+            }))
 }
 
 /// Bytes of [`host_attention`]'s staging for `m` tokens: q, k, v (f32) then the output (activations).
@@ -539,9 +544,13 @@ impl<'a> Exec<'a> {
         }
         let arena_bytes = budget - overhead - reserve;
         // Check both layouts before taking the arena.
-        let kv = self.kv;
-        layout_phase(self.w, &plan.prefill, kv, m_prefill, arena_bytes as usize, budget, overhead)?;
-        layout_phase(self.w, &plan.decode, kv, seqs, arena_bytes as usize, budget, overhead)?;
+        layout_plan(
+            self.w,
+            plan,
+            self.kv,
+            m_prefill,
+            Arena { bytes: arena_bytes as usize, budget_bytes: budget, overhead_bytes: overhead },
+        )?;
         let arena = gpu.alloc(arena_bytes as usize)?;
         let mut regs = Vec::new();
         for u in self.w.units() {
@@ -579,9 +588,9 @@ impl<'a> Exec<'a> {
     fn run(mut self, plan: &Plan, chunks: &[(usize, usize)], m_prefill: usize) -> Result<RunOutput> {
         let arena_bytes = self.gpu.as_ref().map_or(usize::MAX / 4, |g| g.arena.bytes());
         let (budget, overhead) = (plan.budget_bytes, self.gpu.as_ref().map_or(0, |g| g.overhead_bytes));
-        let (kv, seqs) = (self.kv, self.kv.seqs);
-        let lay_p = layout_phase(self.w, &plan.prefill, kv, m_prefill, arena_bytes, budget, overhead)?;
-        let lay_d = layout_phase(self.w, &plan.decode, kv, seqs, arena_bytes, budget, overhead)?;
+        let arena = Arena { bytes: arena_bytes, budget_bytes: budget, overhead_bytes: overhead };
+        let [lay_p, lay_d] = layout_plan(self.w, plan, self.kv, m_prefill, arena)?;
+        let seqs = self.kv.seqs;
         let pool_p = CpuPool::new(plan.prefill.cpu_threads as usize)?;
         let pool_d = if plan.decode.cpu_threads == plan.prefill.cpu_threads {
             None
@@ -1016,7 +1025,7 @@ impl<'a> Exec<'a> {
             match (uw.kind, step.weights.on_gpu()) {
                 (UnitKind::Embd, false) => {
                     let t = self.tl.now_ns();
-                    cpu::embed(self.d, uw.buf.as_slice(), tokens, self.h_host.f32s_mut());
+                    cpu::embed(pool, self.d, uw.buf.as_slice(), tokens, self.h_host.f32s_mut());
                     self.tl.host("cpu token_embd".into(), Track::Cpu, t);
                     self.h_on_dev = false;
                 }
@@ -1243,6 +1252,11 @@ impl<'a> Exec<'a> {
             let mut first = 0usize;
             for &e in &gpu_experts {
                 let c = lists[e as usize].len();
+                // cuBLAS pays ≈ 0.4 ms of host time the first time it sees a GEMM shape (measured on the H200:
+                // an expert's 35-token GEMMs took 393 µs, the same shape again 40 µs), and a prefill chunk gives
+                // every expert another token count. The GEMMs run over the count rounded up to a power of two
+                // (warm_up warms those); rows past `c` hold stale activations and their results are not scattered.
+                let rows = c.next_power_of_two().min(lay.scratch.tokens).max(c);
                 let unit = UnitId::Expert { layer, expert: e };
                 let (wb, slot) =
                     self.weights_base(lay, &Step { unit, weights: locs[e as usize], kv: None })?;
@@ -1253,8 +1267,9 @@ impl<'a> Exec<'a> {
                 let gpu = g.gpu;
                 let start = g.span_start(Stream::Compute)?;
                 let (idx, wts) = (at(sc.moe_idx) + 4 * first as u64, at(sc.moe_w) + 4 * first as u64);
-                // SAFETY: c ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c entries
-                // at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb and h.
+                // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
+                // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
+                // and h.
                 unsafe {
                     gpu.gather_rows(&g.k, at(sc.xb), idx, at(sc.moe_x), c, hd)?;
                     gpu.matmul(
@@ -1263,7 +1278,7 @@ impl<'a> Exec<'a> {
                         wb + o.gate as u64,
                         at(sc.moe_x),
                         at(sc.moe_gate),
-                        c,
+                        rows,
                         fe,
                         hd,
                         false,
@@ -1274,19 +1289,19 @@ impl<'a> Exec<'a> {
                         wb + o.up as u64,
                         at(sc.moe_x),
                         at(sc.moe_up),
-                        c,
+                        rows,
                         fe,
                         hd,
                         false,
                     )?;
-                    gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), c * fe)?;
+                    gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), rows * fe)?;
                     gpu.matmul(
                         &g.k,
                         d.quant,
                         wb + o.down as u64,
                         at(sc.moe_act),
                         at(sc.moe_y),
-                        c,
+                        rows,
                         hd,
                         fe,
                         false,
@@ -1359,13 +1374,13 @@ impl<'a> Exec<'a> {
                 let (slot, addr) = self.acquire(RingItem::Weights(step.unit))?;
                 (addr, Some(slot))
             }
-            WeightLoc::Staged => {
-                let (off, _) = lay.staging.expect("staged units have a staging area");
+            WeightLoc::Staged(o) => {
+                let off = lay.staging.expect("staged units have a staging area").0 + o;
                 let g = self.gpu.as_ref().expect("gpu");
                 let uw = self.w.unit(step.unit).expect("weight unit");
                 let start = g.span_start(Stream::Compute)?;
-                // SAFETY: the staging area holds ≥ align(u.bytes); the compute stream orders this copy after the
-                // previous staged unit's compute; weights are registered and outlive the run.
+                // SAFETY: the staging area holds ≥ o + align(u.bytes); the compute stream orders this copy after
+                // the previous staged unit's compute; weights are registered and outlive the run.
                 unsafe { g.gpu.h2d(Stream::Compute, base + off as u64, &uw.buf.as_slice()[..uw.bytes])? };
                 g.span_end(&mut self.tl, format!("stage {}", step.unit), Track::H2d, Stream::Compute, start)?;
                 (base + off as u64, None)

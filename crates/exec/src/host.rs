@@ -127,6 +127,16 @@ impl Elem {
         }
     }
 
+    /// The core format of this element type.
+    #[must_use]
+    pub const fn dtype(self) -> DType {
+        match self {
+            Elem::F32 => DType::F32,
+            Elem::F16 => DType::F16,
+            Elem::Bf16 => DType::Bf16,
+        }
+    }
+
     /// Bytes per element.
     #[must_use]
     pub const fn size_bytes(self) -> usize {
@@ -153,6 +163,28 @@ impl Elem {
             Elem::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes")),
             Elem::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
             Elem::Bf16 => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        }
+    }
+
+    /// Elements `0..out.len()` of a byte slice holding this type, as f32 (one dispatch per row, so the loop
+    /// vectorises; embedding a 1024-token ubatch element by element took 6.8 ms on the H200 machine).
+    pub fn read_row(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            Elem::F32 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Elem::F16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Elem::Bf16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+                }
+            }
         }
     }
 

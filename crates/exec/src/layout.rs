@@ -3,15 +3,16 @@
 //!
 //! The arena is carved as: KV of VRAM-resident layers from the bottom up (layer order), pinned weights from the
 //! top down (inventory order), and in between the streaming slots, the op-offload staging area and the scratch
-//! (activations). Carving pinned weights and KV from opposite ends keeps a unit's address the same in the
-//! prefill and decode layouts when both pin the same prefix, so a plan switch re-uploads only what moved.
+//! (activations). Units (and KV) pinned in both phases are carved first, in the same order, in both layouts, so
+//! they keep their address across the plan switch, which then uploads only what the decode plan newly pins —
+//! the switch the planner and simulator cost.
 //! Every line is compared with the plan's [`VramBreakdown`]; the total must fit the arena.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::model::FfnKind;
-use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, VramBreakdown};
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
 
 use crate::error::{ExecError, Result};
 use crate::seqs::SeqKv;
@@ -31,8 +32,9 @@ pub enum WeightLoc {
     Pinned(usize),
     /// Copied into a ring slot before use.
     Streamed,
-    /// Copied into the staging area before use, on the compute stream (llama.cpp's op offload).
-    Staged,
+    /// Copied into the staging area at this offset before use, on the compute stream (llama.cpp's op offload).
+    /// A layer's CPU experts sit side by side there, as ggml stages a merged `*_exps` tensor whole.
+    Staged(usize),
     /// Read from host memory by the CPU.
     Cpu,
 }
@@ -165,8 +167,8 @@ fn carve_scratch(
     s.h = take(m * d.hidden * 4);
     s.xb = take(m * d.hidden.max(d.q_dim) * act);
     s.logits = take(logit_rows * d.vocab * 4);
-    // Attention temporaries (q, k, v and the key splits' partial sums) and FFN temporaries are never live at
-    // once: they share one region.
+    // Attention temporaries (q, k, v and the split-attention partials) and FFN temporaries are never live at
+    // once: they share one region (core's `scratch_parts` counts them the same way).
     let union_base = at;
     let q = union_base;
     let k = align(q + m * d.q_dim * 4);
@@ -174,8 +176,9 @@ fn carve_scratch(
     let mut attn_end = align(v + m * d.kv_dim * 4);
     if attn_splits > 1 {
         s.part_o = attn_end;
-        s.part_ml = align(s.part_o + m * d.n_heads * attn_splits * d.head_dim * 4);
-        attn_end = align(s.part_ml + m * d.n_heads * attn_splits * 2 * 4);
+        attn_end = align(attn_end + m * d.n_heads * attn_splits * d.head_dim * 4);
+        s.part_ml = attn_end;
+        attn_end = align(attn_end + m * d.n_heads * attn_splits * 2 * 4);
     }
     let up = union_base;
     let gate = align(up + m * d.ffn * 4);
@@ -253,18 +256,54 @@ impl PhaseLayout {
     }
 }
 
-/// Lays out `plan` for `w` in an arena of `arena_bytes`, for steps of at most `tokens` tokens and the KV cache
-/// of `kv`'s sequences; fails before anything runs if the plan cannot be executed or does not fit, naming the
-/// lines.
-pub fn layout_phase(
+/// The device memory a plan is laid out in.
+#[derive(Debug, Clone, Copy)]
+pub struct Arena {
+    /// Bytes of the arena (the budget less the runtime overhead and reserves).
+    pub bytes: usize,
+    /// The plan's VRAM budget, for error messages.
+    pub budget_bytes: u64,
+    /// Measured runtime overhead, for error messages.
+    pub overhead_bytes: u64,
+}
+
+/// Units pinned in both phases of `plan` (weights and KV): they stay put across the plan switch.
+#[must_use]
+pub fn pinned_in_both(plan: &Plan) -> HashSet<UnitId> {
+    let pinned = |p: &PhasePlan| -> HashSet<UnitId> {
+        p.placements.iter().filter(|u| u.placement == Placement::Pinned).map(|u| u.unit).collect()
+    };
+    pinned(&plan.prefill).intersection(&pinned(&plan.decode)).copied().collect()
+}
+
+/// Lays out both phases of `plan` (prefill for steps of up to `prefill_tokens` tokens, decode for one token of
+/// each of `kv`'s sequences), with what both phases pin at the same addresses.
+pub fn layout_plan(
+    w: &ModelWeights,
+    plan: &Plan,
+    kv: SeqKv,
+    prefill_tokens: usize,
+    arena: Arena,
+) -> Result<[PhaseLayout; 2]> {
+    let kept = pinned_in_both(plan);
+    Ok([
+        layout_phase(w, &plan.prefill, &kept, kv, prefill_tokens, arena)?,
+        layout_phase(w, &plan.decode, &kept, kv, kv.seqs, arena)?,
+    ])
+}
+
+/// Lays out `plan` for `w` in `arena`, for steps of at most `tokens` tokens and the KV cache of `kv`'s
+/// sequences, carving the pinned units in `kept` first; fails before anything runs if the plan cannot be
+/// executed or does not fit, naming the lines.
+fn layout_phase(
     w: &ModelWeights,
     plan: &PhasePlan,
+    kept: &HashSet<UnitId>,
     kv: SeqKv,
     tokens: usize,
-    arena_bytes: usize,
-    budget_bytes: u64,
-    overhead_bytes: u64,
+    arena: Arena,
 ) -> Result<PhaseLayout> {
+    let Arena { bytes: arena_bytes, budget_bytes, overhead_bytes } = arena;
     let d = &w.dims;
     let phase = plan.phase;
     let placement: HashMap<UnitId, Placement> =
@@ -273,33 +312,41 @@ pub fn layout_phase(
     let offload = plan.op_offload && phase == PhaseKind::Prefill && tokens >= 32;
     let kv_bytes = kv.whole().bytes();
 
-    // KV of VRAM-resident layers, bottom up.
+    // KV of VRAM-resident layers, bottom up, and pinned weights, top down, in order: what both phases pin
+    // first.
     let mut bottom = 0usize;
     let mut kv_pinned: HashMap<u32, usize> = HashMap::new();
-    for l in 0..d.n_layers as u32 {
-        if get(UnitId::Kv { layer: l })? == Placement::Pinned {
-            kv_pinned.insert(l, bottom);
-            bottom = align(bottom + kv_bytes);
+    let mut top = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
+    let mut pinned_at: HashMap<UnitId, usize> = HashMap::new();
+    let mut pinned_used = 0usize;
+    for both in [true, false] {
+        for l in 0..d.n_layers as u32 {
+            let id = UnitId::Kv { layer: l };
+            if get(id)? == Placement::Pinned && kept.contains(&id) == both {
+                kv_pinned.insert(l, bottom);
+                bottom = align(bottom + kv_bytes);
+            }
+        }
+        for unit in w.units() {
+            if get(unit.id)? == Placement::Pinned && kept.contains(&unit.id) == both {
+                let b = align(unit.bytes);
+                top = top.saturating_sub(b);
+                pinned_used += b;
+                pinned_at.insert(unit.id, top);
+            }
         }
     }
     let kv_used = bottom;
-    // Pinned weights, top down in inventory order.
-    let mut top = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
     let mut steps = Vec::new();
     let mut ring_items = Vec::new();
-    let mut pinned_used = 0usize;
     let mut staging_bytes = 0usize;
+    let mut staged_experts: HashMap<u32, usize> = HashMap::new();
     let mut max_item = 0usize;
     for unit in w.units() {
         let id = unit.id;
         let p = get(id)?;
         let weights = match p {
-            Placement::Pinned => {
-                let b = align(unit.bytes);
-                top = top.saturating_sub(b);
-                pinned_used += b;
-                WeightLoc::Pinned(top)
-            }
+            Placement::Pinned => WeightLoc::Pinned(pinned_at[&id]),
             Placement::Streamed if matches!(id, UnitId::Expert { .. }) => {
                 let UnitId::Expert { layer, .. } = id else { unreachable!("matched above") };
                 if ring_items.last() != Some(&RingItem::Experts(layer)) {
@@ -320,8 +367,20 @@ pub fn layout_phase(
                 }
                 WeightLoc::Streamed
             }
-            Placement::Cpu if offload && matches!(id, UnitId::Attn { .. } | UnitId::Ffn { .. }) => {
-                WeightLoc::Staged
+            Placement::Cpu if offload && matches!(id, UnitId::Expert { .. }) => {
+                let UnitId::Expert { layer, .. } = id else { unreachable!("matched above") };
+                let at = staged_experts.entry(layer).or_insert(0);
+                let o = *at;
+                *at += align(unit.bytes);
+                staging_bytes = staging_bytes.max(*at);
+                WeightLoc::Staged(o)
+            }
+            Placement::Cpu
+                if offload
+                    && matches!(id, UnitId::Attn { .. } | UnitId::Ffn { .. } | UnitId::Router { .. }) =>
+            {
+                staging_bytes = staging_bytes.max(align(unit.bytes));
+                WeightLoc::Staged(0)
             }
             Placement::Cpu => WeightLoc::Cpu,
         };
@@ -329,7 +388,7 @@ pub fn layout_phase(
             let kp = get(UnitId::Kv { layer })?;
             let loc = match (weights, kp) {
                 // Op offload keeps attention over a host cache on the CPU, as llama.cpp does.
-                (WeightLoc::Cpu | WeightLoc::Staged, Placement::Cpu) => KvLoc::Host,
+                (WeightLoc::Cpu | WeightLoc::Staged(_), Placement::Cpu) => KvLoc::Host,
                 (WeightLoc::Pinned(_) | WeightLoc::Streamed, Placement::Pinned) => {
                     KvLoc::Pinned(kv_pinned[&layer])
                 }
@@ -352,9 +411,6 @@ pub fn layout_phase(
         } else {
             None
         };
-        if weights == WeightLoc::Staged {
-            staging_bytes = staging_bytes.max(align(unit.bytes));
-        }
         steps.push(Step { unit: id, weights, kv: kv_loc });
     }
     let depth = plan.pipeline_depth as usize;
@@ -485,7 +541,15 @@ mod tests {
             2,
         );
         let arena = 16 << 20;
-        let l = layout_phase(&w, &p, kv, 1, arena, 0, 0).unwrap();
+        let l = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            1,
+            Arena { bytes: arena, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         let mut regions: Vec<(usize, usize)> = l.slots.iter().map(|&s| (s, l.slot_bytes)).collect();
         regions.push((l.scratch.h, 1));
         for s in &l.steps {
@@ -522,7 +586,15 @@ mod tests {
             },
             2,
         );
-        let l = layout_phase(&w, &p, kv, 4, 16 << 20, 0, 0).unwrap();
+        let l = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            4,
+            Arena { bytes: 16 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         assert_eq!(
             l.ring_items,
             vec![
@@ -559,14 +631,38 @@ mod tests {
         let kv = SeqKv { seq, seqs: 16, unified: true, prompt: 8 };
         let mut p = phase_plan(&w, |_| Placement::Pinned, 0);
         p.vram.scratch_bytes = 0;
-        let tight = layout_phase(&w, &p, kv, 16, 64 << 20, 0, 0).unwrap();
+        let tight = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            16,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         assert_eq!(tight.scratch.attn_splits, 1);
         p.vram.scratch_bytes = 64 << 20;
-        let roomy = layout_phase(&w, &p, kv, 16, 64 << 20, 0, 0).unwrap();
+        let roomy = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            16,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         assert_eq!(roomy.scratch.attn_splits, 16, "4096 keys in 256-key splits");
         assert!(roomy.scratch.bytes > tight.scratch.bytes, "the partial sums take room");
         p.vram.scratch_bytes = 0;
-        let one = layout_phase(&w, &p, SeqKv::single(seq), 1, 64 << 20, 0, 0).unwrap();
+        let one = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            SeqKv::single(seq),
+            1,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         assert_eq!(one.scratch.attn_splits, 16);
     }
 
@@ -575,7 +671,15 @@ mod tests {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
         let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(&w, |_| Placement::Pinned, 0);
-        let e = layout_phase(&w, &p, kv, 1, 100_000, 200_000, 100_000).unwrap_err();
+        let e = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            1,
+            Arena { bytes: 100_000, budget_bytes: 200_000, overhead_bytes: 100_000 },
+        )
+        .unwrap_err();
         let s = e.to_string();
         assert!(s.contains("pinned weights") && s.contains("over") || s.contains("more than"), "{s}");
         assert!(matches!(e, ExecError::OverBudget { over_bytes, .. } if over_bytes > 0));
@@ -594,7 +698,15 @@ mod tests {
             },
             1,
         );
-        let l = layout_phase(&w, &p, kv, 1, 64 << 20, 0, 0).unwrap();
+        let l = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            1,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
         assert_eq!(l.ring_items, vec![RingItem::Kv(0), RingItem::Kv(1), RingItem::Kv(2)]);
         assert_eq!(l.slot_bytes, align(kv.whole().bytes()));
         let bad = phase_plan(
@@ -602,7 +714,78 @@ mod tests {
             |u| if matches!(u, UnitId::Kv { .. }) { Placement::Pinned } else { Placement::Cpu },
             0,
         );
-        let e = layout_phase(&w, &bad, kv, 1, 64 << 20, 0, 0).unwrap_err();
+        let e = layout_phase(
+            &w,
+            &bad,
+            &HashSet::new(),
+            kv,
+            1,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("KV must be on the side that runs attention"), "{e}");
+    }
+    #[test]
+    fn units_pinned_in_both_phases_keep_their_address() {
+        let spec = crate::testing::tiny_qwen3_moe_spec();
+        let w = ModelWeights::random(&spec, 1).unwrap();
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
+        // Prefill pins the odd experts and layer 1's attention and KV; decode also pins layer 0's even experts
+        // and every layer's attention and KV, units that come before shared ones in inventory order.
+        let plan = crate::testing::manual_plan(
+            &spec,
+            pipeshard_core::workload::Workload::single(16, 64, 4, 8),
+            1 << 30,
+            0,
+            0,
+            2,
+            |phase, u| match (phase, u) {
+                (_, UnitId::Expert { expert, .. }) if expert % 2 == 1 => Placement::Pinned,
+                (PhaseKind::Decode, UnitId::Expert { layer: 0, .. }) => Placement::Pinned,
+                (_, UnitId::Expert { .. }) => Placement::Cpu,
+                (PhaseKind::Prefill, UnitId::Kv { layer } | UnitId::Attn { layer }) if layer != 1 => {
+                    Placement::Cpu
+                }
+                _ => Placement::Pinned,
+            },
+        );
+        let kept = pinned_in_both(&plan);
+        assert!(kept.contains(&UnitId::Expert { layer: 0, expert: 1 }));
+        assert!(!kept.contains(&UnitId::Expert { layer: 0, expert: 0 }));
+        let [p, d] =
+            layout_plan(&w, &plan, kv, 4, Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 })
+                .unwrap();
+        for &u in &kept {
+            match u {
+                UnitId::Kv { layer } => assert_eq!(p.kv_offset(layer), d.kv_offset(layer), "{u}"),
+                _ => assert_eq!(p.pinned_offset(u), d.pinned_offset(u), "{u}"),
+            }
+        }
+        assert!(d.pinned_offset(UnitId::Expert { layer: 0, expert: 0 }).is_some());
+        assert_ne!(p.kv_offset(0), d.kv_offset(0), "only layer 1's KV is shared");
+    }
+    /// The planner's scratch line (core's `scratch_bytes`) covers the executor's scratch in decode, where the
+    /// split-attention partials grow with the context (a nemo-8b 8K decode plan was refused for them).
+    #[test]
+    fn core_scratch_covers_exec_scratch_in_decode() {
+        for name in ["nemo-8b", "qwen3-30b-a3b", "nemo-4b"] {
+            let spec = pipeshard_core::catalog::get(name)
+                .unwrap()
+                .with_uniform_weights(pipeshard_core::dtype::DType::Bf16);
+            let d = crate::weights::Dims::new(&spec).unwrap();
+            // One request, and 4 parallel ones (a token and its logits row each).
+            for (ctx, r) in [1024u64, 8192, 32768].into_iter().flat_map(|c| [(c, 1usize), (c, 4)]) {
+                let wl = pipeshard_core::workload::Workload::single(ctx - 16, ctx, 16, 1024)
+                    .batched(r as u64, false);
+                let planned = pipeshard_core::workload::scratch_bytes(&spec, &wl, wl.decode_step(15));
+                let exec = scratch_layout(&d, r, r, ctx as usize, 0);
+                assert!(exec.attn_splits > 1, "{name} {ctx}: decode splits the keys");
+                assert!(
+                    exec.bytes as u64 <= planned,
+                    "{name} ctx {ctx} batch {r}: exec {} > planned {planned}",
+                    exec.bytes
+                );
+            }
+        }
     }
 }

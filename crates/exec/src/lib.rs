@@ -10,13 +10,15 @@
 //! Chrome [`pipeshard_core::trace::Trace`] in the simulator's vocabulary.
 //!
 //! # Main types and modules
-//! - [`weights::ModelWeights`]: every tensor of a dense or Qwen3-MoE decoder, random from a seed, one page-aligned
-//!   host buffer per placement unit ([`host::HostBuf`]; one per routed expert); [`weights::Dims`] checks what the
-//!   executor supports.
+//! - [`weights::ModelWeights`]: every tensor of a dense or Qwen3-MoE decoder, random from a seed or read from an
+//!   HF checkpoint or a GGUF file ([`weights::ModelWeights::from_gguf`]), one page-aligned host buffer per
+//!   placement unit ([`host::HostBuf`]; one per routed expert); [`weights::Dims`] checks what the executor
+//!   supports.
 //! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation; bf16/f16 rows and q8_0/q4_0 blocks)
 //!   and the CPU half of a forward pass; they double as the reference for the GPU path.
 //!   [`reference`](mod@reference) is an independent f64 forward pass for tests.
-//! - [`quant`]: the GGUF q8_0/q4_0 block formats, quantise and dequantise bit-exact with ggml's reference.
+//! - [`quant`]: the GGUF q8_0/q4_0 block formats, quantise and dequantise bit-exact with ggml's reference, and
+//!   the q4_k/q6_k super-blocks' dequantisation (for converting such tensors as a GGUF file loads).
 //! - [`cuda`] (`exec::cuda`): the device seam — [`cuda::probe`], [`cuda::Gpu`] (context, compute/H2D/D2H
 //!   streams, cuBLAS GemmEx, NVRTC kernels for norms, RoPE, KV store, tiled causal attention, SwiGLU/ReLU²,
 //!   embedding and greedy sampling, q8_0/q4_0 GEMV and dequantisation), raw allocations and events.
@@ -62,8 +64,9 @@
 //!   of each pass (the host reuses its staging buffers).
 //!
 //! # Not supported (errors say so)
-//! Vision towers (issue 11), shared experts, tied embeddings, mixed or K-quant formats (q4_k, q6_k, …; use
-//! `--weights q4_0`, `q8_0` or `bf16`), parallel requests with prompts of different lengths.
+//! Vision towers (issue 11), shared experts, tied embeddings, mixed or K-quant formats as compute formats (q4_k,
+//! q6_k, …: a GGUF file's tensors in them are converted to the one format of `--weights q4_0`, `q8_0` or `bf16`
+//! as they load; q2_k, q3_k and q5_k cannot be read yet), parallel requests with prompts of different lengths.
 
 pub mod cpu;
 pub mod cuda;

@@ -158,6 +158,85 @@ impl QFormat {
     }
 }
 
+/// Elements per super-block of the K-quant formats (`QK_K`).
+pub const K_BLOCK_ELEMS: usize = 256;
+
+/// Dequantises whole blocks of a GGUF tensor in `dtype` to f32, for the formats the executor reads from files
+/// (q8_0, q4_0, and the K-quants q4_k and q6_k, which it converts as they load); `None` for another format.
+/// K-quant super-blocks follow ggml's `dequantize_row_q4_K` / `dequantize_row_q6_K`: every product is formed
+/// in f32 in the reference's order, without fused multiply-adds.
+///
+/// # Panics
+/// If `raw` is not whole blocks.
+#[must_use]
+pub fn dequantize_gguf(dtype: DType, raw: &[u8]) -> Option<Vec<f32>> {
+    let per_block = |bb: usize, f: fn(&[u8], &mut [f32])| {
+        assert!(raw.len().is_multiple_of(bb), "{} bytes are not whole {dtype} blocks", raw.len());
+        let mut out = vec![0f32; raw.len() / bb * K_BLOCK_ELEMS];
+        for (b, o) in raw.chunks_exact(bb).zip(out.chunks_exact_mut(K_BLOCK_ELEMS)) {
+            f(b, o);
+        }
+        out
+    };
+    match dtype {
+        DType::Q4K => Some(per_block(144, dequantize_q4_k_block)),
+        DType::Q6K => Some(per_block(210, dequantize_q6_k_block)),
+        _ => QFormat::from_dtype(dtype).map(|q| q.dequantize(raw)),
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a q4_k super-block's 12 packed bytes (ggml's
+/// `get_scale_min_k4`): sub-blocks 0..4 in the low 6 bits of bytes j and j + 4, sub-blocks 4..8 in the
+/// nibbles of bytes 8..12 with their top 2 bits in the top bits of bytes j − 4 and j.
+fn q4_k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// q4_k: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles.
+/// Sub-blocks 2t and 2t + 1 take the low and high nibbles of bytes 32t..32t + 32; value = d·sc·q − dmin·m.
+fn dequantize_q4_k_block(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qs) = (&b[4..16], &b[16..144]);
+    for t in 0..4 {
+        for half in 0..2 {
+            let (sc, m) = q4_k_scale_min(2 * t + half, scales);
+            let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+            for l in 0..32 {
+                let q = qs[32 * t + l] >> (4 * half) & 0x0f;
+                out[64 * t + 32 * half + l] = d1 * f32::from(q) - m1;
+            }
+        }
+    }
+}
+
+/// q6_k: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 signed 8-bit scales (one per 16
+/// elements), f16 `d`. Each half of 128 elements takes 64 low bytes, 32 high bytes and 8 scales; its quarter
+/// c (32 elements) takes the low (c < 2) or high nibbles of low bytes 32·(c mod 2)…, and bits 2c..2c+2 of the
+/// high bytes; value = d·scale·(q − 32).
+fn dequantize_q6_k_block(b: &[u8], out: &mut [f32]) {
+    let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
+    let d = f16_at(b, 208);
+    for n in 0..2 {
+        for c in 0..4 {
+            for l in 0..32 {
+                let lo = ql[64 * n + 32 * (c % 2) + l] >> (4 * (c / 2)) & 0x0f;
+                let hi = (qh[32 * n + l] >> (2 * c)) & 3;
+                let q = i32::from(lo | (hi << 4)) - 32;
+                let scale = i8::from_le_bytes([sc[8 * n + l / 16 + 2 * c]]);
+                out[128 * n + 32 * c + l] = d * f32::from(scale) * q as f32;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,6 +297,62 @@ mod tests {
         // An all-zero block has d = 0 and dequantises to zeros.
         let z = QFormat::Q4_0.quantize(&[0.0; 32], 32);
         assert!(QFormat::Q4_0.dequantize(&z).iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // powers of two times small integers: exact
+    fn hand_made_q4_k_block_dequantises_per_sub_block() {
+        // d = 0.5, dmin = 0.25; sub-block s has scale 3 + 7s and min 60 − 5s (6 bits; sub-blocks 4..8 need
+        // their top 2 bits, which the packing keeps in bytes 0..8).
+        let (sc, mn): (Vec<u8>, Vec<u8>) = (0..8u8).map(|s| (3 + 7 * s, 60 - 5 * s)).unzip();
+        let mut packed = [0u8; 12];
+        for j in 0..4 {
+            packed[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            packed[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+            packed[j + 8] = (sc[j + 4] & 0x0f) | ((mn[j + 4] & 0x0f) << 4);
+        }
+        let qs: Vec<u8> = (0..128u32).map(|i| ((i * 7 + 3) % 256) as u8).collect();
+        let mut b = f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend(f16::from_f32(0.25).to_le_bytes());
+        b.extend(packed);
+        b.extend(&qs);
+        let out = dequantize_gguf(DType::Q4K, &b).unwrap();
+        assert_eq!(out.len(), 256);
+        for (i, &v) in out.iter().enumerate() {
+            let s = i / 32;
+            let byte = qs[32 * (s / 2) + i % 32];
+            let q = if s % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+            let want = 0.5 * f32::from(sc[s]) * f32::from(q) - 0.25 * f32::from(mn[s]);
+            assert_eq!(v, want, "element {i} (sub-block {s})");
+        }
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)]
+    fn hand_made_q6_k_block_dequantises_per_sixteen() {
+        // d = 0.125; scales −8..8 (signed); low nibbles and high pairs from two patterns.
+        let ql: Vec<u8> = (0..128u32).map(|i| ((i * 37 + 11) % 256) as u8).collect();
+        let qh: Vec<u8> = (0..64u32).map(|i| ((i * 101 + 5) % 256) as u8).collect();
+        let sc: Vec<i8> = (0..16i8).map(|i| i - 8).collect();
+        let mut b = ql.clone();
+        b.extend(&qh);
+        b.extend(sc.iter().map(|&s| s.to_le_bytes()[0]));
+        b.extend(f16::from_f32(0.125).to_le_bytes());
+        let out = dequantize_gguf(DType::Q6K, &b).unwrap();
+        for (i, &v) in out.iter().enumerate() {
+            // Element i: half n, quarter c, lane l; 6-bit q = low nibble | high pair << 4, offset 32.
+            let (n, c, l) = (i / 128, i % 128 / 32, i % 32);
+            let low_byte = ql[64 * n + 32 * (c % 2) + l];
+            let lo = if c < 2 { low_byte & 0x0f } else { low_byte >> 4 };
+            let hi = (qh[32 * n + l] >> (2 * c)) & 3;
+            let q = f32::from(lo | (hi << 4)) - 32.0;
+            let scale = f32::from(sc[8 * n + 2 * c + l / 16]);
+            assert_eq!(v, 0.125 * scale * q, "element {i}");
+        }
+        // Other formats: q4_0 as its own dequantiser, unknown ones none.
+        let q4 = QFormat::Q4_0.quantize(&[0.5; 32], 32);
+        assert_eq!(dequantize_gguf(DType::Q4_0, &q4), Some(QFormat::Q4_0.dequantize(&q4)));
+        assert_eq!(dequantize_gguf(DType::Q2K, &[0; 84]), None);
     }
 
     #[test]

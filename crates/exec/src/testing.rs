@@ -199,3 +199,88 @@ pub fn batched_vs_single(
     }
     Ok((batched, max_err))
 }
+
+/// Writes `w`'s tensors as a GGUF file at `path`: `general.architecture` = `arch` (a `llama` file stores its
+/// `attn_q`/`attn_k` rows interleaved for ggml's RoPE, as llama.cpp's converter does) and every expert slice
+/// merged back into its `*_exps` tensor. The header comes from [`pipeshard_core::gguf::write_header`].
+///
+/// # Errors
+/// If the file cannot be written.
+pub fn write_gguf(
+    w: &crate::weights::ModelWeights,
+    arch: &str,
+    path: &std::path::Path,
+) -> std::io::Result<()> {
+    use pipeshard_core::gguf::{GgufValue, dtype_of_ggml, write_header};
+    const ALIGN: u64 = 32;
+    // (name, dims outer first, format, bytes), experts appended in inventory order.
+    let mut tensors: Vec<(String, Vec<u64>, DType, Vec<u8>)> = Vec::new();
+    for u in w.units() {
+        for t in &u.tensors {
+            let bytes = &u.buf.as_slice()[t.offset..t.offset + t.bytes];
+            let dtype = t.quant.map_or_else(|| t.elem.dtype(), crate::quant::QFormat::dtype);
+            if let Some(x) = tensors.iter_mut().find(|x| x.0 == t.name) {
+                // The next expert of a merged tensor.
+                x.1[0] += 1;
+                x.3.extend_from_slice(bytes);
+            } else {
+                let mut dims: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+                if t.expert.is_some() {
+                    dims.insert(0, 1);
+                }
+                tensors.push((t.name.clone(), dims, dtype, bytes.to_vec()));
+            }
+        }
+    }
+    if arch == "llama" {
+        for (name, dims, _, bytes) in &mut tensors {
+            let heads = if name.ends_with("attn_q.weight") {
+                w.dims.n_heads
+            } else if name.ends_with("attn_k.weight") {
+                w.dims.n_kv_heads
+            } else {
+                continue;
+            };
+            // What llama.cpp's converter does (the loader undoes it): half-row j·d/2 + i goes to row 2i + j.
+            let rows = dims[0] as usize;
+            let (row_bytes, d) = (bytes.len() / rows, rows / heads);
+            let mut out = vec![0u8; bytes.len()];
+            for h in 0..heads {
+                for i in 0..d / 2 {
+                    for j in 0..2 {
+                        let (src, dst) =
+                            ((h * d + j * d / 2 + i) * row_bytes, (h * d + 2 * i + j) * row_bytes);
+                        out[dst..dst + row_bytes].copy_from_slice(&bytes[src..src + row_bytes]);
+                    }
+                }
+            }
+            *bytes = out;
+        }
+    }
+    let ggml = |d: DType| {
+        (0..64).find(|&id| dtype_of_ggml(id) == Some(d)).expect("every executor format has a ggml id")
+    };
+    let mut offset = 0u64;
+    let dims_inner_first: Vec<Vec<u64>> =
+        tensors.iter().map(|t| t.1.iter().rev().copied().collect()).collect();
+    let infos: Vec<(&str, &[u64], u32, u64)> = tensors
+        .iter()
+        .zip(&dims_inner_first)
+        .map(|((name, _, dtype, bytes), dims)| {
+            let at = offset;
+            offset = (offset + bytes.len() as u64).next_multiple_of(ALIGN);
+            (name.as_str(), dims.as_slice(), ggml(*dtype), at)
+        })
+        .collect();
+    let meta = [
+        ("general.architecture", GgufValue::String(arch.into())),
+        ("general.alignment", GgufValue::U32(ALIGN as u32)),
+    ];
+    let mut out = write_header(&meta, &infos);
+    // Data starts at the header's end rounded up to the alignment, and every tensor at its aligned offset.
+    for (_, _, _, bytes) in &tensors {
+        out.resize((out.len() as u64).next_multiple_of(ALIGN) as usize, 0);
+        out.extend_from_slice(bytes);
+    }
+    std::fs::write(path, out)
+}

@@ -1,5 +1,6 @@
 //! Model geometry and weights: every tensor of a decoder (dense, or Qwen3-MoE with routed experts),
-//! random-initialised from a seed or loaded from an HF checkpoint ([`ModelWeights::from_checkpoint`]). An
+//! random-initialised from a seed or loaded from an HF checkpoint ([`ModelWeights::from_checkpoint`]) or a
+//! GGUF file ([`ModelWeights::from_gguf`]). An
 //! expert's unit holds its slices of the merged `*_exps` tensors.
 //!
 //! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 use pipeshard_core::checkpoint::{Checkpoint, hf_name};
+use pipeshard_core::gguf::{GgufHeader, GgufValue};
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::{FfnKind, ModelSpec, NormKind};
 use rayon::prelude::*;
@@ -25,7 +27,7 @@ use safetensors::Dtype;
 use crate::error::{ExecError, Result};
 use crate::hf;
 use crate::host::{Elem, HostBuf};
-use crate::quant::QFormat;
+use crate::quant::{QFormat, dequantize_gguf};
 
 /// Alignment of tensors inside a unit (host and device): enough for vector loads and cuBLAS.
 pub const TENSOR_ALIGN_BYTES: usize = 16;
@@ -214,15 +216,18 @@ impl Dims {
     /// Row `row` of a matrix of `cols` columns whose bytes start `mat`, as f32 (dequantised exactly).
     #[must_use]
     pub fn mat_row(&self, mat: &[u8], row: usize, cols: usize) -> Vec<f32> {
-        let rb = self.mat_bytes(1, cols);
+        let mut out = vec![0f32; cols];
+        self.mat_row_into(mat, row, &mut out);
+        out
+    }
+
+    /// [`Self::mat_row`] into `out` (its length is the row's), without allocating.
+    pub fn mat_row_into(&self, mat: &[u8], row: usize, out: &mut [f32]) {
+        let rb = self.mat_bytes(1, out.len());
         let bytes = &mat[row * rb..(row + 1) * rb];
         match self.quant {
-            Some(q) => {
-                let mut out = vec![0f32; cols];
-                q.dequantize_row(bytes, &mut out);
-                out
-            }
-            None => (0..cols).map(|i| self.mat.read(bytes, i)).collect(),
+            Some(q) => q.dequantize_row(bytes, out),
+            None => self.mat.read_row(bytes, out),
         }
     }
 
@@ -513,6 +518,18 @@ enum Values<'a> {
     Random(u64),
     /// Read from a checkpoint's safetensors files (each file opened once).
     Checkpoint(&'a Checkpoint, HashMap<PathBuf, File>),
+    /// Read from a GGUF file's tensor data.
+    Gguf(GgufSource<'a>),
+}
+
+/// A GGUF file (all its splits, each opened once) being read, and the tensors whose format was converted.
+struct GgufSource<'a> {
+    header: &'a GgufHeader,
+    files: Vec<File>,
+    /// llama.cpp stores a `llama` architecture's `attn_q`/`attn_k` rows in the order of ggml's interleaved
+    /// RoPE (its converter permutes them); the executor rotates halves, as transformers does.
+    rope_interleaved: bool,
+    converted: Vec<String>,
 }
 
 impl Values<'_> {
@@ -530,8 +547,105 @@ impl Values<'_> {
                 Ok(())
             }
             Values::Checkpoint(ck, files) => read_tensor(ck, files, out, t, dims),
+            Values::Gguf(src) => src.read(out, t, dims),
         }
     }
+}
+
+impl GgufSource<'_> {
+    /// Reads our tensor `t` (an expert's slice of a merged `*_exps` tensor) into `out`: the file's bytes as
+    /// they are where the formats match (quantised blocks stay quantised), else converted through f32
+    /// (dequantised exactly, K-quants included, then rounded or quantised to `t`'s format) and noted in
+    /// `converted`.
+    fn read(&mut self, out: &mut [u8], t: &TensorSlot, dims: &Dims) -> Result<()> {
+        let h = self.header;
+        let file =
+            |split: u32| h.files.get(split as usize).map_or_else(String::new, |f| f.display().to_string());
+        let err = |split: u32, problem: String| ExecError::Checkpoint {
+            file: file(split),
+            tensor: t.name.clone(),
+            problem,
+        };
+        let Some(info) = h.tensors.iter().find(|x| x.name == t.name) else {
+            return Err(err(0, format!("is missing (the {} layout needs it)", dims.model)));
+        };
+        // GGUF dims run innermost first; an expert's slot leaves out the outermost (expert) dimension.
+        let dims_outer_first: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
+        let slot_dims = &dims_outer_first[usize::from(t.expert.is_some())..];
+        if slot_dims != t.shape.as_slice() {
+            return Err(err(
+                info.split,
+                format!("has shape {dims_outer_first:?}, the {} layout expects {:?}", dims.model, t.shape),
+            ));
+        }
+        let from = info.dtype.ok_or_else(|| err(info.split, format!("has ggml type {}", info.ggml_type)))?;
+        let cols = *t.shape.last().expect("tensors have a row length");
+        let rows = t.shape.iter().product::<usize>() / cols;
+        let part_bytes =
+            from.tensor_bytes(cols as u64, rows as u64).map_err(|e| err(info.split, e.to_string()))?;
+        let at = h.data_starts[info.split as usize] + info.offset + t.expert.unwrap_or(0) as u64 * part_bytes;
+        let mut raw = vec![0u8; part_bytes as usize];
+        self.files[info.split as usize]
+            .read_exact_at(&mut raw, at)
+            .map_err(|e| err(info.split, format!("cannot be read at byte {at}: {e}")))?;
+        let heads = if t.name.ends_with("attn_q.weight") {
+            Some(dims.n_heads)
+        } else if t.name.ends_with("attn_k.weight") {
+            Some(dims.n_kv_heads)
+        } else {
+            None
+        };
+        if let (true, Some(heads)) = (self.rope_interleaved, heads) {
+            raw = halves_from_interleaved(&raw, rows, heads);
+        }
+        let to = t.quant.map_or_else(|| t.elem.dtype(), QFormat::dtype);
+        if from == to {
+            out.copy_from_slice(&raw);
+            return Ok(());
+        }
+        let vals: Vec<f32> = match (Elem::from_dtype(from), dequantize_gguf(from, &raw)) {
+            (Some(e), _) => (0..raw.len() / e.size_bytes()).map(|i| e.read(&raw, i)).collect(),
+            (None, Some(vals)) => vals,
+            (None, None) => {
+                return Err(err(
+                    info.split,
+                    format!(
+                        "is {from}, which the executor cannot read (it reads f32, f16, bf16, q8_0, q4_0, q4_k and \
+                         q6_k tensors); requantise the file to one of these"
+                    ),
+                ));
+            }
+        };
+        match t.quant {
+            Some(q) => out.copy_from_slice(&q.quantize(&vals, cols)),
+            None => {
+                for (i, &v) in vals.iter().enumerate() {
+                    t.elem.write(out, i, v);
+                }
+            }
+        }
+        self.converted.push(format!("{} {from} → {to}", t.name));
+        Ok(())
+    }
+}
+
+/// `rows` rows of `heads` heads (equal byte lengths) reordered from ggml's interleaved RoPE pairs to halves:
+/// within a head of `d` rows, row `2i + j` of the input is row `j·d/2 + i` of the output. Rows move whole, so
+/// this works on quantised rows too.
+#[must_use]
+fn halves_from_interleaved(raw: &[u8], rows: usize, heads: usize) -> Vec<u8> {
+    let (row_bytes, d) = (raw.len() / rows, rows / heads);
+    let mut out = vec![0u8; raw.len()];
+    for h in 0..heads {
+        for i in 0..d / 2 {
+            for j in 0..2 {
+                let src = (h * d + 2 * i + j) * row_bytes;
+                let dst = (h * d + j * d / 2 + i) * row_bytes;
+                out[dst..dst + row_bytes].copy_from_slice(&raw[src..src + row_bytes]);
+            }
+        }
+    }
+    out
 }
 
 /// Reads our tensor `t` from the checkpoint into `out`, converting its dtype to `t.elem` (exact when widening,
@@ -606,23 +720,48 @@ fn read_tensor(
 impl ModelWeights {
     /// Random weights for `spec` from `seed`.
     pub fn random(spec: &ModelSpec, seed: u64) -> Result<ModelWeights> {
-        Self::build(spec, Values::Random(seed))
+        Self::build(spec, &mut Values::Random(seed))
     }
 
     /// All-zero weights with the real layout (no values are drawn or touched): for layout and budget checks
     /// that need the executor's unit sizes but will not compute.
     pub fn zeroed(spec: &ModelSpec) -> Result<ModelWeights> {
-        Self::build(spec, Values::Zero)
+        Self::build(spec, &mut Values::Zero)
     }
 
     /// The weights of an HF checkpoint ([`Checkpoint::open`]) laid out as `spec` stores them: every tensor of
     /// `spec`'s layout is read under its transformers name and converted to `spec`'s formats (bf16/f16 matrices,
     /// f32 norms). A tensor that is missing or has another shape is an error naming it.
     pub fn from_checkpoint(spec: &ModelSpec, checkpoint: &Checkpoint) -> Result<ModelWeights> {
-        Self::build(spec, Values::Checkpoint(checkpoint, HashMap::new()))
+        Self::build(spec, &mut Values::Checkpoint(checkpoint, HashMap::new()))
     }
 
-    fn build(spec: &ModelSpec, mut values: Values<'_>) -> Result<ModelWeights> {
+    /// The weights of a GGUF file (`header` from [`pipeshard_core::gguf::read_header`], every split) laid out
+    /// as `spec` stores them, and the tensors whose format had to be converted (`name from → to`). Each tensor
+    /// is read with positioned reads straight into its unit's host buffer (the buffer the executor pins); a
+    /// tensor in `spec`'s format is copied as it is, quantised blocks included. A tensor that is missing, has
+    /// another shape or a format the executor cannot read is an error naming it and the file.
+    pub fn from_gguf(spec: &ModelSpec, header: &GgufHeader) -> Result<(ModelWeights, Vec<String>)> {
+        let files = header
+            .files
+            .iter()
+            .map(|f| {
+                File::open(f).map_err(|e| ExecError::Checkpoint {
+                    file: f.display().to_string(),
+                    tensor: String::new(),
+                    problem: format!("cannot be opened: {e}"),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope_interleaved =
+            header.get("general.architecture").and_then(GgufValue::as_str).is_some_and(|a| a == "llama");
+        let mut values = Values::Gguf(GgufSource { header, files, rope_interleaved, converted: Vec::new() });
+        let w = Self::build(spec, &mut values)?;
+        let Values::Gguf(src) = values else { unreachable!("built from a GGUF source") };
+        Ok((w, src.converted))
+    }
+
+    fn build(spec: &ModelSpec, values: &mut Values<'_>) -> Result<ModelWeights> {
         let dims = Dims::new(spec)?;
         let inventory = Inventory::new(spec);
         let mut units = Vec::new();
@@ -672,7 +811,7 @@ impl ModelWeights {
             index.insert(unit.id, units.len());
             units.push(UnitWeights { id: unit.id, kind, tensors, bytes, buf });
         }
-        let seed = if let Values::Random(seed) = values { seed } else { 0 };
+        let seed = if let Values::Random(seed) = values { *seed } else { 0 };
         Ok(ModelWeights { spec: spec.clone(), inventory, dims, seed, units, index })
     }
 

@@ -108,6 +108,9 @@ const MOE_MIXES: &[(&str, u32, bool, Rule)] = &[
         (_, 1) => Placement::Streamed,
         _ => Placement::Cpu,
     }),
+    ("moe: op offload: layer 0 on the CPU (router, experts staged), the rest pinned", 0, true, |_, u| {
+        if u.layer() == Some(0) || u == UnitId::TokenEmbd { Placement::Cpu } else { Placement::Pinned }
+    }),
     ("moe: switch: prefill streamed d2, decode experts CPU", 2, false, |ph, u| match (ph, u) {
         (PhaseKind::Prefill, _) => Placement::Streamed,
         (PhaseKind::Decode, UnitId::Expert { .. }) => Placement::Cpu,
@@ -142,15 +145,21 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
     let prompt = random_tokens(case.prompt, w.dims.vocab, 11);
     let wl = Workload::single(case.prompt as u64, case.ctx, case.n_gen as u64, case.ubatch);
     let cpu_plan = manual_plan(spec, wl, case.budget, 0, 0, case.threads, |_, _| Placement::Cpu);
-    let reference = run(&w, &cpu_plan, None, &opts(&prompt, case.n_gen, None)).unwrap();
-    let force: Vec<u32> = reference.tokens[..case.n_gen].to_vec();
+    let chunked = run(&w, &cpu_plan, None, &opts(&prompt, case.n_gen, None)).unwrap();
+    let force: Vec<u32> = chunked.tokens[..case.n_gen].to_vec();
+    // Op offload needs ≥ 32-token ubatches, so those mixes prefill in one chunk; their reference does too
+    // (routes are recorded chunk by chunk, layer by layer).
+    let one_chunk_wl = Workload { ubatch: case.prompt as u64, ..wl };
+    let one_chunk_plan =
+        manual_plan(spec, one_chunk_wl, case.budget, 0, 0, case.threads, |_, _| Placement::Cpu);
+    let one_chunk = run(&w, &one_chunk_plan, None, &opts(&prompt, case.n_gen, Some(force.clone()))).unwrap();
     writeln!(
         log,
         "\n{} ({} layers, {}): all-CPU tokens {:?}",
         spec.name,
         w.dims.n_layers,
         w.dims.mat.name(),
-        reference.tokens
+        chunked.tokens
     )
     .unwrap();
     writeln!(
@@ -166,6 +175,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             plan.prefill.op_offload = true;
             plan.workload.ubatch = case.prompt as u64;
         }
+        let reference = if offload { &one_chunk } else { &chunked };
         let out: RunOutput = run(&w, &plan, Some(gpu), &opts(&prompt, case.n_gen, Some(force.clone())))
             .unwrap_or_else(|e| panic!("{}: {name}: {e}", spec.name));
         let mut max_err = 0f64;
@@ -251,7 +261,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             export_for_hf(
                 &w,
                 &prompt,
-                &reference,
+                reference,
                 &out,
                 std::path::Path::new(&dir).join(&spec.name).as_path(),
                 case.ctx as usize,
@@ -377,6 +387,64 @@ fn plans_over_the_budget_fail_before_running() {
     assert!(matches!(e, ExecError::OverBudget { over_bytes, .. } if over_bytes > 0), "{e}");
     let ok = run(&w, &plan, Some(&gpu), &opts(&[1, 2, 3, 4, 5, 6, 7, 8], 2, None)).unwrap();
     assert!(ok.vram.unwrap().peak_process_bytes <= 8 * GIB);
+}
+
+#[test]
+fn quantised_matmul_matches_the_cpu_for_every_token_count() {
+    use pipeshard_exec::cpu::{CpuPool, matmul_quant};
+    use pipeshard_exec::cuda::{KernelKey, Stream};
+    use pipeshard_exec::host::Elem;
+    use pipeshard_exec::quant::QFormat;
+    if let Err(reason) = probe() {
+        eprintln!("skipped: no CUDA device: {reason}");
+        return;
+    }
+    let gpu = Gpu::new().unwrap();
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
+    let pool = CpuPool::new(4).unwrap();
+    // 37 rows: the last warp of the GEMV has one row; 3 blocks a row: fewer than a warp step's 8.
+    for (n, k) in [(37usize, 96usize), (64, 4096)] {
+        for fmt in QFormat::ALL {
+            let wf: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.1).collect();
+            let w = fmt.quantize(&wf, k);
+            let wd = gpu.alloc(w.len()).unwrap();
+            for m in [1usize, 2, 3, 5, 8, 12] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| Elem::Bf16.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0))
+                    .collect();
+                let mut xb = vec![0u8; 2 * m * k];
+                for (i, &v) in x.iter().enumerate() {
+                    Elem::Bf16.write(&mut xb, i, v);
+                }
+                let y0: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.01).collect();
+                for accumulate in [false, true] {
+                    let mut want = y0.clone();
+                    matmul_quant(&pool, &x, m, k, &w, fmt, n, &mut want, accumulate);
+                    let y0b: Vec<u8> = y0.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let (xd, yd) = (gpu.alloc(xb.len()).unwrap(), gpu.alloc(y0b.len()).unwrap());
+                    let mut got = vec![0u8; y0b.len()];
+                    // SAFETY: every buffer holds the sizes the matmul reads and writes; synchronised before
+                    // the host reads the result.
+                    unsafe {
+                        gpu.h2d(Stream::Compute, wd.ptr(), &w).unwrap();
+                        gpu.h2d(Stream::Compute, xd.ptr(), &xb).unwrap();
+                        gpu.h2d(Stream::Compute, yd.ptr(), &y0b).unwrap();
+                        gpu.matmul(&kn, Some(fmt), wd.ptr(), xd.ptr(), yd.ptr(), m, n, k, accumulate)
+                            .unwrap();
+                        gpu.sync(Stream::Compute).unwrap();
+                        gpu.d2h(Stream::Compute, &mut got, yd.ptr()).unwrap();
+                    }
+                    gpu.sync(Stream::Compute).unwrap();
+                    let got: Vec<f32> =
+                        got.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                    let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+                    let err = rel_err(&got, &want64);
+                    eprintln!("{fmt:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err:.1e}");
+                    assert!(err < 1e-5, "{fmt:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err}");
+                }
+            }
+        }
+    }
 }
 
 /// Parallel requests on the GPU (issue 10): R sequences with their own prompts decoded together through

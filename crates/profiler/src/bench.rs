@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use half::bf16;
 use pipeshard_exec::cpu::simd::Isa;
-use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant};
+use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, matmul, matmul_quant};
 use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::quant::QFormat;
@@ -99,6 +99,62 @@ impl Fmt {
     }
 }
 
+/// One CPU measurement: a format and a kernel variant (the pool's ISA, prefetch, tasks and rows a block).
+struct CpuCase {
+    fmt: Fmt,
+    pool: CpuPool,
+}
+
+/// Every format with this machine's kernels first; then the quantised ones with 4 rows a register block and
+/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread and with the
+/// f32 AVX-512 kernel where the bf16 one runs.
+fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
+    let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
+    let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
+    for f in [q8, q4] {
+        v.push((f, Variant { gemv_rows: Some(4), ..Variant::default() }));
+        v.push((
+            f,
+            Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
+        ));
+    }
+    v.push((
+        q4,
+        Variant { prefetch: Some(Prefetch { bytes: 4096, level: CacheLevel::L2 }), ..Variant::default() },
+    ));
+    v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    if pool.isa() == Isa::Avx512Bf16 {
+        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
+    }
+    v.into_iter()
+        .map(|(fmt, var)| {
+            let mut pool = match var.isa {
+                Some(isa) => CpuPool::with_isa(cfg.threads, isa)?,
+                None => CpuPool::new(cfg.threads)?,
+            };
+            if let Some(p) = var.prefetch {
+                pool = pool.with_prefetch(p);
+            }
+            if let Some(t) = var.tasks_per_thread {
+                pool = pool.with_tasks_per_thread(t);
+            }
+            if let Some(r) = var.gemv_rows {
+                pool = pool.with_gemv_rows(r)?;
+            }
+            Ok(CpuCase { fmt, pool })
+        })
+        .collect()
+}
+
+/// A kernel variant: what differs from the pool's defaults.
+#[derive(Default)]
+struct Variant {
+    prefetch: Option<Prefetch>,
+    isa: Option<Isa>,
+    tasks_per_thread: Option<usize>,
+    gemv_rows: Option<usize>,
+}
+
 /// Rows checked against the f64 reference.
 const CHECKED_ROWS: usize = 64;
 
@@ -145,19 +201,10 @@ pub fn gemv_bandwidth(
     let x: Vec<f32> =
         (0..k).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_f32()).collect();
     let pool = CpuPool::new(cfg.threads)?;
-    // Every format with this machine's kernels; the quantised ones also without software prefetch, and q4_0
-    // with the f32 AVX-512 kernel where the bf16 one runs.
-    let mut cases: Vec<(Fmt, CpuPool)> =
-        Fmt::ALL.into_iter().map(|f| Ok((f, CpuPool::new(cfg.threads)?))).collect::<Result<_>>()?;
-    for q in QFormat::ALL {
-        cases.push((Fmt::Quant(q), CpuPool::new(cfg.threads)?.with_prefetch(0)));
-    }
-    if pool.isa() == Isa::Avx512Bf16 {
-        cases.push((Fmt::Quant(QFormat::Q4_0), CpuPool::with_isa(cfg.threads, Isa::Avx512)?));
-    }
+    let cases = cpu_cases(cfg, &pool)?;
     let mut rows = Vec::new();
 
-    progress.section("CPU: DRAM read, then GEMV per format", 1 + cases.len() as u64);
+    progress.section("CPU: DRAM read, then GEMV per format and kernel variant", 1 + cases.len() as u64);
     let words = vec![1u64; cfg.cpu_weight_bytes / 8];
     let chunk = words.len().div_ceil(pool.threads());
     let dram = sample(cfg.rule, || -> Result<f64> {
@@ -169,32 +216,42 @@ pub fn gemv_bandwidth(
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
     progress.step(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()));
-    for (fmt, pool) in &cases {
-        let (fmt, pool) = (*fmt, pool);
+    // One random matrix per format, shared by the variants that read it (and by the GPU).
+    let mut matrices: Vec<(Fmt, Vec<u8>)> = Vec::new();
+    for case in &cases {
+        let (fmt, pool) = (case.fmt, &case.pool);
         let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
-        let w = random_matrix(fmt, n, k);
+        if !matrices.iter().any(|(f, _)| *f == fmt) {
+            matrices.push((fmt, random_matrix(fmt, n, k)));
+        }
+        let w = &matrices.iter().find(|(f, _)| *f == fmt).expect("generated above").1;
         let mut y = vec![0f32; n];
         let t = sample(cfg.rule, || -> Result<f64> {
             let t = Instant::now();
             match fmt {
-                Fmt::Bf16 => matmul(pool, &x, 1, k, &w, Elem::Bf16, n, &mut y, false),
-                Fmt::Quant(q) => matmul_quant(pool, &x, 1, k, &w, q, n, &mut y, false),
+                Fmt::Bf16 => matmul(pool, &x, 1, k, w, Elem::Bf16, n, &mut y, false),
+                Fmt::Quant(q) => matmul_quant(pool, &x, 1, k, w, q, n, &mut y, false),
             }
             Ok(secs(t))
         })?;
         let gbps = w.len() as f64 / t.median / 1e9;
+        let kernel = match fmt {
+            Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
+            Fmt::Quant(_) => {
+                format!(
+                    "exec cpu matmul ({:?}, {} threads × {} tasks, {} rows a block, {})",
+                    pool.isa(),
+                    pool.threads(),
+                    pool.tasks_per_thread(),
+                    pool.gemv_rows(),
+                    pool.prefetch()
+                )
+            }
+        };
         rows.push(BenchRow {
             device: "cpu".into(),
             format: fmt.name().into(),
-            kernel: match fmt {
-                Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
-                Fmt::Quant(_) => format!(
-                    "exec cpu matmul ({:?}, {} threads, prefetch {} B)",
-                    pool.isa(),
-                    pool.threads(),
-                    pool.prefetch_bytes()
-                ),
-            },
+            kernel,
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
@@ -202,17 +259,24 @@ pub fn gemv_bandwidth(
             gbps,
             bound: format!("DRAM read, {} threads", pool.threads()),
             bound_gbps: dram_gbps,
-            max_rel_err: check(fmt, &w, &x, &y, k),
+            max_rel_err: check(fmt, w, &x, &y, k),
         });
-        progress.step(&format!("{} ({:?}): {gbps:.1} GB/s", fmt.name(), pool.isa()));
+        progress.step(&format!("{} ({:?}, {}): {gbps:.1} GB/s", fmt.name(), pool.isa(), pool.prefetch()));
     }
     if let Some(gpu) = gpu {
-        rows.extend(gpu_rows(cfg, gpu, &x, progress)?);
+        rows.extend(gpu_rows(cfg, gpu, &x, &matrices, progress)?);
     }
     Ok(rows)
 }
 
-fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) -> Result<Vec<BenchRow>> {
+/// The GPU rows; `cpu_matrices` are reused where the GPU matrices have the CPU's bytes.
+fn gpu_rows(
+    cfg: &BenchConfig,
+    gpu: &Gpu,
+    x: &[f32],
+    cpu_matrices: &[(Fmt, Vec<u8>)],
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
     const REPS: usize = 20;
     let k = cfg.cols;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
@@ -243,7 +307,15 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
     let mut rows = Vec::new();
     for fmt in Fmt::ALL {
         let n = bytes / fmt.row_bytes(k);
-        let w = random_matrix(fmt, n, k);
+        let generated;
+        let w = if let Some((_, w)) =
+            cpu_matrices.iter().find(|(f, w)| *f == fmt && w.len() == n * fmt.row_bytes(k))
+        {
+            w
+        } else {
+            generated = random_matrix(fmt, n, k);
+            &generated
+        };
         let yd = gpu.alloc(4 * n)?;
         let quant = match fmt {
             Fmt::Bf16 => None,
@@ -251,7 +323,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
         };
         // SAFETY: `a` holds `bytes` ≥ w.len(), xd k activations, yd n f32; all synchronised before reading.
         let t = unsafe {
-            gpu.h2d(Stream::Compute, a.ptr(), &w)?;
+            gpu.h2d(Stream::Compute, a.ptr(), w)?;
             gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
             sample(cfg.rule, || {
                 timed(&|| gpu.matmul(&kn, quant, a.ptr(), xd.ptr(), yd.ptr(), 1, n, k, false))
@@ -274,7 +346,7 @@ fn gpu_rows(cfg: &BenchConfig, gpu: &Gpu, x: &[f32], progress: &dyn Progress) ->
             gbps,
             bound: "device-to-device copy".into(),
             bound_gbps: hbm_gbps,
-            max_rel_err: check(fmt, &w, x, &y, k),
+            max_rel_err: check(fmt, w, x, &y, k),
         });
         progress.step(&format!("{}: {gbps:.0} GB/s", fmt.name()));
     }
@@ -307,10 +379,12 @@ mod tests {
             },
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
-        // Every format, then the quantised ones again without prefetch (and q4_0 on f32 AVX-512 if bf16 runs).
+        // Every format with the default kernels, then the quantised variants.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
-        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q4_0"]);
-        assert!(rows[3].kernel.contains("prefetch 0 B") && rows[1].kernel.contains("prefetch 1024 B"));
+        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q8_0"]);
+        assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
+        assert!(rows[3].kernel.contains("4 rows a block") && rows[4].kernel.contains("no prefetch"));
+        assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");

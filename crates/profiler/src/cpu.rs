@@ -7,9 +7,10 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::model::{FfnKind, NormKind};
 use pipeshard_core::profile::{DeviceProfile, DramPoint, OpRow, Roofline};
 use pipeshard_core::workload::OpClass;
-use pipeshard_exec::cpu::{self as kernels, CpuPool, KvLayout};
+use pipeshard_exec::cpu::{self as kernels, CpuPool, ExpertWork, KvLayout};
 use pipeshard_exec::host::Elem;
-use pipeshard_exec::weights::Dims;
+use pipeshard_exec::quant::QFormat;
+use pipeshard_exec::weights::{Dims, ExpertOffsets};
 use rayon::prelude::*;
 
 use crate::shapes::{self, HeadLayout};
@@ -64,6 +65,18 @@ pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
             }
         }
     }
+}
+
+/// `len_bytes` (rounded down to whole blocks) of random `fmt` blocks: random quants, and scales that are
+/// normal f16 values (2^-7 … 2^-6), so that no kernel meets a NaN or a subnormal.
+#[must_use]
+pub fn random_blocks(fmt: QFormat, len_bytes: usize, seed: u64) -> Vec<u8> {
+    let bb = fmt.block_bytes();
+    let mut v = random_vec(len_bytes / bb * bb, Elem::F32, seed);
+    for (i, b) in v.chunks_exact_mut(bb).enumerate() {
+        b[..2].copy_from_slice(&(0x2000u16 | (i as u16 & 0x3ff)).to_le_bytes());
+    }
+    v
 }
 
 /// A random buffer of `len_bytes`.
@@ -162,6 +175,11 @@ struct Grid {
     matmul: Vec<(u64, u64)>,
     dtypes: Vec<DType>,
     tokens: Vec<usize>,
+    /// Prefill-sized matmuls, on the most threads only (a 256-token matmul on one thread takes seconds).
+    prefill_tokens: Vec<usize>,
+    /// Routed-expert shapes `(expert_ffn, hidden)` and the tokens one expert gets, on the most threads.
+    experts: Vec<(u64, u64)>,
+    expert_tokens: Vec<usize>,
     attn_ctx: Vec<usize>,
     /// Prefill attention: a chunk of this many queries seeing on average each of `attn_prefill_ctx` keys (the
     /// decode rows' contexts, so the cost model interpolates between the two in tokens), on the most threads:
@@ -184,8 +202,11 @@ fn grid(mode: Mode) -> Grid {
             dram_bytes: 16 << 20,
             rotation_bytes: 4 << 20,
             matmul: vec![(256, 128), (1024, 256)],
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 4],
+            prefill_tokens: vec![16],
+            experts: vec![(128, 64)],
+            expert_tokens: vec![1, 4],
             attn_ctx: vec![64, 256],
             attn_prefill_queries: 16,
             attn_prefill_ctx: vec![64],
@@ -198,8 +219,11 @@ fn grid(mode: Mode) -> Grid {
             dram_bytes: 1 << 30,
             rotation_bytes: 512 << 20,
             matmul: vec![(t.ffn, t.hidden), (q_dim, t.hidden)],
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 16],
+            prefill_tokens: vec![],
+            experts: cat.experts.iter().take(1).map(|s| (s.n, s.k)).collect(),
+            expert_tokens: vec![1, 64],
             attn_ctx: vec![1024, 16384],
             attn_prefill_queries: 256,
             attn_prefill_ctx: vec![4096],
@@ -222,8 +246,12 @@ fn grid(mode: Mode) -> Grid {
             .into_iter()
             .chain(cat.experts.iter().map(|s| (s.n, s.k)))
             .collect(),
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q8_0, DType::Q4_0],
             tokens: vec![1, 4, 16, 64],
+            prefill_tokens: vec![256],
+            experts: cat.experts.iter().map(|s| (s.n, s.k)).collect(),
+            // A 1024-token ubatch gives each of 128 experts ≈ 64 tokens (top-8); 256 covers larger ubatches.
+            expert_tokens: vec![1, 4, 16, 64, 256],
             attn_ctx: vec![1024, 4096, 16384, 65536],
             // 256 queries at 16K keys take seconds a sample on 16 threads: the cost model carries 4K's efficiency
             // (compute-bound, so it barely moves with the keys) to longer contexts.
@@ -291,6 +319,9 @@ fn attention_row(
     }
 }
 
+/// Routed experts timed together per CPU sample (a decode step's top-8).
+const EXPERTS_PER_SAMPLE: usize = 8;
+
 /// Measures DRAM and the CPU kernels with every thread count in `threads`.
 pub fn measure(
     mode: Mode,
@@ -333,28 +364,44 @@ pub fn measure(
 
     // Matmuls.
     let mut rows = Vec::new();
-    let steps = g.dtypes.len() * g.matmul.len() * g.tokens.len() * pools.len();
+    let most = pools.iter().max_by_key(|p| p.threads()).expect("at least one thread count");
+    let steps = g.dtypes.len() * g.matmul.len() * (g.tokens.len() * pools.len() + g.prefill_tokens.len());
     progress.section("CPU matmul (exec kernels) by threads, alone and under DMA", steps as u64);
     for &dtype in &g.dtypes {
-        let elem = Elem::from_dtype(dtype).expect("f16/bf16");
-        let max_w = g.matmul.iter().map(|&(n, k)| (n * k * 2) as usize).max().unwrap_or(0);
-        let wall = random_vec(g.rotation_bytes.max(max_w), elem, 2);
+        let quant = QFormat::from_dtype(dtype);
+        // Quantised matmuls take activations rounded to bf16, as a quantised model's are.
+        let elem = if quant.is_some() { Elem::Bf16 } else { Elem::from_dtype(dtype).expect("f16/bf16") };
+        let row_bytes = |k: u64| quant.map_or(2 * k as usize, |q| q.row_bytes(k as usize));
+        let max_w = g.matmul.iter().map(|&(n, k)| n as usize * row_bytes(k)).max().unwrap_or(0);
+        let wall = match quant {
+            Some(q) => random_blocks(q, g.rotation_bytes.max(max_w), 2),
+            None => random_vec(g.rotation_bytes.max(max_w), elem, 2),
+        };
         let max_k = g.matmul.iter().map(|s| s.1).max().unwrap_or(1) as usize;
         let max_n = g.matmul.iter().map(|s| s.0).max().unwrap_or(1) as usize;
-        let max_m = *g.tokens.iter().max().unwrap_or(&1);
+        let max_m = g.tokens.iter().chain(&g.prefill_tokens).copied().max().unwrap_or(1);
         let x: Vec<f32> = random_f32(max_m * max_k, 3).iter().map(|&v| elem.round(v)).collect();
         let mut y = vec![0f32; max_m * max_n];
+        let runs = g
+            .tokens
+            .iter()
+            .map(|&m| (m, &pools[..]))
+            .chain(g.prefill_tokens.iter().map(|&m| (m, std::slice::from_ref(most))));
         for &(n, k) in &g.matmul {
-            let wbytes = (n * k * 2) as usize;
+            let wbytes = n as usize * row_bytes(k);
             let copies = (wall.len() / wbytes).max(1);
-            for &m in &g.tokens {
-                for pool in &pools {
+            for (m, pools) in runs.clone() {
+                for pool in pools {
                     let mut i = 0;
                     let mut run = || -> Result<f64> {
                         i = (i + 1) % copies;
                         let w = &wall[i * wbytes..(i + 1) * wbytes];
+                        let (k, n) = (k as usize, n as usize);
                         let t0 = Instant::now();
-                        kernels::matmul(pool, &x, m, k as usize, w, elem, n as usize, &mut y, false);
+                        match quant {
+                            Some(q) => kernels::matmul_quant(pool, &x, m, k, w, q, n, &mut y, false),
+                            None => kernels::matmul(pool, &x, m, k, w, elem, n, &mut y, false),
+                        }
                         Ok(secs_ns(t0))
                     };
                     let (alone, under) = both(rule, dma, &mut run)?;
@@ -402,8 +449,56 @@ pub fn measure(
         }
     }
 
+    // Routed experts: exec's expert block (gather, gate and up, SwiGLU, down, weighted scatter-add) over
+    // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
+    // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN).
+    let plain: Vec<DType> = g.dtypes.iter().copied().filter(|&d| QFormat::from_dtype(d).is_none()).collect();
+    let steps = plain.len() * g.experts.len() * g.expert_tokens.len();
+    progress.section("CPU routed experts (exec kernel), most threads", steps as u64);
+    for &dtype in &plain {
+        let elem = Elem::from_dtype(dtype).expect("f16/bf16");
+        for &(n, k) in &g.experts {
+            let (nu, ku) = (n as usize, k as usize);
+            let mat_bytes = nu * ku * 2;
+            let off = ExpertOffsets { gate: 0, up: mat_bytes, down: 2 * mat_bytes };
+            let wall = random_vec(g.rotation_bytes.max(3 * mat_bytes * EXPERTS_PER_SAMPLE), elem, 10);
+            let copies = wall.len() / (3 * mat_bytes);
+            let d = Dims { mat: elem, ..dims_for(g.heads[0], ku, elem) };
+            for &c in &g.expert_tokens {
+                let xn: Vec<f32> = random_f32(c * ku, 11).iter().map(|&v| elem.round(v)).collect();
+                let tokens: Vec<(u32, f32)> = (0..c as u32).map(|t| (t, 0.125)).collect();
+                let mut out = vec![0f32; c * ku];
+                let mut i = 0;
+                let mut run = || -> Result<f64> {
+                    let work: Vec<ExpertWork<'_>> = (0..EXPERTS_PER_SAMPLE)
+                        .map(|j| {
+                            let e = (i + j) % copies;
+                            (&wall[3 * mat_bytes * e..3 * mat_bytes * (e + 1)], off, tokens.as_slice())
+                        })
+                        .collect();
+                    i = (i + EXPERTS_PER_SAMPLE) % copies;
+                    let t0 = Instant::now();
+                    kernels::experts_block(most, &d, nu, &xn, &work, &mut out);
+                    Ok(secs_ns(t0) / EXPERTS_PER_SAMPLE as f64)
+                };
+                let (alone, under) = both(rule, dma, &mut run)?;
+                rows.push(OpRow {
+                    op: OpClass::Experts,
+                    dtype,
+                    n,
+                    k,
+                    tokens: c as u64,
+                    threads: most.threads() as u32,
+                    time_ns: alone.median.ceil() as u64,
+                    time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+                    spread: Some(alone.spread),
+                });
+                progress.step(&format!("{dtype:?} expert {n}×{k}, {c} tokens t={}", most.threads()));
+            }
+        }
+    }
+
     // Prefill attention: a chunk of queries over the cache before them and each other (causal).
-    let most = pools.iter().max_by_key(|p| p.threads()).expect("at least one thread count");
     let m = g.attn_prefill_queries;
     let steps = g.heads.len() * g.attn_prefill_ctx.len();
     progress.section("CPU prefill attention (exec kernel), most threads", steps as u64);

@@ -12,6 +12,7 @@ use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cuda::{Event, Gpu, KernelKey, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
+use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::seqs::GpuKeys;
 use pipeshard_exec::weights::Dims;
 
@@ -43,7 +44,7 @@ fn grid(mode: Mode) -> Grid {
         Mode::Full => Grid {
             copy_sizes: pow2(16, 30, 2),
             tokens: pow2(0, 12, 1),
-            dtypes: vec![DType::Bf16, DType::F16],
+            dtypes: vec![DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0],
             attn_ctx: pow2(10, 17, 1),
             // The workloads' KV format; a 128K prefill chunk takes ~1-2 s with exec's kernel, so one format.
             kv_dtypes: vec![DType::F16],
@@ -53,7 +54,7 @@ fn grid(mode: Mode) -> Grid {
         Mode::Fast | Mode::Tiny => Grid {
             copy_sizes: pow2(16, 28, 4),
             tokens: vec![1, 16, 256, 4096],
-            dtypes: vec![DType::Bf16],
+            dtypes: vec![DType::Bf16, DType::Q4_0],
             attn_ctx: vec![1024, 16384, 131_072],
             kv_dtypes: vec![DType::F16],
             elementwise_tokens: vec![1, 64, 4096],
@@ -314,30 +315,50 @@ pub fn measure_all(
     // SAFETY: `staging` outlives the registration (dropped at the end of this function, after it).
     let _sreg = unsafe { gpu.register(&staging)? };
     let mut gpu_rows: Vec<OpRow> = Vec::new();
-    let steps = g.dtypes.len() * (cat.matmul.len() + cat.experts.len()) * g.tokens.len();
-    progress.section("GPU GEMM/GEMV (exec cuBLAS) over catalog shapes × tokens", steps as u64);
+    // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
+    // are not whole blocks have no quantised rows.
+    let fits = |dtype: DType, n: u64, k: u64, experts: bool| {
+        !dtype.is_quantized() || (k.is_multiple_of(32) && (!experts || n.is_multiple_of(32)))
+    };
+    let shapes: Vec<(&shapes::MatShape, bool)> =
+        cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
+    let steps = g
+        .dtypes
+        .iter()
+        .map(|&d| shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len())
+        .sum::<usize>();
+    progress.section(
+        "GPU GEMM/GEMV (exec cuBLAS and quantised kernels) over catalog shapes × tokens",
+        steps as u64,
+    );
     for &dtype in &g.dtypes {
-        let e = elem(dtype);
-        upload_random(&gpu, &mut staging, e, wbuf.ptr(), rot_bytes, 20)?;
+        let quant = QFormat::from_dtype(dtype);
+        // Quantised matmuls take bf16 activations, as a quantised model's are.
+        let e = if quant.is_some() { Elem::Bf16 } else { elem(dtype) };
+        let kn = gpu.kernels(KernelKey { act: e, kv: Elem::F16, head_dim: 128 })?;
+        match quant {
+            // Random quants and f16 scales whose bit patterns are random too: a NaN scale costs a GPU no time.
+            Some(_) => upload_random(&gpu, &mut staging, Elem::F32, wbuf.ptr(), rot_bytes, 20)?,
+            None => upload_random(&gpu, &mut staging, e, wbuf.ptr(), rot_bytes, 20)?,
+        }
         upload_random(&gpu, &mut staging, e, xbuf.ptr(), max_m * max_k * 2, 21)?;
-        for (shape, experts) in
-            cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true)))
-        {
+        for &(shape, experts) in shapes.iter().filter(|(s, x)| fits(dtype, s.n, s.k, *x)) {
             let (n, k) = (shape.n as usize, shape.k as usize);
-            let wbytes = (n * k * 2).next_multiple_of(256);
+            let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
+            let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
             let copies = (rot_bytes / wbytes).max(1);
             for &m in &g.tokens {
                 let s = b.events(Stream::Compute, &mut |i| {
                     let slot = |j: usize| wbuf.ptr() + ((j % copies) * wbytes) as u64;
-                    // SAFETY: each slot holds n·k elements (rotation slots of wbytes inside wbuf), x m·k and
-                    // y m·n elements.
+                    // SAFETY: each slot holds n rows of k elements (and k rows of n) in the format (rotation
+                    // slots of wbytes inside wbuf), x m·k and y m·n elements.
                     unsafe {
-                        gpu.gemm(e, slot(3 * i), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
+                        gpu.matmul(&kn, quant, slot(3 * i), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
                         if experts {
                             // Up (same shape) and down (k × n) of the same expert, from other slots so that
                             // none is read from L2.
-                            gpu.gemm(e, slot(3 * i + 1), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
-                            gpu.gemm(e, slot(3 * i + 2), xbuf.ptr(), ybuf.ptr(), m, k, n, false)?;
+                            gpu.matmul(&kn, quant, slot(3 * i + 1), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
+                            gpu.matmul(&kn, quant, slot(3 * i + 2), xbuf.ptr(), ybuf.ptr(), m, k, n, false)?;
                         }
                     }
                     Ok(())
@@ -598,7 +619,10 @@ pub fn measure_all(
     let gemv_gbps = gpu_rows
         .iter()
         .filter(|r| r.op == OpClass::MatMul && r.tokens == 1)
-        .map(|r| (2 * r.n * r.k + 4 * (r.n + r.k)) as f64 / r.time_ns as f64)
+        .map(|r| {
+            let weight_bytes = r.dtype.tensor_bytes(r.k, r.n).unwrap_or(2 * r.n * r.k);
+            (weight_bytes + 4 * (r.n + r.k)) as f64 / r.time_ns as f64
+        })
         .fold(0.0, f64::max);
     figures.add("best GPU GEMV weight stream", "GB/s", Stat { median: gemv_gbps, spread: 0.0, samples: 1 });
     let driver = crate::machine::nvidia_driver().map_or_else(String::new, |d| format!(", driver {d}"));

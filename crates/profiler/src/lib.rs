@@ -10,11 +10,12 @@
 //!   latency, both directions at once, H2D while the GPU computes (a GEMV queue and a GEMM queue), and the
 //!   slowdown of a GEMV and a GEMM while a copy streams.
 //! - **DRAM** ([`cpu`]): read bandwidth by thread count, alone and while pinned H2D copies stream.
-//! - **GPU ops**: exec's cuBLAS GEMM over log-spaced token counts for every matrix shape of every catalog model
-//!   ([`shapes`]) and both executor formats; routed experts as three GEMMs per expert (gate, up, down);
+//! - **GPU ops**: exec's matmul (cuBLAS GEMM; for q8_0/q4_0 its dequantising GEMV or dequantise + cuBLAS)
+//!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
+//!   executor format (f16, bf16, q8_0, q4_0; the fast mode bf16 and q4_0); routed experts as three GEMMs per expert (gate, up, down);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
-//! - **CPU ops**: exec's CPU matmul and attention by thread count, alone and under DMA, and its elementwise
+//! - **CPU ops**: exec's CPU matmul (bf16 and the quantised formats) and attention by thread count, alone and under DMA, and its elementwise
 //!   kernels.
 //!
 //! Every figure is sampled until its spread (interquartile range / median) is small or its time budget is
@@ -35,8 +36,8 @@
 //! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
 //!
 //! # Not measured (notes say so)
-//! Quantised formats in the profile (exec runs q8_0/q4_0, but their op families still fall back to the
-//! roofline); a grouped expert kernel (exec has none yet: experts are per-expert GEMMs).
+//! A grouped expert kernel (exec has none yet: experts are per-expert GEMMs); quantised formats other than
+//! q8_0/q4_0 (exec does not run them).
 
 pub mod bench;
 pub mod cpu;
@@ -57,9 +58,9 @@ use stats::{Rule, Stat};
 pub enum Mode {
     /// Seconds, small buffers: for tests (CPU sections only make sense here).
     Tiny,
-    /// A few minutes: coarse grids, bf16 only.
+    /// A few minutes: coarse grids, bf16 and q4_0 matmuls.
     Fast,
-    /// The full grids of the issue: every token count 1 … 4096, both formats, every context and layout.
+    /// The full grids of the issue: every token count 1 … 4096, every executor format, every context and layout.
     Full,
 }
 
@@ -163,7 +164,10 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     }
     let mut figures = Figures::default();
     let mut notes = vec![
-        "exec runs f16/bf16 matrices only: quantised formats have no rows and fall back to the roofline".into(),
+        "quantised matmuls (q8_0/q4_0 rows) are exec's own kernels: a dequantising GEMV up to 8 tokens, \
+         dequantise-to-bf16 + cuBLAS (GPU) or the bf16 kernel (CPU) above; formats without rows borrow the bf16 \
+         rows' efficiency in the cost model"
+            .into(),
         "routed experts: no grouped kernel in exec yet; an `experts` row is one expert's gate, up and down as \
          three exec GEMMs"
             .into(),

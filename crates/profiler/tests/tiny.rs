@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use pipeshard_core::cost::{CostModel, OpContext, TableCostModel};
+use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::profile::{Profile, Provenance};
 use pipeshard_core::reference;
@@ -61,10 +62,27 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     // Every thread count measured the DRAM and the matmul grid, with spreads.
     assert_eq!(p.dram.iter().map(|d| d.threads).collect::<Vec<_>>(), vec![1, 2]);
     assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
-    for t in [1, 2] {
-        let n = p.cpu.ops.iter().filter(|r| r.op == OpClass::MatMul && r.threads == t).count();
-        assert_eq!(n, 4, "2 shapes × 2 token counts at {t} threads");
+    for (t, want) in [(1, 4), (2, 6)] {
+        for d in [DType::Bf16, DType::Q4_0] {
+            let n = p
+                .cpu
+                .ops
+                .iter()
+                .filter(|r| r.op == OpClass::MatMul && r.threads == t && r.dtype == d)
+                .count();
+            assert_eq!(
+                n, want,
+                "2 shapes × 2 token counts at {t} threads in {d}, and a prefill-sized row each at the most"
+            );
+        }
     }
+    // Routed experts (exec's expert block) on the most threads, one row per tokens-per-expert count.
+    let experts: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Experts).collect();
+    assert_eq!(
+        experts.iter().map(|r| (r.tokens, r.threads, r.dtype)).collect::<Vec<_>>(),
+        vec![(1, 2, DType::Bf16), (4, 2, DType::Bf16)],
+        "bf16 only: the expert block runs quantised experts through the matmul rows' kernels"
+    );
     // Decode attention at every thread count; prefill attention (16 queries) on the most threads, over the
     // same average keys as a decode row, so the cost model interpolates between them in tokens.
     let attn: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Attention).collect();
@@ -85,7 +103,7 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
             tokens: r.tokens,
             dtype: r.dtype,
             flops: 2.0 * mf * n * k,
-            weight_bytes: 2.0 * n * k,
+            weight_bytes: r.dtype.tensor_bytes(r.k, r.n).unwrap() as f64,
             act_bytes: 4.0 * mf * (n + k),
             kv_bytes: 0.0,
         };
@@ -93,6 +111,30 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
         let want = (r.time_ns as f64).max(m.roofline_ns(&op, ctx) as f64);
         let got = m.op_ns(&op, ctx) as f64;
         assert!((got - want).abs() <= 0.01 * want + 1.0, "{r:?}: predicted {got} ns, expected {want} ns");
+    }
+    // A routed-experts op of one touched expert is costed by the expert rows, not the matmul rows.
+    for r in experts {
+        let (mf, n, k) = (r.tokens as f64, r.n as f64, r.k as f64);
+        let op = Op {
+            kind: OpKind::Experts {
+                n_experts: 1,
+                touched: 1.0,
+                tokens_per_touched: mf,
+                ffn: r.n,
+                hidden: r.k,
+            },
+            unit: UnitId::TokenEmbd,
+            tokens: r.tokens,
+            dtype: r.dtype,
+            flops: 6.0 * mf * n * k,
+            weight_bytes: 6.0 * n * k,
+            act_bytes: 4.0 * mf * (2.0 * k + 3.0 * n),
+            kv_bytes: 0.0,
+        };
+        let ctx = OpContext::cpu(r.threads);
+        let want = (r.time_ns as f64).max(m.roofline_ns(&op, ctx) as f64);
+        let got = m.op_ns(&op, ctx) as f64;
+        assert!((got - want).abs() <= 0.02 * want + 1.0, "{r:?}: predicted {got} ns, expected {want} ns");
     }
     assert_copies_monotone("tiny", &p);
 }

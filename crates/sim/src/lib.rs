@@ -25,7 +25,8 @@
 //! - **Integer nanoseconds, deterministic.** No wall clock, no hash-map iteration, no randomness: the same plan
 //!   gives the same bytes of output on every run.
 //! - **What runs where.** `Pinned` and `Streamed` units compute on the GPU, `Cpu` units on the CPU pool (one op
-//!   at a time on all the plan's threads, as ggml does). Each GPU op pays one kernel launch. Every change of
+//!   at a time on all the plan's threads, as ggml does). A GPU op takes its device time or one kernel launch,
+//!   whichever is longer (the host issues the next launch while the device runs). Every change of
 //!   device costs a host sync plus the copy of the activations (token ids at the start of a step, sampled
 //!   tokens at its end); hand-offs hold no copy engine (ours and the paper's runtime issue them on the compute
 //!   stream, beside the prefetch stream).

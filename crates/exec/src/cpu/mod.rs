@@ -17,6 +17,7 @@ use crate::host::Elem;
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 use crate::seqs::{KeyRows, Pass, SeqKv};
 use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
+pub use qdot::{CacheLevel, Prefetch};
 use simd::Isa;
 
 /// A worker pool of `threads` threads and the instruction set its kernels use.
@@ -25,7 +26,9 @@ pub struct CpuPool {
     pool: rayon::ThreadPool,
     threads: usize,
     isa: Isa,
-    prefetch_bytes: usize,
+    prefetch: Prefetch,
+    tasks_per_thread: usize,
+    gemv_rows: usize,
 }
 
 impl CpuPool {
@@ -37,7 +40,14 @@ impl CpuPool {
             .thread_name(|i| format!("pipeshard-cpu-{i}"))
             .build()
             .map_err(|e| ExecError::Input(format!("cannot start {threads} CPU worker threads: {e}")))?;
-        Ok(CpuPool { pool, threads, isa: simd::detect(), prefetch_bytes: QUANT_PREFETCH_BYTES })
+        Ok(CpuPool {
+            pool,
+            threads,
+            isa: simd::detect(),
+            prefetch: QUANT_PREFETCH,
+            tasks_per_thread: TASKS_PER_THREAD,
+            gemv_rows: QUANT_GEMV_ROWS,
+        })
     }
 
     /// A pool whose kernels use `isa`, which must be this machine's or a weaker one (to compare kernels).
@@ -51,17 +61,46 @@ impl CpuPool {
         Ok(CpuPool { isa, ..CpuPool::new(threads)? })
     }
 
-    /// The same pool with the quantised kernels prefetching `bytes` ahead along each row (0: not at all), to
-    /// compare.
+    /// The same pool with the quantised kernels prefetching as `prefetch` says, to compare.
     #[must_use]
-    pub fn with_prefetch(self, bytes: usize) -> CpuPool {
-        CpuPool { prefetch_bytes: bytes, ..self }
+    pub fn with_prefetch(self, prefetch: Prefetch) -> CpuPool {
+        CpuPool { prefetch, ..self }
     }
 
-    /// How far ahead the quantised kernels prefetch.
+    /// How the quantised kernels prefetch.
     #[must_use]
-    pub fn prefetch_bytes(&self) -> usize {
-        self.prefetch_bytes
+    pub fn prefetch(&self) -> Prefetch {
+        self.prefetch
+    }
+
+    /// The same pool with a matmul's rows cut into `tasks` tasks per thread (at least 1), to compare.
+    #[must_use]
+    pub fn with_tasks_per_thread(self, tasks: usize) -> CpuPool {
+        CpuPool { tasks_per_thread: tasks.max(1), ..self }
+    }
+
+    /// Tasks per thread a matmul's rows are cut into.
+    #[must_use]
+    pub fn tasks_per_thread(&self) -> usize {
+        self.tasks_per_thread
+    }
+
+    /// The same pool with a quantised GEMV (up to 3 tokens) taking `rows` rows (4 or 8) per register block, to
+    /// compare.
+    ///
+    /// # Errors
+    /// For another count.
+    pub fn with_gemv_rows(self, rows: usize) -> Result<CpuPool> {
+        if !matches!(rows, 4 | 8) {
+            return Err(ExecError::Input(format!("{rows} rows per quantised GEMV block; give 4 or 8")));
+        }
+        Ok(CpuPool { gemv_rows: rows, ..self })
+    }
+
+    /// Rows per register block of a quantised GEMV.
+    #[must_use]
+    pub fn gemv_rows(&self) -> usize {
+        self.gemv_rows
     }
 
     /// Worker threads.
@@ -82,9 +121,18 @@ impl CpuPool {
     }
 }
 
-/// How far ahead the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
+/// How the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
 /// threads, `pipeshard exec bench`): q4_0 77 GB/s with it against 70 without, q8_0 118 against 102.
-pub const QUANT_PREFETCH_BYTES: usize = 1024;
+pub const QUANT_PREFETCH: Prefetch = Prefetch { bytes: 1024, level: CacheLevel::L1 };
+
+/// Tasks per thread a matmul's rows are cut into: few, long tasks cost the least scheduling in a streaming
+/// GEMV; more of them even out the threads' finishing times.
+pub const TASKS_PER_THREAD: usize = 4;
+
+/// Rows per register block of a quantised GEMV (up to 3 tokens): each is its own stream through memory, and
+/// they share each activation load and conversion. Measured on the H200 machine's Xeon (16 threads, `exec
+/// bench`, results/exec/quant run 6): 8 rows against 4, q8_0 112.4 against 104.5 GB/s, q4_0 71.8 against 69.6.
+pub const QUANT_GEMV_ROWS: usize = 8;
 
 /// A raw pointer that tasks writing disjoint elements share.
 #[derive(Clone, Copy)]
@@ -108,14 +156,14 @@ trait RowFormat: Copy + Send + Sync {
     /// Bytes of one row of `k` elements.
     fn row_bytes(self, k: usize) -> usize;
     /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
-    /// rows unless `SPREAD_ROWS`); quantised kernels prefetch `prefetch_bytes` ahead of every block they read.
+    /// rows unless `SPREAD_ROWS`); quantised kernels prefetch ahead of every block they read as `pf` says.
     ///
     /// # Safety
     /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -133,7 +181,7 @@ impl RowFormat for Elem {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        _prefetch_bytes: usize,
+        _pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -158,7 +206,7 @@ impl RowFormat for QFormat {
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -167,7 +215,7 @@ impl RowFormat for QFormat {
         out: &mut [[f32; T]; R],
     ) {
         // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
-        unsafe { qdot::dot_block::<R, T>(isa, self, prefetch_bytes, x, ldx, w, w_stride, k, out) };
+        unsafe { qdot::dot_block::<R, T>(isa, self, pf, x, ldx, w, w_stride, k, out) };
     }
 }
 
@@ -262,9 +310,9 @@ fn tiled<F: RowFormat>(
         x.len() >= m * k && w.len() >= n * rb && ldy >= n && (m == 0 || y.len() >= (m - 1) * ldy + n),
         "matmul operand sizes"
     );
-    // Four tasks per thread at most (a GEMV streams: fewer, longer tasks cost less scheduling), 32 rows at least.
-    let rows_per_task = n.div_ceil(4 * pool.threads).next_multiple_of(4).max(32);
-    let (isa, pf) = (pool.isa, pool.prefetch_bytes);
+    // `tasks_per_thread` tasks per thread at most, 32 rows at least.
+    let rows_per_task = n.div_ceil(pool.tasks_per_thread * pool.threads).next_multiple_of(4).max(32);
+    let (isa, pf, gemv_rows) = (pool.isa, pool.prefetch, pool.gemv_rows);
     let out = SharedOut(y.as_mut_ptr());
     let wp = w.as_ptr() as usize;
     let xp = x.as_ptr() as usize;
@@ -282,23 +330,25 @@ fn tiled<F: RowFormat>(
                     *p = if accumulate { *p + v } else { v };
                 }
             };
-            // Groups of 4 rows, then single rows. A group is 4 adjacent rows, or, for formats whose rows are
-            // short (`SPREAD_ROWS`), rows a quarter of the task apart, so that each of the 4 streams has its
-            // own pages, which the hardware prefetchers follow (two streams in one page defeat them).
-            let quads = (r1 - r0) / 4;
-            let (lane, next) = if F::SPREAD_ROWS { (quads, 1) } else { (1, 4) };
-            let groups = (0..quads).map(|g| (r0 + g * next, 4)).chain((r0 + 4 * quads..r1).map(|r| (r, 1)));
+            // Groups of `g` rows (4; a GEMV of short rows takes the pool's `gemv_rows`), then single rows. A group
+            // is adjacent rows, or, for formats whose rows are short (`SPREAD_ROWS`), rows a g-th of the task
+            // apart, so that each of the g streams has its own pages, which the hardware prefetchers follow (two
+            // streams in one page defeat them).
+            let g = if F::SPREAD_ROWS && m < 4 { gemv_rows } else { 4 };
+            let full = (r1 - r0) / g;
+            let (lane, next) = if F::SPREAD_ROWS { (full, 1) } else { (1, g) };
+            let groups = (0..full).map(|i| (r0 + i * next, g)).chain((r0 + g * full..r1).map(|r| (r, 1)));
             let mut t = 0;
             while t < m {
                 let tb = if m - t >= 4 { 4 } else { 1 };
-                for (r, rb4) in groups.clone() {
-                    // SAFETY: rows r, r + lane, … (rb4 of them, all < r1) of w and tokens t..t+tb of x exist
+                for (r, rows) in groups.clone() {
+                    // SAFETY: rows r, r + lane, … (`rows` of them, all < r1) of w and tokens t..t+tb of x exist
                     // (checked sizes above).
                     unsafe {
                         let xr = xp.add(t * k);
                         let wr = wp.add(r * rb);
                         let ws = lane * rb;
-                        match (rb4, tb) {
+                        match (rows, tb) {
                             (4, 4) => {
                                 let mut o = [[0f32; 4]; 4];
                                 fmt.dot::<4, 4>(isa, pf, xr, k, wr, ws, k, &mut o);
@@ -306,6 +356,13 @@ fn tiled<F: RowFormat>(
                                     for (ti, &v) in row.iter().enumerate() {
                                         store(t + ti, r + ri * lane, v);
                                     }
+                                }
+                            }
+                            (8, _) => {
+                                let mut o = [[0f32; 1]; 8];
+                                fmt.dot::<8, 1>(isa, pf, xr, k, wr, ws, k, &mut o);
+                                for (ri, row) in o.iter().enumerate() {
+                                    store(t, r + ri * lane, row[0]);
                                 }
                             }
                             (4, _) => {
@@ -558,10 +615,13 @@ fn mat_mul(
 }
 
 /// The embedding rows of `tokens` as f32 `[m, hidden]`.
-pub fn embed(d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
-    for (t, &tok) in tokens.iter().enumerate() {
-        h[t * d.hidden..(t + 1) * d.hidden].copy_from_slice(&d.mat_row(table, tok as usize, d.hidden));
-    }
+pub fn embed(pool: &CpuPool, d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
+    pool.install(|| {
+        h[..tokens.len() * d.hidden]
+            .par_chunks_mut(d.hidden)
+            .zip(tokens)
+            .for_each(|(row, &tok)| d.mat_row_into(table, tok as usize, row));
+    });
 }
 
 /// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))` for the tokens of `pass`, writing
@@ -791,15 +851,30 @@ mod tests {
 
     #[test]
     fn quantised_matmul_equals_dequantise_then_f32_for_every_isa_path() {
-        // Every shape hits the 4×4, 4×1, 1×4 and 1×1 register blocks; every ISA up to the detected one runs
-        // (a pool's ISA overridden downwards), so AVX-512, AVX2 and plain Rust are each checked where present.
-        let pools: Vec<CpuPool> =
-            simd::detect().and_weaker().into_iter().map(|isa| CpuPool::with_isa(3, isa).unwrap()).collect();
-        assert!(pools.len() >= 2, "the portable path and the detected one");
+        // Every shape hits the 4×4, 4×1, 1×4 and 1×1 register blocks (and 8×1 with 8 GEMV rows); every ISA up
+        // to the detected one runs (a pool's ISA overridden downwards), so AVX-512, AVX2 and plain Rust are each
+        // checked where present, each also with 8 GEMV rows, more tasks and prefetches to L2.
+        let pools: Vec<CpuPool> = simd::detect()
+            .and_weaker()
+            .into_iter()
+            .flat_map(|isa| {
+                let pool = || CpuPool::with_isa(3, isa).unwrap();
+                [
+                    pool(),
+                    pool().with_gemv_rows(8).unwrap(),
+                    pool()
+                        .with_tasks_per_thread(16)
+                        .with_prefetch(Prefetch { bytes: 2048, level: CacheLevel::L2 }),
+                ]
+            })
+            .collect();
+        assert!(pools.len() >= 6, "the portable path and the detected one");
+        assert!(CpuPool::new(1).unwrap().with_gemv_rows(6).is_err());
         for pool in &pools {
             for fmt in QFormat::ALL {
                 // 12 and 9 tokens take the dequantise-to-bf16 path, in chunks of 5 rows.
-                for (m, k, n) in [(1, 64, 9), (5, 96, 13), (4, 256, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)]
+                for (m, k, n) in
+                    [(1, 64, 9), (5, 96, 13), (4, 256, 70), (3, 64, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)]
                 {
                     let x: Vec<f32> = (0..m * k)
                         .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
@@ -823,8 +898,9 @@ mod tests {
                     for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
                         assert!(
                             (f64::from(a) - (b + 1.0)).abs() < 1e-4 * (1.0 + b.abs()),
-                            "{:?} {fmt:?} {m}x{k}x{n} [{i}] {a} vs {}",
+                            "{:?} ({} GEMV rows) {fmt:?} {m}x{k}x{n} [{i}] {a} vs {}",
                             pool.isa,
+                            pool.gemv_rows,
                             b + 1.0
                         );
                     }

@@ -15,6 +15,33 @@
 use super::simd::Isa;
 use crate::quant::{BLOCK_ELEMS, QFormat};
 
+/// Which cache a software prefetch fills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLevel {
+    /// L1 and below (`prefetcht0`): the line is at hand, but a miss holds one of the core's few L1 fill
+    /// buffers for the whole DRAM latency.
+    L1,
+    /// L2 and below (`prefetcht1`): leaves the L1 fill buffers to the demand loads, which then hit L2.
+    L2,
+}
+
+/// How the quantised kernels prefetch along each weight row: `bytes` ahead of the block being read (0: not
+/// at all), into `level`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    pub bytes: usize,
+    pub level: CacheLevel,
+}
+
+impl std::fmt::Display for Prefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.bytes {
+            0 => write!(f, "no prefetch"),
+            b => write!(f, "prefetch {b} B to {:?}", self.level),
+        }
+    }
+}
+
 /// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (rows of `k` elements in `fmt`, `ws` bytes
 /// apart from `w`) and `T` activation rows (stride `ldx`).
 ///
@@ -25,7 +52,7 @@ use crate::quant::{BLOCK_ELEMS, QFormat};
 pub unsafe fn dot_block<const R: usize, const T: usize>(
     isa: Isa,
     fmt: QFormat,
-    prefetch_bytes: usize,
+    pf: Prefetch,
     x: *const f32,
     ldx: usize,
     w: *const u8,
@@ -37,27 +64,27 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded from the caller; Avx512Bf16 is only returned by `detect` when present.
         (Isa::Avx512Bf16, QFormat::Q4_0) => unsafe {
-            x86::dot_q4_0_avx512bf16::<R, T>(prefetch_bytes, x, ldx, w, ws, k, out);
+            x86::dot_q4_0_avx512bf16::<R, T>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX-512.
         (Isa::Avx512, QFormat::Q4_0) => unsafe {
-            x86::dot_avx512::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
+            x86::dot_avx512::<R, T, true>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q8_0) => unsafe {
-            x86::dot_avx512::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
+            x86::dot_avx512::<R, T, false>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
         (Isa::Avx2, QFormat::Q4_0) => unsafe {
-            x86::dot_avx2::<R, T, true>(prefetch_bytes, x, ldx, w, ws, k, out);
+            x86::dot_avx2::<R, T, true>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2.
         (Isa::Avx2, QFormat::Q8_0) => unsafe {
-            x86::dot_avx2::<R, T, false>(prefetch_bytes, x, ldx, w, ws, k, out);
+            x86::dot_avx2::<R, T, false>(pf, x, ldx, w, ws, k, out);
         },
         _ => {
             let rb = fmt.row_bytes(k);
@@ -81,7 +108,7 @@ const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element bl
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m512, __m512bh, __m512i, _MM_HINT_T0, _mm_and_si128, _mm_loadu_si128,
+        __m128i, __m256, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_and_si128, _mm_loadu_si128,
         _mm_prefetch, _mm_set1_epi8, _mm_set1_epi16, _mm_srli_epi16, _mm_srli_si128,
         _mm256_broadcastsi128_si256, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
         _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi16,
@@ -92,16 +119,20 @@ mod x86 {
         _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srlv_epi16, _mm512_sub_epi32,
     };
 
+    use super::{CacheLevel, Prefetch};
     use crate::quant::QFormat;
 
-    /// Asks for the line `ahead` bytes past `p` (0: nothing). Prefetches never fault, so the address may lie
+    /// Asks for the line `pf.bytes` past `p` (0: nothing). Prefetches never fault, so the address may lie
     /// past the matrix.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn prefetch(p: *const u8, ahead: usize) {
-        if ahead != 0 {
-            // A prefetch is a hint: it reads nothing architecturally and never faults.
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead).cast::<i8>());
+    fn prefetch(p: *const u8, pf: Prefetch) {
+        // A prefetch is a hint: it reads nothing architecturally and never faults.
+        let at = p.wrapping_add(pf.bytes).cast::<i8>();
+        match (pf.bytes, pf.level) {
+            (0, _) => {}
+            (_, CacheLevel::L1) => _mm_prefetch::<_MM_HINT_T0>(at),
+            (_, CacheLevel::L2) => _mm_prefetch::<_MM_HINT_T1>(at),
         }
     }
 
@@ -126,7 +157,7 @@ mod x86 {
     /// q4_0 with AVX512_BF16; see `dot_block` and the module documentation.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn dot_q4_0_avx512bf16<const R: usize, const T: usize>(
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -157,7 +188,7 @@ mod x86 {
                 // the scale table has an entry for every 16-bit pattern.
                 let (v, d) = unsafe {
                     let p = w.add(r * ws + b * bb);
-                    prefetch(p, prefetch_bytes);
+                    prefetch(p, pf);
                     let bits = p.cast::<u16>().read_unaligned();
                     (
                         _mm_loadu_si128(p.add(2).cast::<__m128i>()),
@@ -215,7 +246,7 @@ mod x86 {
     /// AVX-512 kernel; see `dot_block`.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot_avx512<const R: usize, const T: usize, const Q4: bool>(
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -239,7 +270,7 @@ mod x86 {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (w0, w1, d) = unsafe {
                     let p = w.add(r * ws + b * bb);
-                    prefetch(p, prefetch_bytes);
+                    prefetch(p, pf);
                     let (w0, w1) = quants16x2::<Q4>(p);
                     (w0, w1, scale16(p))
                 };
@@ -290,7 +321,7 @@ mod x86 {
     /// AVX2 kernel; see `dot_block`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_avx2<const R: usize, const T: usize, const Q4: bool>(
-        prefetch_bytes: usize,
+        pf: Prefetch,
         x: *const f32,
         ldx: usize,
         w: *const u8,
@@ -313,7 +344,7 @@ mod x86 {
                 // SAFETY: block b of row r lies inside the R rows the caller guarantees.
                 let (q, d) = unsafe {
                     let p = w.add(r * ws + b * bb);
-                    prefetch(p, prefetch_bytes);
+                    prefetch(p, pf);
                     (quants8x4::<Q4>(p), _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned())))
                 };
                 for (t, a) in row.iter_mut().enumerate() {

@@ -326,45 +326,59 @@ template <int Q4> __device__ __forceinline__ float qval(const u8* __restrict__ r
 }
 
 // Decode GEMV: y[t, r] (+)= sum_i x[t, i] * w[r, i] for t < m <= QMAX_T tokens, x in activations, y f32.
-// One warp per row; four lanes per block (8 elements each), so one warp step reads 8 consecutive blocks.
+// One warp per QROWS rows (they share each activation load and its conversion); four lanes per block (8
+// elements each), so one warp step reads 8 consecutive blocks of every row, all loads issued before any math.
+// Quants become exact f32 without int-to-float conversions (a quarter-rate instruction, which bounded the
+// kernel): `prmt` places a byte in the mantissa of 2^23 (0x4B0000qq = 2^23 + qq), and one subtraction removes
+// 2^23 and the format's offset (q4_0: 8; q8_0: 128, after flipping the sign bit of every byte).
 // Per block the lane forms sum x*q, then scales by d (as the CPU kernels do).
-template <int Q4>
+#define QROWS 4  // cuda::GEMV_ROWS_PER_WARP
+// MT: the most tokens the instance takes (1 for the single-token decode GEMV, which then keeps no
+// accumulators for absent tokens and so fits more warps on an SM; QMAX_T otherwise).
+template <int Q4, int MT>
 __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                        int n, int k, int m, int accumulate) {
-    const int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
     const int lane = threadIdx.x & 31, p = lane & 3;
-    if (row >= n) return;
+    if (row0 >= n) return;
     const int bb = Q4 ? 18 : 34, nb = k >> 5;
-    const u8* wr = w + (u64)row * nb * bb;
-    float acc[QMAX_T];
+    const u8* wr[QROWS];
 #pragma unroll
-    for (int t = 0; t < QMAX_T; ++t) acc[t] = 0.f;
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * bb;  // past n: re-read, not stored
+    const float bias = Q4 ? 8388616.f : 8388736.f;  // 2^23 + 8, 2^23 + 128
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[t][r] = 0.f;
 #pragma unroll 2
     for (int b = lane >> 2; b < nb; b += 8) {
-        const u8* blk = wr + (u64)b * bb;
-        const float d = h2f(*(const u16*)blk);
-        // The lane's 8 weights, in the order of its 8 activations: q4_0 elements 4p..4p+3 (low nibbles) and
-        // 16+4p..16+4p+3 (high nibbles); q8_0 elements 8p..8p+7.
-        float wv[8];
-        if (Q4) {
-            const u16* q = (const u16*)(blk + 2 + 4 * p);
-            const u32 v = (u32)q[0] | ((u32)q[1] << 16);
+        // The lane's 8 quants of every row, in the order of its 8 activations: q4_0 elements 4p..4p+3 (low
+        // nibbles) and 16+4p..16+4p+3 (high nibbles); q8_0 elements 8p..8p+7. Blocks are 2-byte aligned only.
+        u16 dbits[QROWS];
+        u32 qw[QROWS][2];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                wv[j] = (float)((int)((v >> (8 * j)) & 15) - 8);
-                wv[4 + j] = (float)((int)((v >> (8 * j + 4)) & 15) - 8);
-            }
-        } else {
-            const u16* q = (const u16*)(blk + 2 + 8 * p);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u16 v = q[j];
-                wv[2 * j] = (float)(signed char)(v & 0xff);
-                wv[2 * j + 1] = (float)(signed char)(v >> 8);
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * bb;
+            dbits[r] = *(const u16*)blk;
+            const u16* q = (const u16*)(blk + 2 + (Q4 ? 4 : 8) * p);
+            if (Q4) {
+                const u32 v = (u32)q[0] | ((u32)q[1] << 16);
+                qw[r][0] = v & 0x0f0f0f0fu;
+                qw[r][1] = (v >> 4) & 0x0f0f0f0fu;
+            } else {
+                qw[r][0] = ((u32)q[0] | ((u32)q[1] << 16)) ^ 0x80808080u;
+                qw[r][1] = ((u32)q[2] | ((u32)q[3] << 16)) ^ 0x80808080u;
             }
         }
+        float wv[QROWS][8];
 #pragma unroll
-        for (int t = 0; t < QMAX_T; ++t) {
+        for (int r = 0; r < QROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                wv[r][j] = __int_as_float((int)__byte_perm(qw[r][j >> 2], 0x4b000000u, 0x7440u + (j & 3))) - bias;
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
             if (t < m) {
                 // Activation rows are 16-byte aligned (k is a multiple of 32): vector loads of 4 or 8 values.
                 const act_t* xt = x + (u64)t * k + 32 * (u64)b;
@@ -376,29 +390,44 @@ __device__ __forceinline__ void gemv_q(const u8* __restrict__ w, const act_t* __
                     const uint4 a = *(const uint4*)(xt + 8 * p);
                     xw[0] = a.x; xw[1] = a.y; xw[2] = a.z; xw[3] = a.w;
                 }
-                float s = 0.f;
+                float xf[8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) s = fmaf(ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1)))), wv[j], s);
-                acc[t] = fmaf(s, d, acc[t]);
+                for (int j = 0; j < 8; ++j) xf[j] = ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1))));
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) s = fmaf(xf[j], wv[r][j], s);
+                    acc[t][r] = fmaf(s, h2f(dbits[r]), acc[t][r]);
+                }
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < QMAX_T; ++t) {
+    for (int t = 0; t < MT; ++t) {
         if (t < m) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) {
-                float* o = y + (u64)t * n + row;
-                *o = accumulate ? *o + s : s;
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[t][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)t * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
             }
         }
     }
 }
 extern "C" __global__ void gemv_q8_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_q<0>(w, x, y, n, k, m, acc);
+    gemv_q<0, QMAX_T>(w, x, y, n, k, m, acc);
 }
 extern "C" __global__ void gemv_q4_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_q<1>(w, x, y, n, k, m, acc);
+    gemv_q<1, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q8_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<0, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q4_0(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q<1, 1>(w, x, y, n, k, m, acc);
 }
 
 // Prefill path: out[i] = w[i] dequantised and rounded to the activation type, for n elements (whole rows).

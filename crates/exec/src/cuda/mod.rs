@@ -30,6 +30,9 @@ pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Where a quantised matrix is dequantised, a chunk of rows at a time, for cuBLAS (prefill). Allocated on the
 /// first such matmul, which the warm-up runs, so it counts in the measured runtime overhead.
 pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
+/// Rows one warp of the quantised GEMV kernels computes (`QROWS` in kernels.cu): they share each activation
+/// load and conversion.
+const GEMV_ROWS_PER_WARP: usize = 4;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -107,6 +110,8 @@ pub struct Kernels {
     scatter_add_rows: CudaFunction,
     gemv_q8_0: CudaFunction,
     gemv_q4_0: CudaFunction,
+    gemv1_q8_0: CudaFunction,
+    gemv1_q4_0: CudaFunction,
     dequant_q8_0: CudaFunction,
     dequant_q4_0: CudaFunction,
     embed_q8_0: CudaFunction,
@@ -464,6 +469,8 @@ impl Gpu {
             scatter_add_rows: f("scatter_add_rows")?,
             gemv_q8_0: f("gemv_q8_0")?,
             gemv_q4_0: f("gemv_q4_0")?,
+            gemv1_q8_0: f("gemv1_q8_0")?,
+            gemv1_q4_0: f("gemv1_q4_0")?,
             dequant_q8_0: f("dequant_q8_0")?,
             dequant_q4_0: f("dequant_q4_0")?,
             embed_q8_0: f("embed_q8_0")?,
@@ -571,15 +578,18 @@ impl Gpu {
             return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
         };
         if m <= EXACT_MAX_TOKENS {
-            let f = match fmt {
-                QFormat::Q8_0 => &kn.gemv_q8_0,
-                QFormat::Q4_0 => &kn.gemv_q4_0,
+            let f = match (fmt, m) {
+                (QFormat::Q8_0, 1) => &kn.gemv1_q8_0,
+                (QFormat::Q4_0, 1) => &kn.gemv1_q4_0,
+                (QFormat::Q8_0, _) => &kn.gemv_q8_0,
+                (QFormat::Q4_0, _) => &kn.gemv_q4_0,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
-            // Four warps per block, one row each.
-            let cfg = threads_for(n as u64 * 32, 128);
-            // SAFETY: argument types match the kernel; the kernel reads n rows of k/32 blocks of w and m rows
-            // of k activations, and writes y[t·n + r] for t < m, r < n (the caller's sizes).
+            // Four warps per block, GEMV_ROWS_PER_WARP rows each.
+            let cfg = threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128);
+            // SAFETY: argument types match the kernel; the kernel reads n rows of k/32 blocks of w (a warp's rows
+            // past n re-read row n − 1) and m rows of k activations, and writes y[t·n + r] for t < m, r < n (the
+            // caller's sizes).
             return unsafe {
                 self.compute
                     .launch_builder(f)
