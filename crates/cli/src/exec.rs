@@ -57,9 +57,15 @@ pub struct RunArgs {
     /// Decode steps after the prompt.
     #[arg(long = "gen", default_value_t = 64)]
     gen_tokens: u64,
-    /// Context the KV cache is allocated for.
+    /// Context the KV cache is allocated for (per request).
     #[arg(long, default_value = "4K")]
     ctx: String,
+    /// Parallel requests decoded together, each with its own random prompt.
+    #[arg(long, default_value_t = 1)]
+    batch: u64,
+    /// One unified KV cache for the parallel requests (llama.cpp `-kvu`; planners that pick a layout ignore it).
+    #[arg(long)]
+    kv_unified: bool,
     /// VRAM budgets, comma-separated (`2G,4G,8G`).
     #[arg(long, default_value = "8G")]
     budget: String,
@@ -123,8 +129,8 @@ pub(crate) fn with_measured_overhead(
 ) -> anyhow::Result<Profile> {
     let dims = Dims::new(spec)?;
     let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
-    let overhead =
-        runtime_overhead_bytes(gpu, &dims, kv, workload.ubatch.min(workload.prompt_tokens) as usize)?;
+    let prefill_tokens = workload.ubatch.min(workload.prompt_tokens) as usize;
+    let overhead = runtime_overhead_bytes(gpu, &dims, kv, prefill_tokens, workload.batch as usize)?;
     Ok(Profile { runtime_overhead_bytes: overhead, ..profile.clone() })
 }
 
@@ -290,7 +296,8 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         parse_tokens(&args.ctx)?,
         args.gen_tokens,
         parse_tokens(&args.ubatch)?,
-    );
+    )
+    .batched(args.batch, args.kv_unified);
     workload.validate()?;
     // The profile the planners cost with (plan files bring their own decisions).
     let mut profile_used = None;
@@ -364,6 +371,14 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         t.elapsed().as_secs_f64()
     );
     let prompt = random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed);
+    // A plan file's workload says how many requests run; each gets a prompt of its own.
+    let requests = plans.iter().flatten().map(|p| p.workload.batch).max().unwrap_or(1);
+    if args.check && requests > 1 {
+        bail!("--check compares one request with its reference; run it with --batch 1 (plans of {requests})");
+    }
+    let other_prompts: Vec<Vec<u32>> = (1..requests)
+        .map(|s| random_tokens(prompt_tokens as usize, weights.dims.vocab, args.seed + s))
+        .collect();
     // The CSV's old rows and this run's, written whole at the end.
     let mut csv = match &args.csv {
         Some(path) if path.exists() => {
@@ -382,6 +397,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         });
         let opts = RunOptions {
             prompt: prompt.clone(),
+            other_prompts: Vec::new(),
             gen_tokens: args.gen_tokens as usize,
             keep_logits: true,
             interrupt: Some(interrupt),
@@ -428,6 +444,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         }
         let opts = RunOptions {
             prompt: prompt.clone(),
+            other_prompts: other_prompts[..plan.workload.batch as usize - 1].to_vec(),
             gen_tokens: args.gen_tokens as usize,
             force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
             keep_logits: reference.is_some(),
@@ -554,6 +571,7 @@ mod tests {
     use pipeshard_core::inventory::Inventory;
     use pipeshard_exec::cpu::KvLayout;
     use pipeshard_exec::layout::{Arena, layout_plan};
+    use pipeshard_exec::seqs::SeqKv;
 
     fn run_args(line: &str) -> RunArgs {
         #[derive(Debug, clap::Parser)]
@@ -653,29 +671,39 @@ mod tests {
     }
 
     /// Every planner's plans for the done-when models lay out in the executor's arena, given the runtime
-    /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown.
+    /// overhead the plan itself assumed: planner and executor agree on every line of the breakdown — for one
+    /// request and for 4 and 16 parallel ones (issue 10's validation cells; the planner picks the KV layout).
     #[test]
     fn planner_plans_fit_the_executor_arena() {
         let profile = load_profile("cli3").unwrap();
         let cost = TableCostModel::new(&profile);
         let mut checked = 0;
+        let workloads = [
+            Workload::single(1024, 4096, 16, 1024),
+            Workload::single(1008, 1024, 16, 1024).batched(4, false),
+            Workload::single(1008, 1024, 16, 1024).batched(16, false),
+        ];
         for model in ["nemo-8b@4L", "llama-3.1-8b@4L", "qwen3-30b-a3b@4L"] {
             let spec = resolve_model(model).unwrap().with_uniform_weights(DType::Bf16);
             let inv = Inventory::new(&spec);
-            let workload = Workload::single(1024, 4096, 16, 1024);
-            let kv = KvLayout {
-                ctx: 4096,
-                kv_dim: inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").unwrap().shape[0]
-                    as usize,
-                elem: Elem::F16,
-            };
+            let kv_dim =
+                inv.tensors.iter().find(|t| t.name == "blk.0.attn_k.weight").unwrap().shape[0] as usize;
             let weights = ModelWeights::zeroed(&spec).unwrap();
-            for planner in ["ngl", "pshard", "ilp"] {
+            for (planner, workload) in
+                ["ngl", "pshard", "ilp"].iter().flat_map(|p| workloads.map(|w| (*p, w)))
+            {
                 let options = PlannerOptions { ngl_flash_attn: true, ..PlannerOptions::default() };
                 let p = pipeshard_planner::with_options(planner, &options).unwrap();
                 for gib in [2u64, 4, 8] {
                     let budget = gib << 30;
                     let Ok(plan) = p.plan(&spec, &workload, &cost, budget) else { continue };
+                    let wl = plan.workload;
+                    let kv = SeqKv {
+                        seq: KvLayout { ctx: wl.ctx as usize, kv_dim, elem: Elem::F16 },
+                        seqs: wl.batch as usize,
+                        unified: wl.kv_unified,
+                        prompt: wl.prompt_tokens as usize,
+                    };
                     let overhead = plan.prefill.vram.runtime_overhead_bytes;
                     let arena = Arena {
                         bytes: (budget - overhead) as usize,
@@ -683,7 +711,7 @@ mod tests {
                         overhead_bytes: overhead,
                     };
                     if let Err(e) = layout_plan(&weights, &plan, kv, 1024, arena) {
-                        panic!("{model} {planner} {gib}G: {e}");
+                        panic!("{model} {planner} {gib}G batch {}: {e}", wl.batch);
                     }
                     checked += 1;
                 }

@@ -734,8 +734,11 @@ mod tests {
                         forced += usize::from(forced_depth.is_some());
                     }
                 }
-                let kv =
-                    KvLayout { ctx: workload.ctx as usize, kv_dim: weights.dims.kv_dim, elem: Elem::F16 };
+                let kv = pipeshard_exec::seqs::SeqKv::single(KvLayout {
+                    ctx: workload.ctx as usize,
+                    kv_dim: weights.dims.kv_dim,
+                    elem: Elem::F16,
+                });
                 let m = workload.ubatch.min(workload.prompt_tokens) as usize;
                 let overhead = plan.prefill.vram.runtime_overhead_bytes;
                 let arena = Arena {

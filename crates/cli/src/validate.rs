@@ -181,6 +181,10 @@ pub fn summary(outcomes: &[Outcome]) -> String {
     s
 }
 
+fn one() -> u64 {
+    1
+}
+
 /// One row of `cells.csv`.
 #[derive(Debug, Serialize, Deserialize)]
 struct Row {
@@ -190,6 +194,12 @@ struct Row {
     prompt_tokens: u64,
     gen_tokens: u64,
     ubatch: u64,
+    /// Parallel requests (absent in runs before batched cells: 1).
+    #[serde(default = "one")]
+    batch: u64,
+    /// Whether the plan that ran has one unified KV cache (the planner's choice where it picks).
+    #[serde(default)]
+    kv_unified: bool,
     vram_budget_bytes: u64,
     planner: String,
     depth: Option<u32>,
@@ -232,6 +242,8 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             prompt_tokens: o.cell.prompt_tokens,
             gen_tokens: o.cell.gen_tokens,
             ubatch: o.cell.ubatch,
+            batch: o.cell.batch,
+            kv_unified: o.run.as_ref().map_or(o.cell.kv_unified, |(plan, _)| plan.workload.kv_unified),
             vram_budget_bytes: o.cell.budget_bytes,
             planner: o.cell.planner.clone(),
             depth: o.cell.depth,
@@ -308,8 +320,8 @@ impl Row {
                 prompt_tokens: self.prompt_tokens,
                 gen_tokens: self.gen_tokens,
                 ubatch: self.ubatch,
-                batch: 1,
-                kv_unified: false,
+                batch: self.batch,
+                kv_unified: self.kv_unified,
                 budget_bytes: self.vram_budget_bytes,
                 planner: self.planner,
                 depth: self.depth,
@@ -743,8 +755,11 @@ fn validate_cell(
     outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
     outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
     outcome.plan_fingerprint = Some(plan_fingerprint(&plan));
+    // Every parallel request gets a prompt of its own.
+    let prompt = |s: u64| random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed + s);
     let opts = RunOptions {
-        prompt: random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed),
+        prompt: prompt(0),
+        other_prompts: (1..workload.batch).map(prompt).collect(),
         gen_tokens: workload.gen_tokens as usize,
         force_tokens: None,
         keep_logits: false,

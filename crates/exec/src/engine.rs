@@ -33,6 +33,7 @@ use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stre
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
+use crate::seqs::{Pass, SeqKv};
 use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code).
@@ -52,11 +53,15 @@ pub fn lazy_load_reserve_bytes(d: &Dims) -> u64 {
 /// What to run.
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
-    /// Prompt token ids.
+    /// Prompt token ids (of the first sequence).
     pub prompt: Vec<u32>,
+    /// With a workload of R > 1 parallel requests, the prompts of sequences 2..R, each as long as `prompt`;
+    /// empty: every sequence gets `prompt`.
+    pub other_prompts: Vec<Vec<u32>>,
     /// Decode steps after the prompt (each produces one more token).
     pub gen_tokens: usize,
-    /// Tokens to feed to the decode steps instead of the sampled ones (teacher forcing, for comparisons).
+    /// Tokens to feed to the decode steps instead of the sampled ones (teacher forcing, for comparisons), the
+    /// same for every sequence.
     pub force_tokens: Option<Vec<u32>>,
     /// Keep the logits of every produced token.
     pub keep_logits: bool,
@@ -94,9 +99,10 @@ pub struct VramReport {
 /// What a run produced.
 #[derive(Debug, Clone)]
 pub struct RunOutput {
-    /// Produced tokens: the first from prefill, then one per decode step.
+    /// Produced tokens: the first from prefill, then one per decode step; with R sequences step by step, the
+    /// R sequences' tokens of a step side by side (token `i` of sequence `s` at `i·R + s`).
     pub tokens: Vec<u32>,
-    /// Logits behind each produced token (if asked for).
+    /// Logits behind each produced token (if asked for), in the order of `tokens`.
     pub logits: Vec<Vec<f32>>,
     /// Measured metrics (same type as the simulator's).
     pub metrics: Metrics,
@@ -173,8 +179,8 @@ struct Ring {
     slot_free: Vec<Event>,
     issued: usize,
     released: usize,
-    /// Items queued for copying: (item, pass, rows already in the KV cache).
-    pending: VecDeque<(RingItem, usize, usize)>,
+    /// Items queued for copying: (item, pass index, the pass's tokens, whose KV cells they upload).
+    pending: VecDeque<(RingItem, usize, Pass)>,
     /// Copied items not yet consumed: (item, slot).
     in_flight: VecDeque<(RingItem, usize)>,
     queued_through: Option<usize>,
@@ -250,12 +256,13 @@ struct Io {
 }
 
 impl Io {
-    fn new(d: &Dims, tokens: usize) -> Io {
+    /// For passes of up to `tokens` tokens, of which up to `logit_rows` produce a token.
+    fn new(d: &Dims, tokens: usize, logit_rows: usize) -> Io {
         let ids = 0;
         let tok = (tokens * 4).next_multiple_of(64);
-        let inv_freq = tok + 64;
+        let inv_freq = tok + (logit_rows * 4).next_multiple_of(64);
         let logits = (inv_freq + d.rot_dims * 2 + 4).next_multiple_of(64);
-        Io { buf: HostBuf::zeroed(logits + d.vocab * 4), ids, tok, inv_freq, logits }
+        Io { buf: HostBuf::zeroed(logits + logit_rows * d.vocab * 4), ids, tok, inv_freq, logits }
     }
 }
 
@@ -294,7 +301,8 @@ struct Exec<'a> {
     w: &'a ModelWeights,
     d: &'a Dims,
     opts: &'a RunOptions,
-    kv: KvLayout,
+    /// The KV cache of every sequence, per layer.
+    kv: SeqKv,
     gpu: Option<GpuSide<'a>>,
     host_kv: Vec<HostBuf>,
     h_host: HostBuf,
@@ -307,8 +315,9 @@ struct Exec<'a> {
     h_on_dev: bool,
 }
 
-/// Runs the GEMM shapes of a model once so cuBLAS loads its kernels; returns the lowest device free memory seen.
-fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize) -> Result<u64> {
+/// Runs the GEMM shapes of a model once so cuBLAS loads its kernels, for `m_prefill` and `m_decode` tokens;
+/// returns the lowest device free memory seen.
+fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize, m_decode: usize) -> Result<u64> {
     let mut shapes = vec![
         (d.q_dim, d.hidden),
         (d.kv_dim, d.hidden),
@@ -321,11 +330,12 @@ fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize) -> Result<u64> {
     }
     let max_w = shapes.iter().map(|(n, k)| n * k).max().unwrap_or(0) * 2;
     let max_k = d.hidden.max(d.q_dim).max(d.ffn);
+    let m_max = m_prefill.max(m_decode);
     let wb = gpu.alloc(max_w)?;
-    let xb = gpu.alloc(m_prefill * max_k * 2)?;
-    let yb = gpu.alloc(m_prefill * max_k * 4)?;
+    let xb = gpu.alloc(m_max * max_k * 2)?;
+    let yb = gpu.alloc(m_max * max_k * 4)?;
     // Experts see every token count up to the chunk: warm every power of two too.
-    let mut counts = vec![m_prefill, 1];
+    let mut counts = vec![m_prefill, 1, m_decode];
     if d.moe.is_some() {
         counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
     }
@@ -341,10 +351,17 @@ fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize) -> Result<u64> {
 
 /// The VRAM a run of `w` will find taken before its arena (CUDA context, cuBLAS and its workspace, the compiled
 /// kernels, warmed GEMMs), plus [`lazy_load_reserve_bytes`]: what a planner should assume as runtime overhead
-/// on this machine. Measured as device total − free, so other processes on the device count too.
-pub fn runtime_overhead_bytes(gpu: &Gpu, w: &Dims, kv: Elem, prefill_tokens: usize) -> Result<u64> {
+/// on this machine, for prefill chunks of `prefill_tokens` and decode steps of `decode_tokens` (the parallel
+/// requests). Measured as device total − free, so other processes on the device count too.
+pub fn runtime_overhead_bytes(
+    gpu: &Gpu,
+    w: &Dims,
+    kv: Elem,
+    prefill_tokens: usize,
+    decode_tokens: usize,
+) -> Result<u64> {
     let k = gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
-    warm_up(gpu, &k, w, prefill_tokens)?;
+    warm_up(gpu, &k, w, prefill_tokens, decode_tokens)?;
     let (free, total) = gpu.mem_info()?;
     Ok(total - free + lazy_load_reserve_bytes(w))
 }
@@ -394,12 +411,12 @@ fn host_attention(
     d: &Dims,
     io: &mut HostBuf,
     kv_cache: &mut [u8],
-    kv: KvLayout,
+    cache: SeqKv,
     tl: &mut Timeline,
     sc: &ScratchLayout,
-    m: usize,
-    pos0: usize,
+    pass: Pass,
 ) -> Result<()> {
+    let m = pass.tokens(cache.seqs);
     let (nq, nkv) = (m * d.q_dim, m * d.kv_dim);
     let at = |o: usize| g.base() + o as u64;
     let t = tl.now_ns();
@@ -421,8 +438,9 @@ fn host_attention(
     {
         let (q, rest) = io.f32s_mut().split_at_mut(nq);
         let (k, v) = rest.split_at_mut(nkv);
-        cpu::store_kv(kv_cache, kv, k, &v[..nkv], m, pos0);
-        cpu::attention(pool, d, q, kv_cache, kv, m, pos0, d.mat, &mut att);
+        let kv = cache.whole();
+        cpu::store_kv_rows(kv_cache, kv, k, &v[..nkv], m, cache.store_rows(pass));
+        cpu::attention_rows(pool, d, q, kv_cache, kv, m, &|t| cache.keys(pass, t), d.mat, &mut att);
     }
     let out_off = (nq + 2 * nkv) * 4;
     let out = &mut io.as_mut_slice()[out_off..out_off + nq * d.mat.size_bytes()];
@@ -441,12 +459,6 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
     let d = &w.dims;
     plan.validate(&w.inventory).map_err(|e| ExecError::InvalidPlan(e.to_string()))?;
     let wl = &plan.workload;
-    if wl.batch != 1 {
-        return Err(ExecError::UnsupportedPlan {
-            phase: PhaseKind::Decode,
-            reason: format!("batch {} (parallel requests are issue 10); use batch 1", wl.batch),
-        });
-    }
     if !wl.flash_attn {
         return Err(ExecError::UnsupportedPlan {
             phase: PhaseKind::Prefill,
@@ -463,7 +475,24 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
     if opts.prompt.is_empty() {
         return Err(ExecError::Input("empty prompt".into()));
     }
-    if let Some(&t) = opts.prompt.iter().find(|&&t| t as usize >= d.vocab) {
+    let seqs = wl.batch as usize;
+    if !opts.other_prompts.is_empty() && opts.other_prompts.len() + 1 != seqs {
+        return Err(ExecError::Input(format!(
+            "{} other prompts for a workload of {seqs} parallel requests (give {} or none)",
+            opts.other_prompts.len(),
+            seqs - 1
+        )));
+    }
+    if let Some(p) = opts.other_prompts.iter().find(|p| p.len() != opts.prompt.len()) {
+        return Err(ExecError::Input(format!(
+            "a prompt of {} tokens beside one of {}: every parallel request needs the same prompt length",
+            p.len(),
+            opts.prompt.len()
+        )));
+    }
+    if let Some(&t) =
+        opts.prompt.iter().chain(opts.other_prompts.iter().flatten()).find(|&&t| t as usize >= d.vocab)
+    {
         return Err(ExecError::Input(format!("token {t} is outside the vocabulary of {}", d.vocab)));
     }
     if opts.prompt.len() + opts.gen_tokens > ctx {
@@ -485,8 +514,14 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
     let chunks: Vec<(usize, usize)> =
         (0..opts.prompt.len()).step_by(ubatch).map(|p| (p, ubatch.min(opts.prompt.len() - p))).collect();
     let m_prefill = chunks.iter().map(|c| c.1).max().unwrap_or(1);
-    let kv = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
-    let needs_gpu = uses_gpu(&plan.prefill, m_prefill) || uses_gpu(&plan.decode, 1);
+    let m_max = m_prefill.max(seqs);
+    let kv = SeqKv {
+        seq: KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem },
+        seqs,
+        unified: wl.kv_unified,
+        prompt: opts.prompt.len(),
+    };
+    let needs_gpu = uses_gpu(&plan.prefill, m_prefill) || uses_gpu(&plan.decode, seqs);
     let mut ex = Exec {
         w,
         d,
@@ -494,11 +529,16 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         kv,
         gpu: None,
         host_kv: (0..d.n_layers)
-            .map(|l| HostBuf::try_zeroed(kv.bytes(), &format!("the host KV cache of layer {l} (ctx {ctx})")))
+            .map(|l| {
+                HostBuf::try_zeroed(
+                    kv.whole().bytes(),
+                    &format!("the host KV cache of layer {l} (ctx {ctx})"),
+                )
+            })
             .collect::<Result<_>>()?,
-        h_host: HostBuf::zeroed(m_prefill * d.hidden * 4),
-        io: Io::new(d, m_prefill),
-        moe_io: MoeIo::new(d, m_prefill),
+        h_host: HostBuf::zeroed(m_max * d.hidden * 4),
+        io: Io::new(d, m_max, seqs),
+        moe_io: MoeIo::new(d, m_max),
         attn_io: HostBuf::zeroed(if plan.prefill.op_offload {
             host_attention_io_bytes(d, m_prefill)
         } else {
@@ -520,9 +560,10 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
 impl<'a> Exec<'a> {
     fn open_gpu(&self, gpu: &'a Gpu, plan: &Plan, m_prefill: usize) -> Result<GpuSide<'a>> {
         let d = self.d;
-        let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.elem, head_dim: d.head_dim })?;
+        let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.seq.elem, head_dim: d.head_dim })?;
         let (free0, total) = gpu.mem_info()?;
-        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill)?);
+        let seqs = self.kv.seqs;
+        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill, seqs)?);
         let (free, _) = gpu.mem_info()?;
         let min_free = min_free.min(free);
         let overhead = total - free;
@@ -625,13 +666,14 @@ impl<'a> Exec<'a> {
         let (budget, overhead) = (plan.budget_bytes, self.gpu.as_ref().map_or(0, |g| g.overhead_bytes));
         let arena = Arena { bytes: arena_bytes, budget_bytes: budget, overhead_bytes: overhead };
         let [lay_p, lay_d] = layout_plan(self.w, plan, self.kv, m_prefill, arena)?;
+        let seqs = self.kv.seqs;
         let pool_p = CpuPool::new(plan.prefill.cpu_threads as usize)?;
         let pool_d = if plan.decode.cpu_threads == plan.prefill.cpu_threads {
             None
         } else {
             Some(CpuPool::new(plan.decode.cpu_threads as usize)?)
         };
-        self.enter_phase(&lay_p, None, &plan.prefill, 0, 0)?;
+        self.enter_phase(&lay_p, None, None, 0)?;
         if let Some(g) = &mut self.gpu {
             g.gpu.sync_all()?;
             g.gpu.record(&g.t0, Stream::Compute)?;
@@ -645,45 +687,61 @@ impl<'a> Exec<'a> {
         let mut logits = Vec::new();
         let mut pass = 0usize;
         let run_opts = self.opts;
+        let prompt = |s: usize| match s {
+            0 => &run_opts.prompt,
+            _ => run_opts.other_prompts.get(s - 1).unwrap_or(&run_opts.prompt),
+        };
+        let prompt_len = self.opts.prompt.len();
+        // Every request's prompt in turn, as the simulator models it; the ring runs across their chunks.
+        let passes: Vec<Pass> = (0..seqs)
+            .flat_map(|seq| chunks.iter().map(move |&(pos0, m)| Pass::Prefill { seq, pos0, tokens: m }))
+            .collect();
+        let output =
+            |p: &Pass| matches!(*p, Pass::Prefill { pos0, tokens, .. } if pos0 + tokens == prompt_len);
         let t_prefill = self.tl.now_ns();
-        for (i, &(pos0, m)) in chunks.iter().enumerate() {
+        for (i, at) in passes.iter().enumerate() {
             self.check_interrupt(pass)?;
-            let last = i + 1 == chunks.len();
-            let next = chunks.get(i + 1).map(|c| (c.0, i + 2 == chunks.len()));
+            let Pass::Prefill { seq, pos0, tokens: m } = *at else { unreachable!("prefill passes") };
+            let next = passes.get(i + 1).map(|p| (*p, output(p)));
+            let ids = prompt(seq);
             let t = self.tl.now_ns();
-            let out =
-                self.forward(&lay_p, &pool_p, &run_opts.prompt[pos0..pos0 + m], pos0, last, pass, next)?;
-            self.tl.host(format!("prefill chunk {i} ({m} tokens)"), Track::Host, t);
+            let out = self.forward(&lay_p, &pool_p, &ids[pos0..pos0 + m], *at, output(at), pass, next)?;
+            let name = if seqs > 1 {
+                format!("prefill seq {seq} chunk ({m} tokens at {pos0})")
+            } else {
+                format!("prefill chunk {i} ({m} tokens)")
+            };
+            self.tl.host(name, Track::Host, t);
             pass += 1;
             if let Some((tok, lg)) = out {
-                tokens.push(tok);
+                tokens.extend(tok);
                 logits.extend(lg);
             }
         }
         let ttft_ns = self.tl.now_ns() - t_prefill;
-        let prompt_len = self.opts.prompt.len();
         let t_switch = self.tl.now_ns();
-        let switch_uploaded_bytes = self.enter_phase(&lay_d, Some(&lay_p), &plan.decode, prompt_len, pass)?;
+        let switch_uploaded_bytes =
+            self.enter_phase(&lay_d, Some(&lay_p), Some(Pass::Decode { pos: prompt_len }), pass)?;
         self.tl.host("switch prefill → decode plan".into(), Track::Host, t_switch);
         let pool = pool_d.as_ref().unwrap_or(&pool_p);
         let mut decode_ns = self.tl.now_ns() - t_switch;
         for step in 0..self.opts.gen_tokens {
             self.check_interrupt(pass)?;
-            let input = self
-                .opts
-                .force_tokens
-                .as_ref()
-                .map_or(*tokens.last().expect("prefill produced a token"), |f| f[step]);
-            let pos0 = prompt_len + step;
-            let next = (step + 1 < self.opts.gen_tokens).then_some((pos0 + 1, true));
+            let input: Vec<u32> = match &self.opts.force_tokens {
+                Some(f) => vec![f[step]; seqs],
+                None => tokens[tokens.len() - seqs..].to_vec(),
+            };
+            let at = Pass::Decode { pos: prompt_len + step };
+            let next = (step + 1 < self.opts.gen_tokens)
+                .then_some((Pass::Decode { pos: prompt_len + step + 1 }, true));
             let t = self.tl.now_ns();
             let (tok, lg) = self
-                .forward(&lay_d, pool, &[input], pos0, true, pass, next)?
+                .forward(&lay_d, pool, &input, at, true, pass, next)?
                 .expect("decode steps produce tokens");
             self.tl.host(format!("decode step {step}"), Track::Host, t);
             decode_ns += self.tl.now_ns() - t;
             pass += 1;
-            tokens.push(tok);
+            tokens.extend(tok);
             logits.extend(lg);
         }
         self.finish(plan, &lay_p, &lay_d, tokens, logits, ttft_ns, decode_ns, switch_uploaded_bytes)
@@ -756,11 +814,12 @@ impl<'a> Exec<'a> {
             add(&mut trace, name, *track, *start, *dur);
         }
         let n_gen = self.opts.gen_tokens as u64;
+        let generated = n_gen * self.kv.seqs as u64;
         let mut peak_lines = lay_p.used.max(&lay_d.used);
         peak_lines.runtime_overhead_bytes = vram.as_ref().map_or(0, |v| v.overhead_bytes);
         let metrics = Metrics {
             ttft_ns,
-            tps: if n_gen > 0 && decode_ns > 0 { n_gen as f64 / (decode_ns as f64 / 1e9) } else { 0.0 },
+            tps: if n_gen > 0 && decode_ns > 0 { generated as f64 / (decode_ns as f64 / 1e9) } else { 0.0 },
             e2el_ns: ttft_ns + decode_ns,
             gen_tokens: n_gen,
             decode_step_ns: decode_ns.checked_div(n_gen).unwrap_or(0),
@@ -773,22 +832,25 @@ impl<'a> Exec<'a> {
         Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
-    /// Makes `lay` current: moves KV and pinned weights that change place, uploads RoPE frequencies, resets the
-    /// ring. Returns the bytes uploaded.
+    /// Makes `lay` current: moves KV and pinned weights that change place (the KV cells `at` finds filled),
+    /// uploads RoPE frequencies, resets the ring. Returns the bytes uploaded.
     fn enter_phase(
         &mut self,
         lay: &PhaseLayout,
         prev: Option<&PhaseLayout>,
-        plan: &PhasePlan,
-        filled: usize,
+        at: Option<Pass>,
         pass: usize,
     ) -> Result<u64> {
         let Some(g) = &mut self.gpu else { return Ok(0) };
         let gpu = g.gpu;
         gpu.sync_all()?;
         let base = g.base();
-        let rows_bytes = self.kv.row_offset(filled);
-        let half = self.kv.half_bytes();
+        let whole = self.kv.whole();
+        let half = whole.half_bytes();
+        // Byte ranges of the filled cells in K (add `half` for V).
+        let ranges: Vec<(usize, usize)> = at.map_or_else(Vec::new, |at| {
+            self.kv.filled(at).iter().map(|&(r, n)| (whole.row_offset(r), whole.row_offset(n))).collect()
+        });
         let mut uploaded = 0u64;
         // KV that leaves its place goes back to the host mirror first.
         if let Some(prev) = prev {
@@ -798,28 +860,33 @@ impl<'a> Exec<'a> {
                 {
                     let hb = self.host_kv[l as usize].as_mut_slice();
                     let (k, v) = hb.split_at_mut(half);
-                    // SAFETY: the arena holds the layer's [K|V] at p (prev layout); the host buffer is alive and
-                    // registered; the D2H stream is synchronised below before anything reads it.
-                    unsafe {
-                        gpu.d2h(Stream::D2h, &mut k[..rows_bytes], base + p as u64)?;
-                        gpu.d2h(Stream::D2h, &mut v[..rows_bytes], base + (p + half) as u64)?;
+                    for &(o, n) in &ranges {
+                        // SAFETY: the arena holds the layer's [K|V] at p (prev layout) and the ranges lie in it; the
+                        // host buffer is alive and registered; the D2H stream is synchronised below before anything
+                        // reads it.
+                        unsafe {
+                            gpu.d2h(Stream::D2h, &mut k[o..o + n], base + (p + o) as u64)?;
+                            gpu.d2h(Stream::D2h, &mut v[o..o + n], base + (p + half + o) as u64)?;
+                        }
                     }
                 }
             }
             gpu.sync(Stream::D2h)?;
         }
         for l in 0..self.d.n_layers as u32 {
-            if let Some(o) = lay.kv_offset(l)
-                && prev.and_then(|p| p.kv_offset(l)) != Some(o)
-                && filled > 0
+            if let Some(p) = lay.kv_offset(l)
+                && prev.and_then(|pr| pr.kv_offset(l)) != Some(p)
             {
                 let hb = self.host_kv[l as usize].as_slice();
-                // SAFETY: the arena holds [K|V] of kv.bytes() at o in this layout; host rows exist; synced below.
-                unsafe {
-                    gpu.h2d(Stream::H2d, base + o as u64, &hb[..rows_bytes])?;
-                    gpu.h2d(Stream::H2d, base + (o + half) as u64, &hb[half..half + rows_bytes])?;
+                for &(o, n) in &ranges {
+                    // SAFETY: the arena holds [K|V] of whole.bytes() at p in this layout; host rows exist; synced
+                    // below.
+                    unsafe {
+                        gpu.h2d(Stream::H2d, base + (p + o) as u64, &hb[o..o + n])?;
+                        gpu.h2d(Stream::H2d, base + (p + half + o) as u64, &hb[half + o..half + o + n])?;
+                    }
+                    uploaded += 2 * n as u64;
                 }
-                uploaded += 2 * rows_bytes as u64;
             }
         }
         for s in &lay.steps {
@@ -864,7 +931,6 @@ impl<'a> Exec<'a> {
                 first_pass: pass,
             })
         };
-        let _ = plan;
         g.sample_vram()?;
         Ok(uploaded)
     }
@@ -874,7 +940,7 @@ impl<'a> Exec<'a> {
         let Some(g) = &mut self.gpu else { return Ok(()) };
         let Some(ring) = &mut g.ring else { return Ok(()) };
         let depth = ring.slots.len();
-        while let Some(&(item, pass, rows)) = ring.pending.front() {
+        while let Some(&(item, pass, at)) = ring.pending.front() {
             // A layer's streamed experts are known only once its router has run (`expand_experts`).
             if ring.issued >= ring.released + depth || matches!(item, RingItem::Experts(_)) {
                 break;
@@ -911,17 +977,25 @@ impl<'a> Exec<'a> {
                     };
                     g.gpu.wait(Stream::H2d, &g.kv_wb[l as usize])?;
                     let hb = self.host_kv[l as usize].as_slice();
-                    let (half, n) = (self.kv.half_bytes(), self.kv.row_offset(rows));
-                    // SAFETY: a slot holds ≥ kv.bytes(); the host rows were written back (waited above) and stay
-                    // unmodified until the slot's release (no CPU unit uses a streamed layer's KV in this phase).
-                    unsafe {
-                        g.gpu.h2d(Stream::H2d, dst, &hb[..n])?;
-                        g.gpu.h2d(Stream::H2d, dst + half as u64, &hb[half..half + n])?;
+                    let whole = self.kv.whole();
+                    let half = whole.half_bytes();
+                    // One copy per run of filled cells: one per sequence unless the cache is unified.
+                    let runs = self.kv.filled(at);
+                    for &(r, n) in &runs {
+                        let (o, n) = (whole.row_offset(r), whole.row_offset(n));
+                        // SAFETY: a slot holds ≥ whole.bytes() and the runs lie in it; the host rows were written
+                        // back (waited above) and stay unmodified until the slot's release (no CPU unit uses a
+                        // streamed layer's KV in this phase).
+                        unsafe {
+                            g.gpu.h2d(Stream::H2d, dst + o as u64, &hb[o..o + n])?;
+                            g.gpu.h2d(Stream::H2d, dst + (half + o) as u64, &hb[half + o..half + o + n])?;
+                        }
                     }
-                    if let RingItem::AttnKv(_) = item {
-                        format!("copy blk.{l}.attn + kv ({rows} rows)")
-                    } else {
-                        format!("copy blk.{l}.kv ({rows} rows)")
+                    let rows: usize = runs.iter().map(|r| r.1).sum();
+                    let what = if let RingItem::AttnKv(_) = item { "attn + kv" } else { "kv" };
+                    match runs.len() {
+                        0 | 1 => format!("copy blk.{l}.{what} ({rows} rows)"),
+                        n => format!("copy blk.{l}.{what} ({rows} rows, {n} copies)"),
                     }
                 }
                 RingItem::Experts(_) => unreachable!("placeholders are expanded before they are issued"),
@@ -938,14 +1012,14 @@ impl<'a> Exec<'a> {
     }
 
     /// Queues the ring items of pass `pass` (the output head only if the pass produces a token).
-    fn queue_pass(&mut self, lay: &PhaseLayout, pass: usize, pos0: usize, output: bool) {
+    fn queue_pass(&mut self, lay: &PhaseLayout, pass: usize, at: Pass, output: bool) {
         let Some(ring) = self.gpu.as_mut().and_then(|g| g.ring.as_mut()) else { return };
         if ring.queued_through.is_some_and(|q| q >= pass) {
             return;
         }
         for &item in &lay.ring_items {
             if output || item != RingItem::Weights(UnitId::Output) {
-                ring.pending.push_back((item, pass, pos0));
+                ring.pending.push_back((item, pass, at));
             }
         }
         ring.queued_through = Some(pass);
@@ -1009,19 +1083,25 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    /// One forward pass of `tokens` at positions `pos0..`; with `output`, the sampled token (and logits).
+    /// One forward pass of `tokens` (those of `at`); with `output`, the sampled tokens of its output rows (the
+    /// last token of a prefill chunk, every token of a decode step) and, if kept, their logits.
+    #[allow(clippy::type_complexity)]
     fn forward(
         &mut self,
         lay: &PhaseLayout,
         pool: &CpuPool,
         tokens: &[u32],
-        pos0: usize,
+        at: Pass,
         output: bool,
         pass: usize,
-        next: Option<(usize, bool)>,
-    ) -> Result<Option<(u32, Option<Vec<f32>>)>> {
+        next: Option<(Pass, bool)>,
+    ) -> Result<Option<(Vec<u32>, Vec<Vec<f32>>)>> {
         let m = tokens.len();
-        self.queue_pass(lay, pass, pos0, output);
+        let logit_rows = match at {
+            Pass::Prefill { .. } => 1,
+            Pass::Decode { .. } => m,
+        };
+        self.queue_pass(lay, pass, at, output);
         if let Some((np, next_output)) = next {
             self.queue_pass(lay, pass + 1, np, next_output);
         }
@@ -1049,9 +1129,8 @@ impl<'a> Exec<'a> {
                         &off,
                         self.host_kv[layer as usize].as_mut_slice(),
                         self.kv,
+                        at,
                         self.h_host.f32s_mut(),
-                        m,
-                        pos0,
                     );
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
@@ -1062,7 +1141,7 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
-                    self.gpu_block(lay, pool, step, m, pos0, pass)?;
+                    self.gpu_block(lay, pool, step, at, pass)?;
                 }
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
@@ -1072,14 +1151,23 @@ impl<'a> Exec<'a> {
                         continue;
                     }
                     result = Some(if on_gpu {
-                        self.gpu_output(lay, step, m)?
+                        self.gpu_output(lay, step, m, logit_rows)?
                     } else {
                         self.ensure_host(lay, m)?;
                         let t = self.tl.now_ns();
-                        let h = &self.h_host.f32s()[(m - 1) * self.d.hidden..m * self.d.hidden];
+                        let h = &self.h_host.f32s()[(m - logit_rows) * self.d.hidden..m * self.d.hidden];
                         let lg = cpu::output_block(pool, self.d, uw.buf.as_slice(), &off, h);
                         self.tl.host("cpu output".into(), Track::Cpu, t);
-                        (cpu::argmax(&lg), self.opts.keep_logits.then_some(lg))
+                        let rows = lg.chunks_exact(self.d.vocab);
+                        let toks = rows.clone().map(cpu::argmax).collect();
+                        (
+                            toks,
+                            if self.opts.keep_logits {
+                                rows.map(<[f32]>::to_vec).collect()
+                            } else {
+                                Vec::new()
+                            },
+                        )
                     });
                 }
             }
@@ -1096,7 +1184,7 @@ impl<'a> Exec<'a> {
     /// expert order) and issues their copies as slots free up.
     fn expand_experts(&mut self, layer: u32, picked: &[u32]) -> Result<()> {
         let ring = self.gpu.as_mut().and_then(|g| g.ring.as_mut()).expect("streamed experts imply a ring");
-        let Some(&(RingItem::Experts(l), pass, rows)) = ring.pending.front() else {
+        let Some(&(RingItem::Experts(l), pass, at)) = ring.pending.front() else {
             return Err(ExecError::Input(format!(
                 "ring out of order: layer {layer}'s experts are not next (front {:?})",
                 ring.pending.front()
@@ -1105,7 +1193,7 @@ impl<'a> Exec<'a> {
         debug_assert_eq!(l, layer, "the front placeholder is this layer's");
         ring.pending.pop_front();
         for &expert in picked.iter().rev() {
-            ring.pending.push_front((RingItem::Weights(UnitId::Expert { layer, expert }), pass, rows));
+            ring.pending.push_front((RingItem::Weights(UnitId::Expert { layer, expert }), pass, at));
         }
         self.pump()
     }
@@ -1430,10 +1518,10 @@ impl<'a> Exec<'a> {
         lay: &PhaseLayout,
         pool: &CpuPool,
         step: &Step,
-        m: usize,
-        pos0: usize,
+        pass_at: Pass,
         pass: usize,
     ) -> Result<()> {
+        let m = pass_at.tokens(self.kv.seqs);
         self.ensure_dev(lay, m)?;
         let d = self.d;
         let joint = matches!(
@@ -1450,7 +1538,8 @@ impl<'a> Exec<'a> {
         let base = self.gpu.as_ref().expect("gpu").base();
         let sc = lay.scratch;
         let at = |o: usize| base + o as u64;
-        let half = self.kv.half_bytes() as u64;
+        let whole = self.kv.whole();
+        let half = whole.half_bytes() as u64;
         let mut kslot = None;
         let kv_base = match step.kv {
             // No KV, or op offload's attention over the host KV, which runs on the CPU (below) as in llama.cpp.
@@ -1476,7 +1565,7 @@ impl<'a> Exec<'a> {
             UnitKind::Attn(o) => {
                 // SAFETY: every pointer is inside the arena: weights at wb with the unit's layout (offsets from the
                 // inventory shapes), scratch buffers sized by scratch_layout for ≤ scratch.tokens ≥ m tokens, and the
-                // layer's [K|V] of kv.bytes() at kv_base holding ctx ≥ pos0 + m rows.
+                // layer's [K|V] of whole.bytes() at kv_base holding every row of every sequence (seqs::SeqKv).
                 unsafe {
                     gpu.norm_act(
                         k,
@@ -1542,17 +1631,9 @@ impl<'a> Exec<'a> {
                             d.norm_eps,
                         )?;
                     }
-                    gpu.rope(k, at(sc.q), at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos0)?;
-                    gpu.rope(
-                        k,
-                        at(sc.k),
-                        at(sc.inv_freq),
-                        m,
-                        d.n_kv_heads,
-                        d.head_dim,
-                        d.rot_dims / 2,
-                        pos0,
-                    )?;
+                    let pos = pass_at.positions();
+                    gpu.rope(k, at(sc.q), at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    gpu.rope(k, at(sc.k), at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
                 }
                 if step.kv == Some(KvLoc::Host) {
                     let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
@@ -1572,24 +1653,27 @@ impl<'a> Exec<'a> {
                         self.kv,
                         &mut self.tl,
                         &sc,
-                        m,
-                        pos0,
+                        pass_at,
                     )?;
                     start = g.span_start(Stream::Compute)?;
                 } else {
-                    // SAFETY: as above.
+                    let rows = self.kv.store_rows(pass_at);
+                    let keys = self.kv.gpu_keys(pass_at);
+                    let kb = kv_base + whole.row_offset(keys.base_row) as u64;
+                    // SAFETY: as above; every row the store and the attention touch is one of the cache's
+                    // seqs × ctx rows (seqs::SeqKv).
                     unsafe {
-                        gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, pos0, m)?;
+                        gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, rows, m)?;
                         gpu.attention(
                             k,
                             at(sc.q),
-                            kv_base,
-                            kv_base + half,
+                            kb,
+                            kb + half,
                             at(sc.xb),
                             at(sc.part_o),
                             at(sc.part_ml),
                             m,
-                            pos0,
+                            keys,
                             d.n_heads,
                             d.n_kv_heads,
                             d.attn_scale(),
@@ -1663,18 +1747,21 @@ impl<'a> Exec<'a> {
         g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
         if let (UnitId::Attn { layer }, Some(KvLoc::Streamed)) = (step.unit, step.kv) {
             let li = layer as usize;
-            let (p, n) = (self.kv.row_offset(pos0), self.kv.row_offset(pos0 + m) - self.kv.row_offset(pos0));
             let g = self.gpu.as_mut().expect("gpu");
             g.gpu.record(&g.mark, Stream::Compute)?;
             g.gpu.wait(Stream::D2h, &g.mark)?;
             let hb = self.host_kv[li].as_mut_slice();
             let (hk, hv) = hb.split_at_mut(half as usize);
             let start = g.span_start(Stream::D2h)?;
-            // SAFETY: rows pos0..pos0+m exist in the slot and in the host mirror; the host does not read the
-            // mirror of a streamed layer before the next upload, which waits for kv_wb.
-            unsafe {
-                g.gpu.d2h(Stream::D2h, &mut hk[p..p + n], kv_base + p as u64)?;
-                g.gpu.d2h(Stream::D2h, &mut hv[p..p + n], kv_base + half + p as u64)?;
+            // The new cells: one copy per sequence unless the cache is unified.
+            for (r, n) in self.kv.new_cells(pass_at) {
+                let (p, n) = (whole.row_offset(r), whole.row_offset(n));
+                // SAFETY: the new rows exist in the slot and in the host mirror; the host does not read the
+                // mirror of a streamed layer before the next upload, which waits for kv_wb.
+                unsafe {
+                    g.gpu.d2h(Stream::D2h, &mut hk[p..p + n], kv_base + p as u64)?;
+                    g.gpu.d2h(Stream::D2h, &mut hv[p..p + n], kv_base + half + p as u64)?;
+                }
             }
             g.span_end(&mut self.tl, format!("write back blk.{layer}.kv"), Track::D2h, Stream::D2h, start)?;
             g.gpu.record(&g.kv_wb[li], Stream::D2h)?;
@@ -1692,7 +1779,15 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn gpu_output(&mut self, lay: &PhaseLayout, step: &Step, m: usize) -> Result<(u32, Option<Vec<f32>>)> {
+    /// The output head over the last `rows` of the pass's `m` rows: their sampled tokens and, if kept, logits.
+    #[allow(clippy::type_complexity)]
+    fn gpu_output(
+        &mut self,
+        lay: &PhaseLayout,
+        step: &Step,
+        m: usize,
+        rows: usize,
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
         self.ensure_dev(lay, m)?;
         let d = self.d;
         let (wb, slot) = self.weights_base(lay, step)?;
@@ -1705,16 +1800,17 @@ impl<'a> Exec<'a> {
         let ln = d.norm == pipeshard_core::model::NormKind::LayerNorm;
         let start = g.span_start(Stream::Compute)?;
         let keep = self.opts.keep_logits;
-        // SAFETY: h holds m rows (the last is normalised), xb ≥ hidden activations, logits vocab f32, tok 4 bytes;
-        // io is registered and read only after the sync below.
+        // SAFETY: h holds m rows (the last `rows` are normalised), xb ≥ rows·hidden activations, logits
+        // rows·vocab f32, tok rows·4 bytes (scratch_layout); io is sized for them (Io::new), registered and read
+        // only after the sync below.
         unsafe {
             g.gpu.norm_act(
                 &g.k,
-                at(sc.h) + ((m - 1) * d.hidden * 4) as u64,
+                at(sc.h) + ((m - rows) * d.hidden * 4) as u64,
                 wb + o.norm_w as u64,
                 o.norm_b.map_or(0, |b| wb + b as u64),
                 at(sc.xb),
-                1,
+                rows,
                 d.hidden,
                 d.norm_eps,
                 ln,
@@ -1725,17 +1821,17 @@ impl<'a> Exec<'a> {
                 wb + o.head as u64,
                 at(sc.xb),
                 at(sc.logits),
-                1,
+                rows,
                 d.vocab,
                 d.hidden,
                 false,
             )?;
-            g.gpu.argmax(&g.k, at(sc.logits), d.vocab, at(sc.tok), 1)?;
+            g.gpu.argmax(&g.k, at(sc.logits), d.vocab, at(sc.tok), rows)?;
             let io = self.io.buf.as_mut_slice();
             let (head, tail) = io.split_at_mut(self.io.logits);
-            g.gpu.d2h(Stream::Compute, &mut head[self.io.tok..self.io.tok + 4], at(sc.tok))?;
+            g.gpu.d2h(Stream::Compute, &mut head[self.io.tok..self.io.tok + 4 * rows], at(sc.tok))?;
             if keep {
-                g.gpu.d2h(Stream::Compute, &mut tail[..d.vocab * 4], at(sc.logits))?;
+                g.gpu.d2h(Stream::Compute, &mut tail[..rows * d.vocab * 4], at(sc.logits))?;
             }
         }
         g.span_end(&mut self.tl, "gpu output".into(), Track::Compute, Stream::Compute, start)?;
@@ -1747,14 +1843,20 @@ impl<'a> Exec<'a> {
         g.gpu.sync(Stream::Compute)?;
         self.tl.host("sync: token to host".into(), Track::Host, t);
         let io = self.io.buf.as_slice();
-        let tok = u32::from_le_bytes(io[self.io.tok..self.io.tok + 4].try_into().expect("4 bytes"));
-        let logits = keep.then(|| {
-            io[self.io.logits..self.io.logits + d.vocab * 4]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        let f32_at = |c: &[u8]| f32::from_le_bytes(c.try_into().expect("4 bytes"));
+        let tokens = io[self.io.tok..self.io.tok + 4 * rows]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let logits = if keep {
+            io[self.io.logits..self.io.logits + rows * d.vocab * 4]
+                .chunks_exact(d.vocab * 4)
+                .map(|row| row.chunks_exact(4).map(f32_at).collect())
                 .collect()
-        });
-        Ok((tok, logits))
+        } else {
+            Vec::new()
+        };
+        Ok((tokens, logits))
     }
 }
 

@@ -228,6 +228,7 @@ mod tests {
             let prompt = random_tokens(12, w.dims.vocab, 4);
             let opts = RunOptions {
                 prompt,
+                other_prompts: Vec::new(),
                 gen_tokens: 3,
                 force_tokens: None,
                 keep_logits: true,

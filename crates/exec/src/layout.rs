@@ -14,8 +14,8 @@ use pipeshard_core::inventory::UnitId;
 use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
 
-use crate::cpu::KvLayout;
 use crate::error::{ExecError, Result};
+use crate::seqs::SeqKv;
 use crate::weights::{Dims, ModelWeights};
 
 /// Alignment of every region in the arena.
@@ -121,15 +121,37 @@ pub struct ScratchLayout {
     pub bytes: usize,
 }
 
-/// Bytes of scratch a phase of `tokens` tokens per step needs, with its offsets relative to `base`.
+/// Key splits of attention over `ctx` keys for steps of `tokens` tokens, `logit_rows` of which produce a
+/// token: up to 8 tokens, one split per 256 keys (at most 64); a decode step of more sequences splits until
+/// about 4096 warps run (one per query, head and split), still at least 256 keys a split; a prefill chunk of
+/// more tokens has warps enough and does not split.
 #[must_use]
-pub fn scratch_layout(d: &Dims, tokens: usize, ctx: usize, base: usize) -> ScratchLayout {
-    let attn_splits = if tokens <= 8 { ctx.div_ceil(256).clamp(1, 64) } else { 1 };
-    scratch_layout_split(d, tokens, attn_splits, base)
+pub fn attn_splits(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize) -> usize {
+    let by_keys = ctx.div_ceil(256).clamp(1, 64);
+    if tokens <= 8 {
+        by_keys
+    } else if logit_rows == tokens {
+        by_keys.min(4096usize.div_ceil(tokens * d.n_heads))
+    } else {
+        1
+    }
 }
 
-/// [`scratch_layout`] with decode attention split `attn_splits` ways.
-fn scratch_layout_split(d: &Dims, tokens: usize, attn_splits: usize, base: usize) -> ScratchLayout {
+/// Bytes of scratch a phase of `tokens` tokens per step, `logit_rows` of which produce a token (1 in prefill,
+/// every sequence's in decode), needs over a context of `ctx` keys, with its offsets relative to `base`.
+#[must_use]
+pub fn scratch_layout(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize, base: usize) -> ScratchLayout {
+    carve_scratch(d, tokens, logit_rows, attn_splits(d, tokens, logit_rows, ctx), base)
+}
+
+/// [`scratch_layout`] with `attn_splits` key splits.
+fn carve_scratch(
+    d: &Dims,
+    tokens: usize,
+    logit_rows: usize,
+    attn_splits: usize,
+    base: usize,
+) -> ScratchLayout {
     let m = tokens;
     let act = d.mat.size_bytes();
     let mut s = ScratchLayout { tokens: m, attn_splits, ..ScratchLayout::default() };
@@ -140,11 +162,11 @@ fn scratch_layout_split(d: &Dims, tokens: usize, attn_splits: usize, base: usize
         off
     };
     s.ids = take(m * 4);
-    s.tok = take(16);
+    s.tok = take(16.max(logit_rows * 4));
     s.inv_freq = take(d.rot_dims / 2 * 4 + 4);
     s.h = take(m * d.hidden * 4);
     s.xb = take(m * d.hidden.max(d.q_dim) * act);
-    s.logits = take(d.vocab * 4);
+    s.logits = take(logit_rows * d.vocab * 4);
     // Attention temporaries (q, k, v and the split-attention partials) and FFN temporaries are never live at
     // once: they share one region (core's `scratch_parts` counts them the same way).
     let union_base = at;
@@ -254,30 +276,30 @@ pub fn pinned_in_both(plan: &Plan) -> HashSet<UnitId> {
     pinned(&plan.prefill).intersection(&pinned(&plan.decode)).copied().collect()
 }
 
-/// Lays out both phases of `plan` (prefill for steps of up to `prefill_tokens` tokens, decode for one), with
-/// what both phases pin at the same addresses.
+/// Lays out both phases of `plan` (prefill for steps of up to `prefill_tokens` tokens, decode for one token of
+/// each of `kv`'s sequences), with what both phases pin at the same addresses.
 pub fn layout_plan(
     w: &ModelWeights,
     plan: &Plan,
-    kv: KvLayout,
+    kv: SeqKv,
     prefill_tokens: usize,
     arena: Arena,
 ) -> Result<[PhaseLayout; 2]> {
     let kept = pinned_in_both(plan);
     Ok([
         layout_phase(w, &plan.prefill, &kept, kv, prefill_tokens, arena)?,
-        layout_phase(w, &plan.decode, &kept, kv, 1, arena)?,
+        layout_phase(w, &plan.decode, &kept, kv, kv.seqs, arena)?,
     ])
 }
 
-/// Lays out `plan` for `w` in `arena`, for steps of at most `tokens` tokens and a KV cache of `kv`, carving the
-/// pinned units in `kept` first; fails before anything runs if the plan cannot be executed or does not fit,
-/// naming the lines.
+/// Lays out `plan` for `w` in `arena`, for steps of at most `tokens` tokens and the KV cache of `kv`'s
+/// sequences, carving the pinned units in `kept` first; fails before anything runs if the plan cannot be
+/// executed or does not fit, naming the lines.
 fn layout_phase(
     w: &ModelWeights,
     plan: &PhasePlan,
     kept: &HashSet<UnitId>,
-    kv: KvLayout,
+    kv: SeqKv,
     tokens: usize,
     arena: Arena,
 ) -> Result<PhaseLayout> {
@@ -288,7 +310,7 @@ fn layout_phase(
         plan.placements.iter().map(|p| (p.unit, p.placement)).collect();
     let get = |unit: UnitId| placement.get(&unit).copied().ok_or(ExecError::MissingPlacement { phase, unit });
     let offload = plan.op_offload && phase == PhaseKind::Prefill && tokens >= 32;
-    let kv_bytes = kv.bytes();
+    let kv_bytes = kv.whole().bytes();
 
     // KV of VRAM-resident layers, bottom up, and pinned weights, top down, in order: what both phases pin
     // first.
@@ -419,13 +441,23 @@ fn layout_phase(
         at += staging_bytes;
         (o, staging_bytes)
     });
-    let mut scratch = scratch_layout(d, tokens, kv.ctx, at);
+    let logit_rows = if phase == PhaseKind::Decode { tokens } else { 1 };
+    // Key splits follow one sequence's context: a unified cache's masked scan is longer, but its VRAM must
+    // not depend on the layout. A decode step of many sequences splits only within the scratch the plan gave
+    // (their partial sums are buffers a planner does not count).
+    let mut scratch = scratch_layout(d, tokens, logit_rows, kv.seq.ctx, at);
+    if tokens > 8
+        && scratch.attn_splits > 1
+        && (scratch.bytes + staging_bytes) as u64 > plan.vram.scratch_bytes
+    {
+        scratch = carve_scratch(d, tokens, logit_rows, 1, at);
+    }
     // Core's scratch line counts the split attention's partial sums without the 256-byte alignment of each
     // buffer here: in an arena that tight (an exact-fit plan of a small model), split the keys fewer ways (a
     // slower decode attention, the same function up to f32 rounding) rather than refuse the plan.
     let room = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
     while scratch.attn_splits > 1 && at + scratch.bytes + pinned_used > room {
-        scratch = scratch_layout_split(d, tokens, scratch.attn_splits / 2, at);
+        scratch = carve_scratch(d, tokens, logit_rows, scratch.attn_splits / 2, at);
     }
     at += scratch.bytes;
     let used = VramBreakdown {
@@ -479,6 +511,7 @@ fn layout_phase(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::KvLayout;
     use crate::host::Elem;
     use crate::testing::tiny_spec;
     use pipeshard_core::plan::UnitPlacement;
@@ -504,7 +537,7 @@ mod tests {
     #[test]
     fn regions_are_disjoint_and_inside_the_arena() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -531,7 +564,7 @@ mod tests {
                 regions.push((o, w.unit(s.unit).unwrap().bytes));
             }
             if let Some(KvLoc::Pinned(o)) = s.kv {
-                regions.push((o, kv.bytes()));
+                regions.push((o, kv.whole().bytes()));
             }
         }
         regions.sort_unstable();
@@ -543,13 +576,13 @@ mod tests {
         assert_eq!(l.ring_items[1], RingItem::AttnKv(1));
         assert_eq!(l.ring_items[2], RingItem::Weights(UnitId::Ffn { layer: 1 }));
         let attn = align(w.unit(UnitId::Attn { layer: 1 }).unwrap().bytes);
-        assert!(l.slot_bytes >= attn + kv.bytes(), "a streamed attention carries its KV in its slot");
+        assert!(l.slot_bytes >= attn + kv.whole().bytes(), "a streamed attention carries its KV in its slot");
     }
 
     #[test]
     fn streamed_experts_share_one_ring_placeholder_per_layer() {
         let w = ModelWeights::random(&crate::testing::tiny_qwen3_moe_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -592,14 +625,58 @@ mod tests {
             "MoE temporaries leave the normed input alone"
         );
         assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
-        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 64, 0);
+        let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 4, 64, 0);
         assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
+    }
+
+    /// A decode step of many sequences splits its keys only within the scratch the plan gave; one sequence's
+    /// decode splits by its context whatever the plan.
+    #[test]
+    fn many_sequences_split_keys_only_within_the_planned_scratch() {
+        let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
+        let seq = KvLayout { ctx: 4096, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv { seq, seqs: 16, unified: true, prompt: 8 };
+        let mut p = phase_plan(&w, |_| Placement::Pinned, 0);
+        p.vram.scratch_bytes = 0;
+        let tight = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            16,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
+        assert_eq!(tight.scratch.attn_splits, 1);
+        p.vram.scratch_bytes = 64 << 20;
+        let roomy = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            kv,
+            16,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
+        assert_eq!(roomy.scratch.attn_splits, 16, "4096 keys in 256-key splits");
+        assert!(roomy.scratch.bytes > tight.scratch.bytes, "the partial sums take room");
+        p.vram.scratch_bytes = 0;
+        let one = layout_phase(
+            &w,
+            &p,
+            &HashSet::new(),
+            SeqKv::single(seq),
+            1,
+            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
+        )
+        .unwrap();
+        assert_eq!(one.scratch.attn_splits, 16);
     }
 
     #[test]
     fn too_small_arenas_fail_naming_the_lines() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(&w, |_| Placement::Pinned, 0);
         let e = layout_phase(
             &w,
@@ -618,7 +695,7 @@ mod tests {
     #[test]
     fn kv_streams_alone_only_under_pinned_attention() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let p = phase_plan(
             &w,
             |u| match u {
@@ -638,7 +715,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(l.ring_items, vec![RingItem::Kv(0), RingItem::Kv(1), RingItem::Kv(2)]);
-        assert_eq!(l.slot_bytes, align(kv.bytes()));
+        assert_eq!(l.slot_bytes, align(kv.whole().bytes()));
         let bad = phase_plan(
             &w,
             |u| if matches!(u, UnitId::Kv { .. }) { Placement::Pinned } else { Placement::Cpu },
@@ -659,7 +736,7 @@ mod tests {
     fn units_pinned_in_both_phases_keep_their_address() {
         let spec = crate::testing::tiny_qwen3_moe_spec();
         let w = ModelWeights::random(&spec, 1).unwrap();
-        let kv = KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: 64, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         // Prefill pins the odd experts and layer 1's attention and KV; decode also pins layer 0's even experts
         // and every layer's attention and KV, units that come before shared ones in inventory order.
         let plan = crate::testing::manual_plan(
@@ -703,14 +780,16 @@ mod tests {
                 .unwrap()
                 .with_uniform_weights(pipeshard_core::dtype::DType::Bf16);
             let d = crate::weights::Dims::new(&spec).unwrap();
-            for ctx in [1024u64, 8192, 32768] {
-                let wl = pipeshard_core::workload::Workload::single(ctx - 16, ctx, 16, 1024);
+            // One request, and 4 parallel ones (a token and its logits row each).
+            for (ctx, r) in [1024u64, 8192, 32768].into_iter().flat_map(|c| [(c, 1usize), (c, 4)]) {
+                let wl = pipeshard_core::workload::Workload::single(ctx - 16, ctx, 16, 1024)
+                    .batched(r as u64, false);
                 let planned = pipeshard_core::workload::scratch_bytes(&spec, &wl, wl.decode_step(15));
-                let exec = scratch_layout(&d, 1, ctx as usize, 0);
+                let exec = scratch_layout(&d, r, r, ctx as usize, 0);
                 assert!(exec.attn_splits > 1, "{name} {ctx}: decode splits the keys");
                 assert!(
                     exec.bytes as u64 <= planned,
-                    "{name} ctx {ctx}: exec {} > planned {planned}",
+                    "{name} ctx {ctx} batch {r}: exec {} > planned {planned}",
                     exec.bytes
                 );
             }

@@ -25,6 +25,8 @@
 //! - [`layout`]: a phase plan turned into arena offsets, per-step weight/KV locations and the streaming ring's
 //!   item sequence; fails before running, naming the line that overflows.
 //! - [`engine`]: [`run`] — prefill chunks, the switch to the decode plan, decode steps, the ring, metrics.
+//! - [`seqs`]: parallel requests — where R sequences' KV cells live (per sequence or unified) and which tokens
+//!   a pass runs.
 //! - [`hf`]: export to a transformers checkpoint for the independent comparison (`scripts/hf_compare.py`).
 //! - [`testing`]: tiny specs and hand-made plans ([`testing::manual_plan`]) for tests and checks.
 //!
@@ -58,13 +60,19 @@
 //!   (Ctrl-C) stops a run before its next forward pass with [`ExecError::Interrupted`], freeing what it holds.
 //!   A plan that fits its budget exactly but not the split decode attention's aligned partial buffers runs
 //!   with fewer splits rather than being refused.
+//! - Parallel requests (the workload's `batch` R): as the simulator models them, every request's prompt is
+//!   prefilled in turn, then each decode step runs R tokens (one per sequence) through the same plan — GEMMs of
+//!   R rows, attention per sequence over its own cells, MoE experts once over the tokens that picked them. A
+//!   layer's cache holds R × ctx rows, per sequence or unified in write order (`seqs`): the unified one moves a
+//!   step's cells in one copy, and its GPU attention scans every used cell, masking other sequences' (as
+//!   llama.cpp's CUDA kernels and the simulator's cost); per-sequence caches move one run per sequence.
 //! - Host sync only where data crosses: residual to the host before a CPU unit, the sampled token, and the end
 //!   of each pass (the host reuses its staging buffers).
 //!
 //! # Not supported (errors say so)
 //! Vision towers (issue 11), shared experts, tied embeddings, mixed or K-quant formats as compute formats (q4_k,
 //! q6_k, …: a GGUF file's tensors in them are converted to the one format of `--weights q4_0`, `q8_0` or `bf16`
-//! as they load; q2_k, q3_k and q5_k cannot be read yet), batch > 1 (issue 10).
+//! as they load; q2_k, q3_k and q5_k cannot be read yet), parallel requests with prompts of different lengths.
 
 pub mod cpu;
 pub mod cuda;
@@ -75,6 +83,7 @@ pub mod host;
 pub mod layout;
 pub mod quant;
 pub mod reference;
+pub mod seqs;
 pub mod testing;
 pub mod weights;
 

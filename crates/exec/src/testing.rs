@@ -1,5 +1,6 @@
 //! Tiny model specs for tests (here, in the GPU test binary and in the CLI's checks): small enough for the f64
-//! reference, with every feature the kernels branch on.
+//! reference, with every feature the kernels branch on; hand-made plans; and the batched-vs-independent-runs check
+//! the CPU and GPU tests share.
 
 use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, UnitId};
@@ -8,6 +9,10 @@ use pipeshard_core::plan::{
     PLAN_SCHEMA_VERSION, PhaseKind, PhasePlan, Placement, Plan, UnitPlacement, VramBreakdown,
 };
 use pipeshard_core::workload::{Phase, Workload, scratch_bytes};
+
+use crate::cuda::Gpu;
+use crate::weights::ModelWeights;
+use crate::{Result, RunOptions, RunOutput, run};
 
 fn spec(name: &str, json: &str) -> ModelSpec {
     parse_hf_config(name, json, name, WeightFormat::uniform(DType::Bf16)).expect("tiny configs parse")
@@ -109,7 +114,9 @@ pub fn manual_plan(
                 let n = workload.ubatch.min(workload.prompt_tokens);
                 (n, Phase::Prefill { tokens: n, start_pos: workload.prompt_tokens - n, last: true })
             }
-            PhaseKind::Decode => (1, workload.decode_step(workload.gen_tokens.saturating_sub(1))),
+            PhaseKind::Decode => {
+                (workload.batch, workload.decode_step(workload.gen_tokens.saturating_sub(1)))
+            }
         };
         let vram = VramBreakdown {
             pinned_weights_bytes: pinned(false),
@@ -155,6 +162,43 @@ pub fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
             (x % vocab as u64) as u32
         })
         .collect()
+}
+
+/// A batched run against independent ones: `plan` (a workload of R = `prompts.len()` parallel requests) run
+/// on `gpu` (or the CPU) with every sequence's decode fed `force`, and each prompt run alone, all on the CPU
+/// (`threads`), with the same inputs. Returns the batched run and the largest relative logits error of any
+/// sequence's token against its own run (`reference::rel_err`).
+pub fn batched_vs_single(
+    w: &ModelWeights,
+    plan: &Plan,
+    gpu: Option<&Gpu>,
+    prompts: &[Vec<u32>],
+    force: &[u32],
+    threads: u32,
+) -> Result<(RunOutput, f64)> {
+    let (r, n_gen) = (prompts.len(), force.len());
+    assert_eq!(plan.workload.batch as usize, r, "one prompt per parallel request");
+    let opts = |prompt: &[u32], others: &[Vec<u32>]| RunOptions {
+        prompt: prompt.to_vec(),
+        other_prompts: others.to_vec(),
+        gen_tokens: n_gen,
+        force_tokens: Some(force.to_vec()),
+        keep_logits: true,
+        ..RunOptions::default()
+    };
+    let batched = run(w, plan, gpu, &opts(&prompts[0], &prompts[1..]))?;
+    let single = Workload { batch: 1, kv_unified: false, ..plan.workload };
+    let cpu = manual_plan(&w.spec, single, plan.budget_bytes, 0, 0, threads, |_, _| Placement::Cpu);
+    let mut max_err = 0f64;
+    for (s, prompt) in prompts.iter().enumerate() {
+        let alone = run(w, &cpu, None, &opts(prompt, &[]))?;
+        assert_eq!(batched.logits.len(), (n_gen + 1) * r, "a token of every sequence per step");
+        for (i, lg) in alone.logits.iter().enumerate() {
+            let b64: Vec<f64> = lg.iter().map(|&x| f64::from(x)).collect();
+            max_err = max_err.max(crate::reference::rel_err(&batched.logits[i * r + s], &b64));
+        }
+    }
+    Ok((batched, max_err))
 }
 
 /// Writes `w`'s tensors as a GGUF file at `path`: `general.architecture` = `arch` (a `llama` file stores its

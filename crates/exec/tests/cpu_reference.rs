@@ -5,7 +5,8 @@ use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::reference::{logits_f64, rel_err};
 use pipeshard_exec::testing::{
-    manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
+    batched_vs_single, manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec,
+    tiny_spec,
 };
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, run};
@@ -33,6 +34,7 @@ fn all_cpu_matches_the_f64_reference() {
             None,
             &RunOptions {
                 prompt: prompt.clone(),
+                other_prompts: Vec::new(),
                 gen_tokens: 5,
                 force_tokens: Some(force.clone()),
                 keep_logits: true,
@@ -225,4 +227,72 @@ fn an_interrupt_stops_the_run() {
     FLAG.store(true, Ordering::Relaxed);
     let e = run(&w, &plan, None, &opts).unwrap_err();
     assert_eq!(e, ExecError::Interrupted { passes: 0 });
+}
+
+/// Parallel requests on the CPU: R sequences decoded together (per-sequence and unified KV, different prompts
+/// and identical ones, prefill in chunks) give every sequence the logits of its own single-sequence run.
+#[test]
+fn batched_decode_equals_independent_runs() {
+    let mut checked = 0;
+    for spec in [tiny_spec(), tiny_qwen3_moe_spec()] {
+        let w = ModelWeights::random(&spec, 9).unwrap();
+        let distinct: Vec<Vec<u32>> = (0..3).map(|s| random_tokens(7, w.dims.vocab, 20 + s)).collect();
+        let same = vec![distinct[0].clone(); 3];
+        let force = random_tokens(4, w.dims.vocab, 30);
+        for unified in [false, true] {
+            for prompts in [&distinct, &same] {
+                let wl = Workload::single(7, 16, 4, 3).batched(3, unified);
+                let plan = manual_plan(&spec, wl, 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
+                let (out, err) = batched_vs_single(&w, &plan, None, prompts, &force, 2).unwrap();
+                assert!(err < 1e-3, "{} unified={unified}: logits rel err {err}", spec.name);
+                assert_eq!(out.tokens.len(), 3 * 5);
+                // TPS counts the tokens of every request.
+                let per_step_s = out.metrics.decode_step_ns as f64 / 1e9;
+                assert!((out.metrics.tps * per_step_s / 3.0 - 1.0).abs() < 0.05, "{}", out.metrics.tps);
+                checked += 1;
+            }
+            // Different prompts give different logits: the comparison is per sequence.
+            let plan = manual_plan(
+                &spec,
+                Workload::single(7, 16, 4, 3).batched(3, unified),
+                1 << 30,
+                0,
+                0,
+                2,
+                |_, _| Placement::Cpu,
+            );
+            let (out, _) = batched_vs_single(&w, &plan, None, &distinct, &force, 2).unwrap();
+            assert!(
+                rel_err(&out.logits[3], &out.logits[4].iter().map(|&x| f64::from(x)).collect::<Vec<_>>())
+                    > 1e-2
+            );
+        }
+    }
+    assert_eq!(checked, 8);
+}
+
+#[test]
+fn batched_inputs_are_checked() {
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 1).unwrap();
+    let plan =
+        manual_plan(&spec, Workload::single(4, 16, 2, 4).batched(3, false), 1 << 30, 0, 0, 2, |_, _| {
+            Placement::Cpu
+        });
+    let opts = |others: Vec<Vec<u32>>| RunOptions {
+        prompt: vec![1, 2, 3, 4],
+        other_prompts: others,
+        gen_tokens: 2,
+        force_tokens: None,
+        keep_logits: false,
+        ..RunOptions::default()
+    };
+    let e = run(&w, &plan, None, &opts(vec![vec![1, 2, 3, 4]])).unwrap_err();
+    assert!(e.to_string().contains("1 other prompts for a workload of 3"), "{e}");
+    let e = run(&w, &plan, None, &opts(vec![vec![1, 2, 3, 4], vec![1, 2]])).unwrap_err();
+    assert!(e.to_string().contains("same prompt length"), "{e}");
+    // No other prompts: every sequence runs the first one.
+    let out = run(&w, &plan, None, &opts(Vec::new())).unwrap();
+    assert_eq!(out.tokens.len(), 9);
+    assert!(out.tokens.chunks_exact(3).all(|c| c[0] == c[1] && c[1] == c[2]));
 }

@@ -23,6 +23,7 @@ fn logits(w: &ModelWeights) -> Vec<f32> {
     let plan = manual_plan(spec, Workload::single(9, 32, 3, 4), 1 << 30, 0, 0, 2, |_, _| Placement::Cpu);
     let opts = RunOptions {
         prompt: random_tokens(9, w.dims.vocab, 5),
+        other_prompts: Vec::new(),
         gen_tokens: 3,
         force_tokens: Some(random_tokens(3, w.dims.vocab, 6)),
         keep_logits: true,

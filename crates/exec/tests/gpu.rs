@@ -19,7 +19,8 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::{
-    manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
+    batched_vs_single, manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec,
+    tiny_spec,
 };
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, RunOutput, run};
@@ -131,6 +132,7 @@ struct Case {
 fn opts(prompt: &[u32], n_gen: usize, force: Option<Vec<u32>>) -> RunOptions {
     RunOptions {
         prompt: prompt.to_vec(),
+        other_prompts: Vec::new(),
         gen_tokens: n_gen,
         force_tokens: force,
         keep_logits: true,
@@ -444,4 +446,73 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
             }
         }
     }
+}
+
+/// Parallel requests on the GPU (issue 10): R sequences with their own prompts decoded together through
+/// placement mixes of dense and MoE models, with per-sequence and unified KV (the unified cache's masked scan
+/// included), give every sequence the logits of its own single-sequence all-CPU run, within the budget.
+#[test]
+fn batched_decode_matches_independent_runs_on_the_gpu() {
+    if let Err(reason) = probe() {
+        eprintln!("skipped: no CUDA device: {reason}");
+        return;
+    }
+    let gpu = Gpu::new().unwrap();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
+    let pick = |mixes: &'static [(&'static str, u32, bool, Rule)], names: &[&str]| {
+        mixes.iter().copied().filter(|m| names.contains(&m.0)).collect::<Vec<_>>()
+    };
+    let dense = pick(
+        MIXES,
+        &[
+            "all-pinned",
+            "stream-d2 (KV streamed)",
+            "stream-d1 (attention + KV in one slot)",
+            "per-layer pinned/streamed/CPU, output streamed",
+            "switch: prefill streamed d2, decode pinned/CPU by layer",
+        ],
+    );
+    let moe = pick(
+        MOE_MIXES,
+        &[
+            "all-pinned",
+            "moe: everything streamed d3 (router, attention + KV too)",
+            "moe: experts split pinned/streamed/CPU, router by layer",
+        ],
+    );
+    let nemo = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
+    let cases =
+        [(tiny_spec(), &dense, 5, GIB), (tiny_qwen3_moe_spec(), &moe, 5, GIB), (nemo, &dense, 4, 8 * GIB)];
+    let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
+    let mut log = std::io::stderr();
+    let mut ran = 0;
+    for (spec, mixes, r, budget) in
+        cases.iter().filter(|c| filter.as_ref().is_none_or(|f| f.split(',').any(|n| c.0.name.starts_with(n))))
+    {
+        let w = ModelWeights::random(spec, 2026).unwrap();
+        let prompts: Vec<Vec<u32>> =
+            (0..*r).map(|s| random_tokens(40, w.dims.vocab, 11 + s as u64)).collect();
+        let force = random_tokens(5, w.dims.vocab, 7);
+        writeln!(log, "\n{} batched, {r} sequences", spec.name).unwrap();
+        for &(name, depth, _, rule) in mixes.as_slice() {
+            for unified in [false, true] {
+                let wl = Workload::single(40, 64, 5, 16).batched(*r as u64, unified);
+                let plan = manual_plan(spec, wl, *budget, 0, depth, threads, rule);
+                let (out, err) = batched_vs_single(&w, &plan, Some(&gpu), &prompts, &force, threads)
+                    .unwrap_or_else(|e| panic!("{}: {name}: {e}", spec.name));
+                let peak = out.vram.as_ref().expect("GPU runs report VRAM").peak_process_bytes;
+                writeln!(
+                    log,
+                    "{name:<58} {:<9} max_rel {err:.2e}  tps {:>8.1}  peak {peak}",
+                    if unified { "unified" } else { "per-seq" },
+                    out.metrics.tps
+                )
+                .unwrap();
+                assert!(err < 1e-2, "{}: {name} unified={unified}: logits rel err {err}", spec.name);
+                assert!(peak <= *budget);
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran > 0 || filter.is_some(), "no batched case ran");
 }

@@ -10,6 +10,7 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cpu::KvLayout;
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::layout::{Arena, layout_plan};
+use pipeshard_exec::seqs::SeqKv;
 use pipeshard_exec::testing::{
     manual_plan, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
 };
@@ -62,7 +63,7 @@ proptest! {
         let mut plan = manual_plan(&spec, workload, u64::MAX, overhead, depth, 2, place);
         plan.budget_bytes = plan.peak_vram_bytes() + slack;
         prop_assert!(plan.validate(&inv).is_ok(), "{:?}", plan.validate(&inv));
-        let kv = KvLayout { ctx: workload.ctx as usize, kv_dim: w.dims.kv_dim, elem: Elem::F16 };
+        let kv = SeqKv::single(KvLayout { ctx: workload.ctx as usize, kv_dim: w.dims.kv_dim, elem: Elem::F16 });
         let arena = Arena {
             bytes: (plan.budget_bytes - overhead) as usize,
             budget_bytes: plan.budget_bytes,

@@ -551,7 +551,7 @@ pub fn measure(
             let mut q = random_f32(m * heads * head_dim, 8);
             let s = sample(rule, || -> Result<f64> {
                 let t0 = Instant::now();
-                kernels::rope(&mut q, m, heads, head_dim, &inv, 1000);
+                kernels::rope(&mut q, m, heads, head_dim, &inv, (1000, 1));
                 Ok(secs_ns(t0))
             })?;
             rows.push(elementwise_row(OpClass::Rope, (heads * head_dim) as u64, m, s));

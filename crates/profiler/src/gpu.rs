@@ -13,6 +13,7 @@ use pipeshard_exec::cuda::{Event, Gpu, KernelKey, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
+use pipeshard_exec::seqs::GpuKeys;
 use pipeshard_exec::weights::Dims;
 
 use crate::cpu::{self, Background, dims_for, fill_random};
@@ -170,7 +171,7 @@ pub fn measure_all(
     // Runtime VRAM first, before the profiler allocates anything: exec's own measurement for nemo-8b in bf16.
     let nemo = catalog::get("nemo-8b").expect("catalog model").with_uniform_weights(DType::Bf16);
     let runtime_overhead_bytes =
-        pipeshard_exec::runtime_overhead_bytes(&gpu, &Dims::new(&nemo)?, Elem::F16, g.prefill_chunk)?;
+        pipeshard_exec::runtime_overhead_bytes(&gpu, &Dims::new(&nemo)?, Elem::F16, g.prefill_chunk, 1)?;
     let (_, vram_total) = gpu.mem_info()?;
     let b = Bench { gpu: &gpu, rule, ev0: gpu.event(true)?, ev1: gpu.event(true)? };
 
@@ -414,7 +415,7 @@ pub fn measure_all(
                 for decode in [true, false] {
                     let m = if decode { 1 } else { chunk.min(ctx) };
                     let pos0 = ctx - m;
-                    let splits = scratch_layout(&d, m, ctx, 0).attn_splits;
+                    let splits = scratch_layout(&d, m, 1, ctx, 0).attn_splits;
                     let s = b.events(Stream::Compute, &mut |_| {
                         // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
                         // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
@@ -428,7 +429,7 @@ pub fn measure_all(
                                 part_o.ptr(),
                                 part_ml.ptr(),
                                 m,
-                                pos0,
+                                GpuKeys::causal(pos0),
                                 d.n_heads,
                                 d.n_kv_heads,
                                 d.attn_scale(),
@@ -498,7 +499,7 @@ pub fn measure_all(
             let heads = (hid / 128).max(1);
             let s = b.events(Stream::Compute, &mut |_| {
                 // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
-                unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, 1000) }
+                unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, (1000, 1)) }
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Rope, (heads * 128) as u64, m, s));

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
+use crate::seqs::{KeyRows, Pass, SeqKv};
 use crate::weights::{AttnOffsets, Dims, ExpertOffsets, FfnOffsets, OutputOffsets, RouterOffsets};
 pub use qdot::{CacheLevel, Prefetch};
 use simd::Isa;
@@ -429,11 +430,11 @@ pub fn norm_rows(
     }
 }
 
-/// Rotates `x` (`[m, heads, head_dim]`) in place for positions `pos0..pos0+m`.
-pub fn rope(x: &mut [f32], m: usize, heads: usize, head_dim: usize, inv_freq: &[f32], pos0: usize) {
+/// Rotates `x` (`[m, heads, head_dim]`) in place, token `t` at position `pos.0 + t·pos.1`.
+pub fn rope(x: &mut [f32], m: usize, heads: usize, head_dim: usize, inv_freq: &[f32], pos: (usize, usize)) {
     let half = inv_freq.len();
     for t in 0..m {
-        let pos = (pos0 + t) as f32;
+        let pos = (pos.0 + t * pos.1) as f32;
         for (i, &f) in inv_freq.iter().enumerate() {
             let (s, c) = (pos * f).sin_cos();
             for h in 0..heads {
@@ -517,6 +518,23 @@ pub fn attention(
     round: Elem,
     out: &mut [f32],
 ) {
+    let keys = |t: usize| KeyRows { a_start: 0, a_len: pos0 + t + 1, b_start: 0, b_stride: 1, b_len: 0 };
+    attention_rows(pool, d, q, kv, lay, m, &keys, round, out);
+}
+
+/// Attention of `m` queries, query `t` over the cache rows `keys(t)` (its own cells, in position order),
+/// output rounded to `round`.
+pub fn attention_rows(
+    pool: &CpuPool,
+    d: &Dims,
+    q: &[f32],
+    kv: &[u8],
+    lay: KvLayout,
+    m: usize,
+    keys: &(dyn Fn(usize) -> KeyRows + Sync),
+    round: Elem,
+    out: &mut [f32],
+) {
     let hd = d.head_dim;
     let group = d.n_heads / d.n_kv_heads;
     let scale = d.attn_scale();
@@ -528,10 +546,10 @@ pub fn attention(
             let (t, h) = (th / d.n_heads, th % d.n_heads);
             let g = h / group;
             let qv = &q[th * hd..(th + 1) * hd];
-            let n_keys = pos0 + t + 1;
-            let mut scores: Vec<f32> = (0..n_keys)
+            let rows = keys(t);
+            let mut scores: Vec<f32> = (0..rows.len())
                 .map(|j| {
-                    let off = lay.row_offset(j) + g * hd * es;
+                    let off = lay.row_offset(rows.row(j)) + g * hd * es;
                     simd::dot_kv(isa, qv, &kc[off..off + hd * es], lay.elem) * scale
                 })
                 .collect();
@@ -543,7 +561,7 @@ pub fn attention(
             }
             let mut acc = vec![0f32; hd];
             for (j, &p) in scores.iter().enumerate() {
-                let off = lay.row_offset(j) + g * hd * es;
+                let off = lay.row_offset(rows.row(j)) + g * hd * es;
                 simd::axpy_kv(isa, &mut acc, p, &vc[off..off + hd * es], lay.elem);
             }
             for (a, b) in o.iter_mut().zip(&acc) {
@@ -555,9 +573,14 @@ pub fn attention(
 
 /// Writes the K and V rows of `m` tokens at positions `pos0..` into the cache, rounded to its element type.
 pub fn store_kv(kv: &mut [u8], lay: KvLayout, k: &[f32], v: &[f32], m: usize, pos0: usize) {
+    store_kv_rows(kv, lay, k, v, m, (pos0, 1));
+}
+
+/// Writes the K and V rows of `m` tokens into the cache, token `t` at row `first + t·step` (`rows`).
+pub fn store_kv_rows(kv: &mut [u8], lay: KvLayout, k: &[f32], v: &[f32], m: usize, rows: (usize, usize)) {
     let half = lay.half_bytes();
     for t in 0..m {
-        let base = (pos0 + t) * lay.kv_dim;
+        let base = (rows.0 + t * rows.1) * lay.kv_dim;
         for i in 0..lay.kv_dim {
             lay.elem.write(&mut kv[..half], base + i, k[t * lay.kv_dim + i]);
             lay.elem.write(&mut kv[half..], base + i, v[t * lay.kv_dim + i]);
@@ -601,18 +624,19 @@ pub fn embed(pool: &CpuPool, d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f3
     });
 }
 
-/// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))`, writing K/V into the cache.
+/// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))` for the tokens of `pass`, writing
+/// their K/V into the cache of `cache`'s sequences (`kv` holds its whole `[K | V]`).
 pub fn attn_block(
     pool: &CpuPool,
     d: &Dims,
     unit: &[u8],
     off: &AttnOffsets,
     kv: &mut [u8],
-    lay: KvLayout,
+    cache: SeqKv,
+    pass: Pass,
     h: &mut [f32],
-    m: usize,
-    pos0: usize,
 ) {
+    let m = pass.tokens(cache.seqs);
     let (w, b) = norm_params(unit, d, off.norm_w, off.norm_b);
     let mut xn = vec![0f32; m * d.hidden];
     norm_rows(d.norm, &h[..m * d.hidden], d.hidden, &w, b.as_deref(), d.norm_eps, d.mat, &mut xn);
@@ -640,11 +664,12 @@ pub fn attn_block(
         }
     }
     let inv_freq = d.rope_inv_freq();
-    rope(&mut q, m, d.n_heads, d.head_dim, &inv_freq, pos0);
-    rope(&mut k, m, d.n_kv_heads, d.head_dim, &inv_freq, pos0);
-    store_kv(kv, lay, &k, &v, m, pos0);
+    rope(&mut q, m, d.n_heads, d.head_dim, &inv_freq, pass.positions());
+    rope(&mut k, m, d.n_kv_heads, d.head_dim, &inv_freq, pass.positions());
+    let lay = cache.whole();
+    store_kv_rows(kv, lay, &k, &v, m, cache.store_rows(pass));
     let mut att = vec![0f32; m * d.q_dim];
-    attention(pool, d, &q, kv, lay, m, pos0, d.mat, &mut att);
+    attention_rows(pool, d, &q, kv, lay, m, &|t| cache.keys(pass, t), d.mat, &mut att);
     mat_mul(pool, d, &att, m, d.q_dim, unit, off.o, d.hidden, h, true);
 }
 
@@ -909,9 +934,9 @@ mod tests {
         let inv = vec![1.0, 0.1];
         let mut x = vec![1.0, 2.0, 3.0, 4.0, 5.0];
         let orig = x.clone();
-        rope(&mut x, 1, 1, 5, &inv, 0);
+        rope(&mut x, 1, 1, 5, &inv, (0, 1));
         assert_eq!(x, orig);
-        rope(&mut x, 1, 1, 5, &inv, 3);
+        rope(&mut x, 1, 1, 5, &inv, (3, 1));
         let n0: f32 = orig[..4].iter().map(|v| v * v).sum();
         let n1: f32 = x[..4].iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);

@@ -115,9 +115,10 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
     if (i < n) x[i] += b[i % dim];
 }
 
-// Rotates the first 2*half dims of each head of x [m, heads, head_dim] for positions pos0.. (rotate_half form).
+// Rotates the first 2*half dims of each head of x [m, heads, head_dim], token t at position pos0 + t*pos_step
+// (rotate_half form).
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ inv_freq, int m, int heads, int head_dim,
-                                int half, int pos0) {
+                                int half, int pos0, int pos_step) {
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 total = (u64)m * heads * half;
     if (idx >= total) return;
@@ -125,19 +126,20 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     const u64 th = idx / half;
     const int t = th / heads;
     float s, c;
-    sincosf((float)(pos0 + t) * inv_freq[i], &s, &c);
+    sincosf((float)(pos0 + t * pos_step) * inv_freq[i], &s, &c);
     float* p = x + th * head_dim;
     const float a = p[i], bb = p[i + half];
     p[i] = a * c - bb * s;
     p[i + half] = bb * c + a * s;
 }
 
-// Writes K and V rows of m tokens into the cache at positions pos0.., rounded to the cache type.
+// Writes K and V rows of m tokens into the cache, token t at row row0 + t*row_step, rounded to the cache type.
 extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v, kv_t* __restrict__ kc,
-                                    kv_t* __restrict__ vc, int kv_dim, int pos0, int m) {
+                                    kv_t* __restrict__ vc, int kv_dim, long long row0, long long row_step, int m) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)m * kv_dim) return;
-    const u64 dst = (u64)pos0 * kv_dim + i;
+    const u64 t = i / kv_dim;
+    const u64 dst = (u64)(row0 + (long long)t * row_step) * kv_dim + i % kv_dim;
     kc[dst] = KV_STORE(k[i]);
     vc[dst] = KV_STORE(v[i]);
 }
@@ -149,10 +151,14 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 // Causal attention, one warp per (token, head, key split), online softmax over tiles of 32 keys.
 // Lanes own keys for the scores and dimensions (lane + 32 r) for the output. With n_splits == 1 it writes
 // out [m, heads*D] in the activation type; otherwise partial sums (part_o [warp, D], part_ml [warp, 2]).
+// Token t reads rows t*seq_rows + j for j < pos0 + t*pos_step + 1 (one sequence's chunk: seq_rows 0,
+// pos_step 1; one token of each sequence: pos_step 0). With mask_seqs > 0 (a unified cache of mask_seqs
+// sequences with mask_prompt-token prompts) it scores every row and keeps those of sequence t only.
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     const float* __restrict__ q, const kv_t* __restrict__ kc, const kv_t* __restrict__ vc, act_t* __restrict__ out,
     float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
-    float scale, int n_splits, int keys_per_split) {
+    float scale, int n_splits, int keys_per_split, long long seq_rows, int pos_step, int mask_prompt,
+    int mask_seqs) {
     __shared__ float qs[ATTN_WARPS][D];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const long long warp = (long long)blockIdx.x * ATTN_WARPS + wib;
@@ -163,7 +169,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     const int t = (int)(th / n_heads);
     const int kvh = h / (n_heads / n_kv_heads);
     const int kv_dim = n_kv_heads * D;
-    const int n_keys = pos0 + t + 1;
+    const int n_keys = pos0 + t * pos_step + 1;
+    kc += (u64)t * seq_rows * kv_dim;
+    vc += (u64)t * seq_rows * kv_dim;
+    const long long prompts = (long long)mask_seqs * mask_prompt;
     const int k_begin = s * keys_per_split;
     const int k_end = min(n_keys, k_begin + keys_per_split);
     for (int i = lane; i < D; i += 32) qs[wib][i] = q[th * D + i];
@@ -175,16 +184,22 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     for (int base = k_begin; base < k_end; base += 32) {
         const int j = base + lane;
         float sc = NEG_INF;
-        if (j < k_end) {
+        bool keep = j < k_end;
+        if (keep) {
             const kv_t* kr = kc + (u64)j * kv_dim + (u64)kvh * D;
             float d = 0.f;
 #pragma unroll 16
             for (int i = 0; i < D; ++i) d += qs[wib][i] * KV_LOAD(kr[i]);
             sc = d * scale;
+            if (mask_seqs > 0) {
+                const long long owner = j < prompts ? j / mask_prompt : (j - prompts) % mask_seqs;
+                if (owner != t) { keep = false; sc = NEG_INF; }
+            }
         }
         const float new_m = fmaxf(mx, warp_max(sc));
-        const float p = j < k_end ? expf(sc - new_m) : 0.f;
-        const float corr = expf(mx - new_m);
+        // A tile with no kept key yet leaves new_m at -inf: nothing to add, nothing to rescale.
+        const float p = keep ? expf(sc - new_m) : 0.f;
+        const float corr = new_m == NEG_INF ? 1.f : expf(mx - new_m);
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int r = 0; r < PER; ++r) acc[r] *= corr;

@@ -22,6 +22,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
+use crate::seqs::GpuKeys;
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
 /// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
@@ -753,7 +754,7 @@ impl Gpu {
         .map_err(driver_err("cuLaunchKernel(add_bias)"))
     }
 
-    /// RoPE over `x` `[m, heads, head_dim]` at positions `pos0..`.
+    /// RoPE over `x` `[m, heads, head_dim]`, token `t` at position `pos.0 + t·pos.1`.
     ///
     /// # Safety
     /// `x` holds `m × heads × head_dim` f32 and `inv_freq` `half` f32, `2 × half ≤ head_dim`.
@@ -766,13 +767,14 @@ impl Gpu {
         heads: usize,
         head_dim: usize,
         half: usize,
-        pos0: usize,
+        pos: (usize, usize),
     ) -> Result<()> {
         if half == 0 {
             return Ok(());
         }
         let n = (m * heads * half) as u64;
-        let (m, heads, hd, half, pos0) = (m as i32, heads as i32, head_dim as i32, half as i32, pos0 as i32);
+        let (m, heads, hd, half) = (m as i32, heads as i32, head_dim as i32, half as i32);
+        let (pos0, pos_step) = (pos.0 as i32, pos.1 as i32);
         // SAFETY: as documented.
         unsafe {
             self.compute
@@ -784,16 +786,17 @@ impl Gpu {
                 .arg(&hd)
                 .arg(&half)
                 .arg(&pos0)
+                .arg(&pos_step)
                 .launch(threads_for(n, 256))
         }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel(rope)"))
     }
 
-    /// Writes `m` K and V rows into the cache at positions `pos0..`.
+    /// Writes `m` K and V rows into the cache, token `t` at row `rows.0 + t·rows.1`.
     ///
     /// # Safety
-    /// `k`, `v` hold `m × kv_dim` f32; `kc`, `vc` hold at least `(pos0 + m) × kv_dim` cache elements.
+    /// `k`, `v` hold `m × kv_dim` f32; `kc`, `vc` hold every row written, `kv_dim` cache elements each.
     pub unsafe fn store_kv(
         &self,
         kn: &Kernels,
@@ -802,11 +805,11 @@ impl Gpu {
         kc: u64,
         vc: u64,
         kv_dim: usize,
-        pos0: usize,
+        rows: (usize, usize),
         m: usize,
     ) -> Result<()> {
         let n = (m * kv_dim) as u64;
-        let (kv_dim, pos0, m) = (kv_dim as i32, pos0 as i32, m as i32);
+        let (kv_dim, row0, row_step, m) = (kv_dim as i32, rows.0 as i64, rows.1 as i64, m as i32);
         // SAFETY: as documented.
         unsafe {
             self.compute
@@ -816,7 +819,8 @@ impl Gpu {
                 .arg(&kc)
                 .arg(&vc)
                 .arg(&kv_dim)
-                .arg(&pos0)
+                .arg(&row0)
+                .arg(&row_step)
                 .arg(&m)
                 .launch(threads_for(n, 256))
         }
@@ -824,13 +828,14 @@ impl Gpu {
         .map_err(driver_err("cuLaunchKernel(store_kv)"))
     }
 
-    /// Causal attention of `m` queries at `pos0..` over the cache; with `n_splits > 1` through the partial
-    /// buffers and a combine pass.
+    /// Attention of `m` queries over the cache rows `keys` describes (causal over one sequence, one query per
+    /// sequence, or a masked scan of a unified cache); with `n_splits > 1` through the partial buffers and a
+    /// combine pass.
     ///
     /// # Safety
-    /// `q` holds `m × n_heads × head_dim` f32; `kc`/`vc` at least `(pos0 + m) × n_kv_heads × head_dim` cache
-    /// elements; `out` `m × n_heads × head_dim` activations; with splits, `part_o` holds
-    /// `m × n_heads × n_splits × head_dim` f32 and `part_ml` `2 × m × n_heads × n_splits` f32.
+    /// `q` holds `m × n_heads × head_dim` f32; `kc`/`vc` (the cache at `keys.base_row`) every row `keys` reads,
+    /// `n_kv_heads × head_dim` cache elements each; `out` `m × n_heads × head_dim` activations; with splits,
+    /// `part_o` holds `m × n_heads × n_splits × head_dim` f32 and `part_ml` `2 × m × n_heads × n_splits` f32.
     pub unsafe fn attention(
         &self,
         k: &Kernels,
@@ -841,13 +846,13 @@ impl Gpu {
         part_o: u64,
         part_ml: u64,
         m: usize,
-        pos0: usize,
+        keys: GpuKeys,
         n_heads: usize,
         n_kv_heads: usize,
         scale: f32,
         n_splits: usize,
     ) -> Result<()> {
-        let n_keys_max = pos0 + m;
+        let n_keys_max = keys.pos0 + (m - 1) * keys.pos_step + 1;
         let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
         let warps = (m * n_heads * n_splits) as u64;
         let cfg = LaunchConfig {
@@ -856,7 +861,9 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (mi, p0, nh, nkv, ns) =
-            (m as i32, pos0 as i32, n_heads as i32, n_kv_heads as i32, n_splits as i32);
+            (m as i32, keys.pos0 as i32, n_heads as i32, n_kv_heads as i32, n_splits as i32);
+        let (seq_rows, pos_step) = (keys.seq_rows as i64, keys.pos_step as i32);
+        let (mask_prompt, mask_seqs) = (keys.mask_prompt as i32, keys.mask_seqs as i32);
         // SAFETY: as documented.
         unsafe {
             self.compute
@@ -874,6 +881,10 @@ impl Gpu {
                 .arg(&scale)
                 .arg(&ns)
                 .arg(&keys_per_split)
+                .arg(&seq_rows)
+                .arg(&pos_step)
+                .arg(&mask_prompt)
+                .arg(&mask_seqs)
                 .launch(cfg)
         }
         .map_err(driver_err("cuLaunchKernel(attention)"))?;
