@@ -570,6 +570,13 @@ fn stress_one(
     row.leaked_bytes = Some(free_before as i64 - free_after as i64);
     let driver_peak = total - min_free.min(free_before);
     match result {
+        // A plan that puts nothing on the GPU (all on the CPU) never opens the device: nothing to hold to the
+        // budget but the harness's own context.
+        Ok(out) if out.vram.is_none() => {
+            row.driver_peak_bytes = Some(driver_peak);
+            row.status = "ok".into();
+            row.detail = "the plan puts nothing on the GPU: the executor did not open it".into();
+        }
         Ok(out) => {
             let v = out.vram.as_ref().context("a GPU run reports its VRAM")?;
             let o = Observed::from_report(v, driver_peak);
