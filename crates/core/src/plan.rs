@@ -148,6 +148,35 @@ impl PhasePlan {
         groups
     }
 
+    /// Whether every group of [`PhasePlan::stream_groups`] fits a slot, without building them (each unit placed
+    /// once): a streamed unit alone, or a streamed attention with its layer's streamed KV.
+    #[must_use]
+    pub fn stream_groups_fit(&self, inv: &Inventory, kv_layer_bytes: u64) -> bool {
+        let in_order = self.placements.len() == inv.units.len();
+        // Bytes of each layer's streamed attention seen so far (its KV comes after it and joins its slot).
+        let mut attn_bytes: Vec<Option<u64>> = Vec::new();
+        for (i, up) in self.placements.iter().enumerate().filter(|(_, u)| u.placement == Placement::Streamed) {
+            let bytes = match up.unit {
+                UnitId::Kv { layer } => {
+                    attn_bytes.get(layer as usize).copied().flatten().unwrap_or(0) + kv_layer_bytes
+                }
+                u if in_order && inv.units[i].id == u => inv.units[i].weight_bytes,
+                u => inv.unit_bytes(u),
+            };
+            if bytes > self.slot_bytes {
+                return false;
+            }
+            if let UnitId::Attn { layer } = up.unit {
+                let l = layer as usize;
+                if attn_bytes.len() <= l {
+                    attn_bytes.resize(l + 1, None);
+                }
+                attn_bytes[l] = Some(bytes);
+            }
+        }
+        true
+    }
+
     /// Placement of `unit` (linear scan; consumers on a hot path index by inventory position instead).
     #[must_use]
     pub fn placement(&self, unit: UnitId) -> Option<Placement> {
@@ -238,19 +267,26 @@ impl Plan {
             return Err(PlanInvalid::Version { found: self.schema_version, expected: PLAN_SCHEMA_VERSION });
         }
         for p in self.phases() {
-            let mut counts = vec![0usize; inv.units.len()];
-            for up in &p.placements {
-                let i = inv
-                    .position(up.unit)
-                    .ok_or_else(|| PlanInvalid::UnknownUnit { phase: p.phase, unit: up.unit.to_string() })?;
-                counts[i] += 1;
-            }
-            if let Some((i, &c)) = counts.iter().enumerate().find(|(_, c)| **c != 1) {
-                return Err(PlanInvalid::Placement {
-                    phase: p.phase,
-                    unit: inv.units[i].id.to_string(),
-                    count: c,
-                });
+            // Plans list every unit in inventory order (as planners write them): then each is placed exactly
+            // once, and nothing needs looking up.
+            let in_order = p.placements.len() == inv.units.len()
+                && p.placements.iter().zip(&inv.units).all(|(up, u)| up.unit == u.id);
+            if !in_order {
+                let mut counts = vec![0usize; inv.units.len()];
+                for up in &p.placements {
+                    let i = inv.position(up.unit).ok_or_else(|| PlanInvalid::UnknownUnit {
+                        phase: p.phase,
+                        unit: up.unit.to_string(),
+                    })?;
+                    counts[i] += 1;
+                }
+                if let Some((i, &c)) = counts.iter().enumerate().find(|(_, c)| **c != 1) {
+                    return Err(PlanInvalid::Placement {
+                        phase: p.phase,
+                        unit: inv.units[i].id.to_string(),
+                        count: c,
+                    });
+                }
             }
             let inconsistent = |reason: String| Err(PlanInvalid::Inconsistent { phase: p.phase, reason });
             let streamed: Vec<&UnitPlacement> =
@@ -264,7 +300,14 @@ impl Plan {
                     p.vram.streaming_slots_bytes, p.pipeline_depth, p.slot_bytes
                 ));
             }
-            for g in p.stream_groups(inv, self.workload.kv_bytes_per_layer_of(inv)) {
+            let kv_layer_bytes = self.workload.kv_bytes_per_layer_of(inv);
+            // The groups are built (one allocation each) only to name the one that does not fit.
+            let groups = if p.stream_groups_fit(inv, kv_layer_bytes) {
+                Vec::new()
+            } else {
+                p.stream_groups(inv, kv_layer_bytes)
+            };
+            for g in groups {
                 if g.bytes > p.slot_bytes {
                     let names: Vec<String> = g.units.iter().map(ToString::to_string).collect();
                     return inconsistent(format!(
@@ -275,9 +318,20 @@ impl Plan {
                     ));
                 }
             }
+            // Each unit is placed once (checked above), so one pass finds every layer's attention.
+            let mut attn_of_layer: Vec<Placement> = Vec::new();
+            for up in &p.placements {
+                if let UnitId::Attn { layer } = up.unit {
+                    let l = layer as usize;
+                    if attn_of_layer.len() <= l {
+                        attn_of_layer.resize(l + 1, Placement::Cpu);
+                    }
+                    attn_of_layer[l] = up.placement;
+                }
+            }
             for up in &p.placements {
                 if let UnitId::Kv { layer } = up.unit {
-                    let attn = p.placement(UnitId::Attn { layer }).unwrap_or(Placement::Cpu);
+                    let attn = attn_of_layer.get(layer as usize).copied().unwrap_or(Placement::Cpu);
                     if attn.on_gpu() != up.placement.on_gpu() {
                         return inconsistent(format!(
                             "layer {layer}: attention is {attn:?} but its KV is {:?}; KV must be on the side that runs attention",
