@@ -648,24 +648,54 @@ fn scaled(op: &Op, f: f64) -> Op {
     o
 }
 
+/// What building the step graphs of one phase view keeps from one graph to the next: the op and copy times
+/// asked of the cost model (valid for that view and cost model only) and the vectors of a graph that is no
+/// longer needed, cleared and refilled rather than reallocated.
+#[derive(Debug, Default)]
+pub(crate) struct Reuse {
+    memo: CostMemo,
+    copy_memo: FxHashMap<(bool, u64), u64>,
+    tasks: Vec<Task>,
+    deps: Vec<u32>,
+    handoff_after: Vec<u32>,
+    items: Vec<RingItem>,
+    ops: Vec<Op>,
+}
+
+impl Reuse {
+    /// Takes back the vectors of a graph built with this `Reuse`.
+    pub(crate) fn recycle(&mut self, g: StepGraph) {
+        (self.tasks, self.deps, self.items, self.ops) = (g.tasks, g.deps, g.items, g.ops);
+    }
+}
+
 /// Builds the task graph of consecutive `phases` under `view` (one graph, the ring running across steps).
 pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> StepGraph {
+    build_with(ctx, view, phases, &mut Reuse::default())
+}
+
+/// [`build`] with the memos and buffers of `reuse` (built for the same view and cost model).
+pub(crate) fn build_with(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase], reuse: &mut Reuse) -> StepGraph {
+    fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
+        v.clear();
+        v
+    }
     let mut b = Builder {
         ctx,
-        memo: CostMemo::default(),
-        copy_memo: FxHashMap::default(),
+        memo: std::mem::take(&mut reuse.memo),
+        copy_memo: std::mem::take(&mut reuse.copy_memo),
         view,
         phase: phases[0],
         step: 0,
-        tasks: Vec::new(),
-        deps: Vec::new(),
-        handoff_after: Vec::new(),
-        items: Vec::new(),
+        tasks: cleared(std::mem::take(&mut reuse.tasks)),
+        deps: cleared(std::mem::take(&mut reuse.deps)),
+        handoff_after: cleared(std::mem::take(&mut reuse.handoff_after)),
+        items: cleared(std::mem::take(&mut reuse.items)),
         last_writeback: vec![NONE; ctx.spec.text.n_layers as usize],
         offload_peak_bytes: 0,
         staged_unit: None,
     };
-    let mut all_ops: Vec<Op> = Vec::new();
+    let mut all_ops: Vec<Op> = cleared(std::mem::take(&mut reuse.ops));
     let mut op_counts: Vec<usize> = Vec::with_capacity(phases.len());
     let mut step_end = Vec::with_capacity(phases.len());
     // The previous step's result, on the host.
@@ -811,6 +841,9 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
         "a ring item is read after the next tenant of its slot was created"
     );
 
+    reuse.memo = b.memo;
+    reuse.copy_memo = b.copy_memo;
+    reuse.handoff_after = b.handoff_after;
     StepGraph {
         phase_kind: view.kind,
         phases: phases.to_vec(),
