@@ -20,10 +20,16 @@ impl Hasher for FxHasher {
     fn finish(&self) -> u64 {
         self.0
     }
+    /// Little-endian 8-byte words, the last one zero-padded.
     fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.add(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
             let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
+            word[..rest.len()].copy_from_slice(rest);
             self.add(u64::from_le_bytes(word));
         }
     }
@@ -53,8 +59,8 @@ mod tests {
 
     #[test]
     fn equal_keys_hash_equal_and_distinct_ids_rarely_collide() {
-        use std::hash::BuildHasher;
         use crate::inventory::UnitId;
+        use std::hash::BuildHasher;
         let b = BuildHasherDefault::<FxHasher>::default();
         let ids: Vec<UnitId> = (0..94)
             .flat_map(|layer| (0..128).map(move |expert| UnitId::Expert { layer, expert }))

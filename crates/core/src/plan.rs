@@ -155,7 +155,8 @@ impl PhasePlan {
         let in_order = self.placements.len() == inv.units.len();
         // Bytes of each layer's streamed attention seen so far (its KV comes after it and joins its slot).
         let mut attn_bytes: Vec<Option<u64>> = Vec::new();
-        for (i, up) in self.placements.iter().enumerate().filter(|(_, u)| u.placement == Placement::Streamed) {
+        for (i, up) in self.placements.iter().enumerate().filter(|(_, u)| u.placement == Placement::Streamed)
+        {
             let bytes = match up.unit {
                 UnitId::Kv { layer } => {
                     attn_bytes.get(layer as usize).copied().flatten().unwrap_or(0) + kv_layer_bytes
