@@ -547,4 +547,48 @@ mod tests {
         p.decode.vram.streaming_slots_bytes = p.decode.slot_bytes;
         assert!(p.validate(&inv).unwrap_err().to_string().contains("blk.0.attn + blk.0.kv"));
     }
+
+    /// `validate` skips lookups for plans in inventory order and builds no stream groups when all fit: its
+    /// verdict must be the one the full checks give, in and out of order, at every slot size around the
+    /// groups' sizes.
+    #[test]
+    fn the_checks_of_ordered_plans_agree_with_the_full_checks() {
+        let (mut p, inv) = plan();
+        let kv = p.workload.kv_bytes_per_layer_of(&inv);
+        p.decode = phase(&inv, PhaseKind::Decode, |u| match u {
+            UnitId::Attn { layer: 0 } | UnitId::Kv { .. } | UnitId::Expert { expert: 0..3, .. } => {
+                Placement::Streamed
+            }
+            UnitId::Attn { .. } => Placement::Pinned,
+            _ => Placement::Cpu,
+        });
+        let groups = p.decode.stream_groups(&inv, kv);
+        let mut sizes: Vec<u64> = groups.iter().flat_map(|g| [g.bytes - 1, g.bytes, g.bytes + 1]).collect();
+        sizes.sort_unstable();
+        let mut fits_seen = [false; 2];
+        for slot in sizes {
+            (p.decode.pipeline_depth, p.decode.slot_bytes) = (1, slot);
+            p.decode.vram.streaming_slots_bytes = slot;
+            let all_fit = groups.iter().all(|g| g.bytes <= slot);
+            fits_seen[usize::from(all_fit)] = true;
+            assert_eq!(p.decode.stream_groups_fit(&inv, kv), all_fit, "slot {slot}");
+            let ordered = p.validate(&inv).map_err(|e| e.to_string());
+            let mut reversed = p.clone();
+            reversed.decode.placements.reverse();
+            // Reversed, a KV precedes its attention and so gets a slot of its own: compare the verdict only
+            // where the groups are the same, i.e. with the attention pinned.
+            let plain = reversed.decode.stream_groups(&inv, kv).iter().all(|g| g.bytes <= slot);
+            assert_eq!(reversed.decode.stream_groups_fit(&inv, kv), plain, "slot {slot}, reversed");
+            assert_eq!(ordered.is_ok(), all_fit, "slot {slot}: {ordered:?}");
+        }
+        assert_eq!(fits_seen, [true, true], "both verdicts were tested");
+
+        // Out of order, the unit checks still name what is wrong.
+        let (mut p, inv) = plan();
+        p.prefill.placements.swap(0, 1);
+        p.validate(&inv).unwrap();
+        let moved = p.prefill.placements.remove(2);
+        p.prefill.placements.insert(0, UnitPlacement { unit: UnitId::Attn { layer: 7 }, ..moved });
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("blk.7.attn"));
+    }
 }

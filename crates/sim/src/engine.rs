@@ -212,7 +212,8 @@ impl Engine<'_> {
 
     fn finish(&mut self, now: u64, task: u32) {
         self.ws.end_ns[task as usize] = now;
-        let (a, b) = (self.ws.succ_start[task as usize] as usize, self.ws.succ_start[task as usize + 1] as usize);
+        let (a, b) =
+            (self.ws.succ_start[task as usize] as usize, self.ws.succ_start[task as usize + 1] as usize);
         for i in a..b {
             let s = self.ws.succ[i];
             self.ws.pending[s as usize] -= 1;

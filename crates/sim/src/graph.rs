@@ -431,9 +431,10 @@ impl Builder<'_> {
     /// A pinned host ↔ device copy of `bytes` (memoised).
     fn copy_ns(&mut self, to_device: bool, bytes: u64) -> u64 {
         let cost = self.ctx.cost;
-        *self.copy_memo.entry((to_device, bytes)).or_insert_with(|| {
-            if to_device { cost.h2d_ns(bytes, true) } else { cost.d2h_ns(bytes, true) }
-        })
+        *self
+            .copy_memo
+            .entry((to_device, bytes))
+            .or_insert_with(|| if to_device { cost.h2d_ns(bytes, true) } else { cost.d2h_ns(bytes, true) })
     }
 
     fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
@@ -675,7 +676,12 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
 }
 
 /// [`build`] with the memos and buffers of `reuse` (built for the same view and cost model).
-pub(crate) fn build_with(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase], reuse: &mut Reuse) -> StepGraph {
+pub(crate) fn build_with(
+    ctx: &BuildCtx<'_>,
+    view: &PhaseView,
+    phases: &[Phase],
+    reuse: &mut Reuse,
+) -> StepGraph {
     fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
         v.clear();
         v

@@ -322,7 +322,15 @@ impl<'a> Simulator<'a> {
         let w = &self.plan.workload;
         let phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
         let mut scratch = PhaseScratch::default();
-        self.family(PhaseKind::Decode, &phases, opts.decode_samples, opts, &mut scratch, max_slots, offload_bytes)
+        self.family(
+            PhaseKind::Decode,
+            &phases,
+            opts.decode_samples,
+            opts,
+            &mut scratch,
+            max_slots,
+            offload_bytes,
+        )
     }
 
     /// The time of one phase alone, as [`Simulator::run`] reports it: the prefill of all requests (= TTFT), or
