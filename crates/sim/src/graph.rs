@@ -664,6 +664,12 @@ pub(crate) struct Reuse {
 }
 
 impl Reuse {
+    /// Forgets the op and copy times (keeping their tables' memory), for another view or cost model.
+    pub(crate) fn forget_times(&mut self) {
+        self.memo.clear();
+        self.copy_memo.clear();
+    }
+
     /// Takes back the vectors of a graph built with this `Reuse`.
     pub(crate) fn recycle(&mut self, g: StepGraph) {
         (self.tasks, self.deps, self.items, self.ops) = (g.tasks, g.deps, g.items, g.ops);

@@ -80,6 +80,26 @@ struct PhaseScratch {
     engine: engine::Workspace,
 }
 
+thread_local! {
+    /// The buffers of the last phase simulated on this thread: a planner judging candidates simulates many
+    /// short phases, and fresh buffers for each cost page faults.
+    static SCRATCH: std::cell::RefCell<PhaseScratch> = std::cell::RefCell::default();
+}
+
+impl PhaseScratch {
+    /// This thread's buffers, without the memos of the phase that used them last.
+    fn take() -> PhaseScratch {
+        let mut s = SCRATCH.take();
+        s.graph.forget_times();
+        s
+    }
+
+    /// Keeps the buffers for the next phase simulated on this thread.
+    fn give_back(self) {
+        SCRATCH.set(self);
+    }
+}
+
 /// The result of simulating a whole workload.
 #[derive(Debug, Clone)]
 pub struct Simulation {
@@ -308,12 +328,13 @@ impl<'a> Simulator<'a> {
         let all_chunks = w.prefill_chunks();
         let one = &all_chunks[..all_chunks.len() / w.batch as usize];
         let (full, last) = one.split_at(one.len() - 1);
-        let mut scratch = PhaseScratch::default();
+        let mut scratch = PhaseScratch::take();
         let mut family = |phases, samples| {
             self.family(PhaseKind::Prefill, phases, samples, opts, &mut scratch, max_slots, offload_bytes)
         };
         let mut steps = family(full, opts.prefill_samples);
         steps.extend(family(last, 1));
+        scratch.give_back();
         steps
     }
 
@@ -321,8 +342,8 @@ impl<'a> Simulator<'a> {
     fn decode_steps(&self, opts: &SimOptions, max_slots: &mut u32, offload_bytes: &mut u64) -> Vec<StepTime> {
         let w = &self.plan.workload;
         let phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
-        let mut scratch = PhaseScratch::default();
-        self.family(
+        let mut scratch = PhaseScratch::take();
+        let steps = self.family(
             PhaseKind::Decode,
             &phases,
             opts.decode_samples,
@@ -330,7 +351,9 @@ impl<'a> Simulator<'a> {
             &mut scratch,
             max_slots,
             offload_bytes,
-        )
+        );
+        scratch.give_back();
+        steps
     }
 
     /// The time of one phase alone, as [`Simulator::run`] reports it: the prefill of all requests (= TTFT), or
