@@ -12,12 +12,13 @@
 //!
 //! Merged expert tensors are the one case where a tensor spans units: each expert unit owns an equal slice.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
+use crate::fxhash::FxHashMap;
 use crate::model::{FfnKind, ModelSpec, NormKind, StoredTensor};
 
 /// What a tensor is for.
@@ -159,8 +160,8 @@ pub struct Inventory {
     pub tensors: Vec<Tensor>,
     pub units: Vec<Unit>,
     #[serde(skip)]
-    /// Unit → position; hashed, as planners and the simulator look units up per placement.
-    index: HashMap<UnitId, usize>,
+    /// Unit → position; Fx-hashed, as planners and the simulator look units up per placement.
+    index: FxHashMap<UnitId, usize>,
 }
 
 struct Builder<'a> {

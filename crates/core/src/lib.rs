@@ -13,6 +13,7 @@
 //! - [`profile`]: the versioned machine [`profile::Profile`];
 //! - [`cost`]: the [`cost::CostModel`] trait and its table implementation;
 //! - [`plan`], [`metrics`], [`trace`]: what planners emit and what the simulator and executor report.
+//! - [`fxhash`]: the fast unkeyed hash of lookup tables keyed by unit ids and op shapes;
 //! - [`untrusted`]: every reader of untrusted files behind one entry point each (fuzz targets, corpus replay).
 //!
 //! Decisions: time is integer nanoseconds and sizes are `u64` bytes wherever they are state; FLOPs and bytes of
@@ -26,6 +27,7 @@ pub mod catalog;
 pub mod checkpoint;
 pub mod cost;
 pub mod dtype;
+pub mod fxhash;
 pub mod gguf;
 pub mod inventory;
 pub mod metrics;

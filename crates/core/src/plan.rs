@@ -148,6 +148,36 @@ impl PhasePlan {
         groups
     }
 
+    /// Whether every group of [`PhasePlan::stream_groups`] fits a slot, without building them (each unit placed
+    /// once): a streamed unit alone, or a streamed attention with its layer's streamed KV.
+    #[must_use]
+    pub fn stream_groups_fit(&self, inv: &Inventory, kv_layer_bytes: u64) -> bool {
+        let in_order = self.placements.len() == inv.units.len();
+        // Bytes of each layer's streamed attention seen so far (its KV comes after it and joins its slot).
+        let mut attn_bytes: Vec<Option<u64>> = Vec::new();
+        for (i, up) in self.placements.iter().enumerate().filter(|(_, u)| u.placement == Placement::Streamed)
+        {
+            let bytes = match up.unit {
+                UnitId::Kv { layer } => {
+                    attn_bytes.get(layer as usize).copied().flatten().unwrap_or(0) + kv_layer_bytes
+                }
+                u if in_order && inv.units[i].id == u => inv.units[i].weight_bytes,
+                u => inv.unit_bytes(u),
+            };
+            if bytes > self.slot_bytes {
+                return false;
+            }
+            if let UnitId::Attn { layer } = up.unit {
+                let l = layer as usize;
+                if attn_bytes.len() <= l {
+                    attn_bytes.resize(l + 1, None);
+                }
+                attn_bytes[l] = Some(bytes);
+            }
+        }
+        true
+    }
+
     /// Placement of `unit` (linear scan; consumers on a hot path index by inventory position instead).
     #[must_use]
     pub fn placement(&self, unit: UnitId) -> Option<Placement> {
@@ -238,19 +268,26 @@ impl Plan {
             return Err(PlanInvalid::Version { found: self.schema_version, expected: PLAN_SCHEMA_VERSION });
         }
         for p in self.phases() {
-            let mut counts = vec![0usize; inv.units.len()];
-            for up in &p.placements {
-                let i = inv
-                    .position(up.unit)
-                    .ok_or_else(|| PlanInvalid::UnknownUnit { phase: p.phase, unit: up.unit.to_string() })?;
-                counts[i] += 1;
-            }
-            if let Some((i, &c)) = counts.iter().enumerate().find(|(_, c)| **c != 1) {
-                return Err(PlanInvalid::Placement {
-                    phase: p.phase,
-                    unit: inv.units[i].id.to_string(),
-                    count: c,
-                });
+            // Plans list every unit in inventory order (as planners write them): then each is placed exactly
+            // once, and nothing needs looking up.
+            let in_order = p.placements.len() == inv.units.len()
+                && p.placements.iter().zip(&inv.units).all(|(up, u)| up.unit == u.id);
+            if !in_order {
+                let mut counts = vec![0usize; inv.units.len()];
+                for up in &p.placements {
+                    let i = inv.position(up.unit).ok_or_else(|| PlanInvalid::UnknownUnit {
+                        phase: p.phase,
+                        unit: up.unit.to_string(),
+                    })?;
+                    counts[i] += 1;
+                }
+                if let Some((i, &c)) = counts.iter().enumerate().find(|(_, c)| **c != 1) {
+                    return Err(PlanInvalid::Placement {
+                        phase: p.phase,
+                        unit: inv.units[i].id.to_string(),
+                        count: c,
+                    });
+                }
             }
             let inconsistent = |reason: String| Err(PlanInvalid::Inconsistent { phase: p.phase, reason });
             let streamed: Vec<&UnitPlacement> =
@@ -264,7 +301,14 @@ impl Plan {
                     p.vram.streaming_slots_bytes, p.pipeline_depth, p.slot_bytes
                 ));
             }
-            for g in p.stream_groups(inv, self.workload.kv_bytes_per_layer_of(inv)) {
+            let kv_layer_bytes = self.workload.kv_bytes_per_layer_of(inv);
+            // The groups are built (one allocation each) only to name the one that does not fit.
+            let groups = if p.stream_groups_fit(inv, kv_layer_bytes) {
+                Vec::new()
+            } else {
+                p.stream_groups(inv, kv_layer_bytes)
+            };
+            for g in groups {
                 if g.bytes > p.slot_bytes {
                     let names: Vec<String> = g.units.iter().map(ToString::to_string).collect();
                     return inconsistent(format!(
@@ -275,9 +319,20 @@ impl Plan {
                     ));
                 }
             }
+            // Each unit is placed once (checked above), so one pass finds every layer's attention.
+            let mut attn_of_layer: Vec<Placement> = Vec::new();
+            for up in &p.placements {
+                if let UnitId::Attn { layer } = up.unit {
+                    let l = layer as usize;
+                    if attn_of_layer.len() <= l {
+                        attn_of_layer.resize(l + 1, Placement::Cpu);
+                    }
+                    attn_of_layer[l] = up.placement;
+                }
+            }
             for up in &p.placements {
                 if let UnitId::Kv { layer } = up.unit {
-                    let attn = p.placement(UnitId::Attn { layer }).unwrap_or(Placement::Cpu);
+                    let attn = attn_of_layer.get(layer as usize).copied().unwrap_or(Placement::Cpu);
                     if attn.on_gpu() != up.placement.on_gpu() {
                         return inconsistent(format!(
                             "layer {layer}: attention is {attn:?} but its KV is {:?}; KV must be on the side that runs attention",
@@ -491,5 +546,49 @@ mod tests {
         p.decode.slot_bytes = attn0 + kv - 1;
         p.decode.vram.streaming_slots_bytes = p.decode.slot_bytes;
         assert!(p.validate(&inv).unwrap_err().to_string().contains("blk.0.attn + blk.0.kv"));
+    }
+
+    /// `validate` skips lookups for plans in inventory order and builds no stream groups when all fit: its
+    /// verdict must be the one the full checks give, in and out of order, at every slot size around the
+    /// groups' sizes.
+    #[test]
+    fn the_checks_of_ordered_plans_agree_with_the_full_checks() {
+        let (mut p, inv) = plan();
+        let kv = p.workload.kv_bytes_per_layer_of(&inv);
+        p.decode = phase(&inv, PhaseKind::Decode, |u| match u {
+            UnitId::Attn { layer: 0 } | UnitId::Kv { .. } | UnitId::Expert { expert: 0..3, .. } => {
+                Placement::Streamed
+            }
+            UnitId::Attn { .. } => Placement::Pinned,
+            _ => Placement::Cpu,
+        });
+        let groups = p.decode.stream_groups(&inv, kv);
+        let mut sizes: Vec<u64> = groups.iter().flat_map(|g| [g.bytes - 1, g.bytes, g.bytes + 1]).collect();
+        sizes.sort_unstable();
+        let mut fits_seen = [false; 2];
+        for slot in sizes {
+            (p.decode.pipeline_depth, p.decode.slot_bytes) = (1, slot);
+            p.decode.vram.streaming_slots_bytes = slot;
+            let all_fit = groups.iter().all(|g| g.bytes <= slot);
+            fits_seen[usize::from(all_fit)] = true;
+            assert_eq!(p.decode.stream_groups_fit(&inv, kv), all_fit, "slot {slot}");
+            let ordered = p.validate(&inv).map_err(|e| e.to_string());
+            let mut reversed = p.clone();
+            reversed.decode.placements.reverse();
+            // Reversed, a KV precedes its attention and so gets a slot of its own: compare the verdict only
+            // where the groups are the same, i.e. with the attention pinned.
+            let plain = reversed.decode.stream_groups(&inv, kv).iter().all(|g| g.bytes <= slot);
+            assert_eq!(reversed.decode.stream_groups_fit(&inv, kv), plain, "slot {slot}, reversed");
+            assert_eq!(ordered.is_ok(), all_fit, "slot {slot}: {ordered:?}");
+        }
+        assert_eq!(fits_seen, [true, true], "both verdicts were tested");
+
+        // Out of order, the unit checks still name what is wrong.
+        let (mut p, inv) = plan();
+        p.prefill.placements.swap(0, 1);
+        p.validate(&inv).unwrap();
+        let moved = p.prefill.placements.remove(2);
+        p.prefill.placements.insert(0, UnitPlacement { unit: UnitId::Attn { layer: 7 }, ..moved });
+        assert!(p.validate(&inv).unwrap_err().to_string().contains("blk.7.attn"));
     }
 }

@@ -36,7 +36,7 @@
 //! the phase's worst-step [`scratch_bytes`] (no margin; none at all when nothing runs on the GPU) and the
 //! runtime overhead. `pshard` and `ngl` replace the scratch line with their own models.
 
-use std::collections::HashMap;
+use pipeshard_core::fxhash::FxHashMap;
 
 use pipeshard_core::GIB;
 use pipeshard_core::cost::{CostModel, OpContext};
@@ -383,7 +383,7 @@ struct OpTimes<'a> {
     cost: &'a dyn CostModel,
     threads: u32,
     launch_ns: f64,
-    memo: HashMap<OpKey, (f64, f64)>,
+    memo: FxHashMap<OpKey, (f64, f64)>,
 }
 
 impl OpTimes<'_> {
@@ -412,7 +412,8 @@ impl Estimator {
     pub fn new(spec: &ModelSpec, inv: &Inventory, w: &Workload, cost: &dyn CostModel) -> Estimator {
         let structure = Structure::new(spec, inv);
         let threads = cost.cpu_threads();
-        let mut times = OpTimes { cost, threads, launch_ns: cost.launch_ns() as f64, memo: HashMap::new() };
+        let mut times =
+            OpTimes { cost, threads, launch_ns: cost.launch_ns() as f64, memo: FxHashMap::default() };
         let unit_bytes: Vec<u64> = inv.units.iter().map(|u| u.weight_bytes).collect();
         let kv_layer_bytes = w.kv_bytes_per_layer_of(inv);
         let kv_tok = spec.kv_bytes_per_token_layer(w.kv_dtype);
@@ -838,7 +839,7 @@ impl Ctx<'_> {
         }
         // Attention per chunk, from a one-layer model (every layer's attention has the same shape).
         let one_layer = self.spec.truncated(1).expect("models have at least one layer");
-        let mut attn_memo: HashMap<(u64, u64), Op> = HashMap::new();
+        let mut attn_memo: FxHashMap<(u64, u64), Op> = FxHashMap::default();
         for &c in &chunks {
             let Phase::Prefill { tokens, start_pos, .. } = c else { unreachable!("prefill chunks") };
             let op = *attn_memo.entry((tokens, start_pos)).or_insert_with(|| {

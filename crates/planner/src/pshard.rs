@@ -46,8 +46,8 @@
 //! 128-byte padding of each tensor, and the per-split scratch of the artifact's graph allocator (we use
 //! [`scratch_parts`] of the kinds of GPU splits present).
 
+use pipeshard_core::fxhash::FxHashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use pipeshard_core::cost::{CostModel, OpContext};
 use pipeshard_core::inventory::{Inventory, UnitId};
@@ -248,8 +248,8 @@ struct Paper<'a> {
     output_bytes: u64,
     kv_layer: u64,
     total_kv: u64,
-    ops_memo: RefCell<HashMap<u64, Vec<Op>>>,
-    times_memo: RefCell<HashMap<OpKey, (f64, f64, f64)>>,
+    ops_memo: RefCell<FxHashMap<u64, Vec<Op>>>,
+    times_memo: RefCell<FxHashMap<OpKey, (f64, f64, f64)>>,
 }
 
 /// The split of an op: token embedding, a layer's attention or FFN side, or the output head.
@@ -700,8 +700,8 @@ impl Pshard {
             output_bytes,
             kv_layer: est.kv_layer_bytes,
             total_kv: est.kv_layer_bytes * u64::from(spec.text.n_layers),
-            ops_memo: RefCell::new(HashMap::new()),
-            times_memo: RefCell::new(HashMap::new()),
+            ops_memo: RefCell::new(FxHashMap::default()),
+            times_memo: RefCell::new(FxHashMap::default()),
         }
     }
 }

@@ -102,28 +102,74 @@ struct Running {
     generation: u32,
 }
 
-struct Engine<'g> {
-    g: &'g StepGraph,
+/// The engine's working memory: per-task and per-lane vectors sized by the step graph. A simulation that runs
+/// many step graphs keeps one and reuses it (cleared, not reallocated: fresh multi-megabyte vectors per step
+/// cost more in page faults than the event loop itself).
+#[derive(Debug, Default)]
+pub struct Workspace {
     pending: Vec<u32>,
     succ_start: Vec<u32>,
     succ: Vec<u32>,
-    /// FIFO per exclusive lane and its head.
+    fill: Vec<u32>,
+    /// FIFO per exclusive lane.
     fifo: [Vec<u32>; 4],
+    ready_handoffs: Vec<u32>,
+    slot_holder: Vec<Option<(u32, u64)>>,
+    item_readers_left: Vec<u32>,
+    start_ns: Vec<u64>,
+    end_ns: Vec<u64>,
+    slot_uses: Vec<SlotUse>,
+    busy_ns: Vec<[u64; 4]>,
+    event_times_ns: Vec<u64>,
+    queue: EventQueue<Event>,
+}
+
+impl Workspace {
+    /// Per step of the last graph run, when the host had its result.
+    pub(crate) fn step_end_ns(&self, g: &StepGraph, step: usize) -> u64 {
+        self.end_ns[g.step_end[step] as usize]
+    }
+
+    /// Busy time of each resource in one step of the last graph run.
+    pub(crate) fn busy_ns(&self, step: usize) -> [u64; 4] {
+        self.busy_ns[step]
+    }
+
+    /// The outcome of the last run, of `graph`, with the workspace's per-task vectors moved into it.
+    pub(crate) fn outcome(&mut self, graph: StepGraph, summary: RunSummary) -> StepOutcome {
+        let step_end_ns = (0..graph.step_end.len()).map(|s| self.step_end_ns(&graph, s)).collect();
+        StepOutcome {
+            start_ns: std::mem::take(&mut self.start_ns),
+            end_ns: std::mem::take(&mut self.end_ns),
+            slot_uses: std::mem::take(&mut self.slot_uses),
+            makespan_ns: summary.makespan_ns,
+            step_end_ns,
+            busy_ns: std::mem::take(&mut self.busy_ns),
+            max_slots_in_use: summary.max_slots_in_use,
+            event_times_ns: std::mem::take(&mut self.event_times_ns),
+            graph,
+        }
+    }
+}
+
+/// What a run left besides the workspace's vectors.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunSummary {
+    pub makespan_ns: u64,
+    pub max_slots_in_use: u32,
+}
+
+struct Engine<'g> {
+    g: &'g StepGraph,
+    ws: &'g mut Workspace,
     head: [usize; 4],
     /// Copy lanes (H2D, D2H): whether busy.
     copy_busy: [bool; 2],
     /// Compute lanes (GPU, CPU): what runs.
     running: [Option<Running>; 2],
-    ready_handoffs: Vec<u32>,
     copies_in_flight: u32,
-    slot_holder: Vec<Option<(u32, u64)>>,
     slots_in_use: u32,
-    item_readers_left: Vec<u32>,
     dispatch_at: Option<u64>,
-    start_ns: Vec<u64>,
-    end_ns: Vec<u64>,
-    slot_uses: Vec<SlotUse>,
-    busy_ns: Vec<[u64; 4]>,
     max_slots_in_use: u32,
 }
 
@@ -165,24 +211,25 @@ impl Engine<'_> {
     }
 
     fn finish(&mut self, now: u64, task: u32) {
-        self.end_ns[task as usize] = now;
-        let (a, b) = (self.succ_start[task as usize] as usize, self.succ_start[task as usize + 1] as usize);
+        self.ws.end_ns[task as usize] = now;
+        let (a, b) =
+            (self.ws.succ_start[task as usize] as usize, self.ws.succ_start[task as usize + 1] as usize);
         for i in a..b {
-            let s = self.succ[i];
-            self.pending[s as usize] -= 1;
-            if self.pending[s as usize] == 0 && self.g.tasks[s as usize].lane == Lane::Handoff {
-                self.ready_handoffs.push(s);
+            let s = self.ws.succ[i];
+            self.ws.pending[s as usize] -= 1;
+            if self.ws.pending[s as usize] == 0 && self.g.tasks[s as usize].lane == Lane::Handoff {
+                self.ws.ready_handoffs.push(s);
             }
         }
         let t = &self.g.tasks[task as usize];
         if let (false, Some(item)) = (matches!(t.kind, TaskKind::Stream { .. }), t.item) {
-            self.item_readers_left[item as usize] -= 1;
-            if self.item_readers_left[item as usize] == 0 {
+            self.ws.item_readers_left[item as usize] -= 1;
+            if self.ws.item_readers_left[item as usize] == 0 {
                 let slot = self.g.items[item as usize].slot;
                 let (holder, claimed_ns) =
-                    self.slot_holder[slot as usize].take().expect("a read item holds its slot");
+                    self.ws.slot_holder[slot as usize].take().expect("a read item holds its slot");
                 debug_assert_eq!(holder, item);
-                self.slot_uses.push(SlotUse { slot, item, claimed_ns, released_ns: now });
+                self.ws.slot_uses.push(SlotUse { slot, item, claimed_ns, released_ns: now });
                 self.slots_in_use -= 1;
             }
         }
@@ -199,20 +246,20 @@ impl Engine<'_> {
     /// Whether `task` (an H2D copy) may start: an item's first copy needs its slot free.
     fn slot_free(&self, task: u32) -> bool {
         self.claims(task)
-            .is_none_or(|item| self.slot_holder[self.g.items[item as usize].slot as usize].is_none())
+            .is_none_or(|item| self.ws.slot_holder[self.g.items[item as usize].slot as usize].is_none())
     }
 
     fn claim(&mut self, now: u64, task: u32) {
         if let Some(item) = self.claims(task) {
-            self.slot_holder[self.g.items[item as usize].slot as usize] = Some((item, now));
+            self.ws.slot_holder[self.g.items[item as usize].slot as usize] = Some((item, now));
             self.slots_in_use += 1;
             self.max_slots_in_use = self.max_slots_in_use.max(self.slots_in_use);
         }
     }
 
     fn head_ready(&self, lane: usize) -> Option<u32> {
-        let t = *self.fifo[lane].get(self.head[lane])?;
-        (self.pending[t as usize] == 0).then_some(t)
+        let t = *self.ws.fifo[lane].get(self.head[lane])?;
+        (self.ws.pending[t as usize] == 0).then_some(t)
     }
 
     fn dispatch(&mut self, now: u64, q: &mut EventQueue<Event>) {
@@ -234,8 +281,8 @@ impl Engine<'_> {
             }
             let task = &self.g.tasks[t as usize];
             let d = task.duration_ns;
-            self.start_ns[t as usize] = now;
-            self.busy_ns[task.step as usize][lane] += d;
+            self.ws.start_ns[t as usize] = now;
+            self.ws.busy_ns[task.step as usize][lane] += d;
             q.push(now + d, Event::CopyDone { task: t });
         }
         for (compute_lane, lane) in [(0usize, 0usize), (1, 3)] {
@@ -249,13 +296,15 @@ impl Engine<'_> {
             let d = if under_dma { task.duration_under_dma_ns } else { task.duration_ns };
             self.running[compute_lane] =
                 Some(Running { task: t, segment_start_ns: now, remaining: 1.0, under_dma, generation: 0 });
-            self.start_ns[t as usize] = now;
+            self.ws.start_ns[t as usize] = now;
             q.push(now + d, Event::ComputeDone { task: t, generation: 0 });
         }
-        for t in std::mem::take(&mut self.ready_handoffs) {
-            self.start_ns[t as usize] = now;
+        for i in 0..self.ws.ready_handoffs.len() {
+            let t = self.ws.ready_handoffs[i];
+            self.ws.start_ns[t as usize] = now;
             q.push(now + self.g.tasks[t as usize].duration_ns, Event::HandoffDone { task: t });
         }
+        self.ws.ready_handoffs.clear();
     }
 
     /// Carries running computes over to the rate with (`under_dma`) or without concurrent copies.
@@ -285,94 +334,99 @@ impl Engine<'_> {
 /// Runs a step graph to completion. With `audit`, the time of every event handled is recorded.
 #[must_use]
 pub fn execute(graph: StepGraph, audit: bool) -> StepOutcome {
+    let mut ws = Workspace::default();
+    let summary = run(&graph, audit, &mut ws);
+    ws.outcome(graph, summary)
+}
+
+/// Runs a step graph to completion in `ws` (whatever it held before is cleared): start and end of every
+/// task, slot uses, busy time per step and, with `audit`, the time of every event handled stay in `ws`.
+pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSummary {
     let n = graph.tasks.len();
-    let mut pending = vec![0u32; n];
-    let mut succ_count = vec![0u32; n + 1];
+    let reset = |v: &mut Vec<u32>, len: usize| {
+        v.clear();
+        v.resize(len, 0);
+    };
+    reset(&mut ws.pending, n);
+    // Successor lists in one flat vector: `succ_start` first counts, then offsets.
+    reset(&mut ws.succ_start, n + 1);
     for t in 0..n as u32 {
         let deps = graph.deps(t);
-        pending[t as usize] = deps.len() as u32;
+        ws.pending[t as usize] = deps.len() as u32;
         for &d in deps {
-            succ_count[d as usize] += 1;
+            ws.succ_start[d as usize + 1] += 1;
         }
     }
-    let mut succ_start = vec![0u32; n + 1];
     for i in 0..n {
-        succ_start[i + 1] = succ_start[i] + succ_count[i];
+        ws.succ_start[i + 1] += ws.succ_start[i];
     }
-    let mut fill = succ_start.clone();
-    let mut succ = vec![0u32; succ_start[n] as usize];
+    ws.fill.clear();
+    ws.fill.extend_from_slice(&ws.succ_start[..n]);
+    reset(&mut ws.succ, ws.succ_start[n] as usize);
     for t in 0..n as u32 {
         for &d in graph.deps(t) {
-            succ[fill[d as usize] as usize] = t;
-            fill[d as usize] += 1;
+            ws.succ[ws.fill[d as usize] as usize] = t;
+            ws.fill[d as usize] += 1;
         }
     }
-    let mut fifo: [Vec<u32>; 4] = Default::default();
-    let mut ready_handoffs = Vec::new();
+    for f in &mut ws.fifo {
+        f.clear();
+    }
+    ws.ready_handoffs.clear();
     for (i, t) in graph.tasks.iter().enumerate() {
         match t.lane.exclusive_index() {
-            Some(l) => fifo[l].push(i as u32),
-            None if pending[i] == 0 => ready_handoffs.push(i as u32),
+            Some(l) => ws.fifo[l].push(i as u32),
+            None if ws.pending[i] == 0 => ws.ready_handoffs.push(i as u32),
             None => {}
         }
     }
-    let item_readers_left = graph.items.iter().map(|p| p.readers).collect();
-    let slot_holder = vec![None; graph.pipeline_depth as usize];
+    ws.item_readers_left.clear();
+    ws.item_readers_left.extend(graph.items.iter().map(|p| p.readers));
+    ws.slot_holder.clear();
+    ws.slot_holder.resize(graph.pipeline_depth as usize, None);
+    for v in [&mut ws.start_ns, &mut ws.end_ns] {
+        v.clear();
+        v.resize(n, 0);
+    }
+    ws.slot_uses.clear();
+    ws.busy_ns.clear();
+    ws.busy_ns.resize(graph.step_end.len(), [0; 4]);
+    ws.event_times_ns.clear();
+    let mut q = std::mem::take(&mut ws.queue);
+    q.clear();
     let mut e = Engine {
-        g: &graph,
-        pending,
-        succ_start,
-        succ,
-        fifo,
+        g: graph,
+        ws,
         head: [0; 4],
         copy_busy: [false; 2],
         running: [None; 2],
-        ready_handoffs,
         copies_in_flight: 0,
-        slot_holder,
         slots_in_use: 0,
-        item_readers_left,
         dispatch_at: Some(0),
-        start_ns: vec![0; n],
-        end_ns: vec![0; n],
-        slot_uses: Vec::new(),
-        busy_ns: vec![[0; 4]; graph.step_end.len()],
         max_slots_in_use: 0,
     };
-    let mut q = EventQueue::new();
     q.push(0, Event::Dispatch);
     let mut now = 0;
-    let mut event_times_ns = Vec::new();
     while let Some((t, ev)) = q.pop() {
         now = t;
         if audit {
-            event_times_ns.push(t);
+            e.ws.event_times_ns.push(t);
         }
         e.handle(t, ev, &mut q);
     }
     for (lane, h) in e.head.iter().enumerate() {
         assert_eq!(
             *h,
-            e.fifo[lane].len(),
+            e.ws.fifo[lane].len(),
             "internal: lane {lane} stalled; the step graph is not topological"
         );
     }
-    let Engine { start_ns, end_ns, slot_uses, mut busy_ns, max_slots_in_use, .. } = e;
+    let max_slots_in_use = e.max_slots_in_use;
     for (i, t) in graph.tasks.iter().enumerate() {
         if let (Lane::Gpu | Lane::Cpu, Some(l)) = (t.lane, t.lane.exclusive_index()) {
-            busy_ns[t.step as usize][l] += end_ns[i] - start_ns[i];
+            ws.busy_ns[t.step as usize][l] += ws.end_ns[i] - ws.start_ns[i];
         }
     }
-    let step_end_ns = graph.step_end.iter().map(|&t| end_ns[t as usize]).collect();
-    StepOutcome {
-        graph,
-        start_ns,
-        end_ns,
-        slot_uses,
-        makespan_ns: now,
-        step_end_ns,
-        busy_ns,
-        max_slots_in_use,
-        event_times_ns,
-    }
+    ws.queue = q;
+    RunSummary { makespan_ns: now, max_slots_in_use }
 }

@@ -20,6 +20,7 @@
 //! created before the next item's first copy, so a copy never waits for a task created after it.
 
 use pipeshard_core::cost::{CostModel, Device, OpContext};
+use pipeshard_core::fxhash::FxHashMap;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::workload::{self, ACT_BYTES, Op, OpKind, Phase, Workload};
@@ -348,40 +349,7 @@ impl CostKey {
     }
 }
 
-/// The Fx hash (rustc's): one rotate, xor and multiply per word. The memo's keys are small and trusted, so a
-/// fast non-keyed hash is enough.
-#[derive(Debug, Clone, Copy, Default)]
-struct FxHasher(u64);
-
-impl FxHasher {
-    fn add(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-}
-
-impl std::hash::Hasher for FxHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.add(u64::from_le_bytes(word));
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.add(x);
-    }
-    fn write_u8(&mut self, x: u8) {
-        self.add(u64::from(x));
-    }
-    fn write_usize(&mut self, x: usize) {
-        self.add(x as u64);
-    }
-}
-
-type CostMemo = std::collections::HashMap<CostKey, (u64, u64), std::hash::BuildHasherDefault<FxHasher>>;
+type CostMemo = FxHashMap<CostKey, (u64, u64)>;
 
 /// Which part of a step an op belongs to: a unit's reads within one part share one ring item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -395,6 +363,9 @@ struct Builder<'a> {
     ctx: &'a BuildCtx<'a>,
     /// Op times (alone, under DMA) already asked of the cost model: layers repeat the same shapes.
     memo: CostMemo,
+    /// Copy times already asked of the cost model, by (host → device, bytes): every layer copies the same
+    /// activations and expert shares.
+    copy_memo: FxHashMap<(bool, u64), u64>,
     view: &'a PhaseView,
     phase: Phase,
     step: u32,
@@ -449,17 +420,21 @@ impl Builder<'_> {
             return Some(f);
         }
         if self.handoff_after[f as usize] == NONE {
-            let cost = self.ctx.cost;
             let bytes = self.activation_bytes();
-            let copy = match dev {
-                Device::Gpu => cost.h2d_ns(bytes, true),
-                Device::Cpu => cost.d2h_ns(bytes, true),
-            };
-            let d = cost.host_sync_ns() + copy;
+            let d = self.ctx.cost.host_sync_ns() + self.copy_ns(dev == Device::Gpu, bytes);
             let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (d, d), bytes, &[f]);
             self.handoff_after[f as usize] = h;
         }
         Some(self.handoff_after[f as usize])
+    }
+
+    /// A pinned host ↔ device copy of `bytes` (memoised).
+    fn copy_ns(&mut self, to_device: bool, bytes: u64) -> u64 {
+        let cost = self.ctx.cost;
+        *self
+            .copy_memo
+            .entry((to_device, bytes))
+            .or_insert_with(|| if to_device { cost.h2d_ns(bytes, true) } else { cost.d2h_ns(bytes, true) })
     }
 
     fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
@@ -487,7 +462,7 @@ impl Builder<'_> {
     /// A new ring item and its copy, which also waits for `after` (a layer's router, for its experts; the
     /// previous write-back, for a KV).
     fn item(&mut self, key: StreamKey, bytes: u64, after: Option<u32>) -> u32 {
-        let d = self.ctx.cost.h2d_ns(bytes, true);
+        let d = self.copy_ns(true, bytes);
         self.item_taking(key, bytes, d, after)
     }
 
@@ -529,7 +504,7 @@ impl Builder<'_> {
         };
         self.staged_unit = Some((unit, staged));
         self.offload_peak_bytes = self.offload_peak_bytes.max(staged);
-        let d = self.ctx.cost.h2d_ns(bytes, true);
+        let d = self.copy_ns(true, bytes);
         self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, (d, d), bytes, prev.as_slice())
     }
 
@@ -677,23 +652,65 @@ fn scaled(op: &Op, f: f64) -> Op {
     o
 }
 
+/// What building the step graphs of one phase view keeps from one graph to the next: the op and copy times
+/// asked of the cost model (valid for that view and cost model only) and the vectors of a graph that is no
+/// longer needed, cleared and refilled rather than reallocated.
+#[derive(Debug, Default)]
+pub(crate) struct Reuse {
+    memo: CostMemo,
+    copy_memo: FxHashMap<(bool, u64), u64>,
+    tasks: Vec<Task>,
+    deps: Vec<u32>,
+    handoff_after: Vec<u32>,
+    items: Vec<RingItem>,
+    ops: Vec<Op>,
+}
+
+impl Reuse {
+    /// Forgets the op and copy times (keeping their tables' memory), for another view or cost model.
+    pub(crate) fn forget_times(&mut self) {
+        self.memo.clear();
+        self.copy_memo.clear();
+    }
+
+    /// Takes back the vectors of a graph built with this `Reuse`.
+    pub(crate) fn recycle(&mut self, g: StepGraph) {
+        (self.tasks, self.deps, self.items, self.ops) = (g.tasks, g.deps, g.items, g.ops);
+    }
+}
+
 /// Builds the task graph of consecutive `phases` under `view` (one graph, the ring running across steps).
 pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> StepGraph {
+    build_with(ctx, view, phases, &mut Reuse::default())
+}
+
+/// [`build`] with the memos and buffers of `reuse` (built for the same view and cost model).
+pub(crate) fn build_with(
+    ctx: &BuildCtx<'_>,
+    view: &PhaseView,
+    phases: &[Phase],
+    reuse: &mut Reuse,
+) -> StepGraph {
+    fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
+        v.clear();
+        v
+    }
     let mut b = Builder {
         ctx,
-        memo: CostMemo::default(),
+        memo: std::mem::take(&mut reuse.memo),
+        copy_memo: std::mem::take(&mut reuse.copy_memo),
         view,
         phase: phases[0],
         step: 0,
-        tasks: Vec::new(),
-        deps: Vec::new(),
-        handoff_after: Vec::new(),
-        items: Vec::new(),
+        tasks: cleared(std::mem::take(&mut reuse.tasks)),
+        deps: cleared(std::mem::take(&mut reuse.deps)),
+        handoff_after: cleared(std::mem::take(&mut reuse.handoff_after)),
+        items: cleared(std::mem::take(&mut reuse.items)),
         last_writeback: vec![NONE; ctx.spec.text.n_layers as usize],
         offload_peak_bytes: 0,
         staged_unit: None,
     };
-    let mut all_ops: Vec<Op> = Vec::new();
+    let mut all_ops: Vec<Op> = cleared(std::mem::take(&mut reuse.ops));
     let mut op_counts: Vec<usize> = Vec::with_capacity(phases.len());
     let mut step_end = Vec::with_capacity(phases.len());
     // The previous step's result, on the host.
@@ -737,7 +754,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
             if j == 0 && dev == Device::Gpu {
                 // Token ids go to the device; the host is not waiting on the device yet.
                 let bytes = phase.tokens() * 4;
-                let d = ctx.cost.h2d_ns(bytes, true);
+                let d = b.copy_ns(true, bytes);
                 prev = Some(b.push(
                     TaskKind::Handoff { to: Device::Gpu },
                     Lane::Handoff,
@@ -775,7 +792,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
                             let copies = ctx.workload.kv_copies(phase);
-                            let d = copies * ctx.cost.h2d_ns(ctx.kv_layer_bytes / copies, true);
+                            let d = copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
                                 (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))
@@ -809,7 +826,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
                 // One copy of the new cells per sequence unless the cache is unified.
                 let copies = ctx.workload.kv_copies(phase);
                 let bytes = op.tokens * ctx.kv_token_bytes;
-                let d = copies * ctx.cost.d2h_ns(bytes / copies, true);
+                let d = copies * b.copy_ns(false, bytes / copies);
                 let w = b.push(TaskKind::KvWriteback { op: i as u32 }, Lane::D2h, (d, d), bytes, &[t]);
                 b.last_writeback[layer as usize] = w;
                 if let Some(it) = item {
@@ -823,7 +840,7 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
         let end = if b.device(last) == Device::Gpu {
             // The sampled tokens (or, for a chunk without logits, just completion) go back to the host.
             let bytes = phase.logit_rows() * 4;
-            let d = ctx.cost.host_sync_ns() + ctx.cost.d2h_ns(bytes, true);
+            let d = ctx.cost.host_sync_ns() + b.copy_ns(false, bytes);
             b.push(TaskKind::Handoff { to: Device::Cpu }, Lane::Handoff, (d, d), bytes, &[last])
         } else {
             last
@@ -839,6 +856,9 @@ pub(crate) fn build(ctx: &BuildCtx<'_>, view: &PhaseView, phases: &[Phase]) -> S
         "a ring item is read after the next tenant of its slot was created"
     );
 
+    reuse.memo = b.memo;
+    reuse.copy_memo = b.copy_memo;
+    reuse.handoff_after = b.handoff_after;
     StepGraph {
         phase_kind: view.kind,
         phases: phases.to_vec(),

@@ -80,6 +80,12 @@ impl<E: Ranked> EventQueue<E> {
         self.heap.pop().map(|e| (e.time_ns, e.event))
     }
 
+    /// Empties the queue and restarts the insertion sequence: it then orders events exactly as a new one.
+    pub fn clear(&mut self) {
+        self.heap.clear();
+        self.seq = 0;
+    }
+
     /// Events waiting.
     #[must_use]
     pub fn len(&self) -> usize {

@@ -72,6 +72,34 @@ struct StepTime {
     simulated: bool,
 }
 
+/// What the steps simulated for one phase reuse from one step to the next (see [`graph::Reuse`] and
+/// [`engine::Workspace`]).
+#[derive(Debug, Default)]
+struct PhaseScratch {
+    graph: graph::Reuse,
+    engine: engine::Workspace,
+}
+
+thread_local! {
+    /// The buffers of the last phase simulated on this thread: a planner judging candidates simulates many
+    /// short phases, and fresh buffers for each cost page faults.
+    static SCRATCH: std::cell::RefCell<PhaseScratch> = std::cell::RefCell::default();
+}
+
+impl PhaseScratch {
+    /// This thread's buffers, without the memos of the phase that used them last.
+    fn take() -> PhaseScratch {
+        let mut s = SCRATCH.take();
+        s.graph.forget_times();
+        s
+    }
+
+    /// Keeps the buffers for the next phase simulated on this thread.
+    fn give_back(self) {
+        SCRATCH.set(self);
+    }
+}
+
 /// The result of simulating a whole workload.
 #[derive(Debug, Clone)]
 pub struct Simulation {
@@ -261,7 +289,11 @@ impl<'a> Simulator<'a> {
     /// The task graph of consecutive steps (the ring runs across them).
     #[must_use]
     pub fn graph(&self, kind: PhaseKind, phases: &[Phase]) -> StepGraph {
-        let ctx = BuildCtx {
+        graph::build(&self.build_ctx(), &self.views[phase_index(kind)], phases)
+    }
+
+    fn build_ctx(&self) -> BuildCtx<'_> {
+        BuildCtx {
             inv: &self.inv,
             spec: self.spec,
             workload: &self.plan.workload,
@@ -269,8 +301,7 @@ impl<'a> Simulator<'a> {
             kv_layer_bytes: self.kv_layer_bytes,
             kv_token_bytes: self.kv_token_bytes,
             expert_bytes: &self.expert_bytes,
-        };
-        graph::build(&ctx, &self.views[phase_index(kind)], phases)
+        }
     }
 
     /// Simulates one step from a cold start: a prefill chunk with the prefill plan, or a decode step with the
@@ -297,9 +328,13 @@ impl<'a> Simulator<'a> {
         let all_chunks = w.prefill_chunks();
         let one = &all_chunks[..all_chunks.len() / w.batch as usize];
         let (full, last) = one.split_at(one.len() - 1);
-        let mut steps =
-            self.family(PhaseKind::Prefill, full, opts.prefill_samples, opts, max_slots, offload_bytes);
-        steps.extend(self.family(PhaseKind::Prefill, last, 1, opts, max_slots, offload_bytes));
+        let mut scratch = PhaseScratch::take();
+        let mut family = |phases, samples| {
+            self.family(PhaseKind::Prefill, phases, samples, opts, &mut scratch, max_slots, offload_bytes)
+        };
+        let mut steps = family(full, opts.prefill_samples);
+        steps.extend(family(last, 1));
+        scratch.give_back();
         steps
     }
 
@@ -307,7 +342,18 @@ impl<'a> Simulator<'a> {
     fn decode_steps(&self, opts: &SimOptions, max_slots: &mut u32, offload_bytes: &mut u64) -> Vec<StepTime> {
         let w = &self.plan.workload;
         let phases: Vec<Phase> = (0..w.gen_tokens).map(|i| w.decode_step(i)).collect();
-        self.family(PhaseKind::Decode, &phases, opts.decode_samples, opts, max_slots, offload_bytes)
+        let mut scratch = PhaseScratch::take();
+        let steps = self.family(
+            PhaseKind::Decode,
+            &phases,
+            opts.decode_samples,
+            opts,
+            &mut scratch,
+            max_slots,
+            offload_bytes,
+        );
+        scratch.give_back();
+        steps
     }
 
     /// The time of one phase alone, as [`Simulator::run`] reports it: the prefill of all requests (= TTFT), or
@@ -335,6 +381,7 @@ impl<'a> Simulator<'a> {
         phases: &[Phase],
         samples: u32,
         opts: &SimOptions,
+        scratch: &mut PhaseScratch,
         max_slots: &mut u32,
         offload_bytes: &mut u64,
     ) -> Vec<StepTime> {
@@ -350,28 +397,38 @@ impl<'a> Simulator<'a> {
                 simulated: false,
             })
             .collect();
+        let view = &self.views[phase_index(kind)];
+        let ctx = self.build_ctx();
         for &i in &idx {
-            let (o, measured, window_start, duration) = match kind {
-                PhaseKind::Prefill => {
-                    let o = self.step(kind, phases[i]);
-                    let d = o.makespan_ns;
-                    (o, 0, 0, d)
-                }
+            // A decode step is measured after a warm-up step of the same shape (see the module docs).
+            let pair = [phases[i], phases[i]];
+            let (run, measured) = match kind {
+                PhaseKind::Prefill => (&pair[..1], 0),
+                PhaseKind::Decode => (&pair[..], 1),
+            };
+            let g = graph::build_with(&ctx, view, run, &mut scratch.graph);
+            let summary = engine::run(&g, self.audit, &mut scratch.engine);
+            let ws = &scratch.engine;
+            let (window_start, duration) = match kind {
+                PhaseKind::Prefill => (0, summary.makespan_ns),
                 PhaseKind::Decode => {
-                    let o = self.steps(kind, &[phases[i], phases[i]]);
-                    let (a, b) = (o.step_end_ns[0], o.step_end_ns[1]);
-                    (o, 1, a, b - a)
+                    let (a, b) = (ws.step_end_ns(&g, 0), ws.step_end_ns(&g, 1));
+                    (a, b - a)
                 }
             };
-            *max_slots = (*max_slots).max(o.max_slots_in_use);
-            *offload_bytes = (*offload_bytes).max(o.graph.offload_peak_bytes);
-            let busy = o.busy_ns[measured as usize];
+            *max_slots = (*max_slots).max(summary.max_slots_in_use);
+            *offload_bytes = (*offload_bytes).max(g.offload_peak_bytes);
+            let busy = ws.busy_ns(measured);
             known.push((i, duration, busy));
             let s = &mut steps[i];
             s.duration_ns = duration;
             s.busy_ns = busy;
             s.simulated = true;
-            s.outcome = opts.trace.then_some((o, measured, window_start));
+            if opts.trace {
+                s.outcome = Some((scratch.engine.outcome(g, summary), measured as u32, window_start));
+            } else {
+                scratch.graph.recycle(g);
+            }
         }
         for w in known.windows(2) {
             let ((a, da, ba), (b, db, bb)) = (w[0], w[1]);

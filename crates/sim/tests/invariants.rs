@@ -303,3 +303,31 @@ fn sampling_matches_the_exact_run() {
     assert!(rel(sampled.metrics.ttft_ns as f64, exact.metrics.ttft_ns as f64) < 0.002);
     assert!(rel(sampled.metrics.tps, exact.metrics.tps) < 0.002);
 }
+
+/// A run reuses one step graph's buffers, memos and engine workspace for the next step of its phase: every
+/// step must still come out as a step simulated alone, from fresh buffers.
+#[test]
+fn steps_in_reused_buffers_equal_steps_simulated_alone() {
+    let spec = catalog::get("qwen3-30b-a3b").unwrap().truncated(3).unwrap();
+    let w = Workload::single(1500, 2048, 4, 512);
+    let inv = Inventory::new(&spec);
+    let codes: Vec<u8> = (0..inv.units.len()).map(|i| (i * 5 % 3) as u8).collect();
+    let place = placer(&inv, &codes);
+    let p =
+        common::plan(&spec, &w, PhaseShape { pipeline_depth: 2, op_offload: true, cpu_threads: 8 }, &place);
+    let cost = common::cli3();
+    let sim = Simulator::new(&spec, &p, &cost).unwrap();
+    let run = sim.run(&SimOptions { exact: true, ..SimOptions::default() });
+    let chunks = w.prefill_chunks();
+    assert!(chunks.len() >= 3, "several chunks share the buffers");
+    let alone: u64 = chunks.iter().map(|&c| sim.step(PhaseKind::Prefill, c).makespan_ns).sum();
+    assert_eq!(run.prefill_ns, alone);
+    let decode: u64 = (0..w.gen_tokens)
+        .map(|i| {
+            let step = w.decode_step(i);
+            let o = sim.steps(PhaseKind::Decode, &[step, step]);
+            o.step_end_ns[1] - o.step_end_ns[0]
+        })
+        .sum();
+    assert_eq!(run.decode_ns - run.switch_ns, decode);
+}
