@@ -534,6 +534,11 @@ mod tests {
         }
     }
 
+    /// `p` laid out on its own (no unit kept from another phase) in an arena of `bytes`, with no budget to report.
+    fn alone(w: &ModelWeights, p: &PhasePlan, kv: SeqKv, tokens: usize, bytes: usize) -> Result<PhaseLayout> {
+        layout_phase(w, p, &HashSet::new(), kv, tokens, Arena { bytes, budget_bytes: 0, overhead_bytes: 0 })
+    }
+
     #[test]
     fn regions_are_disjoint_and_inside_the_arena() {
         let w = ModelWeights::random(&tiny_spec(), 1).unwrap();
@@ -548,15 +553,7 @@ mod tests {
             2,
         );
         let arena = 16 << 20;
-        let l = layout_phase(
-            &w,
-            &p,
-            &HashSet::new(),
-            kv,
-            1,
-            Arena { bytes: arena, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap();
+        let l = alone(&w, &p, kv, 1, arena).unwrap();
         let mut regions: Vec<(usize, usize)> = l.slots.iter().map(|&s| (s, l.slot_bytes)).collect();
         regions.push((l.scratch.h, 1));
         for s in &l.steps {
@@ -593,15 +590,7 @@ mod tests {
             },
             2,
         );
-        let l = layout_phase(
-            &w,
-            &p,
-            &HashSet::new(),
-            kv,
-            4,
-            Arena { bytes: 16 << 20, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap();
+        let l = alone(&w, &p, kv, 4, 16 << 20).unwrap();
         assert_eq!(
             l.ring_items,
             vec![
@@ -638,26 +627,10 @@ mod tests {
         let kv = SeqKv { seq, seqs: 16, unified: true, prompt: 8 };
         let mut p = phase_plan(&w, |_| Placement::Pinned, 0);
         p.vram.scratch_bytes = 0;
-        let tight = layout_phase(
-            &w,
-            &p,
-            &HashSet::new(),
-            kv,
-            16,
-            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap();
+        let tight = alone(&w, &p, kv, 16, 64 << 20).unwrap();
         assert_eq!(tight.scratch.attn_splits, 1);
         p.vram.scratch_bytes = 64 << 20;
-        let roomy = layout_phase(
-            &w,
-            &p,
-            &HashSet::new(),
-            kv,
-            16,
-            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap();
+        let roomy = alone(&w, &p, kv, 16, 64 << 20).unwrap();
         assert_eq!(roomy.scratch.attn_splits, 16, "4096 keys in 256-key splits");
         assert!(roomy.scratch.bytes > tight.scratch.bytes, "the partial sums take room");
         p.vram.scratch_bytes = 0;
@@ -705,15 +678,7 @@ mod tests {
             },
             1,
         );
-        let l = layout_phase(
-            &w,
-            &p,
-            &HashSet::new(),
-            kv,
-            1,
-            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap();
+        let l = alone(&w, &p, kv, 1, 64 << 20).unwrap();
         assert_eq!(l.ring_items, vec![RingItem::Kv(0), RingItem::Kv(1), RingItem::Kv(2)]);
         assert_eq!(l.slot_bytes, align(kv.whole().bytes()));
         let bad = phase_plan(
@@ -721,15 +686,7 @@ mod tests {
             |u| if matches!(u, UnitId::Kv { .. }) { Placement::Pinned } else { Placement::Cpu },
             0,
         );
-        let e = layout_phase(
-            &w,
-            &bad,
-            &HashSet::new(),
-            kv,
-            1,
-            Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
-        )
-        .unwrap_err();
+        let e = alone(&w, &bad, kv, 1, 64 << 20).unwrap_err();
         assert!(e.to_string().contains("KV must be on the side that runs attention"), "{e}");
     }
     #[test]
