@@ -17,8 +17,9 @@ impl Progress for Quiet {
     fn step(&self, _: &str) {}
 }
 
-fn tiny_profile() -> Profile {
-    let cfg = Config {
+/// The CPU-only tiny grid on 1 and 2 threads, GPU sections from cli3.
+fn tiny_config() -> Config {
+    Config {
         mode: Mode::Tiny,
         name: "ci".into(),
         threads: vec![1, 2],
@@ -26,8 +27,11 @@ fn tiny_profile() -> Profile {
         command: "test".into(),
         commit: "test".into(),
         date: "2026-11-30T00:00:00Z".into(),
-    };
-    measure(&cfg, &Quiet).unwrap()
+    }
+}
+
+fn tiny_profile() -> Profile {
+    measure(&tiny_config(), &Quiet).unwrap()
 }
 
 /// Copies of more bytes never take less time, on every committed profile and the tiny one.
@@ -185,15 +189,7 @@ fn an_interrupt_stops_the_measurement() {
             self.0.get() >= 3
         }
     }
-    let cfg = Config {
-        mode: Mode::Tiny,
-        name: "ci".into(),
-        threads: vec![1, 2],
-        gpu_from: Some(reference::derived("cli3").unwrap()),
-        command: "test".into(),
-        commit: "test".into(),
-        date: "2026-11-30T00:00:00Z".into(),
-    };
+    let cfg = tiny_config();
     let progress = StopAfter(Cell::new(0));
     let e = measure(&cfg, &progress).unwrap_err();
     assert!(matches!(e, pipeshard_profiler::ProfilerError::Interrupted), "{e}");
