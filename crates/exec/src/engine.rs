@@ -29,7 +29,7 @@ use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
-use crate::cuda::{DevBuf, Event, Gpu, HostRegistration, KernelKey, Kernels, Stream};
+use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
@@ -1352,50 +1352,22 @@ impl<'a> Exec<'a> {
                     unreachable!("expert unit kind")
                 };
                 let g = self.gpu.as_ref().expect("gpu");
-                let gpu = g.gpu;
                 let start = g.span_start(Stream::Compute)?;
-                let (idx, wts) = (at(sc.moe_idx) + 4 * first as u64, at(sc.moe_w) + 4 * first as u64);
+                let io = ExpertIo {
+                    xn: at(sc.xb),
+                    idx: at(sc.moe_idx) + 4 * first as u64,
+                    wts: at(sc.moe_w) + 4 * first as u64,
+                    x: at(sc.moe_x),
+                    gate: at(sc.moe_gate),
+                    up: at(sc.moe_up),
+                    act: at(sc.moe_act),
+                    y: at(sc.moe_y),
+                    h: at(sc.h),
+                };
                 // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
                 // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
                 // and h.
-                unsafe {
-                    gpu.gather_rows(&g.k, at(sc.xb), idx, at(sc.moe_x), c, hd)?;
-                    gpu.matmul(
-                        &g.k,
-                        d.quant,
-                        wb + o.gate as u64,
-                        at(sc.moe_x),
-                        at(sc.moe_gate),
-                        rows,
-                        fe,
-                        hd,
-                        false,
-                    )?;
-                    gpu.matmul(
-                        &g.k,
-                        d.quant,
-                        wb + o.up as u64,
-                        at(sc.moe_x),
-                        at(sc.moe_up),
-                        rows,
-                        fe,
-                        hd,
-                        false,
-                    )?;
-                    gpu.ffn_act(&g.k, Some(at(sc.moe_gate)), at(sc.moe_up), at(sc.moe_act), rows * fe)?;
-                    gpu.matmul(
-                        &g.k,
-                        d.quant,
-                        wb + o.down as u64,
-                        at(sc.moe_act),
-                        at(sc.moe_y),
-                        rows,
-                        hd,
-                        fe,
-                        false,
-                    )?;
-                    gpu.scatter_add_rows(&g.k, at(sc.moe_y), idx, wts, at(sc.h), c, hd)?;
-                }
+                unsafe { g.gpu.expert_ffn(&g.k, d.quant, wb, o, &io, c, rows, hd, fe)? };
                 g.span_end(
                     &mut self.tl,
                     format!("gpu {unit} ({c} tokens)"),
