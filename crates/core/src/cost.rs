@@ -8,6 +8,9 @@
 //! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1), except
 //! that a block-quantised format a measured profile has no rows of borrows the bf16 rows' efficiency
 //! ([`TableCostModel::borrows_bf16`]).
+//! A decode step of several sequences runs their queries side by side in one kernel, which a prefill chunk's
+//! rows do not time: it takes the `attention_decode` rows (or `attention_decode_unified` for a unified cache's
+//! masked scan), with the one-token attention rows as their one-sequence end, where the profile has them.
 //! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
 //! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
 
@@ -126,6 +129,21 @@ impl TableCostModel {
                 }
             }
         }
+        // A one-token attention row is the decode of one sequence, whatever the cache: the R = 1 end of the
+        // batched decode rows, where a profile has them.
+        let one_seq: Vec<(Device, DType, u32, (f64, f64, f64, Option<f64>))> = families
+            .iter()
+            .filter(|f| f.class == OpClass::Attention)
+            .flat_map(|f| f.points.iter().filter(|p| p.1 == 0.0).map(|p| (f.device, f.dtype, f.threads, *p)))
+            .collect();
+        for f in families
+            .iter_mut()
+            .filter(|f| matches!(f.class, OpClass::AttentionDecode | OpClass::AttentionDecodeUnified))
+        {
+            f.points.extend(
+                one_seq.iter().filter(|o| (o.0, o.1, o.2) == (f.device, f.dtype, f.threads)).map(|o| o.3),
+            );
+        }
         for f in &mut families {
             f.points.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
         }
@@ -160,9 +178,11 @@ impl TableCostModel {
         (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
     }
 
-    /// The family measured for this op: same device, class and format, nearest thread count. Routers and
-    /// expert FFNs are matmuls, so they borrow the matmul rows when they have none of their own; a
-    /// block-quantised format without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
+    /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest thread
+    /// count. Routers and expert FFNs are matmuls, so they borrow the matmul rows when they have none of their
+    /// own; a decode step's attention of several sequences borrows the attention rows (interpolated in tokens
+    /// towards the prefill chunks') when the profile did not time batched decode; a block-quantised format
+    /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
         let find = |class: OpClass, dtype: DType| {
@@ -171,14 +191,16 @@ impl TableCostModel {
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| f.threads.abs_diff(threads))
         };
-        let class = op.kind.class();
+        // The CPU kernel reads a sequence's own cells of a unified cache, as of its own cache.
+        let class = match (op.kind.row_class(op.tokens), ctx.device) {
+            (OpClass::AttentionDecodeUnified, Device::Cpu) => OpClass::AttentionDecode,
+            (c, _) => c,
+        };
         let find_matmul = |dtype: DType| {
-            find(class, dtype).or_else(|| {
-                if matches!(class, OpClass::Router | OpClass::Experts) {
-                    find(OpClass::MatMul, dtype)
-                } else {
-                    None
-                }
+            find(class, dtype).or_else(|| match class {
+                OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
+                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => find(OpClass::Attention, dtype),
+                _ => None,
             })
         };
         find_matmul(op.dtype)
@@ -253,18 +275,23 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
         OpClass::MatMul | OpClass::Router => {
             (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
         }
-        OpClass::Attention => {
-            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format.
+        OpClass::Attention | OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => {
+            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format, for
+            // one sequence, or (decode rows) for each of the `tokens` sequences.
             let head_dim = 128;
             let q_heads = (row.n / head_dim).max(1) as u32;
-            let kv = 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            let decode = row.op != OpClass::Attention;
+            let seqs = if decode { m } else { 1.0 };
+            let kv = seqs * 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            let scanned = if row.op == OpClass::AttentionDecodeUnified { row.k * row.tokens } else { row.k };
             (
                 OpKind::Attention {
                     q_heads,
                     kv_heads: (q_heads / 4).max(1),
                     head_dim,
                     keys: row.k,
-                    scanned_keys: row.k,
+                    scanned_keys: scanned,
+                    decode,
                 },
                 4.0 * m * k * n,
                 0.0,

@@ -182,6 +182,12 @@ pub enum OpClass {
     Router,
     Experts,
     Sample,
+    /// A decode step's attention for one query of each of `tokens` sequences, each over its own `k` keys in
+    /// its own cache: one kernel launch whose queries run side by side, so it is timed apart from a prefill
+    /// chunk's `tokens` causal queries (profile rows only; ops stay [`OpKind::Attention`]).
+    AttentionDecode,
+    /// [`OpClass::AttentionDecode`] over one unified cache: each query scans all `tokens × k` cells, masked.
+    AttentionDecodeUnified,
 }
 
 /// What an op is, with the shape facts a cost model needs.
@@ -206,6 +212,9 @@ pub enum OpKind {
         keys: u64,
         #[serde(default)]
         scanned_keys: u64,
+        /// A decode step: `tokens` queries, one of each sequence (else one sequence's causal chunk).
+        #[serde(default)]
+        decode: bool,
     },
     Activation,
     Add,
@@ -242,6 +251,19 @@ impl OpKind {
             OpKind::Router { .. } => OpClass::Router,
             OpKind::Experts { .. } => OpClass::Experts,
             OpKind::Sample { .. } => OpClass::Sample,
+        }
+    }
+
+    /// The profile rows that time this op best: a decode step's attention of several sequences has rows of its
+    /// own ([`OpClass::AttentionDecode`], or [`OpClass::AttentionDecodeUnified`] when a query scans more cells
+    /// than its own keys); every other op its [`OpKind::class`].
+    #[must_use]
+    pub fn row_class(&self, tokens: u64) -> OpClass {
+        match *self {
+            OpKind::Attention { decode: true, keys, scanned_keys, .. } if tokens > 1 => {
+                if scanned_keys > keys { OpClass::AttentionDecodeUnified } else { OpClass::AttentionDecode }
+            }
+            k => k.class(),
         }
     }
 }
@@ -398,6 +420,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
                 head_dim: t.head_dim,
                 keys,
                 scanned_keys,
+                decode: matches!(phase, Phase::Decode { .. }),
             },
             unit: UnitId::Kv { layer: il },
             tokens: m,

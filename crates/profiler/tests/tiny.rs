@@ -24,6 +24,7 @@ fn tiny_config() -> Config {
         name: "ci".into(),
         threads: vec![1, 2],
         gpu_from: Some(reference::derived("cli3").unwrap()),
+        gpu_decode_attention: false,
         command: "test".into(),
         commit: "test".into(),
         date: "2026-11-30T00:00:00Z".into(),
