@@ -524,6 +524,57 @@ mod tests {
     }
 
     #[test]
+    fn batched_decode_attention_takes_its_own_rows() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let base = Profile::load(&path).unwrap();
+        let spec = catalog::get("nemo-8b").unwrap().truncated(1).unwrap();
+        let inv = Inventory::new(&spec);
+        // The first decode step attends over 1024 keys per sequence.
+        let w = Workload::single(1023, 1040, 8, 1024);
+        let attn = |r: u64, unified: bool| {
+            let wb = w.batched(r, unified);
+            let all = ops(&spec, &inv, &wb, wb.decode_step(0));
+            *all.iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let row = |op: OpClass, threads: u32, time_ns: u64| OpRow {
+            op,
+            dtype: DType::F16,
+            n: 4096,
+            k: 1024,
+            tokens: 16,
+            threads,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+        };
+        let mut p = base.clone();
+        p.gpu.ops.push(row(OpClass::AttentionDecode, 0, 150_000));
+        p.gpu.ops.push(row(OpClass::AttentionDecodeUnified, 0, 2_000_000));
+        p.cpu.ops.push(row(OpClass::AttentionDecode, 16, 3_000_000));
+        let (old, m) = (TableCostModel::new(&base), TableCostModel::new(&p));
+        let t = |m: &TableCostModel, op: &Op, ctx: OpContext| m.op_ns(op, ctx) as f64;
+        let near = |got: f64, want: f64| (got / want - 1.0).abs() < 0.01;
+        // The measured steps come back: 16 queries side by side, or a 16-fold masked scan.
+        let (per_seq, unified) = (attn(16, false), attn(16, true));
+        assert!(near(t(&m, &per_seq, OpContext::gpu()), 150e3), "{}", t(&m, &per_seq, OpContext::gpu()));
+        assert!(near(t(&m, &unified, OpContext::gpu()), 2e6), "{}", t(&m, &unified, OpContext::gpu()));
+        // The CPU reads a unified cache's own cells only: per-sequence rows for both.
+        for op in [per_seq, unified] {
+            assert!(near(t(&m, &op, OpContext::cpu(16)), 3e6), "{}", t(&m, &op, OpContext::cpu(16)));
+        }
+        // Without batched rows, the attention rows as before, where 16 queries cost far more than measured here.
+        assert!(t(&old, &per_seq, OpContext::gpu()) > 5.0 * 150e3);
+        // One sequence keeps its one-token decode row; so does a prefill chunk its rows.
+        let one = attn(1, false);
+        assert_eq!(m.op_ns(&one, OpContext::gpu()), old.op_ns(&one, OpContext::gpu()));
+        let prefill = *ops(&spec, &inv, &w, w.prefill_chunks()[0])
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
+            .unwrap();
+        assert_eq!(m.op_ns(&prefill, OpContext::gpu()), old.op_ns(&prefill, OpContext::gpu()));
+    }
+
+    #[test]
     fn copies_follow_the_link() {
         let m = model();
         let t = m.h2d_ns(1 << 30, true);

@@ -10,12 +10,12 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
 use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cpu::KvLayout;
-use pipeshard_exec::cuda::{Event, Gpu, KernelKey, Stream};
+use pipeshard_exec::cuda::{Event, ExpertIo, Gpu, KernelKey, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::seqs::{GpuKeys, Pass, SeqKv};
-use pipeshard_exec::weights::Dims;
+use pipeshard_exec::weights::{Dims, ExpertOffsets};
 
 use crate::cpu::{self, Background, dims_for, fill_random};
 use crate::shapes::{self, HeadLayout};
@@ -442,6 +442,33 @@ pub fn measure_all(
     let mut staging = HostBuf::zeroed(64 * MIB);
     // SAFETY: `staging` outlives the registration (dropped at the end of this function, after it).
     let _sreg = unsafe { gpu.register(&staging)? };
+    // The MoE scratch of one expert over up to max_m tokens; its token ids are 0..max_m, each picked once.
+    let (e_ffn, e_hidden) = cat.experts.iter().fold((1, 1), |(f, h), s| (f.max(s.n), h.max(s.k)));
+    let (e_ffn, e_hidden) = (e_ffn as usize, e_hidden as usize);
+    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * e_ffn, 4 * max_m * e_ffn]
+        .into_iter()
+        .chain([2 * max_m * e_ffn, 4 * max_m * e_hidden, 4 * max_m * e_hidden])
+        .map(|bytes| gpu.alloc(bytes))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let ids: Vec<u8> = (0..max_m as u32).flat_map(u32::to_le_bytes).collect();
+    let weights: Vec<u8> = (0..max_m).flat_map(|_| 0.125f32.to_le_bytes()).collect();
+    // SAFETY: both buffers hold max_m 4-byte entries; the copies finish before the sources drop.
+    unsafe {
+        gpu.h2d(Stream::H2d, e_bufs[0].ptr(), &ids)?;
+        gpu.h2d(Stream::H2d, e_bufs[1].ptr(), &weights)?;
+    }
+    gpu.sync(Stream::H2d)?;
+    let expert_io = ExpertIo {
+        xn: xbuf.ptr(),
+        idx: e_bufs[0].ptr(),
+        wts: e_bufs[1].ptr(),
+        x: e_bufs[2].ptr(),
+        gate: e_bufs[3].ptr(),
+        up: e_bufs[4].ptr(),
+        act: e_bufs[5].ptr(),
+        y: e_bufs[6].ptr(),
+        h: e_bufs[7].ptr(),
+    };
     let mut gpu_rows: Vec<OpRow> = Vec::new();
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
     // are not whole blocks have no quantised rows.
@@ -474,19 +501,23 @@ pub fn measure_all(
             let (n, k) = (shape.n as usize, shape.k as usize);
             let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
             let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
-            let copies = (rot_bytes / wbytes).max(1);
+            // An expert's gate, up and down lie together, as in exec's weights; each sample's matrices come from
+            // another slot so that none is read from L2.
+            let unit_bytes = if experts { 3 * wbytes } else { wbytes };
+            let copies = (rot_bytes / unit_bytes).max(1);
+            let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
             for &m in &g.tokens {
                 let s = b.events(Stream::Compute, &mut |i| {
-                    let slot = |j: usize| wbuf.ptr() + ((j % copies) * wbytes) as u64;
-                    // SAFETY: each slot holds n rows of k elements (and k rows of n) in the format (rotation
-                    // slots of wbytes inside wbuf), x m·k and y m·n elements.
+                    let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
+                    // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
+                    // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
+                    // m distinct row ids.
                     unsafe {
-                        gpu.matmul(&kn, quant, slot(3 * i), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
                         if experts {
-                            // Up (same shape) and down (k × n) of the same expert, from other slots so that
-                            // none is read from L2.
-                            gpu.matmul(&kn, quant, slot(3 * i + 1), xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
-                            gpu.matmul(&kn, quant, slot(3 * i + 2), xbuf.ptr(), ybuf.ptr(), m, k, n, false)?;
+                            // exec's whole per-expert sequence (six launches) over m tokens that all picked it.
+                            gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
+                        } else {
+                            gpu.matmul(&kn, quant, w, xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
                         }
                     }
                     Ok(())

@@ -12,7 +12,8 @@
 //! - **DRAM** ([`cpu`]): read bandwidth by thread count, alone and while pinned H2D copies stream.
 //! - **GPU ops**: exec's matmul (cuBLAS GEMM; for q8_0/q4_0 its dequantising GEMV or dequantise + cuBLAS)
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
-//!   executor format (f16, bf16, q8_0, q4_0; the fast mode bf16 and q4_0); routed experts as three GEMMs per expert (gate, up, down);
+//!   executor format (f16, bf16, q8_0, q4_0; the fast mode bf16 and q4_0); routed experts as exec's whole per-expert
+//!   sequence (gather, gate and up GEMMs, SwiGLU, down GEMM, weighted scatter-add: six launches);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
 //! - **CPU ops**: exec's CPU matmul (bf16 and the quantised formats) and attention by thread count, alone and under DMA, and its elementwise
@@ -185,8 +186,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          dequantise-to-bf16 + cuBLAS (GPU) or the bf16 kernel (CPU) above; formats without rows borrow the bf16 \
          rows' efficiency in the cost model"
             .into(),
-        "routed experts: no grouped kernel in exec yet; an `experts` row is one expert's gate, up and down as \
-         three exec GEMMs"
+        "routed experts: no grouped kernel in exec yet; a GPU `experts` row is exec's whole sequence for one \
+         expert (gather, gate, up, SwiGLU, down, scatter-add: six launches), a CPU row exec's expert block"
             .into(),
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];

@@ -23,6 +23,7 @@ use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 use crate::seqs::GpuKeys;
+use crate::weights::ExpertOffsets;
 
 const KERNELS_CU: &str = include_str!("kernels.cu");
 /// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
@@ -639,6 +640,25 @@ impl Gpu {
     }
 }
 
+/// Device addresses one routed expert reads and writes ([`Gpu::expert_ffn`]): the MoE part of the scratch.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertIo {
+    /// The layer's normed activations, a row per token.
+    pub xn: u64,
+    /// The expert's token rows (u32) and routing weights (f32).
+    pub idx: u64,
+    pub wts: u64,
+    /// Gathered rows (activations), gate and up outputs (f32), their SwiGLU product (activations), down output
+    /// (f32).
+    pub x: u64,
+    pub gate: u64,
+    pub up: u64,
+    pub act: u64,
+    pub y: u64,
+    /// The residual stream (f32) the weighted outputs are added to.
+    pub h: u64,
+}
+
 /// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
 /// sizes it reads and writes.
 impl Gpu {
@@ -979,6 +999,40 @@ impl Gpu {
         }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel(scatter_add_rows)"))
+    }
+
+    /// One routed expert over the `c` tokens that picked it: gather their rows of `io.xn`, gate and up
+    /// matmuls, SwiGLU, down matmul, and the weighted scatter-add into `io.h` — six launches. The matmuls run over
+    /// `rows ≥ c` rows (a warmed shape); rows past `c` are computed and dropped. This is the executor's whole
+    /// per-expert sequence, and the profiler times this same call.
+    ///
+    /// # Safety
+    /// `w` holds the expert's gate and up (`ffn × hidden`) and down (`hidden × ffn`) at `o`'s offsets in
+    /// `quant`'s format; `io.idx`/`io.wts` hold `c` distinct token rows of `io.xn` and `io.h` and their weights;
+    /// `io.x`, `io.act` hold `rows` activation rows (`hidden`, `ffn`), `io.gate`, `io.up`, `io.y` `rows` f32 rows
+    /// (`ffn`, `ffn`, `hidden`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn expert_ffn(
+        &self,
+        k: &Kernels,
+        quant: Option<QFormat>,
+        w: u64,
+        o: ExpertOffsets,
+        io: &ExpertIo,
+        c: usize,
+        rows: usize,
+        hidden: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        // SAFETY: the sizes are the caller's, as documented.
+        unsafe {
+            self.gather_rows(k, io.xn, io.idx, io.x, c, hidden)?;
+            self.matmul(k, quant, w + o.gate as u64, io.x, io.gate, rows, ffn, hidden, false)?;
+            self.matmul(k, quant, w + o.up as u64, io.x, io.up, rows, ffn, hidden, false)?;
+            self.ffn_act(k, Some(io.gate), io.up, io.act, rows * ffn)?;
+            self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
+            self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
+        }
     }
 
     /// `out[r] = argmax(logits[r])` for `rows` rows of `vocab`.
