@@ -477,7 +477,11 @@ mod tests {
     #[test]
     fn quantised_ops_use_their_rows_else_a_measured_profiles_bf16_rows() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
-        let measured = Profile::load(&path).unwrap();
+        // The committed profile without its q4_0 rows (it has measured them since 4af863c).
+        let mut measured = Profile::load(&path).unwrap();
+        for ops in [&mut measured.gpu.ops, &mut measured.cpu.ops] {
+            ops.retain(|r| r.dtype != DType::Q4_0);
+        }
         let spec = catalog::get("nemo-8b").unwrap().truncated(1).unwrap();
         let w = Workload::single(1024, 4096, 10, 1024);
         let up = |d: DType| {

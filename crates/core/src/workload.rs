@@ -554,8 +554,15 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
     };
     let attn_tmp = if w.flash_attn {
         // Flash decoding: up to 8 query tokens split the keys into chunks of 256 (at most 64, sized for the
-        // cache's full context) whose partial outputs and (max, sum) pairs are combined after.
-        let splits = if m <= 8.0 { w.ctx.div_ceil(256).clamp(1, 64) as f64 } else { 1.0 };
+        // cache's full context) whose partial outputs and (max, sum) pairs are combined after; a decode step
+        // of more sequences splits until about 4096 warps (one per query, head and split) run, as the executor
+        // does (`exec::layout::attn_splits`), so that its batched decode is not left unsplit for want of scratch.
+        let by_keys = w.ctx.div_ceil(256).clamp(1, 64) as f64;
+        let splits = match phase {
+            _ if m <= 8.0 => by_keys,
+            Phase::Decode { .. } => by_keys.min((4096.0 / (m * f64::from(t.n_heads))).ceil()),
+            Phase::Prefill { .. } => 1.0,
+        };
         let partials =
             if splits > 1.0 { m * f64::from(t.n_heads) * splits * (t.head_dim as f64 + 2.0) } else { 0.0 };
         m * (q_dim + 2.0 * kv_dim) + partials
