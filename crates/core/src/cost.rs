@@ -77,6 +77,9 @@ pub trait CostModel: Send + Sync {
     fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64;
 }
 
+/// One measured row as an efficiency sample: (log n·k, log tokens, efficiency alone, efficiency under DMA).
+type Point = (f64, f64, f64, Option<f64>);
+
 /// Efficiency samples of one op family on one device, sorted by (shape, tokens).
 #[derive(Debug, Clone)]
 struct Family {
@@ -84,8 +87,7 @@ struct Family {
     class: OpClass,
     dtype: DType,
     threads: u32,
-    /// (log n·k, log tokens, efficiency alone, efficiency under DMA)
-    points: Vec<(f64, f64, f64, Option<f64>)>,
+    points: Vec<Point>,
 }
 
 /// The table cost model (see the module docs).
@@ -131,7 +133,7 @@ impl TableCostModel {
         }
         // A one-token attention row is the decode of one sequence, whatever the cache: the R = 1 end of the
         // batched decode rows, where a profile has them.
-        let one_seq: Vec<(Device, DType, u32, (f64, f64, f64, Option<f64>))> = families
+        let one_seq: Vec<(Device, DType, u32, Point)> = families
             .iter()
             .filter(|f| f.class == OpClass::Attention)
             .flat_map(|f| f.points.iter().filter(|p| p.1 == 0.0).map(|p| (f.device, f.dtype, f.threads, *p)))
@@ -234,7 +236,7 @@ impl TableCostModel {
         let start = fam.points.partition_point(|p| p.0 < nearest_shape);
         let end = fam.points.partition_point(|p| p.0 <= nearest_shape);
         let run = &fam.points[start..end];
-        let pick = |p: &(f64, f64, f64, Option<f64>)| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
+        let pick = |p: &Point| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
         // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's.
         let tokens = match op.kind {
