@@ -165,8 +165,9 @@ fn kernel_heads(all: &[HeadLayout]) -> Vec<HeadLayout> {
     all.iter().copied().filter(|h| h.head_dim % 32 == 0 && h.head_dim <= 256).collect()
 }
 
-/// Only the GPU's batched decode attention rows ([`decode_attention_rows`]), for a CPU-only profile that
-/// keeps another run's GPU section but needs rows that run did not measure.
+/// Only the GPU's batched decode attention rows (`attention_decode`, `attention_decode_unified`: exec's kernel
+/// over R ∈ {4, 16, 64} sequences (4 and 16 when fast) with the executor's key splits), for a CPU-only profile that keeps another
+/// run's GPU section but needs rows that run did not measure.
 pub fn measure_decode_attention(mode: Mode, progress: &dyn Progress) -> Result<Vec<OpRow>> {
     pipeshard_exec::cuda::probe().map_err(ProfilerError::NoGpu)?;
     let gpu = Gpu::new()?;
