@@ -166,8 +166,8 @@ fn kernel_heads(all: &[HeadLayout]) -> Vec<HeadLayout> {
 }
 
 /// Only the GPU's batched decode attention rows (`attention_decode`, `attention_decode_unified`: exec's kernel
-/// over R ∈ {4, 16, 64} sequences (4 and 16 when fast) with the executor's key splits), for a CPU-only profile that keeps another
-/// run's GPU section but needs rows that run did not measure.
+/// over R ∈ {4, 16, 64} sequences, 4 and 16 when fast, with the executor's key splits), for a CPU-only profile
+/// that keeps another run's GPU section but needs rows that run did not measure.
 pub fn measure_decode_attention(mode: Mode, progress: &dyn Progress) -> Result<Vec<OpRow>> {
     pipeshard_exec::cuda::probe().map_err(ProfilerError::NoGpu)?;
     let gpu = Gpu::new()?;
