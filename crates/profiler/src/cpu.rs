@@ -467,19 +467,30 @@ pub fn measure(
 
     // Routed experts: exec's expert block (gather, gate and up, SwiGLU, down, weighted scatter-add) over
     // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
-    // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN).
-    let plain: Vec<DType> = g.dtypes.iter().copied().filter(|&d| QFormat::from_dtype(d).is_none()).collect();
-    let steps = plain.len() * g.experts.len() * g.expert_tokens.len();
+    // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN). Quantised
+    // experts (whose gate, up and down rows are whole 32-element blocks) take bf16 activations.
+    let fits = |dtype: DType, n: u64, k: u64| {
+        !dtype.is_quantized() || (n.is_multiple_of(32) && k.is_multiple_of(32))
+    };
+    let steps =
+        g.dtypes.iter().map(|&d| g.experts.iter().filter(|s| fits(d, s.0, s.1)).count()).sum::<usize>()
+            * g.expert_tokens.len();
     progress.section("CPU routed experts (exec kernel), most threads", steps as u64);
-    for &dtype in &plain {
-        let elem = Elem::from_dtype(dtype).expect("f16/bf16");
-        for &(n, k) in &g.experts {
+    for &dtype in &g.dtypes {
+        let quant = QFormat::from_dtype(dtype);
+        let elem = if quant.is_some() { Elem::Bf16 } else { Elem::from_dtype(dtype).expect("f16/bf16") };
+        for &(n, k) in g.experts.iter().filter(|s| fits(dtype, s.0, s.1)) {
             let (nu, ku) = (n as usize, k as usize);
-            let mat_bytes = nu * ku * 2;
+            // Gate and up are n rows of k, down k rows of n: the same bytes in every format.
+            let mat_bytes = quant.map_or(nu * ku * 2, |q| nu * q.row_bytes(ku));
             let off = ExpertOffsets { gate: 0, up: mat_bytes, down: 2 * mat_bytes };
-            let wall = random_vec(g.rotation_bytes.max(3 * mat_bytes * EXPERTS_PER_SAMPLE), elem, 10);
+            let wall_bytes = g.rotation_bytes.max(3 * mat_bytes * EXPERTS_PER_SAMPLE);
+            let wall = match quant {
+                Some(q) => random_blocks(q, wall_bytes, 10),
+                None => random_vec(wall_bytes, elem, 10),
+            };
             let copies = wall.len() / (3 * mat_bytes);
-            let d = Dims { mat: elem, ..dims_for(g.heads[0], ku, elem) };
+            let d = Dims { mat: elem, quant, ..dims_for(g.heads[0], ku, elem) };
             for &c in &g.expert_tokens {
                 let xn: Vec<f32> = random_f32(c * ku, 11).iter().map(|&v| elem.round(v)).collect();
                 let tokens: Vec<(u32, f32)> = (0..c as u32).map(|t| (t, 0.125)).collect();

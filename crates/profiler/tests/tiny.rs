@@ -85,8 +85,9 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     let experts: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::Experts).collect();
     assert_eq!(
         experts.iter().map(|r| (r.tokens, r.threads, r.dtype)).collect::<Vec<_>>(),
-        vec![(1, 2, DType::Bf16), (4, 2, DType::Bf16)],
-        "bf16 only: the expert block runs quantised experts through the matmul rows' kernels"
+        vec![(1, 2, DType::Bf16), (4, 2, DType::Bf16), (1, 2, DType::Q4_0), (4, 2, DType::Q4_0)],
+        "every format: the block's own work (gather, SwiGLU, scatter, the short down projection) is not in the \
+         matmul rows, quantised or not"
     );
     // Decode attention at every thread count; prefill attention (16 queries) on the most threads, over the
     // same average keys as a decode row, so the cost model interpolates between them in tokens.
@@ -140,7 +141,7 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
             tokens: r.tokens,
             dtype: r.dtype,
             flops: 6.0 * mf * n * k,
-            weight_bytes: 6.0 * n * k,
+            weight_bytes: 3.0 * r.dtype.tensor_bytes(r.k, r.n).unwrap() as f64,
             act_bytes: 4.0 * mf * (2.0 * k + 3.0 * n),
             kv_bytes: 0.0,
         };
