@@ -41,6 +41,10 @@ pub enum ProfileCommand {
         /// The profile whose GPU and PCIe sections a `--cpu-only` run keeps.
         #[arg(long)]
         gpu_from: Option<PathBuf>,
+        /// With `--cpu-only`: also measure the GPU's batched decode attention (R sequences in one step) and
+        /// replace the `--gpu-from` profile's rows of it.
+        #[arg(long, requires = "cpu_only")]
+        gpu_decode_attention: bool,
         /// Also write the summary plot (default: beside the output, `.png`).
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -111,7 +115,16 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             println!("wrote {}", out.display());
             Ok(())
         }
-        ProfileCommand::Measure { fast, out, name, threads, cpu_only, gpu_from, plot } => {
+        ProfileCommand::Measure {
+            fast,
+            out,
+            name,
+            threads,
+            cpu_only,
+            gpu_from,
+            gpu_decode_attention,
+            plot,
+        } => {
             let name = name
                 .or_else(|| {
                     out.as_ref().and_then(|o| o.file_stem()).map(|s| s.to_string_lossy().into_owned())
@@ -129,6 +142,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 name,
                 threads,
                 gpu_from,
+                gpu_decode_attention,
                 command,
                 commit,
                 date,

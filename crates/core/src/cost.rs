@@ -8,6 +8,9 @@
 //! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1), except
 //! that a block-quantised format a measured profile has no rows of borrows the bf16 rows' efficiency
 //! ([`TableCostModel::borrows_bf16`]).
+//! A decode step of several sequences runs their queries side by side in one kernel, which a prefill chunk's
+//! rows do not time: it takes the `attention_decode` rows (or `attention_decode_unified` for a unified cache's
+//! masked scan), with the one-token attention rows as their one-sequence end, where the profile has them.
 //! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
 //! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
 
@@ -74,6 +77,9 @@ pub trait CostModel: Send + Sync {
     fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64;
 }
 
+/// One measured row as an efficiency sample: (log n·k, log tokens, efficiency alone, efficiency under DMA).
+type Point = (f64, f64, f64, Option<f64>);
+
 /// Efficiency samples of one op family on one device, sorted by (shape, tokens).
 #[derive(Debug, Clone)]
 struct Family {
@@ -81,8 +87,7 @@ struct Family {
     class: OpClass,
     dtype: DType,
     threads: u32,
-    /// (log n·k, log tokens, efficiency alone, efficiency under DMA)
-    points: Vec<(f64, f64, f64, Option<f64>)>,
+    points: Vec<Point>,
 }
 
 /// The table cost model (see the module docs).
@@ -126,6 +131,21 @@ impl TableCostModel {
                 }
             }
         }
+        // A one-token attention row is the decode of one sequence, whatever the cache: the R = 1 end of the
+        // batched decode rows, where a profile has them.
+        let one_seq: Vec<(Device, DType, u32, Point)> = families
+            .iter()
+            .filter(|f| f.class == OpClass::Attention)
+            .flat_map(|f| f.points.iter().filter(|p| p.1 == 0.0).map(|p| (f.device, f.dtype, f.threads, *p)))
+            .collect();
+        for f in families
+            .iter_mut()
+            .filter(|f| matches!(f.class, OpClass::AttentionDecode | OpClass::AttentionDecodeUnified))
+        {
+            f.points.extend(
+                one_seq.iter().filter(|o| (o.0, o.1, o.2) == (f.device, f.dtype, f.threads)).map(|o| o.3),
+            );
+        }
         for f in &mut families {
             f.points.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
         }
@@ -160,9 +180,11 @@ impl TableCostModel {
         (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
     }
 
-    /// The family measured for this op: same device, class and format, nearest thread count. Routers and
-    /// expert FFNs are matmuls, so they borrow the matmul rows when they have none of their own; a
-    /// block-quantised format without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
+    /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest thread
+    /// count. Routers and expert FFNs are matmuls, so they borrow the matmul rows when they have none of their
+    /// own; a decode step's attention of several sequences borrows the attention rows (interpolated in tokens
+    /// towards the prefill chunks') when the profile did not time batched decode; a block-quantised format
+    /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
         let find = |class: OpClass, dtype: DType| {
@@ -171,14 +193,16 @@ impl TableCostModel {
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| f.threads.abs_diff(threads))
         };
-        let class = op.kind.class();
+        // The CPU kernel reads a sequence's own cells of a unified cache, as of its own cache.
+        let class = match (op.kind.row_class(op.tokens), ctx.device) {
+            (OpClass::AttentionDecodeUnified, Device::Cpu) => OpClass::AttentionDecode,
+            (c, _) => c,
+        };
         let find_matmul = |dtype: DType| {
-            find(class, dtype).or_else(|| {
-                if matches!(class, OpClass::Router | OpClass::Experts) {
-                    find(OpClass::MatMul, dtype)
-                } else {
-                    None
-                }
+            find(class, dtype).or_else(|| match class {
+                OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
+                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => find(OpClass::Attention, dtype),
+                _ => None,
             })
         };
         find_matmul(op.dtype)
@@ -212,7 +236,7 @@ impl TableCostModel {
         let start = fam.points.partition_point(|p| p.0 < nearest_shape);
         let end = fam.points.partition_point(|p| p.0 <= nearest_shape);
         let run = &fam.points[start..end];
-        let pick = |p: &(f64, f64, f64, Option<f64>)| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
+        let pick = |p: &Point| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
         // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's.
         let tokens = match op.kind {
@@ -253,18 +277,23 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
         OpClass::MatMul | OpClass::Router => {
             (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
         }
-        OpClass::Attention => {
-            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format.
+        OpClass::Attention | OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => {
+            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format, for
+            // one sequence, or (decode rows) for each of the `tokens` sequences.
             let head_dim = 128;
             let q_heads = (row.n / head_dim).max(1) as u32;
-            let kv = 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            let decode = row.op != OpClass::Attention;
+            let seqs = if decode { m } else { 1.0 };
+            let kv = seqs * 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            let scanned = if row.op == OpClass::AttentionDecodeUnified { row.k * row.tokens } else { row.k };
             (
                 OpKind::Attention {
                     q_heads,
                     kv_heads: (q_heads / 4).max(1),
                     head_dim,
                     keys: row.k,
-                    scanned_keys: row.k,
+                    scanned_keys: scanned,
+                    decode,
                 },
                 4.0 * m * k * n,
                 0.0,
@@ -450,7 +479,11 @@ mod tests {
     #[test]
     fn quantised_ops_use_their_rows_else_a_measured_profiles_bf16_rows() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
-        let measured = Profile::load(&path).unwrap();
+        // The committed profile without its q4_0 rows (it has measured them since 4af863c).
+        let mut measured = Profile::load(&path).unwrap();
+        for ops in [&mut measured.gpu.ops, &mut measured.cpu.ops] {
+            ops.retain(|r| r.dtype != DType::Q4_0);
+        }
         let spec = catalog::get("nemo-8b").unwrap().truncated(1).unwrap();
         let w = Workload::single(1024, 4096, 10, 1024);
         let up = |d: DType| {
@@ -494,6 +527,57 @@ mod tests {
             derived.op_ns(&q6, OpContext::gpu()),
             derived.roofline_f(&q6, OpContext::gpu()).ceil() as u64
         );
+    }
+
+    #[test]
+    fn batched_decode_attention_takes_its_own_rows() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let base = Profile::load(&path).unwrap();
+        let spec = catalog::get("nemo-8b").unwrap().truncated(1).unwrap();
+        let inv = Inventory::new(&spec);
+        // The first decode step attends over 1024 keys per sequence.
+        let w = Workload::single(1023, 1040, 8, 1024);
+        let attn = |r: u64, unified: bool| {
+            let wb = w.batched(r, unified);
+            let all = ops(&spec, &inv, &wb, wb.decode_step(0));
+            *all.iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let row = |op: OpClass, threads: u32, time_ns: u64| OpRow {
+            op,
+            dtype: DType::F16,
+            n: 4096,
+            k: 1024,
+            tokens: 16,
+            threads,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+        };
+        let mut p = base.clone();
+        p.gpu.ops.push(row(OpClass::AttentionDecode, 0, 150_000));
+        p.gpu.ops.push(row(OpClass::AttentionDecodeUnified, 0, 2_000_000));
+        p.cpu.ops.push(row(OpClass::AttentionDecode, 16, 3_000_000));
+        let (old, m) = (TableCostModel::new(&base), TableCostModel::new(&p));
+        let t = |m: &TableCostModel, op: &Op, ctx: OpContext| m.op_ns(op, ctx) as f64;
+        let near = |got: f64, want: f64| (got / want - 1.0).abs() < 0.01;
+        // The measured steps come back: 16 queries side by side, or a 16-fold masked scan.
+        let (per_seq, unified) = (attn(16, false), attn(16, true));
+        assert!(near(t(&m, &per_seq, OpContext::gpu()), 150e3), "{}", t(&m, &per_seq, OpContext::gpu()));
+        assert!(near(t(&m, &unified, OpContext::gpu()), 2e6), "{}", t(&m, &unified, OpContext::gpu()));
+        // The CPU reads a unified cache's own cells only: per-sequence rows for both.
+        for op in [per_seq, unified] {
+            assert!(near(t(&m, &op, OpContext::cpu(16)), 3e6), "{}", t(&m, &op, OpContext::cpu(16)));
+        }
+        // Without batched rows, the attention rows as before, where 16 queries cost far more than measured here.
+        assert!(t(&old, &per_seq, OpContext::gpu()) > 5.0 * 150e3);
+        // One sequence keeps its one-token decode row; so does a prefill chunk its rows.
+        let one = attn(1, false);
+        assert_eq!(m.op_ns(&one, OpContext::gpu()), old.op_ns(&one, OpContext::gpu()));
+        let prefill = *ops(&spec, &inv, &w, w.prefill_chunks()[0])
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
+            .unwrap();
+        assert_eq!(m.op_ns(&prefill, OpContext::gpu()), old.op_ns(&prefill, OpContext::gpu()));
     }
 
     #[test]

@@ -218,6 +218,7 @@ pub fn encoder_ops(
                 head_dim,
                 keys: n,
                 scanned_keys: n,
+                decode: false,
             },
             unit,
             tokens: n,

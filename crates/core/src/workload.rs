@@ -182,6 +182,12 @@ pub enum OpClass {
     Router,
     Experts,
     Sample,
+    /// A decode step's attention for one query of each of `tokens` sequences, each over its own `k` keys in
+    /// its own cache: one kernel launch whose queries run side by side, so it is timed apart from a prefill
+    /// chunk's `tokens` causal queries (profile rows only; ops stay [`OpKind::Attention`]).
+    AttentionDecode,
+    /// [`OpClass::AttentionDecode`] over one unified cache: each query scans all `tokens × k` cells, masked.
+    AttentionDecodeUnified,
 }
 
 /// What an op is, with the shape facts a cost model needs.
@@ -206,6 +212,9 @@ pub enum OpKind {
         keys: u64,
         #[serde(default)]
         scanned_keys: u64,
+        /// A decode step: `tokens` queries, one of each sequence (else one sequence's causal chunk).
+        #[serde(default)]
+        decode: bool,
     },
     Activation,
     Add,
@@ -242,6 +251,19 @@ impl OpKind {
             OpKind::Router { .. } => OpClass::Router,
             OpKind::Experts { .. } => OpClass::Experts,
             OpKind::Sample { .. } => OpClass::Sample,
+        }
+    }
+
+    /// The profile rows that time this op best: a decode step's attention of several sequences has rows of its
+    /// own ([`OpClass::AttentionDecode`], or [`OpClass::AttentionDecodeUnified`] when a query scans more cells
+    /// than its own keys); every other op its [`OpKind::class`].
+    #[must_use]
+    pub fn row_class(&self, tokens: u64) -> OpClass {
+        match *self {
+            OpKind::Attention { decode: true, keys, scanned_keys, .. } if tokens > 1 => {
+                if scanned_keys > keys { OpClass::AttentionDecodeUnified } else { OpClass::AttentionDecode }
+            }
+            k => k.class(),
         }
     }
 }
@@ -398,6 +420,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
                 head_dim: t.head_dim,
                 keys,
                 scanned_keys,
+                decode: matches!(phase, Phase::Decode { .. }),
             },
             unit: UnitId::Kv { layer: il },
             tokens: m,
@@ -531,8 +554,15 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
     };
     let attn_tmp = if w.flash_attn {
         // Flash decoding: up to 8 query tokens split the keys into chunks of 256 (at most 64, sized for the
-        // cache's full context) whose partial outputs and (max, sum) pairs are combined after.
-        let splits = if m <= 8.0 { w.ctx.div_ceil(256).clamp(1, 64) as f64 } else { 1.0 };
+        // cache's full context) whose partial outputs and (max, sum) pairs are combined after; a decode step
+        // of more sequences splits until about 4096 warps (one per query, head and split) run, as the executor
+        // does (`exec::layout::attn_splits`), so that its batched decode is not left unsplit for want of scratch.
+        let by_keys = w.ctx.div_ceil(256).clamp(1, 64) as f64;
+        let splits = match phase {
+            _ if m <= 8.0 => by_keys,
+            Phase::Decode { .. } => by_keys.min((4096.0 / (m * f64::from(t.n_heads))).ceil()),
+            Phase::Prefill { .. } => 1.0,
+        };
         let partials =
             if splits > 1.0 { m * f64::from(t.n_heads) * splits * (t.head_dim as f64 + 2.0) } else { 0.0 };
         m * (q_dim + 2.0 * kv_dim) + partials

@@ -444,7 +444,7 @@ fn layout_phase(
     let logit_rows = if phase == PhaseKind::Decode { tokens } else { 1 };
     // Key splits follow one sequence's context: a unified cache's masked scan is longer, but its VRAM must
     // not depend on the layout. A decode step of many sequences splits only within the scratch the plan gave
-    // (their partial sums are buffers a planner does not count).
+    // (core's scratch line counts their partial sums since issue 10's batched cells; older plans did not).
     let mut scratch = scratch_layout(d, tokens, logit_rows, kv.seq.ctx, at);
     if tokens > 8
         && scratch.attn_splits > 1

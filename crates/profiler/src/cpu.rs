@@ -10,6 +10,7 @@ use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cpu::{self as kernels, CpuPool, ExpertWork, KvLayout};
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::quant::QFormat;
+use pipeshard_exec::seqs::{Pass, SeqKv};
 use pipeshard_exec::weights::{Dims, ExpertOffsets};
 use rayon::prelude::*;
 
@@ -186,6 +187,9 @@ struct Grid {
     /// it is compute-bound, so decode's efficiency does not carry over.
     attn_prefill_queries: usize,
     attn_prefill_ctx: Vec<usize>,
+    /// Batched decode attention: steps of this many sequences over each of `attn_prefill_ctx` keys, on the
+    /// most threads.
+    decode_seqs: Vec<usize>,
     heads: Vec<HeadLayout>,
     elementwise_tokens: Vec<usize>,
     hidden: Vec<u64>,
@@ -210,6 +214,7 @@ fn grid(mode: Mode) -> Grid {
             attn_ctx: vec![64, 256],
             attn_prefill_queries: 16,
             attn_prefill_ctx: vec![64],
+            decode_seqs: vec![2],
             heads: vec![HeadLayout { q_heads: 4, kv_heads: 2, head_dim: 64 }],
             elementwise_tokens: vec![1, 16],
             hidden: vec![256],
@@ -227,6 +232,7 @@ fn grid(mode: Mode) -> Grid {
             attn_ctx: vec![1024, 16384],
             attn_prefill_queries: 256,
             attn_prefill_ctx: vec![4096],
+            decode_seqs: vec![16],
             heads: vec![HeadLayout { q_heads: t.n_heads, kv_heads: t.n_kv_heads, head_dim: t.head_dim }],
             elementwise_tokens: vec![1, 64],
             hidden: vec![t.hidden],
@@ -257,6 +263,7 @@ fn grid(mode: Mode) -> Grid {
             // (compute-bound, so it barely moves with the keys) to longer contexts.
             attn_prefill_queries: 256,
             attn_prefill_ctx: vec![1024, 4096],
+            decode_seqs: vec![4, 16],
             heads: cat.heads.iter().copied().filter(|h| h.head_dim % 32 == 0).collect(),
             elementwise_tokens: vec![1, 4, 16, 64, 256],
             hidden: cat.hidden.clone(),
@@ -298,8 +305,10 @@ fn both(
     Ok((alone, under))
 }
 
-/// The row of an f16-KV attention measurement: `tokens` queries over on average `keys` keys.
+/// The row of an f16-KV attention measurement: `tokens` queries over on average `keys` keys (`op`
+/// [`OpClass::AttentionDecode`]: one query of each of `tokens` sequences over its own `keys` keys).
 fn attention_row(
+    op: OpClass,
     (alone, under): (Stat, Option<Stat>),
     q_dim: usize,
     keys: usize,
@@ -307,7 +316,7 @@ fn attention_row(
     threads: usize,
 ) -> OpRow {
     OpRow {
-        op: OpClass::Attention,
+        op,
         dtype: DType::F16,
         n: q_dim as u64,
         k: keys as u64,
@@ -443,7 +452,14 @@ pub fn measure(
                     kernels::attention(pool, &d, &q, cache, lay, 1, ctx - 1, Elem::Bf16, &mut out);
                     Ok(secs_ns(t0))
                 };
-                rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, 1, pool.threads()));
+                rows.push(attention_row(
+                    OpClass::Attention,
+                    both(rule, dma, &mut run)?,
+                    d.q_dim,
+                    ctx,
+                    1,
+                    pool.threads(),
+                ));
                 progress.tick(&format!("{}q/{}kv ctx {ctx} t={}", h.q_heads, h.kv_heads, pool.threads()))?;
             }
         }
@@ -528,13 +544,52 @@ pub fn measure(
                 kernels::attention(most, &d, &q, &cache, lay, m, pos0, Elem::Bf16, &mut out);
                 Ok(secs_ns(t0))
             };
-            rows.push(attention_row(both(rule, dma, &mut run)?, d.q_dim, ctx, m, most.threads()));
+            rows.push(attention_row(
+                OpClass::Attention,
+                both(rule, dma, &mut run)?,
+                d.q_dim,
+                ctx,
+                m,
+                most.threads(),
+            ));
             progress.tick(&format!(
                 "{}q/{}kv {m} queries, ~{ctx} keys t={}",
                 h.q_heads,
                 h.kv_heads,
                 most.threads()
             ))?;
+        }
+    }
+
+    // Batched decode attention: one query of each of r sequences over its own cache, read through the
+    // executor's per-query key rows (per-sequence caches; the CPU reads a unified cache's own cells alike).
+    let steps = g.heads.len() * g.decode_seqs.len() * g.attn_prefill_ctx.len();
+    progress.section("CPU batched decode attention (exec kernel), most threads", steps as u64);
+    for &h in &g.heads {
+        let d = dims_for(h, 1024, Elem::Bf16);
+        for &r in &g.decode_seqs {
+            let q = random_f32(r * d.q_dim, 12);
+            let mut out = vec![0f32; r * d.q_dim];
+            for &ctx in &g.attn_prefill_ctx {
+                let seq = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
+                let cache = SeqKv { seq, seqs: r, unified: false, prompt: ctx - 1 };
+                let kv = random_vec(cache.whole().bytes(), kv_elem, 13);
+                let pass = Pass::Decode { pos: ctx - 1 };
+                let keys = |t: usize| cache.keys(pass, t);
+                let mut run = || -> Result<f64> {
+                    let t0 = Instant::now();
+                    kernels::attention_rows(most, &d, &q, &kv, cache.whole(), r, &keys, Elem::Bf16, &mut out);
+                    Ok(secs_ns(t0))
+                };
+                let stats = both(rule, dma, &mut run)?;
+                rows.push(attention_row(OpClass::AttentionDecode, stats, d.q_dim, ctx, r, most.threads()));
+                progress.tick(&format!(
+                    "{}q/{}kv {r} seqs × {ctx} keys t={}",
+                    h.q_heads,
+                    h.kv_heads,
+                    most.threads()
+                ))?;
+            }
         }
     }
 

@@ -9,11 +9,12 @@ use pipeshard_core::catalog;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
 use pipeshard_core::workload::OpClass;
+use pipeshard_exec::cpu::KvLayout;
 use pipeshard_exec::cuda::{Event, ExpertIo, Gpu, KernelKey, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
-use pipeshard_exec::seqs::GpuKeys;
+use pipeshard_exec::seqs::{GpuKeys, Pass, SeqKv};
 use pipeshard_exec::weights::{Dims, ExpertOffsets};
 
 use crate::cpu::{self, Background, dims_for, fill_random};
@@ -35,6 +36,8 @@ struct Grid {
     kv_dtypes: Vec<DType>,
     elementwise_tokens: Vec<usize>,
     prefill_chunk: usize,
+    /// Sequences of a batched decode step (the one-sequence step is the plain decode row).
+    decode_seqs: Vec<usize>,
 }
 
 fn grid(mode: Mode) -> Grid {
@@ -50,6 +53,7 @@ fn grid(mode: Mode) -> Grid {
             kv_dtypes: vec![DType::F16],
             elementwise_tokens: pow2(0, 12, 2),
             prefill_chunk: 512,
+            decode_seqs: vec![4, 16, 64],
         },
         Mode::Fast | Mode::Tiny => Grid {
             copy_sizes: pow2(16, 28, 4),
@@ -59,6 +63,7 @@ fn grid(mode: Mode) -> Grid {
             kv_dtypes: vec![DType::F16],
             elementwise_tokens: vec![1, 64, 4096],
             prefill_chunk: 512,
+            decode_seqs: vec![4, 16],
         },
     }
 }
@@ -153,6 +158,130 @@ fn upload_random(gpu: &Gpu, staging: &mut HostBuf, e: Elem, dst: u64, bytes: usi
         done += n;
     }
     Ok(())
+}
+
+/// The head layouts exec's attention kernel runs: head_dim a multiple of 32, at most 256.
+fn kernel_heads(all: &[HeadLayout]) -> Vec<HeadLayout> {
+    all.iter().copied().filter(|h| h.head_dim % 32 == 0 && h.head_dim <= 256).collect()
+}
+
+/// Only the GPU's batched decode attention rows (`attention_decode`, `attention_decode_unified`: exec's kernel
+/// over R ∈ {4, 16, 64} sequences, 4 and 16 when fast, with the executor's key splits), for a CPU-only profile
+/// that keeps another run's GPU section but needs rows that run did not measure.
+pub fn measure_decode_attention(mode: Mode, progress: &dyn Progress) -> Result<Vec<OpRow>> {
+    pipeshard_exec::cuda::probe().map_err(ProfilerError::NoGpu)?;
+    let gpu = Gpu::new()?;
+    let b = Bench { gpu: &gpu, rule: mode.rule(), ev0: gpu.event(true)?, ev1: gpu.event(true)? };
+    let mut staging = HostBuf::zeroed(64 * MIB);
+    // SAFETY: `staging` outlives the registration (dropped at the end of this function, after it).
+    let _sreg = unsafe { gpu.register(&staging)? };
+    let heads = kernel_heads(&shapes::from_catalog().heads);
+    decode_attention_rows(&gpu, &b, &grid(mode), &heads, &mut staging, progress)
+}
+
+/// A decode step of R sequences as the executor launches it: one attention kernel for the R queries, each
+/// over its own `ctx` keys (`attention_decode`), or scanning all R × ctx cells of a unified cache and masking
+/// the others' (`attention_decode_unified`), with the key splits the executor picks for that step
+/// (`layout::scratch_layout`). Steps whose cache would exceed the largest context are skipped.
+fn decode_attention_rows(
+    gpu: &Gpu,
+    b: &Bench<'_>,
+    g: &Grid,
+    heads: &[HeadLayout],
+    staging: &mut HostBuf,
+    progress: &dyn Progress,
+) -> Result<Vec<OpRow>> {
+    let ctx_max = *g.attn_ctx.iter().max().expect("contexts");
+    let steps: Vec<(usize, usize)> = g
+        .decode_seqs
+        .iter()
+        .flat_map(|&r| g.attn_ctx.iter().filter(move |&&c| r * c <= ctx_max).map(move |&c| (r, c)))
+        .collect();
+    let n_steps = g.kv_dtypes.len() * heads.len() * steps.len() * 2;
+    progress.section(
+        "GPU batched decode attention (exec kernel): sequences × context × layout × cache",
+        n_steps as u64,
+    );
+    let dims: Vec<Dims> = heads.iter().map(|&h| dims_for(h, 4096, Elem::Bf16)).collect();
+    let max_kv_dim = dims.iter().map(|d| d.kv_dim).max().unwrap_or(1);
+    let max_q_dim = dims.iter().map(|d| d.q_dim).max().unwrap_or(1);
+    let max_r = steps.iter().map(|s| s.0).max().unwrap_or(1);
+    // Partial sums of every (query, head, split) warp.
+    let max_warps = dims
+        .iter()
+        .flat_map(|d| {
+            steps.iter().map(move |&(r, c)| r * d.n_heads * scratch_layout(d, r, r, c, 0).attn_splits)
+        })
+        .max()
+        .unwrap_or(1);
+    let max_head_dim = dims.iter().map(|d| d.head_dim).max().unwrap_or(1);
+    let kv_half = ctx_max * max_kv_dim * 2;
+    let kvbuf = gpu.alloc(2 * kv_half)?;
+    let qbuf = gpu.alloc(max_r * max_q_dim * 4)?;
+    let obuf = gpu.alloc(max_r * max_q_dim * 2)?;
+    let part_o = gpu.alloc(max_warps * max_head_dim * 4)?;
+    let part_ml = gpu.alloc(max_warps * 2 * 4)?;
+    upload_random(gpu, staging, Elem::F32, qbuf.ptr(), max_r * max_q_dim * 4, 32)?;
+    let mut rows = Vec::new();
+    for &kv_dtype in &g.kv_dtypes {
+        let kv_e = elem(kv_dtype);
+        upload_random(gpu, staging, kv_e, kvbuf.ptr(), 2 * kv_half, 33)?;
+        for (h, d) in heads.iter().zip(&dims) {
+            let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: kv_e, head_dim: d.head_dim })?;
+            for &(r, ctx) in &steps {
+                let splits = scratch_layout(d, r, r, ctx, 0).attn_splits;
+                for unified in [false, true] {
+                    let seq = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_e };
+                    // Every sequence's prompt fills all but the step's own cell.
+                    let cache = SeqKv { seq, seqs: r, unified, prompt: ctx - 1 };
+                    let keys = cache.gpu_keys(Pass::Decode { pos: ctx - 1 });
+                    let s = b.events(Stream::Compute, &mut |_| {
+                        // SAFETY: q holds r·q_dim f32, K and V (ctx_max·max_kv_dim each) hold the r·ctx·kv_dim
+                        // elements of the cache (r·ctx ≤ ctx_max), out r·q_dim activations, part_o/part_ml one
+                        // partial per (query, head, split) warp (max_warps).
+                        unsafe {
+                            gpu.attention(
+                                &kn,
+                                qbuf.ptr(),
+                                kvbuf.ptr(),
+                                kvbuf.ptr() + kv_half as u64,
+                                obuf.ptr(),
+                                part_o.ptr(),
+                                part_ml.ptr(),
+                                r,
+                                keys,
+                                d.n_heads,
+                                d.n_kv_heads,
+                                d.attn_scale(),
+                                splits,
+                            )
+                        }
+                        .map_err(Into::into)
+                    })?;
+                    rows.push(OpRow {
+                        op: if unified { OpClass::AttentionDecodeUnified } else { OpClass::AttentionDecode },
+                        dtype: kv_dtype,
+                        n: d.q_dim as u64,
+                        k: ctx as u64,
+                        tokens: r as u64,
+                        threads: 0,
+                        time_ns: s.median.ceil() as u64,
+                        time_ns_under_dma: None,
+                        spread: Some(s.spread),
+                    });
+                    progress.tick(&format!(
+                        "{kv_dtype:?} {}q/{}kv×{} {r} seqs × ctx {ctx} {}: {:.1} µs",
+                        h.q_heads,
+                        h.kv_heads,
+                        h.head_dim,
+                        if unified { "unified" } else { "per sequence" },
+                        s.median / 1e3
+                    ))?;
+                }
+            }
+        }
+    }
+    Ok(rows)
 }
 
 /// Measures everything with the device: returns the whole profile (machine facts filled by the caller).
@@ -412,8 +541,7 @@ pub fn measure_all(
     }
 
     // Attention: exec's kernel, prefill chunks and decode, over contexts and head layouts.
-    let heads: Vec<HeadLayout> =
-        cat.heads.iter().copied().filter(|h| h.head_dim % 32 == 0 && h.head_dim <= 256).collect();
+    let heads = kernel_heads(&cat.heads);
     let skipped: Vec<String> =
         cat.heads.iter().filter(|h| !heads.contains(h)).map(|h| format!("{h:?}")).collect();
     if !skipped.is_empty() {
@@ -494,6 +622,7 @@ pub fn measure_all(
         }
     }
     drop((kvbuf, part_o, part_ml));
+    gpu_rows.extend(decode_attention_rows(&gpu, &b, &g, &heads, &mut staging, progress)?);
 
     // Elementwise kernels.
     let max_ffn = cat.ffn.iter().copied().max().unwrap_or(1) as usize;

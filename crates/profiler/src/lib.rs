@@ -31,7 +31,8 @@
 //! - **Caches are defeated**: weights rotate among copies totalling several times the last-level cache, and
 //!   every buffer holds random values, never zeros.
 //! - **No GPU** ([`Mode::Tiny`] in tests, or `--cpu-only` on a development machine): the CPU sections are
-//!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name.
+//!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name;
+//!   `gpu_decode_attention` adds the GPU's batched decode attention rows measured in the same run.
 //!
 //! [`bench`](mod@bench) (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0) on CPU and
 //! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
@@ -50,6 +51,7 @@ pub mod stats;
 use std::time::{Duration, Instant};
 
 use pipeshard_core::profile::{Machine, Measurement, PROFILE_SCHEMA_VERSION, Profile, Provenance};
+use pipeshard_core::workload::OpClass;
 use pipeshard_exec::ExecError;
 
 use stats::{Rule, Stat};
@@ -99,6 +101,9 @@ pub struct Config {
     pub threads: Vec<u32>,
     /// `None`: measure the GPU (an error without one). `Some(p)`: CPU only; GPU and PCIe sections from `p`.
     pub gpu_from: Option<Profile>,
+    /// With `gpu_from`: measure the GPU's batched decode attention here too and put its rows in place of the
+    /// base profile's (a base measured before those rows existed, or on another machine).
+    pub gpu_decode_attention: bool,
     /// Provenance: the command line, commit and date that produced the profile.
     pub command: String,
     pub commit: String,
@@ -196,6 +201,14 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             ));
             let cpu = cpu::measure(cfg.mode, &threads, None, &mut figures, progress)?;
             let mut p = base.clone();
+            if cfg.gpu_decode_attention {
+                let rows = gpu::measure_decode_attention(cfg.mode, progress)?;
+                p.gpu
+                    .ops
+                    .retain(|r| !matches!(r.op, OpClass::AttentionDecode | OpClass::AttentionDecodeUnified));
+                p.gpu.ops.extend(rows);
+                notes.push("GPU batched decode attention rows measured by this run, on this machine".into());
+            }
             p.dram = cpu.dram;
             p.cpu = cpu.device;
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);

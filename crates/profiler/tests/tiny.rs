@@ -24,6 +24,7 @@ fn tiny_config() -> Config {
         name: "ci".into(),
         threads: vec![1, 2],
         gpu_from: Some(reference::derived("cli3").unwrap()),
+        gpu_decode_attention: false,
         command: "test".into(),
         commit: "test".into(),
         date: "2026-11-30T00:00:00Z".into(),
@@ -95,6 +96,14 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     let prefill = attn.iter().find(|r| r.tokens == 16).expect("a prefill attention row");
     assert_eq!(prefill.threads, 2);
     assert!(attn.iter().any(|r| r.tokens == 1 && r.k == prefill.k && r.threads == 2));
+    // Batched decode attention (2 sequences, each over the prefill rows' keys) on the most threads; the GPU's
+    // rows of it come from the base profile (none in cli3) unless `gpu_decode_attention` measures them.
+    let batched: Vec<_> = p.cpu.ops.iter().filter(|r| r.op == OpClass::AttentionDecode).collect();
+    assert_eq!(
+        batched.iter().map(|r| (r.tokens, r.k, r.threads)).collect::<Vec<_>>(),
+        vec![(2, prefill.k, 2)]
+    );
+    assert!(!p.gpu.ops.iter().any(|r| r.op == OpClass::AttentionDecode));
     assert!(p.cpu.ops.iter().all(|r| r.spread.is_some_and(|s| s >= 0.0)));
 
     // The cost model reproduces every measured matmul row, unless the row beat the measured roofline (small

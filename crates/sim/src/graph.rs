@@ -324,8 +324,10 @@ impl CostKey {
     fn new(op: &Op, device: Device) -> CostKey {
         let kind = match op.kind {
             OpKind::MatMul { n, k } => [1, n, k, 0, 0, 0],
-            OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys } => {
-                [2, u64::from(q_heads), u64::from(kv_heads), head_dim, keys, scanned_keys]
+            OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys, decode } => {
+                // Heads fit in 32 bits each: one word holds both, and the kind word says decode or prefill.
+                let heads = u64::from(q_heads) << 32 | u64::from(kv_heads);
+                [if decode { 100 } else { 2 }, heads, head_dim, keys, scanned_keys, 0]
             }
             OpKind::Router { n_experts, top_k } => [3, u64::from(n_experts), u64::from(top_k), 0, 0, 0],
             OpKind::Experts { n_experts, touched, tokens_per_touched, ffn, hidden } => {
