@@ -449,3 +449,221 @@ extern "C" __global__ void embed_q4_0(const u8* __restrict__ table, const u32* _
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 5) * 18;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = qval<1>(row, i);
 }
+
+// ---- K-quants: 256-element super-blocks (quant::K_BLOCK_ELEMS), rows of whole super-blocks.
+// q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of
+// nibbles (sub-blocks 2t and 2t+1 are the low and high nibbles of bytes 32t..32t+32); value = d*sc*q - dmin*m.
+// q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed 8-bit scales (one per 16
+// elements), f16 d; value = d*scale*(q - 32). Super-blocks of q6_K are 2-byte aligned only.
+#define QK_K 256
+
+__device__ __forceinline__ void q4k_scale_min(int j, const u8* __restrict__ s, float& sc, float& m) {
+    if (j < 4) { sc = (float)(s[j] & 63); m = (float)(s[j + 4] & 63); }
+    else { sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)); m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4)); }
+}
+
+// Element i of a row of K-quant super-blocks, dequantised as ggml's dequantize_row_q4_K / _q6_K do (f32
+// products in the reference's order; the explicit roundings keep the compiler from fusing them into an FMA, so
+// the values equal the CPU's bit for bit).
+template <int Q6> __device__ __forceinline__ float kval(const u8* __restrict__ row, u64 i) {
+    const int e = (int)(i & (QK_K - 1));
+    if (Q6) {
+        const u8* blk = row + (i >> 8) * 210;
+        const int n = e >> 7, c = (e >> 5) & 3, l = e & 31;
+        const int lo = (blk[64 * n + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 15;
+        const int hi = (blk[128 + 32 * n + l] >> (2 * c)) & 3;
+        const float sc = (float)(signed char)blk[192 + 8 * n + 2 * c + (l >> 4)];
+        return __fmul_rn(__fmul_rn(h2f(*(const u16*)(blk + 208)), sc), (float)((lo | (hi << 4)) - 32));
+    }
+    const u8* blk = row + (i >> 8) * 144;
+    const int t = e >> 6, half = (e >> 5) & 1, l = e & 31;
+    float sc, m;
+    q4k_scale_min(2 * t + half, blk + 4, sc, m);
+    const float d1 = __fmul_rn(h2f(*(const u16*)blk), sc), m1 = __fmul_rn(h2f(*(const u16*)(blk + 2)), m);
+    return __fsub_rn(__fmul_rn(d1, (float)((blk[16 + 32 * t + l] >> (4 * half)) & 15)), m1);
+}
+
+// Four bytes (each < 64) as exact f32 minus `off`, by the prmt trick of gemv_q.
+__device__ __forceinline__ void bytes_to_f32(u32 v, float off, float* out) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = __int_as_float((int)__byte_perm(v, 0x4b000000u, 0x7440u + j)) - (8388608.f + off);
+}
+
+// Decode GEMV over q4_K rows, as gemv_q: one warp per QROWS rows, one super-block of every row per warp step.
+// Lane l takes bytes 4p..4p+4 (p = l & 7) of nibble chunk t = l >> 3: elements 64t+4p.. (low nibbles, sub-block
+// 2t) and 64t+32+4p.. (high nibbles, sub-block 2t+1). Per sub-block it forms sum x*q and sum x, then adds
+// d*sc*sum(x*q) - dmin*m*sum(x).
+template <int MT>
+__device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, t = lane >> 3, p = lane & 7;
+    if (row0 >= n) return;
+    const int nb = k >> 8;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * 144;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+#pragma unroll 2
+    for (int b = 0; b < nb; ++b) {
+        u32 qw[QROWS], dm[QROWS];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * 144;
+            dm[r] = *(const u32*)blk;
+            qw[r] = *(const u32*)(blk + 16 + 32 * t + 4 * p);
+        }
+        float wlo[QROWS][4], whi[QROWS][4], slo[QROWS], mlo[QROWS], shi[QROWS], mhi[QROWS];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            bytes_to_f32(qw[r] & 0x0f0f0f0fu, 0.f, wlo[r]);
+            bytes_to_f32((qw[r] >> 4) & 0x0f0f0f0fu, 0.f, whi[r]);
+            const u8* s = wr[r] + (u64)b * 144 + 4;
+            float sc, mn;
+            const float d = h2f((u16)(dm[r] & 0xffffu)), dmin = h2f((u16)(dm[r] >> 16));
+            q4k_scale_min(2 * t, s, sc, mn);
+            slo[r] = d * sc; mlo[r] = dmin * mn;
+            q4k_scale_min(2 * t + 1, s, sc, mn);
+            shi[r] = d * sc; mhi[r] = dmin * mn;
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 64 * t + 4 * p;
+                const uint2 a = *(const uint2*)xt, c = *(const uint2*)(xt + 32);
+                const u32 xw[4] = {a.x, a.y, c.x, c.y};
+                float xf[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) xf[j] = ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1))));
+                const float xlo = (xf[0] + xf[1]) + (xf[2] + xf[3]), xhi = (xf[4] + xf[5]) + (xf[6] + xf[7]);
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    float lo = 0.f, hi = 0.f;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) { lo = fmaf(xf[j], wlo[r][j], lo); hi = fmaf(xf[4 + j], whi[r][j], hi); }
+                    acc[tt][r] += (slo[r] * lo - mlo[r] * xlo) + (shi[r] * hi - mhi[r] * xhi);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+// Decode GEMV over q6_K rows: one super-block of every row per warp step. Lane l takes half h = l >> 4 and
+// positions 2j, 2j+1 (j = l & 15) of its four quarters of 32: 2 low-nibble bytes at each of ql[64h+2j] and
+// ql[64h+32+2j], 2 high-pair bytes at qh[32h+2j]; quarter c's two elements share the scale 8h+2c+(j >> 3).
+template <int MT>
+__device__ __forceinline__ void gemv_q6k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, h = lane >> 4, j2 = 2 * (lane & 15);
+    if (row0 >= n) return;
+    const int nb = k >> 8;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * 210;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+#pragma unroll 2
+    for (int b = 0; b < nb; ++b) {
+        float wv[QROWS][8], ds[QROWS][4];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * 210;
+            // Bytes of a: ql[64h+j2], ql[64h+j2+1], ql[64h+32+j2], ql[64h+32+j2+1]; of q: the two high-pair bytes
+            // twice. Their low nibbles are quarters 0 (bytes 0, 1) and 1 (bytes 2, 3), with high pairs at bits
+            // 0 and 2 of q; their high nibbles quarters 2 and 3, with high pairs at bits 4 and 6.
+            const u32 a = (u32)*(const u16*)(blk + 64 * h + j2) | ((u32)*(const u16*)(blk + 64 * h + 32 + j2) << 16);
+            const u32 q2 = *(const u16*)(blk + 128 + 32 * h + j2), q = q2 | (q2 << 16);
+            const u32 v01 = (a & 0x0f0f0f0fu) | ((((q & 0x00000303u) | ((q >> 2) & 0x03030000u))) << 4);
+            const u32 v23 = ((a >> 4) & 0x0f0f0f0fu) | (((((q >> 4) & 0x00000303u) | ((q >> 6) & 0x03030000u))) << 4);
+            bytes_to_f32(v01, 32.f, wv[r]);
+            bytes_to_f32(v23, 32.f, wv[r] + 4);
+            const float d = h2f(*(const u16*)(blk + 208));
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ds[r][c] = d * (float)(signed char)blk[192 + 8 * h + 2 * c + (j2 >> 4)];
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + j2;
+                float xf[8];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const u32 xw = *(const u32*)(xt + 32 * c);
+                    xf[2 * c] = ACT_LOAD((u16)(xw & 0xffffu));
+                    xf[2 * c + 1] = ACT_LOAD((u16)(xw >> 16));
+                }
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) s = fmaf(ds[r][c], fmaf(xf[2 * c], wv[r][2 * c], xf[2 * c + 1] * wv[r][2 * c + 1]), s);
+                    acc[tt][r] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_q4_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q4k<QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q4_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q4k<1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv_q6_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q6k<QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q6_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q6k<1>(w, x, y, n, k, m, acc);
+}
+// Prefill path and quantised embedding tables, as for q8_0/q4_0 (rows of whole super-blocks).
+extern "C" __global__ void dequant_q4_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(kval<0>(w, i));
+}
+extern "C" __global__ void dequant_q6_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(kval<1>(w, i));
+}
+extern "C" __global__ void embed_q4_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 144;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<0>(row, i);
+}
+extern "C" __global__ void embed_q6_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 210;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<1>(row, i);
+}
