@@ -67,8 +67,8 @@ fn table(rows: &[BenchRow]) -> String {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.cols == 0 || !args.cols.is_multiple_of(32) {
-        anyhow::bail!("--cols {}: must be a positive multiple of 32 (the q8_0/q4_0 block)", args.cols);
+    if args.cols == 0 || !args.cols.is_multiple_of(256) {
+        anyhow::bail!("--cols {}: must be a positive multiple of 256 (the q4_k/q6_k super-block)", args.cols);
     }
     let (commit, date, command) = provenance();
     let threads = args

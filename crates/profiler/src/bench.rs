@@ -68,7 +68,13 @@ enum Fmt {
 }
 
 impl Fmt {
-    const ALL: [Fmt; 3] = [Fmt::Bf16, Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0)];
+    const ALL: [Fmt; 5] = [
+        Fmt::Bf16,
+        Fmt::Quant(QFormat::Q8_0),
+        Fmt::Quant(QFormat::Q4_0),
+        Fmt::Quant(QFormat::Q4K),
+        Fmt::Quant(QFormat::Q6K),
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -105,9 +111,9 @@ struct CpuCase {
     pool: CpuPool,
 }
 
-/// Every format with this machine's kernels first; then the quantised ones with 4 rows a register block and
-/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread and with the
-/// f32 AVX-512 kernel where the bf16 one runs.
+/// Every format with this machine's kernels first; then q8_0 and q4_0 with 4 rows a register block and
+/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread; where the bf16
+/// kernels run, q4_0 with the f32 AVX-512 kernel and the K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
     let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
@@ -124,7 +130,9 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     ));
     v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
     if pool.isa() == Isa::Avx512Bf16 {
-        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
+        for f in [q4, Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
+            v.push((f, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
+        }
     }
     v.into_iter()
         .map(|(fmt, var)| {
@@ -381,16 +389,17 @@ mod tests {
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
         // Every format with the default kernels, then the quantised variants.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
-        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q8_0"]);
+        assert_eq!(formats[..7], ["bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q8_0", "q8_0"]);
         assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
-        assert!(rows[3].kernel.contains("4 rows a block") && rows[4].kernel.contains("no prefetch"));
+        assert!(rows[5].kernel.contains("4 rows a block") && rows[6].kernel.contains("no prefetch"));
         assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");
             assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
         }
-        // q4_0 packs the most rows into the same bytes.
-        assert!(rows[2].rows > rows[1].rows && rows[1].rows > rows[0].rows);
+        // q4_0 and q4_k (4.5 bits a weight) pack the most rows into the same bytes, then q6_k, q8_0, bf16.
+        let n: Vec<usize> = rows[..5].iter().map(|r| r.rows).collect();
+        assert!(n[2] == n[3] && n[3] > n[4] && n[4] > n[1] && n[1] > n[0], "{n:?}");
     }
 }
