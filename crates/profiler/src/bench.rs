@@ -358,6 +358,70 @@ fn gpu_rows(
         });
         progress.tick(&format!("{}: {gbps:.0} GB/s", fmt.name()))?;
     }
+    drop(a);
+    rows.extend(gpu_prefill_rows(gpu, &kn, k, cfg, &timed, progress)?);
+    Ok(rows)
+}
+
+/// Tokens of the prefill GEMM rows (a ubatch), and that GEMM's weight rows (a large FFN projection).
+const PREFILL_TOKENS: usize = 512;
+const PREFILL_ROWS: usize = 14336;
+
+/// One prefill GEMM per format over the same `[PREFILL_ROWS, k]` shape: cuBLAS on bf16 weights, and for the
+/// quantised formats exec's path above 8 tokens (dequantise chunks of rows to bf16, then cuBLAS), so the rows
+/// show what dequantising costs against bf16 weights already in place. Rates are GFLOP/s; the bound is bf16's.
+fn gpu_prefill_rows(
+    gpu: &Gpu,
+    kn: &pipeshard_exec::cuda::Kernels,
+    k: usize,
+    cfg: &BenchConfig,
+    timed: &dyn Fn(&dyn Fn() -> pipeshard_exec::Result<()>) -> Result<f64>,
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
+    let (m, n) = (PREFILL_TOKENS, PREFILL_ROWS);
+    progress.section("GPU: prefill GEMM per format", Fmt::ALL.len() as u64);
+    // bf16 is the largest format.
+    let (wd, xd, yd) = (gpu.alloc(n * k * 2)?, gpu.alloc(m * k * 2)?, gpu.alloc(m * n * 4)?);
+    let xb: Vec<u8> = (0..m * k)
+        .flat_map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_bits().to_le_bytes())
+        .collect();
+    let flops = 2.0 * (m * n * k) as f64;
+    let mut rows: Vec<BenchRow> = Vec::new();
+    for fmt in Fmt::ALL {
+        let w = random_matrix(fmt, n, k);
+        let quant = match fmt {
+            Fmt::Bf16 => None,
+            Fmt::Quant(q) => Some(q),
+        };
+        // SAFETY: wd holds n·k bf16 ≥ w's bytes, xd m·k activations, yd m·n f32; `timed` synchronises before
+        // the next upload overwrites them.
+        let t = unsafe {
+            gpu.h2d(Stream::Compute, wd.ptr(), &w)?;
+            gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
+            sample(cfg.rule, || {
+                timed(&|| gpu.matmul(kn, quant, wd.ptr(), xd.ptr(), yd.ptr(), m, n, k, false))
+            })?
+        };
+        let gflops = flops / t.median / 1e9;
+        let bound_gflops = rows.first().map_or(gflops, |r| r.gbps);
+        rows.push(BenchRow {
+            device: "gpu".into(),
+            format: fmt.name().into(),
+            kernel: match quant {
+                None => format!("prefill GEMM, {m} tokens: cuBLAS GemmEx (GFLOP/s)"),
+                Some(_) => format!("prefill GEMM, {m} tokens: dequantise to bf16 + cuBLAS GemmEx (GFLOP/s)"),
+            },
+            rows: n,
+            cols: k,
+            weight_bytes: w.len() as u64,
+            time_ns: t.median * 1e9,
+            gbps: gflops,
+            bound: "bf16 cuBLAS GemmEx, same shape (GFLOP/s)".into(),
+            bound_gbps: bound_gflops,
+            max_rel_err: 0.0,
+        });
+        progress.tick(&format!("{}: {gflops:.0} GFLOP/s", fmt.name()))?;
+    }
     Ok(rows)
 }
 
