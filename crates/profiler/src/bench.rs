@@ -112,8 +112,9 @@ struct CpuCase {
 }
 
 /// Every format with this machine's kernels first; then q8_0 and q4_0 with 4 rows a register block and
-/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread; where the bf16
-/// kernels run, q4_0 with the f32 AVX-512 kernel and the K-quants with the f32 AVX2 ones.
+/// without software prefetch, q4_0 prefetching further into L2, q4_0 and the K-quants with more tasks per
+/// thread, the K-quants without prefetch; where the bf16 kernels run, q4_0 with the f32 AVX-512 kernel and the
+/// K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
     let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
@@ -129,6 +130,13 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
         Variant { prefetch: Some(Prefetch { bytes: 4096, level: CacheLevel::L2 }), ..Variant::default() },
     ));
     v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    for f in [Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
+        v.push((
+            f,
+            Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
+        ));
+        v.push((f, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    }
     if pool.isa() == Isa::Avx512Bf16 {
         for f in [q4, Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
             v.push((f, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
@@ -363,6 +371,9 @@ fn gpu_rows(
     Ok(rows)
 }
 
+/// Times launches of a closure on the compute stream: seconds per launch.
+type Timed<'a> = dyn Fn(&dyn Fn() -> pipeshard_exec::Result<()>) -> Result<f64> + 'a;
+
 /// Tokens of the prefill GEMM rows (a ubatch), and that GEMM's weight rows (a large FFN projection).
 const PREFILL_TOKENS: usize = 512;
 const PREFILL_ROWS: usize = 14336;
@@ -375,7 +386,7 @@ fn gpu_prefill_rows(
     kn: &pipeshard_exec::cuda::Kernels,
     k: usize,
     cfg: &BenchConfig,
-    timed: &dyn Fn(&dyn Fn() -> pipeshard_exec::Result<()>) -> Result<f64>,
+    timed: &Timed<'_>,
     progress: &dyn Progress,
 ) -> Result<Vec<BenchRow>> {
     let (m, n) = (PREFILL_TOKENS, PREFILL_ROWS);

@@ -489,15 +489,18 @@ __device__ __forceinline__ void bytes_to_f32(u32 v, float off, float* out) {
     for (int j = 0; j < 4; ++j) out[j] = __int_as_float((int)__byte_perm(v, 0x4b000000u, 0x7440u + j)) - (8388608.f + off);
 }
 
-// Decode GEMV over q4_K rows, as gemv_q: one warp per QROWS rows, one super-block of every row per warp step.
-// Lane l takes bytes 4p..4p+4 (p = l & 7) of nibble chunk t = l >> 3: elements 64t+4p.. (low nibbles, sub-block
-// 2t) and 64t+32+4p.. (high nibbles, sub-block 2t+1). Per sub-block it forms sum x*q and sum x, then adds
-// d*sc*sum(x*q) - dmin*m*sum(x).
+// Decode GEMV over q4_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 4 super-blocks of every
+// row with 16-byte loads (super-blocks and rows are 16-byte aligned: 144 bytes each). Lane l takes super-block
+// l >> 3 of the step; within it, 16 bytes (half h = l & 1) of nibble chunk t = (l & 7) >> 1: elements
+// 64t+16h.. (low nibbles, sub-block 2t) and 64t+32+16h.. (high nibbles, sub-block 2t+1), and the block's whole
+// 16-byte header (d, dmin, the 12 packed scale bytes). Per sub-block it adds d*sc*sum(x*q) - dmin*m*sum(x).
+// The 6-bit scales unpack four at a time from the header's words (sc 0..4 and mins 0..4 in the low 6 bits of
+// words 1 and 2; sc/mins 4..8 in the nibbles of word 3 with their top bits in the top bits of words 1 and 2).
 template <int MT>
 __device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                          int n, int k, int m, int accumulate) {
     const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
-    const int lane = threadIdx.x & 31, t = lane >> 3, p = lane & 7;
+    const int lane = threadIdx.x & 31, t = (lane & 7) >> 1, h = lane & 1;
     if (row0 >= n) return;
     const int nb = k >> 8;
     const u8* wr[QROWS];
@@ -508,44 +511,61 @@ __device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* 
     for (int tt = 0; tt < MT; ++tt)
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
-#pragma unroll 2
-    for (int b = 0; b < nb; ++b) {
-        u32 qw[QROWS], dm[QROWS];
+    for (int b = lane >> 3; b < nb; b += 4) {
+        uint4 hd[QROWS], qv[QROWS];
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) {
             const u8* blk = wr[r] + (u64)b * 144;
-            dm[r] = *(const u32*)blk;
-            qw[r] = *(const u32*)(blk + 16 + 32 * t + 4 * p);
+            hd[r] = *(const uint4*)blk;
+            qv[r] = *(const uint4*)(blk + 16 + 32 * t + 16 * h);
         }
-        float wlo[QROWS][4], whi[QROWS][4], slo[QROWS], mlo[QROWS], shi[QROWS], mhi[QROWS];
+        // Per row: d*sc and dmin*m of the lane's two sub-blocks (2t: a, 2t+1: b).
+        float dsa[QROWS], dma[QROWS], dsb[QROWS], dmb[QROWS];
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) {
-            bytes_to_f32(qw[r] & 0x0f0f0f0fu, 0.f, wlo[r]);
-            bytes_to_f32((qw[r] >> 4) & 0x0f0f0f0fu, 0.f, whi[r]);
-            const u8* s = wr[r] + (u64)b * 144 + 4;
-            float sc, mn;
-            const float d = h2f((u16)(dm[r] & 0xffffu)), dmin = h2f((u16)(dm[r] >> 16));
-            q4k_scale_min(2 * t, s, sc, mn);
-            slo[r] = d * sc; mlo[r] = dmin * mn;
-            q4k_scale_min(2 * t + 1, s, sc, mn);
-            shi[r] = d * sc; mhi[r] = dmin * mn;
+            const u32 s0 = hd[r].y, s1 = hd[r].z, s2 = hd[r].w;
+            const u32 scw = t < 2 ? s0 & 0x3f3f3f3fu : (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+            const u32 mw = t < 2 ? s1 & 0x3f3f3f3fu : ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+            const int sh = 16 * (t & 1);
+            const float d = h2f((u16)(hd[r].x & 0xffffu)), dmin = h2f((u16)(hd[r].x >> 16));
+            dsa[r] = d * (float)((scw >> sh) & 0xffu);
+            dsb[r] = d * (float)((scw >> (sh + 8)) & 0xffu);
+            dma[r] = dmin * (float)((mw >> sh) & 0xffu);
+            dmb[r] = dmin * (float)((mw >> (sh + 8)) & 0xffu);
         }
 #pragma unroll
         for (int tt = 0; tt < MT; ++tt) {
             if (tt < m) {
-                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 64 * t + 4 * p;
-                const uint2 a = *(const uint2*)xt, c = *(const uint2*)(xt + 32);
-                const u32 xw[4] = {a.x, a.y, c.x, c.y};
-                float xf[8];
+                // 16 activations of each sub-block: 32-byte aligned (k is a multiple of 256).
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 64 * t + 16 * h;
+                const uint4 a0 = *(const uint4*)xt, a1 = *(const uint4*)(xt + 8);
+                const uint4 c0 = *(const uint4*)(xt + 32), c1 = *(const uint4*)(xt + 40);
+                const u32 xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const u32 xc[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                float xl[16], xh[16], sl = 0.f, shs = 0.f;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) xf[j] = ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1))));
-                const float xlo = (xf[0] + xf[1]) + (xf[2] + xf[3]), xhi = (xf[4] + xf[5]) + (xf[6] + xf[7]);
+                for (int j = 0; j < 16; ++j) {
+                    xl[j] = ACT_LOAD((u16)(xa[j >> 1] >> (16 * (j & 1))));
+                    xh[j] = ACT_LOAD((u16)(xc[j >> 1] >> (16 * (j & 1))));
+                    sl += xl[j];
+                    shs += xh[j];
+                }
 #pragma unroll
                 for (int r = 0; r < QROWS; ++r) {
+                    const u32 qw[4] = {qv[r].x, qv[r].y, qv[r].z, qv[r].w};
                     float lo = 0.f, hi = 0.f;
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) { lo = fmaf(xf[j], wlo[r][j], lo); hi = fmaf(xf[4 + j], whi[r][j], hi); }
-                    acc[tt][r] += (slo[r] * lo - mlo[r] * xlo) + (shi[r] * hi - mhi[r] * xhi);
+                    for (int i = 0; i < 4; ++i) {
+                        float wl[4], wh[4];
+                        bytes_to_f32(qw[i] & 0x0f0f0f0fu, 0.f, wl);
+                        bytes_to_f32((qw[i] >> 4) & 0x0f0f0f0fu, 0.f, wh);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            lo = fmaf(xl[4 * i + j], wl[j], lo);
+                            hi = fmaf(xh[4 * i + j], wh[j], hi);
+                        }
+                    }
+                    acc[tt][r] += (dsa[r] * lo - dma[r] * sl) + (dsb[r] * hi - dmb[r] * shs);
                 }
             }
         }
