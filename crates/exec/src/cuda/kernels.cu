@@ -585,14 +585,16 @@ __device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* 
     }
 }
 
-// Decode GEMV over q6_K rows: one super-block of every row per warp step. Lane l takes half h = l >> 4 and
-// positions 2j, 2j+1 (j = l & 15) of its four quarters of 32: 2 low-nibble bytes at each of ql[64h+2j] and
-// ql[64h+32+2j], 2 high-pair bytes at qh[32h+2j]; quarter c's two elements share the scale 8h+2c+(j >> 3).
+// Decode GEMV over q6_K rows: a warp step reads 2 super-blocks of every row. Lane l takes super-block l >> 4 of
+// the step, half h = (l >> 3) & 1 and positions 4j..4j+4 (j = l & 7) of the half's four quarters of 32: 4
+// low-nibble bytes at each of ql[64h+4j] and ql[64h+32+4j], 4 high-pair bytes at qh[32h+4j] (16 weights);
+// quarter c's 4 weights share the scale 8h+2c+(j >> 2). Super-blocks are 210 bytes, so only 2-byte loads are
+// aligned.
 template <int MT>
 __device__ __forceinline__ void gemv_q6k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                          int n, int k, int m, int accumulate) {
     const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
-    const int lane = threadIdx.x & 31, h = lane >> 4, j2 = 2 * (lane & 15);
+    const int lane = threadIdx.x & 31, h = (lane >> 3) & 1, j4 = 4 * (lane & 7);
     if (row0 >= n) return;
     const int nb = k >> 8;
     const u8* wr[QROWS];
@@ -603,41 +605,54 @@ __device__ __forceinline__ void gemv_q6k(const u8* __restrict__ w, const act_t* 
     for (int tt = 0; tt < MT; ++tt)
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
-#pragma unroll 2
-    for (int b = 0; b < nb; ++b) {
-        float wv[QROWS][8], ds[QROWS][4];
+    for (int b = lane >> 4; b < nb; b += 2) {
+        u32 a0[QROWS], a1[QROWS], qh[QROWS];
+        float ds[QROWS][4];
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) {
             const u8* blk = wr[r] + (u64)b * 210;
-            // Bytes of a: ql[64h+j2], ql[64h+j2+1], ql[64h+32+j2], ql[64h+32+j2+1]; of q: the two high-pair bytes
-            // twice. Their low nibbles are quarters 0 (bytes 0, 1) and 1 (bytes 2, 3), with high pairs at bits
-            // 0 and 2 of q; their high nibbles quarters 2 and 3, with high pairs at bits 4 and 6.
-            const u32 a = (u32)*(const u16*)(blk + 64 * h + j2) | ((u32)*(const u16*)(blk + 64 * h + 32 + j2) << 16);
-            const u32 q2 = *(const u16*)(blk + 128 + 32 * h + j2), q = q2 | (q2 << 16);
-            const u32 v01 = (a & 0x0f0f0f0fu) | ((((q & 0x00000303u) | ((q >> 2) & 0x03030000u))) << 4);
-            const u32 v23 = ((a >> 4) & 0x0f0f0f0fu) | (((((q >> 4) & 0x00000303u) | ((q >> 6) & 0x03030000u))) << 4);
-            bytes_to_f32(v01, 32.f, wv[r]);
-            bytes_to_f32(v23, 32.f, wv[r] + 4);
+            const u16* l0 = (const u16*)(blk + 64 * h + j4);
+            const u16* l1 = (const u16*)(blk + 64 * h + 32 + j4);
+            const u16* q = (const u16*)(blk + 128 + 32 * h + j4);
+            a0[r] = (u32)l0[0] | ((u32)l0[1] << 16);
+            a1[r] = (u32)l1[0] | ((u32)l1[1] << 16);
+            qh[r] = (u32)q[0] | ((u32)q[1] << 16);
             const float d = h2f(*(const u16*)(blk + 208));
 #pragma unroll
-            for (int c = 0; c < 4; ++c) ds[r][c] = d * (float)(signed char)blk[192 + 8 * h + 2 * c + (j2 >> 4)];
+            for (int c = 0; c < 4; ++c) ds[r][c] = d * (float)(signed char)blk[192 + 8 * h + 2 * c + (j4 >> 4)];
         }
 #pragma unroll
         for (int tt = 0; tt < MT; ++tt) {
             if (tt < m) {
-                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + j2;
-                float xf[8];
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + j4;
+                float xf[4][4];
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    const u32 xw = *(const u32*)(xt + 32 * c);
-                    xf[2 * c] = ACT_LOAD((u16)(xw & 0xffffu));
-                    xf[2 * c + 1] = ACT_LOAD((u16)(xw >> 16));
+                    const uint2 xw = *(const uint2*)(xt + 32 * c);
+                    xf[c][0] = ACT_LOAD((u16)(xw.x & 0xffffu));
+                    xf[c][1] = ACT_LOAD((u16)(xw.x >> 16));
+                    xf[c][2] = ACT_LOAD((u16)(xw.y & 0xffffu));
+                    xf[c][3] = ACT_LOAD((u16)(xw.y >> 16));
                 }
 #pragma unroll
                 for (int r = 0; r < QROWS; ++r) {
+                    // Quarters 0..3: low nibbles of a0, a1, high nibbles of a0, a1; high pairs at bits 2c of qh.
+                    const u32 v[4] = {
+                        (a0[r] & 0x0f0f0f0fu) | ((qh[r] & 0x03030303u) << 4),
+                        (a1[r] & 0x0f0f0f0fu) | (((qh[r] >> 2) & 0x03030303u) << 4),
+                        ((a0[r] >> 4) & 0x0f0f0f0fu) | (qh[r] & 0x30303030u),
+                        ((a1[r] >> 4) & 0x0f0f0f0fu) | ((qh[r] >> 2) & 0x30303030u),
+                    };
                     float s = 0.f;
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) s = fmaf(ds[r][c], fmaf(xf[2 * c], wv[r][2 * c], xf[2 * c + 1] * wv[r][2 * c + 1]), s);
+                    for (int c = 0; c < 4; ++c) {
+                        float wv[4];
+                        bytes_to_f32(v[c], 32.f, wv);
+                        float sc = 0.f;
+#pragma unroll
+                        for (int p = 0; p < 4; ++p) sc = fmaf(xf[c][p], wv[p], sc);
+                        s = fmaf(ds[r][c], sc, s);
+                    }
                     acc[tt][r] += s;
                 }
             }
