@@ -2,8 +2,7 @@
 //! super-blocks, for [`super::qdot::dot_block`].
 //!
 //! Per super-block and row the scales are decoded once into f32 (q4_k: `d·sc` and `dmin·m` per sub-block of
-//! 32, the 6-bit values unpacked four at a time in SIMD lanes by [`q4_k_scales_mins`]; q6_k: `d·scale` per
-//! group of 16), then each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q4_k) or
+//! 32; q6_k: `d·scale` per group of 16), then each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q4_k) or
 //! `d·scale·Σ x·(q − 32)` (q6_k) to the row's accumulator. The activation loads, their bf16 conversion and the
 //! sums `Σ x` are shared by the rows of a register block. The result equals dequantise-then-f32 up to the order
 //! and rounding of f32 additions, as for q4_0.
@@ -14,28 +13,48 @@
 //! ones without BF16 included) widen the quants to f32 and use FMAs.
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16, q4_k_scales_mins};
+pub use x86::{dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
+
+/// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
+/// `m[0..8]`, as ggml's `get_scale_min_k4` reads them one by one), unpacked four at a time in 32-bit words:
+/// sub-blocks 0..4 sit in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins); sub-blocks 4..8 in the
+/// nibbles of bytes 8..12, with their top 2 bits in the top bits of bytes 0..8. In general-purpose registers on
+/// purpose: the AVX512_BF16 kernel is bound by the vector shuffle port, and the same unpacking in SIMD lanes
+/// (two more shuffles a super-block and row) measured slower (results/exec/quant, K-quant runs 1 and 2).
+#[inline]
+#[must_use]
+pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
+    let word = |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
+    let (s0, s1, s2) = (word(0), word(4), word(8));
+    let sc_hi = (s2 & 0x0f0f_0f0f) | (((s0 >> 6) & 0x0303_0303) << 4);
+    let m_hi = ((s2 >> 4) & 0x0f0f_0f0f) | (((s1 >> 6) & 0x0303_0303) << 4);
+    let mut out = [0u8; 16];
+    for (i, w) in [s0 & 0x3f3f_3f3f, sc_hi, s1 & 0x3f3f_3f3f, m_hi].into_iter().enumerate() {
+        out[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_and_si128,
-        _mm_blend_epi32, _mm_loadu_si128, _mm_or_si128, _mm_prefetch, _mm_set1_epi32, _mm_setr_epi32,
-        _mm_shuffle_epi32, _mm_slli_epi32, _mm_srli_epi32, _mm_srli_si128, _mm_srlv_epi32, _mm256_add_ps,
-        _mm256_and_si256, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
-        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi8, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
-        _mm512_add_ps, _mm512_and_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
-        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
-        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_loadu_si128,
+        _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castsi256_si128,
+        _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256,
+        _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
+        _mm256_or_si256, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
+        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
+        _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
         _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set1_epi16,
         _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi16, _mm512_srli_epi16,
         _mm512_storeu_ps,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch};
+    use super::q4_k_scales_mins;
 
     const Q4K_BYTES: usize = 144;
     const Q6K_BYTES: usize = 210;
@@ -61,28 +80,6 @@ mod x86 {
         half::f16::from_bits(unsafe { p.add(at).cast::<u16>().read_unaligned() }).to_f32()
     }
 
-    /// The 8 six-bit scales and the 8 six-bit mins of the q4_k super-block at `p` as 16 bytes (`sc_0..8`,
-    /// `m_0..8`, the values ggml's `get_scale_min_k4` reads one by one), unpacked four at a time in 32-bit
-    /// lanes: sub-blocks 0..4 sit in the low 6 bits of packed bytes 0..4 (scales) and 4..8 (mins), sub-blocks
-    /// 4..8 in the nibbles of bytes 8..12 with their top 2 bits in the top bits of bytes 0..8.
-    ///
-    /// # Safety
-    /// `p` points at a whole super-block; AVX2 is present.
-    #[inline]
-    #[must_use]
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn q4_k_scales_mins(p: *const u8) -> __m128i {
-        // SAFETY: bytes 4..20 of a 144-byte block: the packed words s0, s1, s2 and 4 quant bytes (unused).
-        let v = unsafe { _mm_loadu_si128(p.add(4).cast::<__m128i>()) };
-        let a = _mm_shuffle_epi32::<0b10_01_10_00>(v); // s0, s2, s1, s2
-        let b = _mm_shuffle_epi32::<0b01_01_00_00>(v); // s0, s0, s1, s1
-        let low6 = _mm_and_si128(a, _mm_set1_epi32(0x3f3f_3f3f));
-        let top2 = _mm_slli_epi32::<4>(_mm_and_si128(_mm_srli_epi32::<6>(b), _mm_set1_epi32(0x0303_0303)));
-        let nib = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)), _mm_set1_epi32(0x0f0f_0f0f));
-        // Lanes: sc 0..4, sc 4..8, m 0..4, m 4..8.
-        _mm_blend_epi32::<0b1010>(low6, _mm_or_si128(nib, top2))
-    }
-
     /// `[d·sc_0..8 | dmin·m_0..8]` of the q4_k super-block at `p`.
     ///
     /// # Safety
@@ -90,12 +87,17 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_factors(p: *const u8) -> [f32; 16] {
-        // SAFETY: forwarded.
-        let v = unsafe { q4_k_scales_mins(p) };
-        let (sc, mn) = (
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
-        );
+        // SAFETY: bytes 4..16 of the block.
+        let packed: [u8; 12] = unsafe { p.add(4).cast::<[u8; 12]>().read_unaligned() };
+        let sm = q4_k_scales_mins(packed);
+        // SAFETY: sm has 16 bytes; the loads take 8 each.
+        let (sc, mn) = unsafe {
+            let v = _mm_loadu_si128(sm.as_ptr().cast::<__m128i>());
+            (
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+            )
+        };
         let mut out = [0f32; 16];
         // SAFETY: out has 16 f32.
         unsafe {
@@ -337,7 +339,11 @@ mod x86 {
                     let p = w.add(r * ws + b * Q4K_BYTES);
                     prefetch_block(p, Q4K_BYTES, pf);
                     // [d×8 | dmin×8] times the 16 unpacked 6-bit values.
-                    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4_k_scales_mins(p)));
+                    let packed: [u8; 12] = p.add(4).cast::<[u8; 12]>().read_unaligned();
+                    let sm = q4_k_scales_mins(packed);
+                    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        sm.as_ptr().cast::<__m128i>(),
+                    )));
                     let mut dd = [f16(p, 0); 16];
                     dd[8..].fill(f16(p, 2));
                     _mm512_storeu_ps(fr.as_mut_ptr(), _mm512_mul_ps(v, _mm512_loadu_ps(dd.as_ptr())));
@@ -508,16 +514,12 @@ mod x86 {
     }
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
     use crate::quant::{QFormat, q4_k_scale_min};
 
     #[test]
     fn q4_k_scales_unpack_as_the_reference_reads_them() {
-        if !is_x86_feature_detected!("avx2") {
-            eprintln!("skipped: no AVX2");
-            return;
-        }
         // Random packed bytes (every bit pattern matters, the top bits included), then real blocks.
         let mut blocks: Vec<u8> =
             (0..64 * 144u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
@@ -525,14 +527,7 @@ mod tests {
             (0..2048).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 + i / 256) as f32).collect();
         blocks.extend(QFormat::Q4K.quantize(&x, 256));
         for b in blocks.chunks_exact(144) {
-            let mut got = [0u8; 16];
-            // SAFETY: a whole block; AVX2 detected above; got has 16 bytes.
-            unsafe {
-                std::arch::x86_64::_mm_storeu_si128(
-                    got.as_mut_ptr().cast(),
-                    super::q4_k_scales_mins(b.as_ptr()),
-                );
-            }
+            let got = super::q4_k_scales_mins(b[4..16].try_into().unwrap());
             for j in 0..8 {
                 assert_eq!((got[j], got[8 + j]), q4_k_scale_min(j, &b[4..16]), "sub-block {j}");
             }
