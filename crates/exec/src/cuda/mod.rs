@@ -574,8 +574,8 @@ impl Gpu {
     /// and run cuBLAS on each.
     ///
     /// # Safety
-    /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of its block when quantised), `x` `m × k`
-    /// activations of `kn`'s type, `y` `m × n` f32, all in live allocations.
+    /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of its block when quantised; 16-byte
+    /// aligned), `x` `m × k` activations of `kn`'s type, `y` `m × n` f32, all in live allocations.
     pub unsafe fn matmul(
         &self,
         kn: &Kernels,
@@ -607,9 +607,10 @@ impl Gpu {
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
             // Four warps per block, GEMV_ROWS_PER_WARP rows each.
             let cfg = threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128);
-            // SAFETY: argument types match the kernel; the kernel reads n rows of k/32 blocks of w (a warp's rows
-            // past n re-read row n − 1) and m rows of k activations, and writes y[t·n + r] for t < m, r < n (the
-            // caller's sizes).
+            // SAFETY: argument types match the kernel; the kernel reads n rows of whole blocks of w (a warp's
+            // rows past n re-read row n − 1; q4_k's 16-byte loads need 16-byte aligned rows, which tensors are:
+            // `weights::TENSOR_ALIGN_BYTES` in units, `layout::REGION_ALIGN_BYTES` in the arena) and m rows of k
+            // activations, and writes y[t·n + r] for t < m, r < n (the caller's sizes).
             return unsafe {
                 self.compute
                     .launch_builder(f)
