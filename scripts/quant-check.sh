@@ -23,7 +23,7 @@ if [[ ${PARTS:-bench tests exec} == *tests* ]]; then
   timeout 60 "$BIN/exec-gpu-tests" quantised_matmul --test-threads=1 --nocapture > "$OUT/gpu-kernel.log" 2>&1
   echo "gpu kernel test exit $?" >> "$OUT/gpu-kernel.log"
   grep -E "test result|panicked|exit" "$OUT/gpu-kernel.log"
-  PIPESHARD_GPU_CASES=${CASES:-tiny-llama-q4_0,tiny-qwen3-q8_0,tiny-qwen3-moe-q4_0} \
+  PIPESHARD_GPU_CASES=${CASES:-tiny-llama-q4_0,tiny-qwen3-q8_0,tiny-qwen3-moe-q4_0,tinyk} \
     timeout ${TESTS_TIMEOUT:-200} "$BIN/exec-gpu-tests" placement_mixes --test-threads=1 --nocapture > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
   grep -E "^[a-z].*\(|^(all-|stream|static|dynamic|per-layer|attn|switch|op off)|test result|panicked|exit" "$OUT/gpu-tests.log" | cut -c1-130

@@ -37,7 +37,8 @@ use crate::experiment::resolve_model;
 pub enum ExecCommand {
     /// Run plans on the GPU and CPU of this machine and measure TTFT, TPS, E2EL and peak VRAM.
     Run(Box<RunArgs>),
-    /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0) against DRAM / HBM bandwidth.
+    /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0, q4_k, q6_k) against DRAM / HBM
+    /// bandwidth.
     Bench(crate::exec_bench::BenchArgs),
     /// Run random feasible plans (random truncated catalog models, budgets, depths, placements) and check that
     /// the measured VRAM peak never exceeds the budget; CSV and summary under results/reliability/.
@@ -75,7 +76,8 @@ pub struct RunArgs {
     /// Run these plans (JSON) instead of planning.
     #[arg(long)]
     plan: Vec<PathBuf>,
-    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`), overriding the catalog's.
+    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`, `q4_k`, `q6_k`), overriding the
+    /// catalog's.
     #[arg(long)]
     weights: Option<String>,
     /// Load the weights of this HF checkpoint folder (config.json + bf16/f16/f32 safetensors) instead of random
@@ -142,10 +144,10 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
     } else if !spec.stored.is_empty() {
         // The executor holds every matrix in one format and norms in f32, whatever the file stores.
         let m = spec.weights.attn_q;
-        if !matches!(m, DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0) {
+        if !matches!(m, DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4K | DType::Q6K) {
             bail!(
-                "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0 or q4_0 matrices: pass \
-                 --weights q4_0 (or bf16); the file's tensors are converted as they load"
+                "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0, q4_0, q4_k or q6_k \
+                 matrices: pass --weights q4_k (or q4_0, bf16); the file's tensors are converted as they load"
             );
         }
         spec = spec.with_uniform_weights(m);
@@ -600,14 +602,25 @@ mod tests {
         let loaded = ModelWeights::from_checkpoint(&spec, &Checkpoint::open(&dir).unwrap()).unwrap();
         assert_eq!(loaded.total_bytes(), w.total_bytes());
         let gguf = crate::testfiles::write_gguf(&dir).display().to_string();
-        let e = spec_for(&run_args(&format!("--model {gguf}")), &gguf).unwrap_err().to_string();
-        assert!(e.contains("q4_k") && e.contains("--weights q4_0"), "{e}");
+        // A q4_K_M-style file runs in its matrices' format (q4_k), its q8_0 and q6_k tensors converted.
+        let spec = spec_for(&run_args(&format!("--model {gguf}")), &gguf).unwrap();
+        assert_eq!(spec.weights.ffn_down, DType::Q4K);
+        let header = gguf::read_header(Path::new(&gguf)).unwrap();
+        let (_, converted) = ModelWeights::from_gguf(&spec, &header).unwrap();
+        assert!(
+            converted.iter().all(|c| c.ends_with("q8_0 → q4_k") || c.ends_with("q6_k → q4_k")),
+            "{converted:?}"
+        );
+        assert_eq!(
+            converted.len(),
+            2 * 2 + 1,
+            "attn_v and ffn_down of 2 layers, and the head: {converted:?}"
+        );
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights f16")), &gguf).unwrap();
         assert_eq!(Dims::new(&spec).unwrap().mat, Elem::F16);
         // Its tensors load (the file's data is zero): every matrix converted from q4_k, q8_0 or q6_k to q4_0,
         // the f32 norms read as they are.
         let spec = spec_for(&run_args(&format!("--model {gguf} --weights q4_0")), &gguf).unwrap();
-        let header = gguf::read_header(Path::new(&gguf)).unwrap();
         let (w, converted) = ModelWeights::from_gguf(&spec, &header).unwrap();
         let matrices = w.units().iter().flat_map(|u| &u.tensors).filter(|t| t.shape.len() > 1).count();
         assert_eq!(converted.len(), matrices, "{converted:?}");

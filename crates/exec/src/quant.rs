@@ -1,18 +1,24 @@
 //! Block-quantised matrix formats, bit-exact with GGUF: `q8_0` (an f16 scale `d` and 32 signed bytes,
 //! value = `q · d`) and `q4_0` (an f16 scale `d` and 16 bytes of nibbles, value = `(q − 8) · d`; the low nibble
-//! of byte `j` is element `j`, the high nibble element `j + 16`). A row of `k` elements is `k / 32` blocks
-//! laid out back to back, so a matrix is its rows' blocks in row order, as in a GGUF file.
+//! of byte `j` is element `j`, the high nibble element `j + 16`), and the K-quants `q4_k` and `q6_k`, whose
+//! super-blocks of 256 elements carry 6- or 8-bit scales per sub-block of 32 or 16 elements (layouts in the
+//! comments of their dequantisers). A row of `k` elements is
+//! `k / block_elems` blocks laid out back to back, so a matrix is its rows' blocks in row order, as in a GGUF
+//! file.
 //!
 //! [`QFormat::quantize_row`] follows ggml's reference quantisers (`quantize_row_q8_0_ref`,
-//! `quantize_row_q4_0_ref`): the scale is computed in f32 from the block's largest magnitude and stored rounded
-//! to f16, while the quants are computed with the unrounded f32 scale. [`QFormat::dequantize_row`] is ggml's
-//! `dequantize_row_q8_0` / `dequantize_row_q4_0`: the product of a small integer and an f16 is exact in f32,
-//! so dequantised values are exact.
+//! `quantize_row_q4_0_ref`, `quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`), operation for operation in f32
+//! without fused multiply-adds, so it writes the bytes ggml writes: for q8_0/q4_0 the scale is computed from the
+//! block's largest magnitude and stored rounded to f16, while the quants are computed with the unrounded f32
+//! scale; the K-quants search each sub-block's scale (and q4_k's min) by weighted least squares, quantise the
+//! scales against the super-block's f16 scale, and recompute the quants from the stored scales.
+//! [`QFormat::dequantize_row`] is ggml's `dequantize_row_*`: for q8_0/q4_0 the product of a small integer and
+//! an f16 is exact in f32, so dequantised values are exact; the K-quants form their products in ggml's order.
 
 use half::f16;
 use pipeshard_core::dtype::DType;
 
-/// Elements per block of every format here.
+/// Elements per block of q8_0 and q4_0 (`QK8_0`, `QK4_0`).
 pub const BLOCK_ELEMS: usize = 32;
 
 /// The most tokens a quantised matmul takes with exactly dequantised (f32) weights, as a GEMV that
@@ -28,11 +34,15 @@ pub enum QFormat {
     Q8_0,
     /// f16 scale + 32 × 4-bit unsigned, offset 8.
     Q4_0,
+    /// 256-element super-blocks: f16 `d` and `dmin`, 6-bit scale and min per 32 elements, 4-bit quants.
+    Q4K,
+    /// 256-element super-blocks: 6-bit quants (offset 32), an 8-bit signed scale per 16 elements, f16 `d`.
+    Q6K,
 }
 
 impl QFormat {
-    /// Both formats.
-    pub const ALL: [QFormat; 2] = [QFormat::Q8_0, QFormat::Q4_0];
+    /// Every format.
+    pub const ALL: [QFormat; 4] = [QFormat::Q8_0, QFormat::Q4_0, QFormat::Q4K, QFormat::Q6K];
 
     /// The executor format of a core dtype, if it is one of these.
     #[must_use]
@@ -40,6 +50,8 @@ impl QFormat {
         match d {
             DType::Q8_0 => Some(QFormat::Q8_0),
             DType::Q4_0 => Some(QFormat::Q4_0),
+            DType::Q4K => Some(QFormat::Q4K),
+            DType::Q6K => Some(QFormat::Q6K),
             _ => None,
         }
     }
@@ -50,36 +62,50 @@ impl QFormat {
         match self {
             QFormat::Q8_0 => DType::Q8_0,
             QFormat::Q4_0 => DType::Q4_0,
+            QFormat::Q4K => DType::Q4K,
+            QFormat::Q6K => DType::Q6K,
         }
     }
 
-    /// Bytes per block of [`BLOCK_ELEMS`] elements.
+    /// Elements per block: [`BLOCK_ELEMS`], or [`K_BLOCK_ELEMS`] for the K-quants.
+    #[must_use]
+    pub const fn block_elems(self) -> usize {
+        match self {
+            QFormat::Q8_0 | QFormat::Q4_0 => BLOCK_ELEMS,
+            QFormat::Q4K | QFormat::Q6K => K_BLOCK_ELEMS,
+        }
+    }
+
+    /// Bytes per block of [`Self::block_elems`] elements.
     #[must_use]
     pub const fn block_bytes(self) -> usize {
         match self {
             QFormat::Q8_0 => 34,
             QFormat::Q4_0 => 18,
+            QFormat::Q4K => 144,
+            QFormat::Q6K => 210,
         }
     }
 
-    /// Bytes of a row of `k` elements (`k` a multiple of [`BLOCK_ELEMS`]).
+    /// Bytes of a row of `k` elements (`k` a multiple of [`Self::block_elems`]).
     #[must_use]
     pub const fn row_bytes(self, k: usize) -> usize {
-        k / BLOCK_ELEMS * self.block_bytes()
+        k / self.block_elems() * self.block_bytes()
     }
 
-    /// Quantises `x` (a multiple of [`BLOCK_ELEMS`] values) into `out` (`row_bytes(x.len())` bytes).
+    /// Quantises `x` (a multiple of [`Self::block_elems`] values) into `out` (`row_bytes(x.len())` bytes).
     ///
     /// # Panics
     /// If the lengths do not match (a caller's bug: shapes are checked when weights are laid out).
     pub fn quantize_row(self, x: &[f32], out: &mut [u8]) {
+        let be = self.block_elems();
         assert!(
-            x.len().is_multiple_of(BLOCK_ELEMS) && out.len() == self.row_bytes(x.len()),
+            x.len().is_multiple_of(be) && out.len() == self.row_bytes(x.len()),
             "quantize_row: {} values into {} bytes of {self:?}",
             x.len(),
             out.len()
         );
-        for (xb, ob) in x.chunks_exact(BLOCK_ELEMS).zip(out.chunks_exact_mut(self.block_bytes())) {
+        for (xb, ob) in x.chunks_exact(be).zip(out.chunks_exact_mut(self.block_bytes())) {
             match self {
                 QFormat::Q8_0 => {
                     let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -104,24 +130,26 @@ impl QFormat {
                         *o = q(a) | (q(b) << 4);
                     }
                 }
+                QFormat::Q4K => quantize_q4_k_block(xb, ob),
+                QFormat::Q6K => quantize_q6_k_block(xb, ob),
             }
         }
     }
 
-    /// Dequantises `blocks` (whole blocks) into `out` (`BLOCK_ELEMS` values per block).
+    /// Dequantises `blocks` (whole blocks) into `out` ([`Self::block_elems`] values per block).
     ///
     /// # Panics
     /// If the lengths do not match.
     pub fn dequantize_row(self, blocks: &[u8], out: &mut [f32]) {
-        let bb = self.block_bytes();
+        let (bb, be) = (self.block_bytes(), self.block_elems());
         assert!(
-            blocks.len().is_multiple_of(bb) && out.len() == blocks.len() / bb * BLOCK_ELEMS,
+            blocks.len().is_multiple_of(bb) && out.len() == blocks.len() / bb * be,
             "dequantize_row: {} bytes of {self:?} into {} values",
             blocks.len(),
             out.len()
         );
-        for (b, ob) in blocks.chunks_exact(bb).zip(out.chunks_exact_mut(BLOCK_ELEMS)) {
-            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        for (b, ob) in blocks.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+            let d = f16_at(b, 0);
             match self {
                 QFormat::Q8_0 => {
                     for (o, &q) in ob.iter_mut().zip(&b[2..]) {
@@ -135,6 +163,8 @@ impl QFormat {
                         *c = (f32::from(q >> 4) - 8.0) * d;
                     }
                 }
+                QFormat::Q4K => dequantize_q4_k_block(b, ob),
+                QFormat::Q6K => dequantize_q6_k_block(b, ob),
             }
         }
     }
@@ -152,7 +182,7 @@ impl QFormat {
     /// Dequantises a whole `[rows, k]` matrix to f32.
     #[must_use]
     pub fn dequantize(self, blocks: &[u8]) -> Vec<f32> {
-        let mut out = vec![0f32; blocks.len() / self.block_bytes() * BLOCK_ELEMS];
+        let mut out = vec![0f32; blocks.len() / self.block_bytes() * self.block_elems()];
         self.dequantize_row(blocks, &mut out);
         out
     }
@@ -162,27 +192,17 @@ impl QFormat {
 pub const K_BLOCK_ELEMS: usize = 256;
 
 /// Dequantises whole blocks of a GGUF tensor in `dtype` to f32, for the formats the executor reads from files
-/// (q8_0, q4_0, and the K-quants q4_k and q6_k, which it converts as they load); `None` for another format.
-/// K-quant super-blocks follow ggml's `dequantize_row_q4_K` / `dequantize_row_q6_K`: every product is formed
-/// in f32 in the reference's order, without fused multiply-adds.
+/// (q8_0, q4_0, q4_k and q6_k); `None` for another format. K-quant super-blocks follow ggml's
+/// `dequantize_row_q4_K` / `dequantize_row_q6_K`: every product is formed in f32 in the reference's order,
+/// without fused multiply-adds.
 ///
 /// # Panics
 /// If `raw` is not whole blocks.
 #[must_use]
 pub fn dequantize_gguf(dtype: DType, raw: &[u8]) -> Option<Vec<f32>> {
-    let per_block = |bb: usize, f: fn(&[u8], &mut [f32])| {
-        assert!(raw.len().is_multiple_of(bb), "{} bytes are not whole {dtype} blocks", raw.len());
-        let mut out = vec![0f32; raw.len() / bb * K_BLOCK_ELEMS];
-        for (b, o) in raw.chunks_exact(bb).zip(out.chunks_exact_mut(K_BLOCK_ELEMS)) {
-            f(b, o);
-        }
-        out
-    };
-    match dtype {
-        DType::Q4K => Some(per_block(144, dequantize_q4_k_block)),
-        DType::Q6K => Some(per_block(210, dequantize_q6_k_block)),
-        _ => QFormat::from_dtype(dtype).map(|q| q.dequantize(raw)),
-    }
+    let q = QFormat::from_dtype(dtype)?;
+    assert!(raw.len().is_multiple_of(q.block_bytes()), "{} bytes are not whole {dtype} blocks", raw.len());
+    Some(q.dequantize(raw))
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -192,7 +212,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// The 6-bit scale and min of sub-block `j` (0..8) of a q4_k super-block's 12 packed bytes (ggml's
 /// `get_scale_min_k4`): sub-blocks 0..4 in the low 6 bits of bytes j and j + 4, sub-blocks 4..8 in the
 /// nibbles of bytes 8..12 with their top 2 bits in the top bits of bytes j − 4 and j.
-fn q4_k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn q4_k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -233,6 +253,237 @@ fn dequantize_q6_k_block(b: &[u8], out: &mut [f32]) {
                 let scale = i8::from_le_bytes([sc[8 * n + l / 16 + 2 * c]]);
                 out[128 * n + 32 * c + l] = d * f32::from(scale) * q as f32;
             }
+        }
+    }
+}
+
+/// ggml's `nearest_int`: round to nearest, ties to even (it adds 1.5·2^23 and reads the mantissa).
+fn nearest_int(v: f32) -> i32 {
+    v.round_ties_even() as i32
+}
+
+/// ggml's `make_qkx2_quants` with squared errors: the scale and min (returned as `(scale, −min)`, min ≤ 0) of
+/// `x ≈ scale·l + min` with `l` in 0..=nmax, by weighted least squares over `nstep + 1` trial scales around
+/// `nmax / (max − min)`, each from the best min so far; `l` receives the quants of the best.
+fn make_qkx2_quants(
+    x: &[f32],
+    w: &[f32],
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    l: &mut [u8],
+) -> (f32, f32) {
+    let (mut min, mut max) = (x[0], x[0]);
+    let (mut sum_w, mut sum_x) = (w[0], w[0] * x[0]);
+    for (&xi, &wi) in x.iter().zip(w).skip(1) {
+        min = if xi < min { xi } else { min };
+        max = if xi > max { xi } else { max };
+        sum_w += wi;
+        sum_x += wi * xi;
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    #[allow(clippy::float_cmp)] // the reference's test: a constant block has no scale to search
+    if max == min {
+        l.fill(0);
+        return (0.0, -min);
+    }
+    // `min` moves to each better trial's, and later trials quantise around it, as in the reference.
+    let quant = |iscale: f32, xi: f32, min: f32| nearest_int(iscale * (xi - min)).clamp(0, nmax);
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best_error = 0f32;
+    for ((li, &xi), &wi) in l.iter_mut().zip(x).zip(w) {
+        let q = quant(iscale, xi, min);
+        *li = q as u8;
+        let diff = scale * q as f32 + min - xi;
+        best_error += wi * (diff * diff);
+    }
+    let mut aux = [0u8; K_BLOCK_ELEMS];
+    let aux = &mut aux[..x.len()];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for ((a, &xi), &wi) in aux.iter_mut().zip(x).zip(w) {
+            let q = quant(iscale, xi, min);
+            *a = q as u8;
+            let lf = q as f32;
+            sum_l += wi * lf;
+            sum_l2 += wi * lf * lf;
+            sum_xl += wi * lf * xi;
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur_error = 0f32;
+            for ((&a, &xi), &wi) in aux.iter().zip(x).zip(w) {
+                let diff = this_scale * f32::from(a) + this_min - xi;
+                cur_error += wi * (diff * diff);
+            }
+            if cur_error < best_error {
+                l.copy_from_slice(aux);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// ggml's `quantize_row_q4_K_ref` for one super-block: per sub-block of 32, [`make_qkx2_quants`] with weights
+/// `rms(sub-block) + |x|`; scales and mins to 6 bits against the largest of each (`d = max / 63` in f16); then
+/// the quants again from the stored scales. A sub-block whose stored scale is 0 keeps its searched quants.
+fn quantize_q4_k_block(x: &[f32], out: &mut [u8]) {
+    let mut l = [0u8; K_BLOCK_ELEMS];
+    let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..8 {
+        let xs = &x[32 * j..32 * j + 32];
+        let sum_x2 = xs.iter().fold(0f32, |s, &v| s + v * v);
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let mut w = [0f32; 32];
+        for (wi, &xi) in w.iter_mut().zip(xs) {
+            *wi = av_x + xi.abs();
+        }
+        (scales[j], mins[j]) = make_qkx2_quants(xs, &w, 15, -1.0, 0.1, 20, &mut l[32 * j..32 * j + 32]);
+        if scales[j] > max_scale {
+            max_scale = scales[j];
+        }
+        if mins[j] > max_min {
+            max_min = mins[j];
+        }
+    }
+    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let packed = &mut out[4..16];
+    packed.fill(0);
+    for j in 0..8 {
+        // C stores the int into a uint8_t (wrapping), then clamps at 63.
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            packed[j] = ls;
+            packed[j + 4] = lm;
+        } else {
+            packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    out[..2].copy_from_slice(&f16::from_f32(max_scale / 63.0).to_le_bytes());
+    out[2..4].copy_from_slice(&f16::from_f32(max_min / 63.0).to_le_bytes());
+    let (d, dmin) = (f16_at(out, 0), f16_at(out, 2));
+    for j in 0..8 {
+        let (sc, m) = q4_k_scale_min(j, &out[4..16]);
+        let ds = d * f32::from(sc);
+        if ds == 0.0 {
+            continue;
+        }
+        let dm = dmin * f32::from(m);
+        for (li, &xi) in l[32 * j..32 * j + 32].iter_mut().zip(&x[32 * j..]) {
+            *li = nearest_int((xi + dm) / ds).clamp(0, 15) as u8;
+        }
+    }
+    for t in 0..4 {
+        for i in 0..32 {
+            out[16 + 32 * t + i] = l[64 * t + i] | (l[64 * t + 32 + i] << 4);
+        }
+    }
+}
+
+/// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights: the signed scale of `x ≈ scale·(l −
+/// nmax)`, `l` in 0..2·nmax, searched over 19 trial scales by least squares weighted by `x²`.
+fn make_qx_quants(x: &[f32], nmax: i32, l: &mut [u8]) -> f32 {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &xi in x {
+        if xi.abs() > amax {
+            amax = xi.abs();
+            max = xi;
+        }
+    }
+    if amax < 1e-15 {
+        // GROUP_MAX_EPS: an all-zero group.
+        l.fill(0);
+        return 0.0;
+    }
+    let quant = |iscale: f32, xi: f32| nearest_int(iscale * xi).clamp(-nmax, nmax - 1);
+    let sums = |iscale: f32| {
+        x.iter().fold((0f32, 0f32), |(slx, sl2), &xi| {
+            let (lf, w) = (quant(iscale, xi) as f32, xi * xi);
+            (slx + w * xi * lf, sl2 + w * lf * lf)
+        })
+    };
+    let fill = |iscale: f32, l: &mut [u8]| {
+        for (li, &xi) in l.iter_mut().zip(x) {
+            *li = (quant(iscale, xi) + nmax) as u8;
+        }
+    };
+    let iscale = -(nmax as f32) / max;
+    fill(iscale, l);
+    let (sumlx, suml2) = sums(iscale);
+    let mut scale = if suml2 == 0.0 { 0.0 } else { sumlx / suml2 };
+    let mut best = scale * sumlx;
+    for is in (-9..=9).filter(|&is| is != 0) {
+        let iscale = -(nmax as f32 + 0.1 * is as f32) / max;
+        let (sumlx, suml2) = sums(iscale);
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            fill(iscale, l);
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    scale
+}
+
+/// ggml's `quantize_row_q6_K_ref` for one super-block: per group of 16, [`make_qx_quants`] (nmax 32); the
+/// group scales to 8 bits against the one of largest magnitude (which maps to −128; `d` in f16); then the
+/// quants again from the stored scales. A group whose stored scale is 0 keeps its searched quants.
+fn quantize_q6_k_block(x: &[f32], out: &mut [u8]) {
+    let mut l = [0u8; K_BLOCK_ELEMS];
+    let mut scales = [0f32; 16];
+    let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
+    for (g, s) in scales.iter_mut().enumerate() {
+        *s = make_qx_quants(&x[16 * g..16 * g + 16], 32, &mut l[16 * g..16 * g + 16]);
+        if s.abs() > max_abs_scale {
+            max_abs_scale = s.abs();
+            max_scale = *s;
+        }
+    }
+    out.fill(0);
+    if max_abs_scale < 1e-15 {
+        return;
+    }
+    let iscale = -128.0 / max_scale;
+    out[208..210].copy_from_slice(&f16::from_f32(1.0 / iscale).to_le_bytes());
+    let d = f16_at(out, 208);
+    for g in 0..16 {
+        // At most 127; the largest magnitude maps to −128, which an i8 holds.
+        let sc = nearest_int(iscale * scales[g]).min(127) as i8;
+        out[192 + g] = sc.to_le_bytes()[0];
+        let ds = d * f32::from(sc);
+        if ds == 0.0 {
+            continue;
+        }
+        for (li, &xi) in l[16 * g..16 * g + 16].iter_mut().zip(&x[16 * g..]) {
+            *li = (nearest_int(xi / ds).clamp(-32, 31) + 32) as u8;
+        }
+    }
+    let (ql, qh) = out[..192].split_at_mut(128);
+    for n in 0..2 {
+        let ln = &l[128 * n..128 * n + 128];
+        for i in 0..32 {
+            ql[64 * n + i] = (ln[i] & 0x0f) | ((ln[64 + i] & 0x0f) << 4);
+            ql[64 * n + 32 + i] = (ln[32 + i] & 0x0f) | ((ln[96 + i] & 0x0f) << 4);
+            qh[32 * n + i] =
+                (ln[i] >> 4) | ((ln[32 + i] >> 4) << 2) | ((ln[64 + i] >> 4) << 4) | ((ln[96 + i] >> 4) << 6);
         }
     }
 }
@@ -355,17 +606,83 @@ mod tests {
         assert_eq!(dequantize_gguf(DType::Q2K, &[0; 84]), None);
     }
 
+    /// Rows of the shapes weights take: small and large magnitudes, an outlier group, one-signed blocks.
+    fn k_quant_rows() -> Vec<f32> {
+        (0..256 * 24u32)
+            .map(|i| {
+                let v = (i.wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0;
+                match i / 256 % 4 {
+                    0 => v * 0.05,
+                    1 => v * 3.0 + 0.5,
+                    2 if i % 7 == 0 => v * 40.0,
+                    2 => v * 0.01,
+                    _ => v.abs() * 2.0,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn k_quant_round_trip_error_is_within_a_step_and_half_a_step_on_average() {
+        let x = k_quant_rows();
+        for (f, group) in [(QFormat::Q4K, 32), (QFormat::Q6K, 16)] {
+            let blocks = f.quantize(&x, 512);
+            assert_eq!(blocks.len(), x.len() / 256 * f.block_bytes());
+            let back = f.dequantize(&blocks);
+            for (xg, bg) in x.chunks(group).zip(back.chunks(group)) {
+                // q4_k: 15 steps over [min(0, lo), hi]; q6_k: 32 steps over the largest magnitude.
+                let (lo, hi) = xg.iter().fold((0f32, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let step = if f == QFormat::Q4K { (hi - lo) / 15.0 } else { amax / 32.0 };
+                let (mut worst, mut sq) = (0f32, 0f32);
+                for (a, b) in xg.iter().zip(bg) {
+                    worst = worst.max((a - b).abs());
+                    sq += (a - b) * (a - b);
+                }
+                let rms = (sq / group as f32).sqrt();
+                assert!(worst <= step * 1.01, "{f:?}: error {worst} over a step {step}");
+                // Rounding to the nearest level leaves step/√12 on average; the scale search does at least that.
+                assert!(rms <= step * 0.35, "{f:?}: rms error {rms}, step {step}");
+                assert!(worst > 0.0, "{f:?}: random values are not all representable");
+            }
+        }
+        // All-zero super-blocks quantise to zeros (q6_k's scale search has nothing to fit).
+        for f in [QFormat::Q4K, QFormat::Q6K] {
+            assert!(f.dequantize(&f.quantize(&[0.0; 256], 256)).iter().all(|&v| v == 0.0), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn k_quant_scales_follow_the_reference_rules() {
+        let x = k_quant_rows();
+        // q4_k: the largest sub-block scale and min take 6-bit value 63, d = max scale / 63.
+        let b = QFormat::Q4K.quantize(&x[256..512], 256);
+        let sm: Vec<(u8, u8)> = (0..8).map(|j| q4_k_scale_min(j, &b[4..16])).collect();
+        assert_eq!(sm.iter().map(|s| s.0).max(), Some(63));
+        assert_eq!(sm.iter().map(|s| s.1).max(), Some(63), "this block has negative values: mins");
+        // Its values are 3·U(−1, 1) + 0.5: the scale is about (3.5 + 2.5) / 15 per step.
+        let d = f16_at(&b, 0) * 63.0;
+        assert!((d - 6.0 / 15.0).abs() < 0.05, "largest sub-block scale {d}");
+        // q6_k: the group scale of largest magnitude maps to −128 (d = −max / 128, so d·sc keeps its sign).
+        let b = QFormat::Q6K.quantize(&x[512..768], 256);
+        let sc: Vec<i8> = b[192..208].iter().map(|&v| i8::from_le_bytes([v])).collect();
+        assert!(sc.contains(&-128), "{sc:?}");
+        // One block stores the outliers (·40) and the small values (·0.01) with the same d: small groups
+        // get small scales, not zero ones.
+        assert!(sc.iter().all(|&s| s != 0), "{sc:?}");
+    }
+
     #[test]
     fn round_trip_error_is_within_half_a_step_but_at_q4_0s_clamped_end() {
         let x: Vec<f32> = (0..256).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 3.0).collect();
-        for f in QFormat::ALL {
+        for f in [QFormat::Q8_0, QFormat::Q4_0] {
             let back = f.dequantize(&f.quantize(&x, 64));
             for (xb, bb) in x.chunks(32).zip(back.chunks(32)) {
                 let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
                 // q4_0 maps the signed maximum to −8, so the opposite end (+8) clamps to 7: a whole step.
                 let (step, max_steps) = match f {
                     QFormat::Q8_0 => (amax / 127.0, 0.5),
-                    QFormat::Q4_0 => (amax / 8.0, 1.0),
+                    _ => (amax / 8.0, 1.0),
                 };
                 let mut worst = 0f32;
                 for (a, b) in xb.iter().zip(bb) {

@@ -68,6 +68,31 @@ pub fn tiny_qwen3_moe_spec() -> ModelSpec {
     .with_uniform_weights(DType::F16)
 }
 
+/// [`tiny_spec`] widened for the K-quants, whose rows hold whole 256-element super-blocks: 2 layers, hidden 256,
+/// 4 query heads of 64 over 2 KV heads, SwiGLU 512.
+#[must_use]
+pub fn tiny_k_spec() -> ModelSpec {
+    spec(
+        "tinyk-llama",
+        r#"{"model_type":"llama","hidden_size":256,"num_attention_heads":4,"num_key_value_heads":2,
+            "num_hidden_layers":2,"intermediate_size":512,"vocab_size":512,"rope_theta":10000.0,
+            "rms_norm_eps":1e-5,"max_position_embeddings":4096}"#,
+    )
+}
+
+/// [`tiny_qwen3_moe_spec`] widened for the K-quants: hidden 256, 2 layers of 8 experts of intermediate 256.
+#[must_use]
+pub fn tiny_qwen3_moe_k_spec() -> ModelSpec {
+    spec(
+        "tinyk-qwen3-moe",
+        r#"{"model_type":"qwen3_moe","hidden_size":256,"num_attention_heads":4,"num_key_value_heads":2,
+            "head_dim":64,"num_hidden_layers":2,"intermediate_size":512,"moe_intermediate_size":256,
+            "num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,"decoder_sparse_step":1,
+            "mlp_only_layers":[],"vocab_size":320,"rope_theta":1000000.0,"rms_norm_eps":1e-6,
+            "max_position_embeddings":4096}"#,
+    )
+}
+
 /// A plan built by rule instead of by a planner: `place(phase, unit)` gives every unit's placement (KV units
 /// included), `depth` the ring depth where anything streams. The VRAM breakdown is computed the way the plan
 /// schema defines it (scratch from `pipeshard_core::workload::scratch_bytes`), with `overhead_bytes` as the

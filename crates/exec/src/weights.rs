@@ -134,7 +134,10 @@ impl Dims {
         let mat = mats[0];
         let moe_mixed = t.moe.is_some() && moe_mats.iter().any(|&d| d != mat);
         if moe_mixed || mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
-            return Err(unsupported("mixed matrix formats", "pass one of --weights bf16, f16, q8_0, q4_0"));
+            return Err(unsupported(
+                "mixed matrix formats",
+                "pass one of --weights bf16, f16, q8_0, q4_0, q4_k, q6_k",
+            ));
         }
         let quant = QFormat::from_dtype(mat);
         let mat = match (Elem::from_dtype(mat), quant) {
@@ -143,19 +146,22 @@ impl Dims {
             _ => {
                 return Err(unsupported(
                     &format!("{mat} matrices"),
-                    "pass --weights bf16, f16, q8_0 or q4_0",
+                    "pass --weights bf16, f16, q8_0, q4_0, q4_k or q6_k",
                 ));
             }
         };
         if w.norms != pipeshard_core::dtype::DType::F32 {
             return Err(unsupported(&format!("{} norm weights", w.norms), "norms are stored in f32"));
         }
-        if quant.is_some() {
-            let expert_ffn = t.moe.as_ref().map_or(32, |m| m.expert_ffn);
-            if let Some(bad) = [t.hidden, t.ffn, expert_ffn].into_iter().find(|v| v % 32 != 0) {
+        if let Some(q) = quant {
+            let block = q.block_elems() as u64;
+            let expert_ffn = t.moe.as_ref().map_or(block, |m| m.expert_ffn);
+            let q_dim = u64::from(t.n_heads) * t.head_dim;
+            if let Some(bad) = [t.hidden, t.ffn, expert_ffn, q_dim].into_iter().find(|v| v % block != 0) {
+                let hint = if block > 32 { "use --weights q8_0, q4_0 or bf16" } else { "use --weights bf16" };
                 return Err(unsupported(
                     &format!("a matrix row of {bad} elements in {}", w.attn_q),
-                    "q8_0/q4_0 rows hold whole 32-element blocks; use --weights bf16",
+                    &format!("{} rows hold whole {block}-element blocks; {hint}", w.attn_q),
                 ));
             }
         }
@@ -779,7 +785,7 @@ impl ModelWeights {
                     ExecError::UnsupportedModel {
                         model: spec.name.clone(),
                         what: format!("{} stored as {}", t.name, t.dtype),
-                        hint: "pass --weights bf16, f16, q8_0 or q4_0".into(),
+                        hint: "pass --weights bf16, f16, q8_0, q4_0, q4_k or q6_k".into(),
                     }
                 })?;
                 let bytes = part.bytes as usize;
@@ -876,9 +882,10 @@ mod tests {
 
     #[test]
     fn quantised_weights_are_the_same_values_quantised() {
-        let bf = ModelWeights::random(&tiny(), 3).unwrap();
         for q in QFormat::ALL {
-            let spec = tiny().with_uniform_weights(q.dtype());
+            let base = if q.block_elems() > 32 { crate::testing::tiny_k_spec() } else { tiny() };
+            let bf = ModelWeights::random(&base, 3).unwrap();
+            let spec = base.with_uniform_weights(q.dtype());
             let w = ModelWeights::random(&spec, 3).unwrap();
             assert_eq!((w.dims.quant, w.dims.mat), (Some(q), Elem::Bf16));
             let (u, ub) =
@@ -898,8 +905,14 @@ mod tests {
                     worst = worst.max((a - b).abs() / amax);
                 }
             }
-            // One quantisation step (1/8 of the block maximum for q4_0, 1/127 for q8_0) plus bf16 rounding.
-            let bound = if q == QFormat::Q4_0 { 0.13 } else { 0.012 };
+            // One quantisation step (1/8 of the block maximum for q4_0, 1/127 for q8_0, at most 2/15 of it for
+            // q4_k's range, 1/32 for q6_k) plus bf16 rounding.
+            let bound = match q {
+                QFormat::Q4_0 => 0.13,
+                QFormat::Q8_0 => 0.012,
+                QFormat::Q4K => 0.14,
+                QFormat::Q6K => 0.035,
+            };
             assert!(worst > 0.0 && worst < bound, "{q:?}: worst {worst}");
         }
     }

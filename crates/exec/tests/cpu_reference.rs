@@ -5,8 +5,8 @@ use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::reference::{logits_f64, rel_err};
 use pipeshard_exec::testing::{
-    batched_vs_single, manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec,
-    tiny_spec,
+    batched_vs_single, manual_plan, random_tokens, tiny_k_spec, tiny_nemotron_spec, tiny_qwen3_moe_spec,
+    tiny_qwen3_spec, tiny_spec,
 };
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, run};
@@ -20,6 +20,11 @@ fn all_cpu_matches_the_f64_reference() {
         tiny_spec().with_uniform_weights(DType::Q4_0),
         tiny_qwen3_spec().with_uniform_weights(DType::Q8_0),
         tiny_qwen3_moe_spec().with_uniform_weights(DType::Q4_0),
+        tiny_k_spec().with_uniform_weights(DType::Q4K),
+        tiny_k_spec().with_uniform_weights(DType::Q6K),
+        // Not tinyk-qwen3-moe in q4_k: with bf16 activations one of its routing choices is a near-tie that the
+        // unrounded f64 reference breaks the other way (rel err 0.32 at one position); the GPU tests check it
+        // against all-CPU, which rounds as the GPU does.
     ];
     for spec in specs.into_iter().chain(quantised) {
         let w = ModelWeights::random(&spec, 42).unwrap();
@@ -60,7 +65,7 @@ fn all_cpu_matches_the_f64_reference() {
         assert!(out.metrics.ttft_ns > 0 && out.metrics.tps > 0.0);
         assert!(out.vram.is_none());
     }
-    assert_eq!(checked, 42);
+    assert_eq!(checked, 54);
 }
 
 /// The CPU runs only the experts the router picks: each decode step's MoE block computes at most top-k

@@ -7,7 +7,7 @@ use pipeshard_core::gguf::read_header;
 use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::testing::{
-    manual_plan, random_tokens, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec, write_gguf,
+    manual_plan, random_tokens, tiny_k_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec, write_gguf,
 };
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, run};
@@ -39,6 +39,8 @@ fn a_gguf_loads_back_byte_for_byte_and_gives_the_same_logits() {
         (tiny_spec().with_uniform_weights(DType::Bf16), "llama"),
         (tiny_qwen3_spec().with_uniform_weights(DType::Q8_0), "qwen3"),
         (tiny_qwen3_moe_spec().with_uniform_weights(DType::Q4_0), "qwen3moe"),
+        (tiny_k_spec().with_uniform_weights(DType::Q4K), "llama"),
+        (tiny_k_spec().with_uniform_weights(DType::Q6K), "llama"),
     ];
     for (spec, arch) in cases {
         let w = ModelWeights::random(&spec, 31).unwrap();

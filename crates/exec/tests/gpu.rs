@@ -19,8 +19,8 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::{
-    batched_vs_single, manual_plan, random_tokens, tiny_nemotron_spec, tiny_qwen3_moe_spec, tiny_qwen3_spec,
-    tiny_spec,
+    batched_vs_single, manual_plan, random_tokens, tiny_k_spec, tiny_nemotron_spec, tiny_qwen3_moe_k_spec,
+    tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
 };
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_exec::{ExecError, RunOptions, RunOutput, run};
@@ -330,6 +330,9 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         // choices at near-ties, over the 1% allowed here, as bf16 does with weights from seed 42 (measured:
         // results/exec/quant/README.md); its logits stay within 3e-3 of all-CPU, as bf16's do.
         tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES),
+        tiny(quant(tiny_k_spec(), DType::Q4K), MIXES),
+        tiny(quant(tiny_k_spec(), DType::Q6K), MIXES),
+        tiny(quant(tiny_qwen3_moe_k_spec(), DType::Q4K), MOE_MIXES),
         tiny(tiny_spec(), MIXES),
         tiny(tiny_nemotron_spec(), MIXES),
         tiny(tiny_qwen3_spec(), MIXES),
@@ -403,9 +406,11 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
     let gpu = Gpu::new().unwrap();
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let pool = CpuPool::new(4).unwrap();
-    // 37 rows: the last warp of the GEMV has one row; 3 blocks a row: fewer than a warp step's 8.
-    for (n, k) in [(37usize, 96usize), (64, 4096)] {
+    // 37 rows: the last warp of the GEMV has one row; 3 blocks a row: fewer than a warp step's 8 (of q4_0 and
+    // q8_0; the K-quant kernels take one super-block a step, so 3 of them leave the 2-step unroll a remainder).
+    for (n, k32) in [(37usize, 96usize), (64, 4096)] {
         for fmt in QFormat::ALL {
+            let k = k32 / 32 * fmt.block_elems();
             let wf: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.1).collect();
             let w = fmt.quantize(&wf, k);
             let wd = gpu.alloc(w.len()).unwrap();

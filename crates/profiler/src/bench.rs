@@ -68,7 +68,13 @@ enum Fmt {
 }
 
 impl Fmt {
-    const ALL: [Fmt; 3] = [Fmt::Bf16, Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0)];
+    const ALL: [Fmt; 5] = [
+        Fmt::Bf16,
+        Fmt::Quant(QFormat::Q8_0),
+        Fmt::Quant(QFormat::Q4_0),
+        Fmt::Quant(QFormat::Q4K),
+        Fmt::Quant(QFormat::Q6K),
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -105,9 +111,10 @@ struct CpuCase {
     pool: CpuPool,
 }
 
-/// Every format with this machine's kernels first; then the quantised ones with 4 rows a register block and
-/// without software prefetch, and q4_0 prefetching further into L2, with more tasks per thread and with the
-/// f32 AVX-512 kernel where the bf16 one runs.
+/// Every format with this machine's kernels first; then q8_0 and q4_0 with 4 rows a register block and
+/// without software prefetch, q4_0 prefetching further into L2, q4_0 and the K-quants with more tasks per
+/// thread, the K-quants without prefetch; where the bf16 kernels run, q4_0 with the f32 AVX-512 kernel and the
+/// K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
     let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
@@ -123,8 +130,17 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
         Variant { prefetch: Some(Prefetch { bytes: 4096, level: CacheLevel::L2 }), ..Variant::default() },
     ));
     v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    for f in [Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
+        v.push((
+            f,
+            Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
+        ));
+        v.push((f, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    }
     if pool.isa() == Isa::Avx512Bf16 {
-        v.push((q4, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
+        for f in [q4, Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
+            v.push((f, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
+        }
     }
     v.into_iter()
         .map(|(fmt, var)| {
@@ -350,6 +366,73 @@ fn gpu_rows(
         });
         progress.tick(&format!("{}: {gbps:.0} GB/s", fmt.name()))?;
     }
+    drop(a);
+    rows.extend(gpu_prefill_rows(gpu, &kn, k, cfg, &timed, progress)?);
+    Ok(rows)
+}
+
+/// Times launches of a closure on the compute stream: seconds per launch.
+type Timed<'a> = dyn Fn(&dyn Fn() -> pipeshard_exec::Result<()>) -> Result<f64> + 'a;
+
+/// Tokens of the prefill GEMM rows (a ubatch), and that GEMM's weight rows (a large FFN projection).
+const PREFILL_TOKENS: usize = 512;
+const PREFILL_ROWS: usize = 14336;
+
+/// One prefill GEMM per format over the same `[PREFILL_ROWS, k]` shape: cuBLAS on bf16 weights, and for the
+/// quantised formats exec's path above 8 tokens (dequantise chunks of rows to bf16, then cuBLAS), so the rows
+/// show what dequantising costs against bf16 weights already in place. Rates are GFLOP/s; the bound is bf16's.
+fn gpu_prefill_rows(
+    gpu: &Gpu,
+    kn: &pipeshard_exec::cuda::Kernels,
+    k: usize,
+    cfg: &BenchConfig,
+    timed: &Timed<'_>,
+    progress: &dyn Progress,
+) -> Result<Vec<BenchRow>> {
+    let (m, n) = (PREFILL_TOKENS, PREFILL_ROWS);
+    progress.section("GPU: prefill GEMM per format", Fmt::ALL.len() as u64);
+    // bf16 is the largest format.
+    let (wd, xd, yd) = (gpu.alloc(n * k * 2)?, gpu.alloc(m * k * 2)?, gpu.alloc(m * n * 4)?);
+    let xb: Vec<u8> = (0..m * k)
+        .flat_map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 50.0).to_bits().to_le_bytes())
+        .collect();
+    let flops = 2.0 * (m * n * k) as f64;
+    let mut rows: Vec<BenchRow> = Vec::new();
+    for fmt in Fmt::ALL {
+        let w = random_matrix(fmt, n, k);
+        let quant = match fmt {
+            Fmt::Bf16 => None,
+            Fmt::Quant(q) => Some(q),
+        };
+        // SAFETY: wd holds n·k bf16 ≥ w's bytes, xd m·k activations, yd m·n f32; `timed` synchronises before
+        // the next upload overwrites them.
+        let t = unsafe {
+            gpu.h2d(Stream::Compute, wd.ptr(), &w)?;
+            gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
+            sample(cfg.rule, || {
+                timed(&|| gpu.matmul(kn, quant, wd.ptr(), xd.ptr(), yd.ptr(), m, n, k, false))
+            })?
+        };
+        let gflops = flops / t.median / 1e9;
+        let bound_gflops = rows.first().map_or(gflops, |r| r.gbps);
+        rows.push(BenchRow {
+            device: "gpu".into(),
+            format: fmt.name().into(),
+            kernel: match quant {
+                None => format!("prefill GEMM, {m} tokens: cuBLAS GemmEx (GFLOP/s)"),
+                Some(_) => format!("prefill GEMM, {m} tokens: dequantise to bf16 + cuBLAS GemmEx (GFLOP/s)"),
+            },
+            rows: n,
+            cols: k,
+            weight_bytes: w.len() as u64,
+            time_ns: t.median * 1e9,
+            gbps: gflops,
+            bound: "bf16 cuBLAS GemmEx, same shape (GFLOP/s)".into(),
+            bound_gbps: bound_gflops,
+            max_rel_err: 0.0,
+        });
+        progress.tick(&format!("{}: {gflops:.0} GFLOP/s", fmt.name()))?;
+    }
     Ok(rows)
 }
 
@@ -381,16 +464,17 @@ mod tests {
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
         // Every format with the default kernels, then the quantised variants.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
-        assert_eq!(formats[..5], ["bf16", "q8_0", "q4_0", "q8_0", "q8_0"]);
+        assert_eq!(formats[..7], ["bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q8_0", "q8_0"]);
         assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
-        assert!(rows[3].kernel.contains("4 rows a block") && rows[4].kernel.contains("no prefetch"));
+        assert!(rows[5].kernel.contains("4 rows a block") && rows[6].kernel.contains("no prefetch"));
         assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");
             assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
         }
-        // q4_0 packs the most rows into the same bytes.
-        assert!(rows[2].rows > rows[1].rows && rows[1].rows > rows[0].rows);
+        // q4_0 and q4_k (4.5 bits a weight) pack the most rows into the same bytes, then q6_k, q8_0, bf16.
+        let n: Vec<usize> = rows[..5].iter().map(|r| r.rows).collect();
+        assert!(n[2] == n[3] && n[3] > n[4] && n[4] > n[1] && n[1] > n[0], "{n:?}");
     }
 }

@@ -68,14 +68,22 @@ pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
     }
 }
 
-/// `len_bytes` (rounded down to whole blocks) of random `fmt` blocks: random quants, and scales that are
-/// normal f16 values (2^-7 … 2^-6), so that no kernel meets a NaN or a subnormal.
+/// `len_bytes` (rounded down to whole blocks) of random `fmt` blocks: random quants (and K-quant sub-block
+/// scales), and f16 scales that are normal values (2^-7 … 2^-6), so that no kernel meets a NaN or a subnormal.
 #[must_use]
 pub fn random_blocks(fmt: QFormat, len_bytes: usize, seed: u64) -> Vec<u8> {
     let bb = fmt.block_bytes();
+    // Where each block keeps its f16 scales (q4_k: d and dmin; q6_k: d at the end).
+    let f16_at: &[usize] = match fmt {
+        QFormat::Q8_0 | QFormat::Q4_0 => &[0],
+        QFormat::Q4K => &[0, 2],
+        QFormat::Q6K => &[208],
+    };
     let mut v = random_vec(len_bytes / bb * bb, Elem::F32, seed);
     for (i, b) in v.chunks_exact_mut(bb).enumerate() {
-        b[..2].copy_from_slice(&(0x2000u16 | (i as u16 & 0x3ff)).to_le_bytes());
+        for &at in f16_at {
+            b[at..at + 2].copy_from_slice(&(0x2000u16 | (i as u16 & 0x3ff)).to_le_bytes());
+        }
     }
     v
 }
@@ -252,7 +260,7 @@ fn grid(mode: Mode) -> Grid {
             .into_iter()
             .chain(cat.experts.iter().map(|s| (s.n, s.k)))
             .collect(),
-            dtypes: vec![DType::Bf16, DType::Q8_0, DType::Q4_0],
+            dtypes: vec![DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4K, DType::Q6K],
             tokens: vec![1, 4, 16, 64],
             prefill_tokens: vec![256],
             experts: cat.experts.iter().map(|s| (s.n, s.k)).collect(),
@@ -374,7 +382,10 @@ pub fn measure(
     // Matmuls.
     let mut rows = Vec::new();
     let most = pools.iter().max_by_key(|p| p.threads()).expect("at least one thread count");
-    let steps = g.dtypes.len() * g.matmul.len() * (g.tokens.len() * pools.len() + g.prefill_tokens.len());
+    // Shapes whose rows are whole blocks of the format.
+    let fits = |dtype: DType, k: u64| k.is_multiple_of(dtype.block_elems());
+    let steps = g.dtypes.iter().map(|&d| g.matmul.iter().filter(|s| fits(d, s.1)).count()).sum::<usize>()
+        * (g.tokens.len() * pools.len() + g.prefill_tokens.len());
     progress.section("CPU matmul (exec kernels) by threads, alone and under DMA", steps as u64);
     for &dtype in &g.dtypes {
         let quant = QFormat::from_dtype(dtype);
@@ -396,7 +407,7 @@ pub fn measure(
             .iter()
             .map(|&m| (m, &pools[..]))
             .chain(g.prefill_tokens.iter().map(|&m| (m, std::slice::from_ref(most))));
-        for &(n, k) in &g.matmul {
+        for &(n, k) in g.matmul.iter().filter(|s| fits(dtype, s.1)) {
             let wbytes = n as usize * row_bytes(k);
             let copies = (wall.len() / wbytes).max(1);
             for (m, pools) in runs.clone() {
@@ -468,9 +479,9 @@ pub fn measure(
     // Routed experts: exec's expert block (gather, gate and up, SwiGLU, down, weighted scatter-add) over
     // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
     // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN). Quantised
-    // experts (whose gate, up and down rows are whole 32-element blocks) take bf16 activations.
+    // experts (whose gate, up and down rows are whole blocks) take bf16 activations.
     let fits = |dtype: DType, n: u64, k: u64| {
-        !dtype.is_quantized() || (n.is_multiple_of(32) && k.is_multiple_of(32))
+        n.is_multiple_of(dtype.block_elems()) && k.is_multiple_of(dtype.block_elems())
     };
     let steps =
         g.dtypes.iter().map(|&d| g.experts.iter().filter(|s| fits(d, s.0, s.1)).count()).sum::<usize>()

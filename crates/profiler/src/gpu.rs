@@ -47,7 +47,7 @@ fn grid(mode: Mode) -> Grid {
         Mode::Full => Grid {
             copy_sizes: pow2(16, 30, 2),
             tokens: pow2(0, 12, 1),
-            dtypes: vec![DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0],
+            dtypes: vec![DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4K, DType::Q6K],
             attn_ctx: pow2(10, 17, 1),
             // The workloads' KV format; a 128K prefill chunk takes ~1-2 s with exec's kernel, so one format.
             kv_dtypes: vec![DType::F16],
@@ -474,7 +474,8 @@ pub fn measure_all(
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
     // are not whole blocks have no quantised rows.
     let fits = |dtype: DType, n: u64, k: u64, experts: bool| {
-        !dtype.is_quantized() || (k.is_multiple_of(32) && (!experts || n.is_multiple_of(32)))
+        let block = dtype.block_elems();
+        !dtype.is_quantized() || (k.is_multiple_of(block) && (!experts || n.is_multiple_of(block)))
     };
     let shapes: Vec<(&shapes::MatShape, bool)> =
         cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();

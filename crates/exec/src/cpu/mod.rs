@@ -6,6 +6,7 @@
 //! features × input features) in f16 or bf16; a layer's KV cache is `[K | V]`, each `[ctx, kv_heads, head_dim]`.
 //! RoPE rotates the first and second halves of the rotated dimensions (transformers' `rotate_half`).
 
+pub mod kdot;
 pub mod qdot;
 pub mod simd;
 
@@ -214,7 +215,7 @@ impl RowFormat for QFormat {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        // SAFETY: forwarded from the caller (k is a multiple of 32: `matmul_quant` checks it).
+        // SAFETY: forwarded from the caller (k is whole blocks: `matmul_quant` checks it).
         unsafe { qdot::dot_block::<R, T>(isa, self, pf, x, ldx, w, w_stride, k, out) };
     }
 }
@@ -235,7 +236,7 @@ pub fn matmul(
     tiled(pool, x, m, k, w, elem, n, y, n, accumulate);
 }
 
-/// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of 32). Up to
+/// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of its block). Up to
 /// [`EXACT_MAX_TOKENS`] tokens it equals dequantising `w` to f32 first, up to the order of f32 additions; with
 /// more, `w` is dequantised to bf16 in chunks of rows and multiplied by the bf16 kernel, as the GPU does.
 pub fn matmul_quant(
@@ -265,7 +266,7 @@ fn matmul_quant_in_chunks(
     accumulate: bool,
     chunk_bytes: usize,
 ) {
-    assert!(k.is_multiple_of(crate::quant::BLOCK_ELEMS), "{fmt:?} rows of {k} elements are not whole blocks");
+    assert!(k.is_multiple_of(fmt.block_elems()), "{fmt:?} rows of {k} elements are not whole blocks");
     if m <= EXACT_MAX_TOKENS {
         tiled(pool, x, m, k, w, fmt, n, y, n, accumulate);
         return;
@@ -873,9 +874,11 @@ mod tests {
         for pool in &pools {
             for fmt in QFormat::ALL {
                 // 12 and 9 tokens take the dequantise-to-bf16 path, in chunks of 5 rows.
-                for (m, k, n) in
+                for (m, k32, n) in
                     [(1, 64, 9), (5, 96, 13), (4, 256, 70), (3, 64, 70), (2, 32, 4), (12, 64, 13), (9, 32, 6)]
                 {
+                    // The same number of blocks for every format (K-quant blocks are 8 times longer).
+                    let k = k32 / 32 * fmt.block_elems();
                     let x: Vec<f32> = (0..m * k)
                         .map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 25.0).to_f32())
                         .collect();

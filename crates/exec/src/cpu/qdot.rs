@@ -1,4 +1,5 @@
-//! SIMD inner loops of the CPU matmul on q8_0/q4_0 rows: f32 activations against block-quantised weights.
+//! SIMD inner loops of the CPU matmul on q8_0/q4_0 rows: f32 activations against block-quantised weights
+//! (the K-quants' are in [`super::kdot`]; [`dot_block`] dispatches both).
 //!
 //! Per block, the quants widen to f32 in registers, `Σ x·q` over the block's 32 elements is formed with FMAs and
 //! then scaled by the block's f16 scale into the accumulator, so the result equals dequantise-then-f32 up to
@@ -46,7 +47,7 @@ impl std::fmt::Display for Prefetch {
 /// apart from `w`) and `T` activation rows (stride `ldx`).
 ///
 /// # Safety
-/// `k` is a multiple of 32, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R` and `x` at least `(T − 1) × ldx + k` f32s;
+/// `k` is a multiple of `fmt.block_elems()`, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R` and `x` at least `(T − 1) × ldx + k` f32s;
 /// the ISA was detected.
 #[inline]
 pub unsafe fn dot_block<const R: usize, const T: usize>(
@@ -85,6 +86,26 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         // SAFETY: as above for AVX2.
         (Isa::Avx2, QFormat::Q8_0) => unsafe {
             x86::dot_avx2::<R, T, false>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; k is a multiple of 256 for K-quant rows (`matmul_quant` checks it).
+        (Isa::Avx512Bf16, QFormat::Q4K) => unsafe {
+            super::kdot::dot_q4_k_avx512bf16::<R, T>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512Bf16, QFormat::Q6K) => unsafe {
+            super::kdot::dot_q6_k_avx512bf16::<R, T>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; AVX-512 machines have AVX2+FMA+F16C too.
+        (Isa::Avx2 | Isa::Avx512, QFormat::Q4K) => unsafe {
+            super::kdot::dot_q4_k_avx2::<R, T>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx2 | Isa::Avx512, QFormat::Q6K) => unsafe {
+            super::kdot::dot_q6_k_avx2::<R, T>(pf, x, ldx, w, ws, k, out);
         },
         _ => {
             let rb = fmt.row_bytes(k);

@@ -449,3 +449,256 @@ extern "C" __global__ void embed_q4_0(const u8* __restrict__ table, const u32* _
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 5) * 18;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = qval<1>(row, i);
 }
+
+// ---- K-quants: 256-element super-blocks (quant::K_BLOCK_ELEMS), rows of whole super-blocks.
+// q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of
+// nibbles (sub-blocks 2t and 2t+1 are the low and high nibbles of bytes 32t..32t+32); value = d*sc*q - dmin*m.
+// q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed 8-bit scales (one per 16
+// elements), f16 d; value = d*scale*(q - 32). Super-blocks of q6_K are 2-byte aligned only.
+#define QK_K 256
+
+__device__ __forceinline__ void q4k_scale_min(int j, const u8* __restrict__ s, float& sc, float& m) {
+    if (j < 4) { sc = (float)(s[j] & 63); m = (float)(s[j + 4] & 63); }
+    else { sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)); m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4)); }
+}
+
+// Element i of a row of K-quant super-blocks, dequantised as ggml's dequantize_row_q4_K / _q6_K do (f32
+// products in the reference's order; the explicit roundings keep the compiler from fusing them into an FMA, so
+// the values equal the CPU's bit for bit).
+template <int Q6> __device__ __forceinline__ float kval(const u8* __restrict__ row, u64 i) {
+    const int e = (int)(i & (QK_K - 1));
+    if (Q6) {
+        const u8* blk = row + (i >> 8) * 210;
+        const int n = e >> 7, c = (e >> 5) & 3, l = e & 31;
+        const int lo = (blk[64 * n + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 15;
+        const int hi = (blk[128 + 32 * n + l] >> (2 * c)) & 3;
+        const float sc = (float)(signed char)blk[192 + 8 * n + 2 * c + (l >> 4)];
+        return __fmul_rn(__fmul_rn(h2f(*(const u16*)(blk + 208)), sc), (float)((lo | (hi << 4)) - 32));
+    }
+    const u8* blk = row + (i >> 8) * 144;
+    const int t = e >> 6, half = (e >> 5) & 1, l = e & 31;
+    float sc, m;
+    q4k_scale_min(2 * t + half, blk + 4, sc, m);
+    const float d1 = __fmul_rn(h2f(*(const u16*)blk), sc), m1 = __fmul_rn(h2f(*(const u16*)(blk + 2)), m);
+    return __fsub_rn(__fmul_rn(d1, (float)((blk[16 + 32 * t + l] >> (4 * half)) & 15)), m1);
+}
+
+// Four bytes (each < 64) as exact f32 minus `off`, by the prmt trick of gemv_q.
+__device__ __forceinline__ void bytes_to_f32(u32 v, float off, float* out) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = __int_as_float((int)__byte_perm(v, 0x4b000000u, 0x7440u + j)) - (8388608.f + off);
+}
+
+// Decode GEMV over q4_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 4 super-blocks of every
+// row with 16-byte loads (super-blocks and rows are 16-byte aligned: 144 bytes each). Lane l takes super-block
+// l >> 3 of the step; within it, 16 bytes (half h = l & 1) of nibble chunk t = (l & 7) >> 1: elements
+// 64t+16h.. (low nibbles, sub-block 2t) and 64t+32+16h.. (high nibbles, sub-block 2t+1), and the block's whole
+// 16-byte header (d, dmin, the 12 packed scale bytes). Per sub-block it adds d*sc*sum(x*q) - dmin*m*sum(x).
+// The 6-bit scales unpack four at a time from the header's words (sc 0..4 and mins 0..4 in the low 6 bits of
+// words 1 and 2; sc/mins 4..8 in the nibbles of word 3 with their top bits in the top bits of words 1 and 2).
+template <int MT>
+__device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, t = (lane & 7) >> 1, h = lane & 1;
+    if (row0 >= n) return;
+    const int nb = k >> 8;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * 144;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+    for (int b = lane >> 3; b < nb; b += 4) {
+        uint4 hd[QROWS], qv[QROWS];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * 144;
+            hd[r] = *(const uint4*)blk;
+            qv[r] = *(const uint4*)(blk + 16 + 32 * t + 16 * h);
+        }
+        // Per row: d*sc and dmin*m of the lane's two sub-blocks (2t: a, 2t+1: b).
+        float dsa[QROWS], dma[QROWS], dsb[QROWS], dmb[QROWS];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u32 s0 = hd[r].y, s1 = hd[r].z, s2 = hd[r].w;
+            const u32 scw = t < 2 ? s0 & 0x3f3f3f3fu : (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+            const u32 mw = t < 2 ? s1 & 0x3f3f3f3fu : ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+            const int sh = 16 * (t & 1);
+            const float d = h2f((u16)(hd[r].x & 0xffffu)), dmin = h2f((u16)(hd[r].x >> 16));
+            dsa[r] = d * (float)((scw >> sh) & 0xffu);
+            dsb[r] = d * (float)((scw >> (sh + 8)) & 0xffu);
+            dma[r] = dmin * (float)((mw >> sh) & 0xffu);
+            dmb[r] = dmin * (float)((mw >> (sh + 8)) & 0xffu);
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                // 16 activations of each sub-block: 32-byte aligned (k is a multiple of 256).
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 64 * t + 16 * h;
+                const uint4 a0 = *(const uint4*)xt, a1 = *(const uint4*)(xt + 8);
+                const uint4 c0 = *(const uint4*)(xt + 32), c1 = *(const uint4*)(xt + 40);
+                const u32 xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const u32 xc[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                float xl[16], xh[16], sl = 0.f, shs = 0.f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    xl[j] = ACT_LOAD((u16)(xa[j >> 1] >> (16 * (j & 1))));
+                    xh[j] = ACT_LOAD((u16)(xc[j >> 1] >> (16 * (j & 1))));
+                    sl += xl[j];
+                    shs += xh[j];
+                }
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    const u32 qw[4] = {qv[r].x, qv[r].y, qv[r].z, qv[r].w};
+                    float lo = 0.f, hi = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        float wl[4], wh[4];
+                        bytes_to_f32(qw[i] & 0x0f0f0f0fu, 0.f, wl);
+                        bytes_to_f32((qw[i] >> 4) & 0x0f0f0f0fu, 0.f, wh);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            lo = fmaf(xl[4 * i + j], wl[j], lo);
+                            hi = fmaf(xh[4 * i + j], wh[j], hi);
+                        }
+                    }
+                    acc[tt][r] += (dsa[r] * lo - dma[r] * sl) + (dsb[r] * hi - dmb[r] * shs);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+// Decode GEMV over q6_K rows: a warp step reads 2 super-blocks of every row. Lane l takes super-block l >> 4 of
+// the step, half h = (l >> 3) & 1 and positions 4j..4j+4 (j = l & 7) of the half's four quarters of 32: 4
+// low-nibble bytes at each of ql[64h+4j] and ql[64h+32+4j], 4 high-pair bytes at qh[32h+4j] (16 weights);
+// quarter c's 4 weights share the scale 8h+2c+(j >> 2). Super-blocks are 210 bytes, so only 2-byte loads are
+// aligned.
+template <int MT>
+__device__ __forceinline__ void gemv_q6k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, h = (lane >> 3) & 1, j4 = 4 * (lane & 7);
+    if (row0 >= n) return;
+    const int nb = k >> 8;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * 210;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+    for (int b = lane >> 4; b < nb; b += 2) {
+        u32 a0[QROWS], a1[QROWS], qh[QROWS];
+        float ds[QROWS][4];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * 210;
+            const u16* l0 = (const u16*)(blk + 64 * h + j4);
+            const u16* l1 = (const u16*)(blk + 64 * h + 32 + j4);
+            const u16* q = (const u16*)(blk + 128 + 32 * h + j4);
+            a0[r] = (u32)l0[0] | ((u32)l0[1] << 16);
+            a1[r] = (u32)l1[0] | ((u32)l1[1] << 16);
+            qh[r] = (u32)q[0] | ((u32)q[1] << 16);
+            const float d = h2f(*(const u16*)(blk + 208));
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ds[r][c] = d * (float)(signed char)blk[192 + 8 * h + 2 * c + (j4 >> 4)];
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + j4;
+                float xf[4][4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const uint2 xw = *(const uint2*)(xt + 32 * c);
+                    xf[c][0] = ACT_LOAD((u16)(xw.x & 0xffffu));
+                    xf[c][1] = ACT_LOAD((u16)(xw.x >> 16));
+                    xf[c][2] = ACT_LOAD((u16)(xw.y & 0xffffu));
+                    xf[c][3] = ACT_LOAD((u16)(xw.y >> 16));
+                }
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    // Quarters 0..3: low nibbles of a0, a1, high nibbles of a0, a1; high pairs at bits 2c of qh.
+                    const u32 v[4] = {
+                        (a0[r] & 0x0f0f0f0fu) | ((qh[r] & 0x03030303u) << 4),
+                        (a1[r] & 0x0f0f0f0fu) | (((qh[r] >> 2) & 0x03030303u) << 4),
+                        ((a0[r] >> 4) & 0x0f0f0f0fu) | (qh[r] & 0x30303030u),
+                        ((a1[r] >> 4) & 0x0f0f0f0fu) | ((qh[r] >> 2) & 0x30303030u),
+                    };
+                    float s = 0.f;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        float wv[4];
+                        bytes_to_f32(v[c], 32.f, wv);
+                        float sc = 0.f;
+#pragma unroll
+                        for (int p = 0; p < 4; ++p) sc = fmaf(xf[c][p], wv[p], sc);
+                        s = fmaf(ds[r][c], sc, s);
+                    }
+                    acc[tt][r] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_q4_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q4k<QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q4_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q4k<1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv_q6_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q6k<QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q6_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_q6k<1>(w, x, y, n, k, m, acc);
+}
+// Prefill path and quantised embedding tables, as for q8_0/q4_0 (rows of whole super-blocks).
+extern "C" __global__ void dequant_q4_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(kval<0>(w, i));
+}
+extern "C" __global__ void dequant_q6_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(kval<1>(w, i));
+}
+extern "C" __global__ void embed_q4_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 144;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<0>(row, i);
+}
+extern "C" __global__ void embed_q6_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 210;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<1>(row, i);
+}

@@ -117,6 +117,14 @@ pub struct Kernels {
     dequant_q4_0: CudaFunction,
     embed_q8_0: CudaFunction,
     embed_q4_0: CudaFunction,
+    gemv_q4_k: CudaFunction,
+    gemv_q6_k: CudaFunction,
+    gemv1_q4_k: CudaFunction,
+    gemv1_q6_k: CudaFunction,
+    dequant_q4_k: CudaFunction,
+    dequant_q6_k: CudaFunction,
+    embed_q4_k: CudaFunction,
+    embed_q6_k: CudaFunction,
 }
 
 impl Kernels {
@@ -476,6 +484,14 @@ impl Gpu {
             dequant_q4_0: f("dequant_q4_0")?,
             embed_q8_0: f("embed_q8_0")?,
             embed_q4_0: f("embed_q4_0")?,
+            gemv_q4_k: f("gemv_q4_k")?,
+            gemv_q6_k: f("gemv_q6_k")?,
+            gemv1_q4_k: f("gemv1_q4_k")?,
+            gemv1_q6_k: f("gemv1_q6_k")?,
+            dequant_q4_k: f("dequant_q4_k")?,
+            dequant_q6_k: f("dequant_q6_k")?,
+            embed_q4_k: f("embed_q4_k")?,
+            embed_q6_k: f("embed_q6_k")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -559,8 +575,8 @@ impl Gpu {
     /// and run cuBLAS on each.
     ///
     /// # Safety
-    /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of 32 when quantised), `x` `m × k`
-    /// activations of `kn`'s type, `y` `m × n` f32, all in live allocations.
+    /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of its block when quantised; 16-byte
+    /// aligned), `x` `m × k` activations of `kn`'s type, `y` `m × n` f32, all in live allocations.
     pub unsafe fn matmul(
         &self,
         kn: &Kernels,
@@ -584,13 +600,18 @@ impl Gpu {
                 (QFormat::Q4_0, 1) => &kn.gemv1_q4_0,
                 (QFormat::Q8_0, _) => &kn.gemv_q8_0,
                 (QFormat::Q4_0, _) => &kn.gemv_q4_0,
+                (QFormat::Q4K, 1) => &kn.gemv1_q4_k,
+                (QFormat::Q6K, 1) => &kn.gemv1_q6_k,
+                (QFormat::Q4K, _) => &kn.gemv_q4_k,
+                (QFormat::Q6K, _) => &kn.gemv_q6_k,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
             // Four warps per block, GEMV_ROWS_PER_WARP rows each.
             let cfg = threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128);
-            // SAFETY: argument types match the kernel; the kernel reads n rows of k/32 blocks of w (a warp's rows
-            // past n re-read row n − 1) and m rows of k activations, and writes y[t·n + r] for t < m, r < n (the
-            // caller's sizes).
+            // SAFETY: argument types match the kernel; the kernel reads n rows of whole blocks of w (a warp's
+            // rows past n re-read row n − 1; q4_k's 16-byte loads need 16-byte aligned rows, which tensors are:
+            // `weights::TENSOR_ALIGN_BYTES` in units, `layout::REGION_ALIGN_BYTES` in the arena) and m rows of k
+            // activations, and writes y[t·n + r] for t < m, r < n (the caller's sizes).
             return unsafe {
                 self.compute
                     .launch_builder(f)
@@ -615,6 +636,8 @@ impl Gpu {
         let f = match fmt {
             QFormat::Q8_0 => &kn.dequant_q8_0,
             QFormat::Q4_0 => &kn.dequant_q4_0,
+            QFormat::Q4K => &kn.dequant_q4_k,
+            QFormat::Q6K => &kn.dequant_q6_k,
         };
         let mut r0 = 0;
         while r0 < n {
@@ -682,6 +705,8 @@ impl Gpu {
             None => &k.embed,
             Some(QFormat::Q8_0) => &k.embed_q8_0,
             Some(QFormat::Q4_0) => &k.embed_q4_0,
+            Some(QFormat::Q4K) => &k.embed_q4_k,
+            Some(QFormat::Q6K) => &k.embed_q6_k,
         };
         // SAFETY: argument types match the kernel signature; sizes per the caller.
         unsafe { self.compute.launch_builder(f).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg) }

@@ -1,0 +1,536 @@
+//! SIMD inner loops of the CPU matmul on K-quant rows (q4_k, q6_k): f32 activations against 256-element
+//! super-blocks, for [`super::qdot::dot_block`].
+//!
+//! Per super-block and row the scales are decoded once into f32 (q4_k: `d·sc` and `dmin·m` per sub-block of
+//! 32; q6_k: `d·scale` per group of 16), then each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q4_k) or
+//! `d·scale·Σ x·(q − 32)` (q6_k) to the row's accumulator. The activation loads, their bf16 conversion and the
+//! sums `Σ x` are shared by the rows of a register block. The result equals dequantise-then-f32 up to the order
+//! and rounding of f32 additions, as for q4_0.
+//!
+//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k; `vpermt2w` on the
+//! 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and `vdpbf16ps` multiplies
+//! them with the activations (bf16 values already, so exact too). Other x86 machines with AVX2+FMA (AVX-512
+//! ones without BF16 included) widen the quants to f32 and use FMAs.
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
+
+/// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
+/// `m[0..8]`, as ggml's `get_scale_min_k4` reads them one by one), unpacked four at a time in 32-bit words:
+/// sub-blocks 0..4 sit in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins); sub-blocks 4..8 in the
+/// nibbles of bytes 8..12, with their top 2 bits in the top bits of bytes 0..8. In general-purpose registers on
+/// purpose: the AVX512_BF16 kernel is bound by the vector shuffle port, and the same unpacking in SIMD lanes
+/// (two more shuffles a super-block and row) measured slower (results/exec/quant, K-quant runs 1 and 2).
+#[inline]
+#[must_use]
+pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
+    let word = |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
+    let (s0, s1, s2) = (word(0), word(4), word(8));
+    let sc_hi = (s2 & 0x0f0f_0f0f) | (((s0 >> 6) & 0x0303_0303) << 4);
+    let m_hi = ((s2 >> 4) & 0x0f0f_0f0f) | (((s1 >> 6) & 0x0303_0303) << 4);
+    let mut out = [0u8; 16];
+    for (i, w) in [s0 & 0x3f3f_3f3f, sc_hi, s1 & 0x3f3f_3f3f, m_hi].into_iter().enumerate() {
+        out[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
+mod x86 {
+    use std::arch::x86_64::{
+        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_loadu_si128,
+        _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castsi256_si128,
+        _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256,
+        _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
+        _mm256_or_si256, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
+        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
+        _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set1_epi16,
+        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi16, _mm512_srli_epi16,
+        _mm512_storeu_ps,
+    };
+
+    use super::super::qdot::{CacheLevel, Prefetch};
+    use super::q4_k_scales_mins;
+
+    const Q4K_BYTES: usize = 144;
+    const Q6K_BYTES: usize = 210;
+
+    /// Prefetches every cache line of the block at `p`, `pf.bytes` ahead (a hint: never faults).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn prefetch_block(p: *const u8, block_bytes: usize, pf: Prefetch) {
+        if pf.bytes == 0 {
+            return;
+        }
+        for off in (0..block_bytes).step_by(64) {
+            let at = p.wrapping_add(pf.bytes + off).cast::<i8>();
+            match pf.level {
+                CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(at),
+                CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(at),
+            }
+        }
+    }
+
+    fn f16(p: *const u8, at: usize) -> f32 {
+        // SAFETY: callers pass a block pointer with its f16 at `at`.
+        half::f16::from_bits(unsafe { p.add(at).cast::<u16>().read_unaligned() }).to_f32()
+    }
+
+    /// `[d·sc_0..8 | dmin·m_0..8]` of the q4_k super-block at `p`.
+    ///
+    /// # Safety
+    /// `p` points at a whole super-block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_k_factors(p: *const u8) -> [f32; 16] {
+        // SAFETY: bytes 4..16 of the block.
+        let packed: [u8; 12] = unsafe { p.add(4).cast::<[u8; 12]>().read_unaligned() };
+        let sm = q4_k_scales_mins(packed);
+        // SAFETY: sm has 16 bytes; the loads take 8 each.
+        let (sc, mn) = unsafe {
+            let v = _mm_loadu_si128(sm.as_ptr().cast::<__m128i>());
+            (
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+            )
+        };
+        let mut out = [0f32; 16];
+        // SAFETY: out has 16 f32.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(f16(p, 0)), sc));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), _mm256_mul_ps(_mm256_set1_ps(f16(p, 2)), mn));
+        }
+        out
+    }
+
+    fn hsum8(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: a has 8 f32.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+    }
+
+    /// 32 bytes as 4 vectors of 8 f32 (unsigned, or signed when `SIGNED`), in order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bytes_to_f32x32<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
+        let (a, b) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let f = |h: __m128i| {
+            _mm256_cvtepi32_ps(if SIGNED { _mm256_cvtepi8_epi32(h) } else { _mm256_cvtepu8_epi32(h) })
+        };
+        [f(a), f(_mm_srli_si128(a, 8)), f(b), f(_mm_srli_si128(b, 8))]
+    }
+
+    /// The activations `x[t·ldx + at..at + 32]` of each token, 8 per vector.
+    ///
+    /// # Safety
+    /// The elements exist.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_x<const T: usize>(x: *const f32, ldx: usize, at: usize) -> [[__m256; 4]; T] {
+        let mut xv = [[_mm256_setzero_ps(); 4]; T];
+        for (t, v) in xv.iter_mut().enumerate() {
+            for (c, vc) in v.iter_mut().enumerate() {
+                // SAFETY: as documented.
+                *vc = unsafe { _mm256_loadu_ps(x.add(t * ldx + at + 8 * c)) };
+            }
+        }
+        xv
+    }
+
+    /// q4_k with AVX2+FMA; see `qdot::dot_block`.
+    ///
+    /// # Safety
+    /// As `qdot::dot_block`, with `k` a multiple of 256; AVX2, FMA and F16C are present.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_k_avx2<const R: usize, const T: usize>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mask = _mm256_set1_epi8(0x0f);
+        for b in 0..k / 256 {
+            let mut f = [[0f32; 16]; R];
+            for (r, fr) in f.iter_mut().enumerate() {
+                // SAFETY: super-block b of row r exists (the caller's sizes).
+                unsafe {
+                    let p = w.add(r * ws + b * Q4K_BYTES);
+                    prefetch_block(p, Q4K_BYTES, pf);
+                    *fr = q4_k_factors(p);
+                }
+            }
+            for c in 0..4 {
+                // SAFETY: elements 256b + 64c .. + 64 of every token exist.
+                let (xlo, xhi) = unsafe {
+                    (load_x::<T>(x, ldx, 256 * b + 64 * c), load_x::<T>(x, ldx, 256 * b + 64 * c + 32))
+                };
+                let sums =
+                    |v: &[__m256; 4]| _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: nibble chunk c of the super-block.
+                    let q = unsafe {
+                        _mm256_loadu_si256(w.add(r * ws + b * Q4K_BYTES + 16 + 32 * c).cast::<__m256i>())
+                    };
+                    let lo = bytes_to_f32x32::<false>(_mm256_and_si256(q, mask));
+                    let hi = bytes_to_f32x32::<false>(_mm256_and_si256(_mm256_srli_epi16::<4>(q), mask));
+                    let fr = &f[r];
+                    for (t, a) in row.iter_mut().enumerate() {
+                        for (half, (xv, qv)) in [(&xlo[t], &lo), (&xhi[t], &hi)].into_iter().enumerate() {
+                            let mut s = _mm256_mul_ps(xv[0], qv[0]);
+                            for i in 1..4 {
+                                s = _mm256_fmadd_ps(xv[i], qv[i], s);
+                            }
+                            let j = 2 * c + half;
+                            *a = _mm256_fmadd_ps(s, _mm256_set1_ps(fr[j]), *a);
+                            *a = _mm256_fnmadd_ps(sums(xv), _mm256_set1_ps(fr[8 + j]), *a);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum8(acc[r][t]);
+            }
+        }
+    }
+
+    /// q6_k with AVX2+FMA; see `qdot::dot_block`.
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx2`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_avx2<const R: usize, const T: usize>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let (mask4, mask2, off) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x03), _mm256_set1_epi8(32));
+        for b in 0..k / 256 {
+            let mut ds = [[0f32; 16]; R];
+            for (r, dr) in ds.iter_mut().enumerate() {
+                // SAFETY: super-block b of row r exists.
+                unsafe {
+                    let p = w.add(r * ws + b * Q6K_BYTES);
+                    prefetch_block(p, Q6K_BYTES, pf);
+                    let d = f16(p, 208);
+                    for (g, v) in dr.iter_mut().enumerate() {
+                        *v = d * f32::from(p.add(192 + g).cast::<i8>().read());
+                    }
+                }
+            }
+            for h in 0..2 {
+                for c in 0..4 {
+                    // SAFETY: elements 256b + 128h + 32c .. + 32 of every token exist.
+                    let xv = unsafe { load_x::<T>(x, ldx, 256 * b + 128 * h + 32 * c) };
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        // SAFETY: the low-nibble and high-pair bytes of quarter c of half h.
+                        let (ql, qh) = unsafe {
+                            let p = w.add(r * ws + b * Q6K_BYTES);
+                            (
+                                _mm256_loadu_si256(p.add(64 * h + 32 * (c % 2)).cast::<__m256i>()),
+                                _mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>()),
+                            )
+                        };
+                        let lo = if c < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+                        let hi = match c {
+                            0 => qh,
+                            1 => _mm256_srli_epi16::<2>(qh),
+                            2 => _mm256_srli_epi16::<4>(qh),
+                            _ => _mm256_srli_epi16::<6>(qh),
+                        };
+                        // Each byte's high pair to bits 4..6 (masked first, so no bits cross bytes), minus 32.
+                        let q6 = _mm256_or_si256(
+                            _mm256_and_si256(lo, mask4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(hi, mask2)),
+                        );
+                        let qv = bytes_to_f32x32::<true>(_mm256_sub_epi8(q6, off));
+                        let g = 8 * h + 2 * c;
+                        for (t, a) in row.iter_mut().enumerate() {
+                            let s0 = _mm256_fmadd_ps(xv[t][1], qv[1], _mm256_mul_ps(xv[t][0], qv[0]));
+                            let s1 = _mm256_fmadd_ps(xv[t][3], qv[3], _mm256_mul_ps(xv[t][2], qv[2]));
+                            *a = _mm256_fmadd_ps(s0, _mm256_set1_ps(ds[r][g]), *a);
+                            *a = _mm256_fmadd_ps(s1, _mm256_set1_ps(ds[r][g + 1]), *a);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum8(acc[r][t]);
+            }
+        }
+    }
+
+    /// bf16 bit patterns of `i − off` for `i` in 0..32 (as a `vpermw` / `vpermt2w` table of 32 entries).
+    const fn bf16_table(off: i32) -> [u16; 32] {
+        let mut t = [0u16; 32];
+        let mut i = 0;
+        while i < 32 {
+            t[i] = (((i as i32 - off) as f32).to_bits() >> 16) as u16;
+            i += 1;
+        }
+        t
+    }
+    /// Nibble values 0..15, twice: `vpermw` reads 5 index bits, so a byte's bit 4 does not matter.
+    const Q4K_BF16: [u16; 32] = {
+        let mut t = bf16_table(0);
+        let mut i = 16;
+        while i < 32 {
+            t[i] = t[i - 16];
+            i += 1;
+        }
+        t
+    };
+    /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
+    const Q6K_BF16_LO: [u16; 32] = bf16_table(32);
+    const Q6K_BF16_HI: [u16; 32] = bf16_table(0);
+
+    /// The activations `x[t·ldx + at..at + 32]` of each token as bf16 (the second operand of
+    /// `vcvtne2ps2bf16` fills the low half, so element order is kept).
+    ///
+    /// # Safety
+    /// The elements exist.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn load_x_bf16(x: *const f32, at: usize) -> (__m512bh, __m512, __m512) {
+        // SAFETY: as documented.
+        let (lo, hi) = unsafe { (_mm512_loadu_ps(x.add(at)), _mm512_loadu_ps(x.add(at + 16))) };
+        (_mm512_cvtne2ps_pbh(hi, lo), lo, hi)
+    }
+
+    /// q4_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx2`], with AVX-512F/BW/BF16 present.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn dot_q4_k_avx512bf16<const R: usize, const T: usize>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // SAFETY: the table is 64 bytes.
+        let table = unsafe { _mm512_loadu_si512(Q4K_BF16.as_ptr().cast::<__m512i>()) };
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 256 {
+            let mut f = [[0f32; 16]; R];
+            for (r, fr) in f.iter_mut().enumerate() {
+                // SAFETY: super-block b of row r exists.
+                unsafe {
+                    let p = w.add(r * ws + b * Q4K_BYTES);
+                    prefetch_block(p, Q4K_BYTES, pf);
+                    // [d×8 | dmin×8] times the 16 unpacked 6-bit values.
+                    let packed: [u8; 12] = p.add(4).cast::<[u8; 12]>().read_unaligned();
+                    let sm = q4_k_scales_mins(packed);
+                    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        sm.as_ptr().cast::<__m128i>(),
+                    )));
+                    let mut dd = [f16(p, 0); 16];
+                    dd[8..].fill(f16(p, 2));
+                    _mm512_storeu_ps(fr.as_mut_ptr(), _mm512_mul_ps(v, _mm512_loadu_ps(dd.as_ptr())));
+                }
+            }
+            for c in 0..4 {
+                // Per token and half: the 32 activations as bf16 and their f32 sums (16 lanes).
+                let zero =
+                    (_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()), _mm512_setzero_ps());
+                let mut xt = [[zero; 2]; T];
+                for (t, v) in xt.iter_mut().enumerate() {
+                    for (half, vh) in v.iter_mut().enumerate() {
+                        // SAFETY: elements 256b + 64c + 32half .. + 32 of token t exist.
+                        let (bh, lo, hi) = unsafe { load_x_bf16(x, t * ldx + 256 * b + 64 * c + 32 * half) };
+                        *vh = (bh, _mm512_add_ps(lo, hi));
+                    }
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: nibble chunk c of the super-block (32 bytes).
+                    let q = _mm512_cvtepu8_epi16(unsafe {
+                        _mm256_loadu_si256(w.add(r * ws + b * Q4K_BYTES + 16 + 32 * c).cast::<__m256i>())
+                    });
+                    // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                    let (wlo, whi): (__m512bh, __m512bh) = unsafe {
+                        (
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(q, table)),
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(
+                                _mm512_srli_epi16::<4>(q),
+                                table,
+                            )),
+                        )
+                    };
+                    let fr = &f[r];
+                    for (t, a) in row.iter_mut().enumerate() {
+                        for (half, wv) in [wlo, whi].into_iter().enumerate() {
+                            let (bh, sum) = xt[t][half];
+                            let j = 2 * c + half;
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh, wv);
+                            *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(fr[j]), *a);
+                            *a = _mm512_fnmadd_ps(sum, _mm512_set1_ps(fr[8 + j]), *a);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+
+    /// q6_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx512bf16`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn dot_q6_k_avx512bf16<const R: usize, const T: usize>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // SAFETY: each table is 64 bytes.
+        let (tlo, thi) = unsafe {
+            (
+                _mm512_loadu_si512(Q6K_BF16_LO.as_ptr().cast::<__m512i>()),
+                _mm512_loadu_si512(Q6K_BF16_HI.as_ptr().cast::<__m512i>()),
+            )
+        };
+        let (m4, m30) = (_mm512_set1_epi16(0x0f), _mm512_set1_epi16(0x30));
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 256 {
+            // Per row, d·scale for the 16 groups (lane g).
+            let mut ds = [_mm512_setzero_ps(); R];
+            for (r, dr) in ds.iter_mut().enumerate() {
+                // SAFETY: super-block b of row r exists.
+                unsafe {
+                    let p = w.add(r * ws + b * Q6K_BYTES);
+                    prefetch_block(p, Q6K_BYTES, pf);
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        p.add(192).cast::<__m128i>(),
+                    )));
+                    *dr = _mm512_mul_ps(sc, _mm512_set1_ps(f16(p, 208)));
+                }
+            }
+            for h in 0..2 {
+                // Quarter c of this half, per token: its 32 activations as bf16.
+                let mut xq = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 4]; T];
+                for (t, v) in xq.iter_mut().enumerate() {
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        // SAFETY: elements 256b + 128h + 32c .. + 32 of token t exist.
+                        *vc = unsafe { load_x_bf16(x, t * ldx + 256 * b + 128 * h + 32 * c).0 };
+                    }
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: the half's 64 low-nibble bytes and 32 high-pair bytes.
+                    let (a0, a1, q) = unsafe {
+                        let p = w.add(r * ws + b * Q6K_BYTES);
+                        (
+                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h).cast::<__m256i>())),
+                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h + 32).cast::<__m256i>())),
+                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>())),
+                        )
+                    };
+                    // 6-bit indices of quarters 0..3: low or high nibble, high pair at bits 4..6.
+                    let idx = [
+                        _mm512_or_si512(
+                            _mm512_and_si512(a0, m4),
+                            _mm512_and_si512(_mm512_slli_epi16::<4>(q), m30),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(a1, m4),
+                            _mm512_and_si512(_mm512_slli_epi16::<2>(q), m30),
+                        ),
+                        _mm512_or_si512(_mm512_srli_epi16::<4>(a0), _mm512_and_si512(q, m30)),
+                        _mm512_or_si512(
+                            _mm512_srli_epi16::<4>(a1),
+                            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m30),
+                        ),
+                    ];
+                    for (c, ix) in idx.into_iter().enumerate() {
+                        // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                        let wv: __m512bh =
+                            unsafe { std::mem::transmute(_mm512_permutex2var_epi16(tlo, ix, thi)) };
+                        // Lanes 0..8 sum elements 0..16 (group 8h + 2c), lanes 8..16 the next 16.
+                        let g = (8 * h + 2 * c) as i32;
+                        let scale = _mm512_permutexvar_ps(
+                            _mm512_setr_epi32(
+                                g,
+                                g,
+                                g,
+                                g,
+                                g,
+                                g,
+                                g,
+                                g,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                                g + 1,
+                            ),
+                            ds[r],
+                        );
+                        for (t, a) in row.iter_mut().enumerate() {
+                            *a = _mm512_fmadd_ps(
+                                _mm512_dpbf16_ps(_mm512_setzero_ps(), xq[t][c], wv),
+                                scale,
+                                *a,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::quant::{QFormat, q4_k_scale_min};
+
+    #[test]
+    fn q4_k_scales_unpack_as_the_reference_reads_them() {
+        // Random packed bytes (every bit pattern matters, the top bits included), then real blocks.
+        let mut blocks: Vec<u8> =
+            (0..64 * 144u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let x: Vec<f32> =
+            (0..2048).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 + i / 256) as f32).collect();
+        blocks.extend(QFormat::Q4K.quantize(&x, 256));
+        for b in blocks.chunks_exact(144) {
+            let got = super::q4_k_scales_mins(b[4..16].try_into().unwrap());
+            for j in 0..8 {
+                assert_eq!((got[j], got[8 + j]), q4_k_scale_min(j, &b[4..16]), "sub-block {j}");
+            }
+        }
+    }
+}
