@@ -413,6 +413,52 @@ mod tests {
     }
 
     #[test]
+    fn attention_and_launch_follow_their_parameters() {
+        use crate::cost::{CostModel, OpContext, TableCostModel};
+        use crate::inventory::UnitId;
+        use crate::workload::{Op, OpKind};
+        let e = Efficiencies {
+            gpu_attn: 0.5,
+            gpu_attn_prefill: 0.8,
+            cpu_attn: 0.25,
+            launch_us: 9.0,
+            ..DEFAULT_EFFICIENCIES
+        };
+        let p = derived_with("cli3", &e).unwrap();
+        assert_eq!(p.launch_ns, 9_000);
+        assert!(p.expert_ids_on_device, "the paper's llama.cpp reads expert ids on the device");
+        let cost = TableCostModel::new(&p);
+        // A GQA-8 attention of a shape no row has: one decode query and a prefill chunk over 40 000 keys.
+        let attention = |tokens: u64| {
+            let (q_heads, kv_heads, head_dim, keys) = (32u32, 4u32, 128u64, 40_000u64);
+            let q_dim = f64::from(q_heads) * head_dim as f64;
+            Op {
+                kind: OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys: keys },
+                unit: UnitId::Kv { layer: 0 },
+                tokens,
+                dtype: DType::F16,
+                flops: 4.0 * tokens as f64 * keys as f64 * q_dim,
+                weight_bytes: 0.0,
+                act_bytes: 8.0 * tokens as f64 * q_dim,
+                kv_bytes: (keys * u64::from(kv_heads) * head_dim * 4) as f64,
+            }
+        };
+        for (op, ctx, want) in [
+            (attention(1), OpContext::gpu(), 0.5),
+            (attention(1024), OpContext::gpu(), 0.8),
+            (attention(1), OpContext::cpu(16), 0.25),
+        ] {
+            let got = cost.roofline_ns(&op, ctx) as f64 / cost.op_ns(&op, ctx) as f64;
+            assert!(
+                (got - want).abs() < 0.01,
+                "{:?} at {} tokens: {got} of the roofline, want {want}",
+                ctx.device,
+                op.tokens
+            );
+        }
+    }
+
+    #[test]
     fn profiles_round_trip_through_json() {
         let p = derived("cli3").unwrap();
         let back = Profile::from_json("cli3.json", &p.to_json()).unwrap();
