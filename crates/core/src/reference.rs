@@ -118,8 +118,8 @@ pub struct Efficiencies {
     /// read as 1.
     #[serde(default = "one")]
     pub gpu_attn_prefill: f64,
-    /// CPU flash attention: fraction of its roofline (KV bytes at achievable DRAM in decode). Older fits read
-    /// as 1.
+    /// CPU flash attention in decode: fraction of its roofline (KV bytes at achievable DRAM); a prefill chunk's
+    /// CPU attention runs at `cpu_gemm_flops`. Older fits read as 1.
     #[serde(default = "one")]
     pub cpu_attn: f64,
     /// One GPU kernel launch (the runtime's per-op cost on the host, which short kernels cannot hide),
@@ -293,15 +293,17 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         }
     }
     // Flash attention, in the row format the cost model reads (n = 32 query heads × 128, k = keys, 4 query heads
-    // per KV head, f16 KV): its roofline divided by the kernel's efficiency, the same at every shape; on the GPU
-    // one decode query (memory-bound) and a prefill chunk (compute-bound) have their own.
+    // per KV head, f16 KV): its roofline divided by the kernel's efficiency, the same at every shape; one decode
+    // query (memory-bound) and a prefill chunk (compute-bound) have their own.
     for tokens in [1u64, 1024] {
         let (n, keys) = (4096u64, 16384u64);
         let flops = 4.0 * tokens as f64 * (keys * n) as f64;
         let bytes = 8.0 * tokens as f64 * n as f64 + (keys * n) as f64;
         let gpu_eff = if tokens == 1 { e.gpu_attn } else { e.gpu_attn_prefill };
         let gpu_t = (bytes / s.gpu_mem_gbps).max(flops / s.gpu_f16_flops * 1e9) / gpu_eff;
-        let cpu_t = (bytes / dram_gbps).max(flops / cpu_flops * 1e9) / e.cpu_attn;
+        // A prefill chunk's attention is GEMM-like work on the CPU (ggml's kernels, with or without flash attention).
+        let cpu_eff = if tokens == 1 { e.cpu_attn } else { e.cpu_gemm_flops };
+        let cpu_t = (bytes / dram_gbps).max(flops / cpu_flops * 1e9) / cpu_eff;
         let row = |threads: u32, t: f64, t_dma: Option<f64>| OpRow {
             op: OpClass::Attention,
             dtype: DType::F16,
@@ -334,8 +336,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
                  DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at 30% of that (≤ 15 GB/s); \
                  a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
-                 roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU; GPU experts read the routing on \
-                 the device (llama.cpp)",
+                 roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (prefill at the GEMM \
+                 figure); GPU experts read the routing on the device (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
@@ -447,6 +449,7 @@ mod tests {
             (attention(1), OpContext::gpu(), 0.5),
             (attention(1024), OpContext::gpu(), 0.8),
             (attention(1), OpContext::cpu(16), 0.25),
+            (attention(1024), OpContext::cpu(16), DEFAULT_EFFICIENCIES.cpu_gemm_flops),
         ] {
             let got = cost.roofline_ns(&op, ctx) as f64 / cost.op_ns(&op, ctx) as f64;
             assert!(
