@@ -69,6 +69,10 @@ pub trait CostModel: Send + Sync {
     fn launch_ns(&self) -> u64;
     /// One host↔device synchronisation.
     fn host_sync_ns(&self) -> u64;
+    /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
+    fn expert_ids_on_device(&self) -> bool {
+        false
+    }
     /// VRAM held by the runtime before any weight.
     fn runtime_overhead_bytes(&self) -> u64;
     /// Default CPU threads of the machine.
@@ -369,6 +373,10 @@ impl CostModel for TableCostModel {
 
     fn host_sync_ns(&self) -> u64 {
         self.profile.host_sync_ns
+    }
+
+    fn expert_ids_on_device(&self) -> bool {
+        self.profile.expert_ids_on_device
     }
 
     fn runtime_overhead_bytes(&self) -> u64 {

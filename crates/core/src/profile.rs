@@ -175,6 +175,11 @@ pub struct Profile {
     pub launch_ns: u64,
     /// Cost of a host↔device synchronisation (event wait + wake-up) at a CPU↔GPU hand-off.
     pub host_sync_ns: u64,
+    /// Whether the runtime's GPU expert kernels read the routing (expert ids) on the device, as llama.cpp's CUDA
+    /// `mul_mat_id` kernels do, so GPU experts start right after a GPU router with no host round trip. Our
+    /// executor routes on the host (false, the default); the derived profiles of the paper's systems say true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expert_ids_on_device: bool,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// Scalar measurements beside the tables (schema 2; empty for derived profiles).

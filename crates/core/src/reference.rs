@@ -110,12 +110,36 @@ pub struct Efficiencies {
     pub pcie_achieved: f64,
     /// One CPU↔GPU hand-off (event wait + wake-up), microseconds.
     pub host_sync_us: f64,
+    /// GPU flash attention in decode: fraction of its roofline (KV bytes at memory bandwidth). Older fits, which
+    /// priced attention at the roofline, read as 1.
+    #[serde(default = "one")]
+    pub gpu_attn: f64,
+    /// GPU flash attention over a prefill chunk: fraction of its roofline (FLOPs at tensor peak). Older fits
+    /// read as 1.
+    #[serde(default = "one")]
+    pub gpu_attn_prefill: f64,
+    /// CPU flash attention in decode: fraction of its roofline (KV bytes at achievable DRAM); a prefill chunk's
+    /// CPU attention stays at its roofline. Older fits read as 1.
+    #[serde(default = "one")]
+    pub cpu_attn: f64,
+    /// One GPU kernel launch (the runtime's per-op cost on the host, which short kernels cannot hide),
+    /// microseconds. Older fits read as the 4 µs they assumed.
+    #[serde(default = "four")]
+    pub launch_us: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn four() -> f64 {
+    4.0
 }
 
 impl Efficiencies {
     /// Names and values, in a fixed order (what calibration varies).
     #[must_use]
-    pub fn values(&self) -> [(&'static str, f64); 8] {
+    pub fn values(&self) -> [(&'static str, f64); 12] {
         [
             ("gpu_gemv_bw", self.gpu_gemv_bw),
             ("gpu_gemm_flops", self.gpu_gemm_flops),
@@ -125,6 +149,10 @@ impl Efficiencies {
             ("dram_under_dma", self.dram_under_dma),
             ("pcie_achieved", self.pcie_achieved),
             ("host_sync_us", self.host_sync_us),
+            ("gpu_attn", self.gpu_attn),
+            ("gpu_attn_prefill", self.gpu_attn_prefill),
+            ("cpu_attn", self.cpu_attn),
+            ("launch_us", self.launch_us),
         ]
     }
 
@@ -139,16 +167,24 @@ impl Efficiencies {
             4 => &mut self.dram_achievable,
             5 => &mut self.dram_under_dma,
             6 => &mut self.pcie_achieved,
-            _ => &mut self.host_sync_us,
+            7 => &mut self.host_sync_us,
+            8 => &mut self.gpu_attn,
+            9 => &mut self.gpu_attn_prefill,
+            10 => &mut self.cpu_attn,
+            _ => &mut self.launch_us,
         };
         *field = v;
         self
     }
 
-    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs.
+    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs.
     #[must_use]
     pub fn range(i: usize) -> (f64, f64) {
-        if i == 7 { (1.0, 500.0) } else { (0.05, 1.0) }
+        match i {
+            7 => (1.0, 500.0),
+            11 => (1.0, 50.0),
+            _ => (0.05, 1.0),
+        }
     }
 }
 
@@ -162,6 +198,11 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     dram_under_dma: 0.85,
     pcie_achieved: 1.0,
     host_sync_us: 15.0,
+    // The roofline, as profiles before the attention rows priced it.
+    gpu_attn: 1.0,
+    gpu_attn_prefill: 1.0,
+    cpu_attn: 1.0,
+    launch_us: 4.0,
 };
 
 /// Names of the derived systems.
@@ -251,6 +292,33 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             });
         }
     }
+    // Flash attention, in the row format the cost model reads (n = 32 query heads × 128, k = keys, 4 query heads
+    // per KV head, f16 KV): its roofline divided by the kernel's efficiency, the same at every shape; one decode
+    // query (memory-bound) and a prefill chunk (compute-bound) have their own.
+    for tokens in [1u64, 1024] {
+        let (n, keys) = (4096u64, 16384u64);
+        let flops = 4.0 * tokens as f64 * (keys * n) as f64;
+        let bytes = 8.0 * tokens as f64 * n as f64 + (keys * n) as f64;
+        let gpu_eff = if tokens == 1 { e.gpu_attn } else { e.gpu_attn_prefill };
+        let gpu_t = (bytes / s.gpu_mem_gbps).max(flops / s.gpu_f16_flops * 1e9) / gpu_eff;
+        // A prefill chunk's CPU attention keeps its roofline: the paper's baseline runs it for its CPU layers, and
+        // its TTFT (qwen3-30b-a3b 4K at 2G: 6.5 s for ≈ 5.7 TFLOP of attention) leaves no room for less.
+        let cpu_eff = if tokens == 1 { e.cpu_attn } else { 1.0 };
+        let cpu_t = (bytes / dram_gbps).max(flops / cpu_flops * 1e9) / cpu_eff;
+        let row = |threads: u32, t: f64, t_dma: Option<f64>| OpRow {
+            op: OpClass::Attention,
+            dtype: DType::F16,
+            n,
+            k: keys,
+            tokens,
+            threads,
+            time_ns: t.ceil() as u64,
+            time_ns_under_dma: t_dma.map(|t| t.ceil() as u64),
+            spread: None,
+        };
+        gpu_ops.push(row(0, gpu_t, None));
+        cpu_ops.push(row(threads, cpu_t, Some(cpu_t / e.dram_under_dma)));
+    }
     Some(Profile {
         schema_version: PROFILE_SCHEMA_VERSION,
         machine: Machine {
@@ -268,7 +336,9 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 "{}: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
                  DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at 30% of that (≤ 15 GB/s); \
-                 a CPU↔GPU hand-off costs {:.1} µs",
+                 a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
+                 roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
+                 prefill); GPU experts read the routing on the device (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
@@ -279,6 +349,10 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 e.dram_under_dma * 100.0,
                 e.pcie_achieved * 100.0,
                 e.host_sync_us,
+                e.launch_us,
+                e.gpu_attn * 100.0,
+                e.gpu_attn_prefill * 100.0,
+                e.cpu_attn * 100.0,
             ),
             fit: None,
         },
@@ -306,8 +380,10 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             ops: cpu_ops,
             dma_slowdown: 1.0 / e.dram_under_dma,
         },
-        launch_ns: 4_000,
+        launch_ns: (e.launch_us * 1e3).round() as u64,
         host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
+        // The paper's runtime is llama.cpp, whose CUDA expert kernels take the expert ids on the device.
+        expert_ids_on_device: true,
         runtime_overhead_bytes: 500 * MIB,
         measurements: Vec::new(),
         notes: Vec::new(),
@@ -335,6 +411,53 @@ mod tests {
             assert_eq!(
                 committed, expected,
                 "{path} is stale: run `pipeshard profile derive --system {name}` (or `pipeshard repro calibrate`)"
+            );
+        }
+    }
+
+    #[test]
+    fn attention_and_launch_follow_their_parameters() {
+        use crate::cost::{CostModel, OpContext, TableCostModel};
+        use crate::inventory::UnitId;
+        use crate::workload::{Op, OpKind};
+        let e = Efficiencies {
+            gpu_attn: 0.5,
+            gpu_attn_prefill: 0.8,
+            cpu_attn: 0.25,
+            launch_us: 9.0,
+            ..DEFAULT_EFFICIENCIES
+        };
+        let p = derived_with("cli3", &e).unwrap();
+        assert_eq!(p.launch_ns, 9_000);
+        assert!(p.expert_ids_on_device, "the paper's llama.cpp reads expert ids on the device");
+        let cost = TableCostModel::new(&p);
+        // A GQA-8 attention of a shape no row has: one decode query and a prefill chunk over 40 000 keys.
+        let attention = |tokens: u64| {
+            let (q_heads, kv_heads, head_dim, keys) = (32u32, 4u32, 128u64, 40_000u64);
+            let q_dim = f64::from(q_heads) * head_dim as f64;
+            Op {
+                kind: OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys: keys },
+                unit: UnitId::Kv { layer: 0 },
+                tokens,
+                dtype: DType::F16,
+                flops: 4.0 * tokens as f64 * keys as f64 * q_dim,
+                weight_bytes: 0.0,
+                act_bytes: 8.0 * tokens as f64 * q_dim,
+                kv_bytes: (keys * u64::from(kv_heads) * head_dim * 4) as f64,
+            }
+        };
+        for (op, ctx, want) in [
+            (attention(1), OpContext::gpu(), 0.5),
+            (attention(1024), OpContext::gpu(), 0.8),
+            (attention(1), OpContext::cpu(16), 0.25),
+            (attention(1024), OpContext::cpu(16), 1.0),
+        ] {
+            let got = cost.roofline_ns(&op, ctx) as f64 / cost.op_ns(&op, ctx) as f64;
+            assert!(
+                (got - want).abs() < 0.01,
+                "{:?} at {} tokens: {got} of the roofline, want {want}",
+                ctx.device,
+                op.tokens
             );
         }
     }

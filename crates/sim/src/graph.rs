@@ -537,8 +537,8 @@ impl Builder<'_> {
     }
 
     /// What GPU expert work waits for: the routing, known on the host. Expert ids are read on the host (our
-    /// executor routes there; llama.cpp's `mul_mat_id` copies them down too), so a GPU router's logits come down
-    /// with a sync, and a CPU router's routing goes up.
+    /// executor routes there), so a GPU router's logits come down with a sync, and a CPU router's routing goes
+    /// up. Streamed experts always need it: the host picks what to copy.
     fn routing(&mut self, router: Option<u32>) -> Option<u32> {
         let r = router?;
         let host = if self.device(r) == Device::Gpu { self.on(router, Device::Cpu) } else { router };
@@ -554,10 +554,15 @@ impl Builder<'_> {
         let expert_bytes = self.ctx.expert_bytes[layer as usize];
         let share = |count: u32| f64::from(count) / f64::from(n_experts);
         let mut last_gpu = None;
-        let gpu_experts = counts[0] + counts[1] > 0 || (counts[2] > 0 && self.offloads(op));
-        let routed = if gpu_experts { self.routing(router) } else { None };
+        // A runtime whose kernels take the expert ids on the device (llama.cpp's CUDA `mul_mat_id`) runs pinned
+        // experts right after a GPU router.
+        let on_device =
+            router.filter(|&r| self.ctx.cost.expert_ids_on_device() && self.device(r) == Device::Gpu);
+        let host_routed =
+            counts[1] > 0 || (counts[2] > 0 && self.offloads(op)) || (counts[0] > 0 && on_device.is_none());
+        let routed = if host_routed { self.routing(router) } else { None };
         if counts[0] > 0 {
-            let deps = Deps::from(routed);
+            let deps = Deps::from(on_device.or(routed));
             let sop = scaled(op, share(counts[0]));
             last_gpu = Some(self.compute(
                 i,

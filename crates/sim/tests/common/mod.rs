@@ -22,6 +22,8 @@ pub struct FixedCost {
     pub launch_ns: u64,
     pub host_sync_ns: u64,
     pub dma_slowdown: f64,
+    /// GPU experts read the routing on the device (llama.cpp) rather than after a host round trip.
+    pub expert_ids_on_device: bool,
 }
 
 impl FixedCost {
@@ -35,6 +37,7 @@ impl FixedCost {
             launch_ns: 0,
             host_sync_ns: 0,
             dma_slowdown: 1.0,
+            expert_ids_on_device: false,
         }
     }
 }
@@ -65,6 +68,9 @@ impl CostModel for FixedCost {
     }
     fn host_sync_ns(&self) -> u64 {
         self.host_sync_ns
+    }
+    fn expert_ids_on_device(&self) -> bool {
+        self.expert_ids_on_device
     }
     fn runtime_overhead_bytes(&self) -> u64 {
         0
