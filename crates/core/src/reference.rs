@@ -436,7 +436,14 @@ mod tests {
             let (q_heads, kv_heads, head_dim, keys) = (32u32, 4u32, 128u64, 40_000u64);
             let q_dim = f64::from(q_heads) * head_dim as f64;
             Op {
-                kind: OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys: keys },
+                kind: OpKind::Attention {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    keys,
+                    scanned_keys: keys,
+                    decode: tokens == 1,
+                },
                 unit: UnitId::Kv { layer: 0 },
                 tokens,
                 dtype: DType::F16,
