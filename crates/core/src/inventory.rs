@@ -632,6 +632,25 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn shared_inventory_is_built_once_per_spec() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let short = spec.truncated(2).unwrap();
+        let a = Inventory::shared(&spec);
+        assert_eq!(*a, Inventory::new(&spec));
+        assert!(Arc::ptr_eq(&a, &Inventory::shared(&spec.clone())), "an equal spec gets the same inventory");
+        let b = Inventory::shared(&short);
+        assert_eq!(*b, Inventory::new(&short));
+        assert!(!Arc::ptr_eq(&a, &b));
+        // Past the cache's capacity the least recently used spec is built anew, and still equal.
+        for layers in 1..=SHARED_MODELS as u32 {
+            let _ = Inventory::shared(&spec.truncated(layers + 2).unwrap());
+        }
+        let again = Inventory::shared(&spec);
+        assert!(!Arc::ptr_eq(&a, &again));
+        assert_eq!(*again, *a);
+    }
+
+    #[test]
     fn llama_names_and_shapes() {
         let spec = catalog::get("llama-3.1-8b").unwrap();
         let inv = Inventory::new(&spec);
