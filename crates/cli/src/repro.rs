@@ -28,6 +28,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -613,8 +614,8 @@ fn write_planners(
     cost: &TableCostModel,
     path: &Path,
 ) -> anyhow::Result<String> {
-    let inventories: BTreeMap<&String, Inventory> =
-        specs.iter().map(|(m, s)| (m, Inventory::new(s))).collect();
+    let inventories: BTreeMap<&String, Arc<Inventory>> =
+        specs.iter().map(|(m, s)| (m, Inventory::shared(s))).collect();
     // (model, ctx, budget, batch, planner) → the result with the best E2EL over ubatches.
     let mut best_run: BTreeMap<(&str, u64, u64, u64, &str), &CellResult> = BTreeMap::new();
     for r in results.iter().filter(|r| r.run.is_some()) {

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -176,8 +177,8 @@ pub fn run_cells(
             .expect("a valid template")
             .progress_chars("=> "),
     );
-    let inventories: BTreeMap<&String, Inventory> =
-        specs.iter().map(|(m, s)| (m, Inventory::new(s))).collect();
+    let inventories: BTreeMap<&String, Arc<Inventory>> =
+        specs.iter().map(|(m, s)| (m, Inventory::shared(s))).collect();
     let out = cells
         .par_iter()
         .map(|c| {

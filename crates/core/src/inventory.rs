@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -494,7 +495,33 @@ pub fn uses_more_bits(layer: u32, n_layers: u32) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
+/// Models whose inventories [`Inventory::shared`] keeps, most recently used last.
+const SHARED_MODELS: usize = 8;
+
+/// The inventories [`Inventory::shared`] hands out, with the spec each was built from.
+static SHARED: Mutex<Vec<(ModelSpec, Arc<Inventory>)>> = Mutex::new(Vec::new());
+
 impl Inventory {
+    /// `Inventory::new(spec)`, built once per process for the last few models asked for: every plan starts
+    /// from the model's inventory, and qwen3-235b-a22b's 12 000 expert units took half of an `ngl` plan to
+    /// build and free.
+    #[must_use]
+    pub fn shared(spec: &ModelSpec) -> Arc<Inventory> {
+        let mut cache = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = cache.iter().position(|(s, _)| s == spec) {
+            let hit = cache.remove(i);
+            let inv = Arc::clone(&hit.1);
+            cache.push(hit);
+            return inv;
+        }
+        let inv = Arc::new(Inventory::new(spec));
+        if cache.len() == SHARED_MODELS {
+            cache.remove(0);
+        }
+        cache.push((spec.clone(), Arc::clone(&inv)));
+        inv
+    }
+
     /// Lists every tensor of `spec` and groups them into units, in execution order (vision first, then the
     /// token embedding, the decoder layers, and the output head).
     #[must_use]
@@ -603,6 +630,25 @@ mod tests {
     use super::*;
     use crate::catalog;
     use proptest::prelude::*;
+
+    #[test]
+    fn shared_inventory_is_built_once_per_spec() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let short = spec.truncated(2).unwrap();
+        let a = Inventory::shared(&spec);
+        assert_eq!(*a, Inventory::new(&spec));
+        assert!(Arc::ptr_eq(&a, &Inventory::shared(&spec.clone())), "an equal spec gets the same inventory");
+        let b = Inventory::shared(&short);
+        assert_eq!(*b, Inventory::new(&short));
+        assert!(!Arc::ptr_eq(&a, &b));
+        // Past the cache's capacity the least recently used spec is built anew, and still equal.
+        for layers in 1..=SHARED_MODELS as u32 {
+            let _ = Inventory::shared(&spec.truncated(layers + 2).unwrap());
+        }
+        let again = Inventory::shared(&spec);
+        assert!(!Arc::ptr_eq(&a, &again));
+        assert_eq!(*again, *a);
+    }
 
     #[test]
     fn llama_names_and_shapes() {

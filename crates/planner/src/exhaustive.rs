@@ -64,7 +64,7 @@ impl Planner for Exhaustive {
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
         workload.validate()?;
-        let inv = Inventory::new(spec);
+        let inv = Inventory::shared(spec);
         let est = Estimator::new(spec, &inv, workload, cost);
         let space = Space::new(&est.structure);
         let size = space_size(&est, &space);

@@ -45,6 +45,8 @@ pub mod pshard;
 pub mod space;
 pub mod vision;
 
+use std::sync::Arc;
+
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
@@ -182,9 +184,9 @@ pub(crate) fn prepare(
     workload: &Workload,
     cost: &dyn CostModel,
     budget_bytes: u64,
-) -> Result<(Inventory, Estimator), PlanError> {
+) -> Result<(Arc<Inventory>, Estimator), PlanError> {
     workload.validate()?;
-    let inv = Inventory::new(spec);
+    let inv = Inventory::shared(spec);
     let est = Estimator::new(spec, &inv, workload, cost);
     check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;
     Ok((inv, est))

@@ -55,7 +55,7 @@ impl Planner for Ngl {
     ) -> Result<Plan, PlanError> {
         workload.validate()?;
         let w = Workload { flash_attn: self.flash_attn, kv_unified: false, ..*workload };
-        let inv = Inventory::new(spec);
+        let inv = Inventory::shared(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         let model = Offload::new(spec, &w, &est);
         let max_n = spec.text.n_layers + 1;

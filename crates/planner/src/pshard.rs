@@ -736,7 +736,7 @@ impl Pshard {
     ) -> Result<Result<Plan, Strategy>, PlanError> {
         workload.validate()?;
         let w = Workload { flash_attn: true, kv_unified: true, ..*workload };
-        let inv = Inventory::new(spec);
+        let inv = Inventory::shared(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         check_runtime_fits(budget_bytes, est.runtime_overhead_bytes)?;
         let tiers = tiers(w.ubatch, w.batch);

@@ -14,7 +14,8 @@
 //! the same over the full chunks of one request, plus the last chunk (which computes logits, and may be
 //! shorter) on its own. All R requests' prefills are the same. [`SimOptions::exact`] simulates every step.
 
-use std::borrow::Cow;
+use std::ops::Deref;
+use std::sync::Arc;
 
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
@@ -132,12 +133,29 @@ impl Simulation {
     }
 }
 
+/// The model's inventory: the caller's, or the one shared in the process ([`Inventory::shared`]).
+enum Inv<'a> {
+    Borrowed(&'a Inventory),
+    Shared(Arc<Inventory>),
+}
+
+impl Deref for Inv<'_> {
+    type Target = Inventory;
+
+    fn deref(&self) -> &Inventory {
+        match self {
+            Inv::Borrowed(inv) => inv,
+            Inv::Shared(inv) => inv,
+        }
+    }
+}
+
 /// Simulates one plan (see the module docs).
 pub struct Simulator<'a> {
     spec: &'a ModelSpec,
     plan: &'a Plan,
     cost: &'a dyn CostModel,
-    inv: Cow<'a, Inventory>,
+    inv: Inv<'a>,
     views: [PhaseView; 2],
     expert_bytes: Vec<u64>,
     kv_layer_bytes: u64,
@@ -222,7 +240,7 @@ impl<'a> Simulator<'a> {
         plan: &'a Plan,
         cost: &'a dyn CostModel,
     ) -> Result<Simulator<'a>, SimError> {
-        Simulator::build(spec, Cow::Owned(Inventory::new(spec)), plan, cost)
+        Simulator::build(spec, Inv::Shared(Inventory::shared(spec)), plan, cost)
     }
 
     /// The same with the model's inventory already built (`Inventory::new(spec)`, or the exact inventory of a
@@ -233,12 +251,12 @@ impl<'a> Simulator<'a> {
         plan: &'a Plan,
         cost: &'a dyn CostModel,
     ) -> Result<Simulator<'a>, SimError> {
-        Simulator::build(spec, Cow::Borrowed(inv), plan, cost)
+        Simulator::build(spec, Inv::Borrowed(inv), plan, cost)
     }
 
     fn build(
         spec: &'a ModelSpec,
-        inv: Cow<'a, Inventory>,
+        inv: Inv<'a>,
         plan: &'a Plan,
         cost: &'a dyn CostModel,
     ) -> Result<Simulator<'a>, SimError> {
