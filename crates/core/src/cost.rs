@@ -91,7 +91,18 @@ struct Family {
     class: OpClass,
     dtype: DType,
     threads: u32,
+    /// Attention: query heads per KV head (a kernel's efficiency depends on how many query heads share a KV
+    /// row); 0 for other ops.
+    group: u32,
     points: Vec<Point>,
+}
+
+/// An attention op's (or row's) query heads per KV head; 0 for other ops.
+fn head_group(kind: &OpKind) -> u32 {
+    match *kind {
+        OpKind::Attention { q_heads, kv_heads, .. } => q_heads / kv_heads.max(1),
+        _ => 0,
+    }
 }
 
 /// The table cost model (see the module docs).
@@ -117,12 +128,14 @@ impl TableCostModel {
                     .time_ns_under_dma
                     .map(|t| (m.roofline_f(&op, ctx.with_dma(true)) / t as f64).min(1.0));
                 let key_threads = if device == Device::Gpu { 0 } else { row.threads };
+                let group = head_group(&op.kind);
                 let point = (((row.n * row.k).max(1) as f64).ln(), (row.tokens as f64).ln(), eff, eff_dma);
                 match families.iter_mut().find(|f| {
                     f.device == device
                         && f.class == row.op
                         && f.dtype == row.dtype
                         && f.threads == key_threads
+                        && f.group == group
                 }) {
                     Some(f) => f.points.push(point),
                     None => families.push(Family {
@@ -130,6 +143,7 @@ impl TableCostModel {
                         class: row.op,
                         dtype: row.dtype,
                         threads: key_threads,
+                        group,
                         points: vec![point],
                     }),
                 }
@@ -137,17 +151,22 @@ impl TableCostModel {
         }
         // A one-token attention row is the decode of one sequence, whatever the cache: the R = 1 end of the
         // batched decode rows, where a profile has them.
-        let one_seq: Vec<(Device, DType, u32, Point)> = families
+        let one_seq: Vec<(Device, DType, u32, u32, Point)> = families
             .iter()
             .filter(|f| f.class == OpClass::Attention)
-            .flat_map(|f| f.points.iter().filter(|p| p.1 == 0.0).map(|p| (f.device, f.dtype, f.threads, *p)))
+            .flat_map(|f| {
+                f.points.iter().filter(|p| p.1 == 0.0).map(|p| (f.device, f.dtype, f.threads, f.group, *p))
+            })
             .collect();
         for f in families
             .iter_mut()
             .filter(|f| matches!(f.class, OpClass::AttentionDecode | OpClass::AttentionDecodeUnified))
         {
             f.points.extend(
-                one_seq.iter().filter(|o| (o.0, o.1, o.2) == (f.device, f.dtype, f.threads)).map(|o| o.3),
+                one_seq
+                    .iter()
+                    .filter(|o| (o.0, o.1, o.2, o.3) == (f.device, f.dtype, f.threads, f.group))
+                    .map(|o| o.4),
             );
         }
         for f in &mut families {
@@ -184,18 +203,19 @@ impl TableCostModel {
         (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
     }
 
-    /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest thread
-    /// count. Routers and expert FFNs are matmuls, so they borrow the matmul rows when they have none of their
+    /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest
+    /// query heads per KV head (attention), then nearest thread count. Routers and expert FFNs are matmuls, so they borrow the matmul rows when they have none of their
     /// own; a decode step's attention of several sequences borrows the attention rows (interpolated in tokens
     /// towards the prefill chunks') when the profile did not time batched decode; a block-quantised format
     /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
+        let group = head_group(&op.kind);
         let find = |class: OpClass, dtype: DType| {
             self.families
                 .iter()
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
-                .min_by_key(|f| f.threads.abs_diff(threads))
+                .min_by_key(|f| (f.group.abs_diff(group), f.threads.abs_diff(threads)))
         };
         // The CPU kernel reads a sequence's own cells of a unified cache, as of its own cache.
         let class = match (op.kind.row_class(op.tokens), ctx.device) {
@@ -282,23 +302,18 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
         }
         OpClass::Attention | OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => {
-            // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format, for
-            // one sequence, or (decode rows) for each of the `tokens` sequences.
+            // n = q_heads × head_dim (head_dim 128), k = keys; K and V (f16) of `keys` tokens of the row's KV
+            // heads (4 query heads per KV head where the row does not say), for one sequence, or (decode rows)
+            // for each of the `tokens` sequences.
             let head_dim = 128;
             let q_heads = (row.n / head_dim).max(1) as u32;
+            let kv_heads = row.kv_heads.unwrap_or(q_heads / 4).clamp(1, q_heads);
             let decode = row.op != OpClass::Attention;
             let seqs = if decode { m } else { 1.0 };
-            let kv = seqs * 2.0 * k * n / 4.0 * 2.0; // 4 query heads per KV head, f16
+            let kv = seqs * 2.0 * k * f64::from(kv_heads) * head_dim as f64 * 2.0;
             let scanned = if row.op == OpClass::AttentionDecodeUnified { row.k * row.tokens } else { row.k };
             (
-                OpKind::Attention {
-                    q_heads,
-                    kv_heads: (q_heads / 4).max(1),
-                    head_dim,
-                    keys: row.k,
-                    scanned_keys: scanned,
-                    decode,
-                },
+                OpKind::Attention { q_heads, kv_heads, head_dim, keys: row.k, scanned_keys: scanned, decode },
                 4.0 * m * k * n,
                 0.0,
                 4.0 * 2.0 * m * n,
@@ -521,6 +536,7 @@ mod tests {
             time_ns: 50_000,
             time_ns_under_dma: None,
             spread: None,
+            kv_heads: None,
         };
         with_q4.gpu.ops.push(row);
         let m = TableCostModel::new(&with_q4);
@@ -560,6 +576,7 @@ mod tests {
             time_ns,
             time_ns_under_dma: None,
             spread: None,
+            kv_heads: None,
         };
         let mut p = base.clone();
         p.gpu.ops.push(row(OpClass::AttentionDecode, 0, 150_000));
@@ -586,6 +603,55 @@ mod tests {
             .find(|o| matches!(o.kind, OpKind::Attention { .. }))
             .unwrap();
         assert_eq!(m.op_ns(&prefill, OpContext::gpu()), old.op_ns(&prefill, OpContext::gpu()));
+    }
+
+    /// A KV head shared by 8 query heads (qwen3) is priced from rows of that grouping, not from rows where 4
+    /// share one (llama): the kernel's time follows its KV bytes and how its warps share them.
+    #[test]
+    fn attention_takes_the_rows_of_its_head_grouping() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let mut p = Profile::load(&path).unwrap();
+        p.gpu.ops.retain(|r| r.op != OpClass::Attention);
+        let row = |kv_heads: u32, time_ns: u64| OpRow {
+            op: OpClass::Attention,
+            dtype: DType::F16,
+            n: 4096,
+            k: 4096,
+            tokens: 1,
+            threads: 0,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+            kv_heads: Some(kv_heads),
+        };
+        p.gpu.ops.push(row(8, 200_000));
+        p.gpu.ops.push(row(4, 60_000));
+        let m = TableCostModel::new(&p);
+        let decode_attention = |name: &str| {
+            let spec = catalog::get(name).unwrap().truncated(1).unwrap();
+            let inv = Inventory::new(&spec);
+            let w = Workload::single(4095, 4200, 8, 1024);
+            let op = *ops(&spec, &inv, &w, w.decode_step(0))
+                .iter()
+                .find(|o| matches!(o.kind, OpKind::Attention { .. }))
+                .unwrap();
+            m.op_ns(&op, OpContext::gpu()) as f64
+        };
+        let (llama, qwen3) = (decode_attention("llama-3.1-8b"), decode_attention("qwen3-30b-a3b"));
+        assert!((llama / 200e3 - 1.0).abs() < 0.02, "32 query heads on 8 KV heads: {llama} ns");
+        assert!((qwen3 / 60e3 - 1.0).abs() < 0.02, "32 query heads on 4 KV heads: {qwen3} ns");
+        // Rows that do not say are taken as 4 query heads per KV head, as profiles before the field were.
+        p.gpu.ops.retain(|r| r.op != OpClass::Attention);
+        p.gpu.ops.push(OpRow { kv_heads: None, ..row(8, 200_000) });
+        let unsaid = TableCostModel::new(&p);
+        let spec = catalog::get("llama-3.1-8b").unwrap().truncated(1).unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(4095, 4200, 8, 1024);
+        let op = *ops(&spec, &inv, &w, w.decode_step(0))
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
+            .unwrap();
+        assert_eq!(unsaid.op_ns(&op, OpContext::gpu()), m.op_ns(&op, OpContext::gpu()));
     }
 
     #[test]

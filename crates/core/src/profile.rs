@@ -121,6 +121,10 @@ pub struct OpRow {
     /// Relative spread of `time_ns` (interquartile range / median); `None` for derived rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spread: Option<f64>,
+    /// Attention rows: the KV heads the `n / 128` query heads share (grouped-query attention sets how many
+    /// KV bytes a query head reads). `None` (older profiles, derived rows): 4 query heads per KV head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<u32>,
 }
 
 /// One scalar measurement a profile keeps beside its tables (slowdowns, latencies, section timings).

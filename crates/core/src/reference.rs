@@ -278,6 +278,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 time_ns: gpu_t.ceil() as u64,
                 time_ns_under_dma: None,
                 spread: None,
+                kv_heads: None,
             });
             cpu_ops.push(OpRow {
                 op: OpClass::MatMul,
@@ -289,6 +290,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 time_ns: cpu_t.ceil() as u64,
                 time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
                 spread: None,
+                kv_heads: None,
             });
         }
     }
@@ -315,6 +317,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             time_ns: t.ceil() as u64,
             time_ns_under_dma: t_dma.map(|t| t.ceil() as u64),
             spread: None,
+            kv_heads: None,
         };
         gpu_ops.push(row(0, gpu_t, None));
         cpu_ops.push(row(threads, cpu_t, Some(cpu_t / e.dram_under_dma)));

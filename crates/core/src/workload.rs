@@ -537,6 +537,23 @@ impl ScratchParts {
 }
 
 /// The terms of the scratch a phase needs (see [`scratch_bytes`]).
+/// Key splits of a GPU attention over a cache of `ctx` keys (flash decoding), as the executor launches it and
+/// as scratch is sized for it: steps of up to 8 query tokens split the keys into chunks of at least 64 (at
+/// most 64 chunks), so that a decode step runs enough warps (one per query, head and split) to hide the
+/// latency of its key loads; a decode step of more sequences splits until about 4096 warps run; a prefill
+/// chunk of more tokens has warps enough and does not split.
+#[must_use]
+pub fn attention_key_splits(ctx: u64, tokens: u64, decode: bool, q_heads: u32) -> u64 {
+    let by_keys = ctx.div_ceil(64).clamp(1, 64);
+    if tokens <= 8 {
+        by_keys
+    } else if decode {
+        by_keys.min(4096u64.div_ceil(tokens * u64::from(q_heads)))
+    } else {
+        1
+    }
+}
+
 #[must_use]
 pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchParts {
     let t = &spec.text;
@@ -553,16 +570,9 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
         Phase::Decode { ctx, .. } => ctx as f64,
     };
     let attn_tmp = if w.flash_attn {
-        // Flash decoding: up to 8 query tokens split the keys into chunks of 256 (at most 64, sized for the
-        // cache's full context) whose partial outputs and (max, sum) pairs are combined after; a decode step
-        // of more sequences splits until about 4096 warps (one per query, head and split) run, as the executor
-        // does (`exec::layout::attn_splits`), so that its batched decode is not left unsplit for want of scratch.
-        let by_keys = w.ctx.div_ceil(256).clamp(1, 64) as f64;
-        let splits = match phase {
-            _ if m <= 8.0 => by_keys,
-            Phase::Decode { .. } => by_keys.min((4096.0 / (m * f64::from(t.n_heads))).ceil()),
-            Phase::Prefill { .. } => 1.0,
-        };
+        // Flash decoding: partial outputs and (max, sum) pairs of every key split, combined after.
+        let decode = matches!(phase, Phase::Decode { .. });
+        let splits = attention_key_splits(w.ctx, phase.tokens(), decode, t.n_heads) as f64;
         let partials =
             if splits > 1.0 { m * f64::from(t.n_heads) * splits * (t.head_dim as f64 + 2.0) } else { 0.0 };
         m * (q_dim + 2.0 * kv_dim) + partials
@@ -582,6 +592,18 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
 mod tests {
     use super::*;
     use crate::catalog;
+
+    #[test]
+    fn attention_splits_keep_enough_warps_and_bounded_scratch() {
+        // One query: 64-key splits, at most 64 of them.
+        assert_eq!(attention_key_splits(1, 1, true, 32), 1);
+        assert_eq!(attention_key_splits(1000, 1, true, 32), 16);
+        assert_eq!(attention_key_splits(4096, 1, true, 32), 64);
+        assert_eq!(attention_key_splits(131_072, 8, true, 32), 64);
+        // 16 sequences of 32 heads: 4096 warps at 8 splits; a prefill chunk does not split.
+        assert_eq!(attention_key_splits(4096, 16, true, 32), 8);
+        assert_eq!(attention_key_splits(4096, 512, false, 32), 1);
+    }
 
     #[test]
     fn expected_experts_limits() {

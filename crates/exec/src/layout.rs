@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
+use pipeshard_core::workload::attention_key_splits;
 
 use crate::error::{ExecError, Result};
 use crate::seqs::SeqKv;
@@ -122,19 +123,11 @@ pub struct ScratchLayout {
 }
 
 /// Key splits of attention over `ctx` keys for steps of `tokens` tokens, `logit_rows` of which produce a
-/// token: up to 8 tokens, one split per 256 keys (at most 64); a decode step of more sequences splits until
-/// about 4096 warps run (one per query, head and split), still at least 256 keys a split; a prefill chunk of
-/// more tokens has warps enough and does not split.
+/// token (a decode step when every token does): core's [`attention_key_splits`], which sizes the scratch the
+/// planner counts.
 #[must_use]
 pub fn attn_splits(d: &Dims, tokens: usize, logit_rows: usize, ctx: usize) -> usize {
-    let by_keys = ctx.div_ceil(256).clamp(1, 64);
-    if tokens <= 8 {
-        by_keys
-    } else if logit_rows == tokens {
-        by_keys.min(4096usize.div_ceil(tokens * d.n_heads))
-    } else {
-        1
-    }
+    attention_key_splits(ctx as u64, tokens as u64, logit_rows == tokens, d.n_heads as u32) as usize
 }
 
 /// Bytes of scratch a phase of `tokens` tokens per step, `logit_rows` of which produce a token (1 in prefill,
@@ -631,7 +624,10 @@ mod tests {
         assert_eq!(tight.scratch.attn_splits, 1);
         p.vram.scratch_bytes = 64 << 20;
         let roomy = alone(&w, &p, kv, 16, 64 << 20).unwrap();
-        assert_eq!(roomy.scratch.attn_splits, 16, "4096 keys in 256-key splits");
+        assert_eq!(
+            roomy.scratch.attn_splits, 64,
+            "4096 keys in 64-key splits (16 sequences × 4 heads × 64 = 4096 warps)"
+        );
         assert!(roomy.scratch.bytes > tight.scratch.bytes, "the partial sums take room");
         p.vram.scratch_bytes = 0;
         let one = layout_phase(
@@ -643,7 +639,7 @@ mod tests {
             Arena { bytes: 64 << 20, budget_bytes: 0, overhead_bytes: 0 },
         )
         .unwrap();
-        assert_eq!(one.scratch.attn_splits, 16);
+        assert_eq!(one.scratch.attn_splits, 64, "4096 keys in 64-key splits");
     }
 
     #[test]

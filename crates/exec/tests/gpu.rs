@@ -521,3 +521,96 @@ fn batched_decode_matches_independent_runs_on_the_gpu() {
     }
     assert!(ran > 0 || filter.is_some(), "no batched case ran");
 }
+
+/// The attention kernel against the CPU's, over the shapes that stress its tiling: grouped-query layouts (8
+/// and 4 query heads per KV head, head_dim 128 and 64), one-sequence decode at contexts that leave a partial
+/// tile and a partial split (1 to 4096 keys, up to 64 key splits), a causal prefill chunk, and a unified
+/// cache's masked scan of 4 sequences.
+#[test]
+fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
+    use pipeshard_core::workload::attention_key_splits;
+    use pipeshard_exec::cpu::{CpuPool, KvLayout, attention_rows};
+    use pipeshard_exec::cuda::{KernelKey, Stream};
+    use pipeshard_exec::host::Elem;
+    use pipeshard_exec::seqs::{Pass, SeqKv};
+    use pipeshard_exec::weights::Dims;
+    if let Err(reason) = probe() {
+        eprintln!("skipped: no CUDA device: {reason}");
+        return;
+    }
+    let gpu = Gpu::new().unwrap();
+    let pool = CpuPool::new(4).unwrap();
+    let value = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0 - 1.0;
+    for spec in [catalog::get("qwen3-30b-a3b").unwrap(), tiny_qwen3_spec()] {
+        let d = Dims::new(&spec).unwrap();
+        let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: d.head_dim }).unwrap();
+        // (context, sequences, unified, pass)
+        let cases = [
+            (1, 1, false, Pass::Decode { pos: 0 }),
+            (33, 1, false, Pass::Decode { pos: 32 }),
+            (1000, 1, false, Pass::Decode { pos: 999 }),
+            (4096, 1, false, Pass::Decode { pos: 4095 }),
+            (300, 1, false, Pass::Prefill { seq: 0, pos0: 260, tokens: 37 }),
+            (200, 4, true, Pass::Decode { pos: 150 }),
+        ];
+        for (ctx, seqs, unified, pass) in cases {
+            let seq = KvLayout { ctx, kv_dim: d.kv_dim, elem: Elem::Bf16 };
+            let cache = SeqKv { seq, seqs, unified, prompt: 100 };
+            let whole = cache.whole();
+            let mut kv = vec![0u8; 2 * whole.half_bytes()];
+            for i in 0..kv.len() / 2 {
+                Elem::Bf16.write(&mut kv, i, value(i, 1));
+            }
+            let (m, decode) = match pass {
+                Pass::Decode { .. } => (seqs, true),
+                Pass::Prefill { tokens, .. } => (tokens, false),
+            };
+            let q: Vec<f32> = (0..m * d.q_dim).map(|i| value(i, 2)).collect();
+            let mut want = vec![0f32; m * d.q_dim];
+            attention_rows(&pool, &d, &q, &kv, whole, m, &|t| cache.keys(pass, t), Elem::Bf16, &mut want);
+            let splits = attention_key_splits(ctx as u64, m as u64, decode, d.n_heads as u32) as usize;
+            let keys = cache.gpu_keys(pass);
+            let warps = m * d.n_heads * splits;
+            let qb: Vec<u8> = q.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let (qd, kvd) = (gpu.alloc(qb.len()).unwrap(), gpu.alloc(kv.len()).unwrap());
+            let od = gpu.alloc(m * d.q_dim * 2).unwrap();
+            let (po, pml) = (gpu.alloc(warps * d.head_dim * 4).unwrap(), gpu.alloc(warps * 2 * 4).unwrap());
+            let mut got = vec![0u8; m * d.q_dim * 2];
+            let kb = kvd.ptr() + whole.row_offset(keys.base_row) as u64;
+            let half = whole.half_bytes() as u64;
+            // SAFETY: q holds m·q_dim f32, the cache every row the keys name, out m·q_dim bf16, the partials one
+            // per (query, head, split) warp; synchronised before the host reads the result.
+            unsafe {
+                gpu.h2d(Stream::Compute, qd.ptr(), &qb).unwrap();
+                gpu.h2d(Stream::Compute, kvd.ptr(), &kv).unwrap();
+                gpu.attention(
+                    &kn,
+                    qd.ptr(),
+                    kb,
+                    kb + half,
+                    od.ptr(),
+                    po.ptr(),
+                    pml.ptr(),
+                    m,
+                    keys,
+                    d.n_heads,
+                    d.n_kv_heads,
+                    d.attn_scale(),
+                    splits,
+                )
+                .unwrap();
+                gpu.sync(Stream::Compute).unwrap();
+                gpu.d2h(Stream::Compute, &mut got, od.ptr()).unwrap();
+            }
+            gpu.sync(Stream::Compute).unwrap();
+            let got: Vec<f32> = (0..m * d.q_dim).map(|i| Elem::Bf16.read(&got, i)).collect();
+            let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            let err = rel_err(&got, &want64);
+            eprintln!(
+                "attention {} ctx {ctx} seqs {seqs} unified {unified} {pass:?} splits {splits}: rel err {err:.1e}",
+                spec.name
+            );
+            assert!(err < 5e-3, "{} ctx {ctx} {pass:?} splits {splits}: rel err {err}", spec.name);
+        }
+    }
+}

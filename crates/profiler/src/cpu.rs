@@ -318,7 +318,7 @@ fn both(
 fn attention_row(
     op: OpClass,
     (alone, under): (Stat, Option<Stat>),
-    q_dim: usize,
+    d: &Dims,
     keys: usize,
     tokens: usize,
     threads: usize,
@@ -326,13 +326,14 @@ fn attention_row(
     OpRow {
         op,
         dtype: DType::F16,
-        n: q_dim as u64,
+        n: d.q_dim as u64,
         k: keys as u64,
         tokens: tokens as u64,
         threads: threads as u32,
         time_ns: alone.median.ceil() as u64,
         time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
         spread: Some(alone.spread),
+        kv_heads: Some(d.n_kv_heads as u32),
     }
 }
 
@@ -435,6 +436,7 @@ pub fn measure(
                         time_ns: alone.median.ceil() as u64,
                         time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
                         spread: Some(alone.spread),
+                        kv_heads: None,
                     });
                     progress.tick(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()))?;
                 }
@@ -466,7 +468,7 @@ pub fn measure(
                 rows.push(attention_row(
                     OpClass::Attention,
                     both(rule, dma, &mut run)?,
-                    d.q_dim,
+                    &d,
                     ctx,
                     1,
                     pool.threads(),
@@ -530,6 +532,7 @@ pub fn measure(
                     time_ns: alone.median.ceil() as u64,
                     time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
                     spread: Some(alone.spread),
+                    kv_heads: None,
                 });
                 progress.step(&format!("{dtype:?} expert {n}×{k}, {c} tokens t={}", most.threads()));
             }
@@ -558,7 +561,7 @@ pub fn measure(
             rows.push(attention_row(
                 OpClass::Attention,
                 both(rule, dma, &mut run)?,
-                d.q_dim,
+                &d,
                 ctx,
                 m,
                 most.threads(),
@@ -593,7 +596,7 @@ pub fn measure(
                     Ok(secs_ns(t0))
                 };
                 let stats = both(rule, dma, &mut run)?;
-                rows.push(attention_row(OpClass::AttentionDecode, stats, d.q_dim, ctx, r, most.threads()));
+                rows.push(attention_row(OpClass::AttentionDecode, stats, &d, ctx, r, most.threads()));
                 progress.tick(&format!(
                     "{}q/{}kv {r} seqs × {ctx} keys t={}",
                     h.q_heads,
@@ -688,6 +691,7 @@ fn elementwise_row(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
         time_ns: s.median.ceil().max(1.0) as u64,
         time_ns_under_dma: None,
         spread: Some(s.spread),
+        kv_heads: None,
     }
 }
 

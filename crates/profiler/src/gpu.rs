@@ -268,6 +268,7 @@ fn decode_attention_rows(
                         time_ns: s.median.ceil() as u64,
                         time_ns_under_dma: None,
                         spread: Some(s.spread),
+                        kv_heads: Some(h.kv_heads),
                     });
                     progress.tick(&format!(
                         "{kv_dtype:?} {}q/{}kv×{} {r} seqs × ctx {ctx} {}: {:.1} µs",
@@ -534,6 +535,7 @@ pub fn measure_all(
                     time_ns: s.median.ceil() as u64,
                     time_ns_under_dma: None,
                     spread: Some(s.spread),
+                    kv_heads: None,
                 });
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
@@ -609,6 +611,7 @@ pub fn measure_all(
                         time_ns: s.median.ceil() as u64,
                         time_ns_under_dma: None,
                         spread: Some(s.spread),
+                        kv_heads: Some(h.kv_heads),
                     });
                     progress.tick(&format!(
                         "{kv_dtype:?} {}q/{}kv×{} ctx {ctx} {}: {:.1} µs",
@@ -863,5 +866,6 @@ fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
         time_ns: s.median.ceil().max(1.0) as u64,
         time_ns_under_dma: None,
         spread: Some(s.spread),
+        kv_heads: None,
     }
 }

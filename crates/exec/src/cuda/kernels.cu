@@ -148,9 +148,26 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 #define PER (HEAD_DIM / 32)
 #define ATTN_WARPS 4
 
+// Folds the partial dot products of 2·OFF keys across lanes that differ in bit OFF: each lane keeps the half of
+// the keys its bit selects and adds its partner's partials of them. After OFF = 16, 8, 4, 2, 1, part[0] of lane
+// l holds the whole dot product of key l (31 shuffles for 32 keys, instead of a 5-shuffle sum per key).
+template <int OFF>
+__device__ __forceinline__ void fold_keys(float* part, int lane) {
+    const bool upper = (lane & OFF) != 0;
+#pragma unroll
+    for (int i = 0; i < OFF; ++i) {
+        const float send = upper ? part[i] : part[i + OFF];
+        const float keep = upper ? part[i + OFF] : part[i];
+        part[i] = keep + __shfl_xor_sync(FULL, send, OFF);
+    }
+}
+
 // Causal attention, one warp per (token, head, key split), online softmax over tiles of 32 keys.
-// Lanes own keys for the scores and dimensions (lane + 32 r) for the output. With n_splits == 1 it writes
-// out [m, heads*D] in the activation type; otherwise partial sums (part_o [warp, D], part_ml [warp, 2]).
+// Lane l owns dimensions [l·PER, l·PER + PER) of q, K, V and the output, so each key row is read by the whole
+// warp in one coalesced sweep; fold_keys turns a tile's partial dot products into one score per lane.
+// Consecutive warps are consecutive heads of one (token, split), so a block's warps share their KV head's rows
+// through L1 under grouped-query attention. With n_splits == 1 it writes out [m, heads*D] in the activation
+// type; otherwise partial sums part_o [(token·heads + head)·n_splits + split, D] and part_ml [same, 2].
 // Token t reads rows t*seq_rows + j for j < pos0 + t*pos_step + 1 (one sequence's chunk: seq_rows 0,
 // pos_step 1; one token of each sequence: pos_step 0). With mask_seqs > 0 (a unified cache of mask_seqs
 // sequences with mask_prompt-token prompts) it scores every row and keeps those of sequence t only.
@@ -159,43 +176,52 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
     float scale, int n_splits, int keys_per_split, long long seq_rows, int pos_step, int mask_prompt,
     int mask_seqs) {
-    __shared__ float qs[ATTN_WARPS][D];
-    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-    const long long warp = (long long)blockIdx.x * ATTN_WARPS + wib;
+    const int lane = threadIdx.x & 31;
+    const long long warp = (long long)blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (warp >= (long long)m * n_heads * n_splits) return;
-    const int s = (int)(warp % n_splits);
-    const long long th = warp / n_splits;
-    const int h = (int)(th % n_heads);
-    const int t = (int)(th / n_heads);
+    const int h = (int)(warp % n_heads);
+    const long long ts = warp / n_heads;
+    const int s = (int)(ts % n_splits);
+    const int t = (int)(ts / n_splits);
+    const long long th = (long long)t * n_heads + h;
     const int kvh = h / (n_heads / n_kv_heads);
     const int kv_dim = n_kv_heads * D;
     const int n_keys = pos0 + t * pos_step + 1;
-    kc += (u64)t * seq_rows * kv_dim;
-    vc += (u64)t * seq_rows * kv_dim;
+    const u64 col = (u64)kvh * D + lane * PER;
+    kc += (u64)t * seq_rows * kv_dim + col;
+    vc += (u64)t * seq_rows * kv_dim + col;
     const long long prompts = (long long)mask_seqs * mask_prompt;
     const int k_begin = s * keys_per_split;
     const int k_end = min(n_keys, k_begin + keys_per_split);
-    for (int i = lane; i < D; i += 32) qs[wib][i] = q[th * D + i];
-    __syncwarp();
-    float mx = NEG_INF, l = 0.f;
-    float acc[PER];
+    float qr[PER], acc[PER];
 #pragma unroll
-    for (int r = 0; r < PER; ++r) acc[r] = 0.f;
+    for (int r = 0; r < PER; ++r) { qr[r] = q[th * D + lane * PER + r]; acc[r] = 0.f; }
+    float mx = NEG_INF, l = 0.f;
     for (int base = k_begin; base < k_end; base += 32) {
-        const int j = base + lane;
-        float sc = NEG_INF;
-        bool keep = j < k_end;
-        if (keep) {
-            const kv_t* kr = kc + (u64)j * kv_dim + (u64)kvh * D;
+        const int cnt = min(32, k_end - base);
+        float part[32];
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) {
             float d = 0.f;
-#pragma unroll 16
-            for (int i = 0; i < D; ++i) d += qs[wib][i] * KV_LOAD(kr[i]);
-            sc = d * scale;
-            if (mask_seqs > 0) {
-                const long long owner = j < prompts ? j / mask_prompt : (j - prompts) % mask_seqs;
-                if (owner != t) { keep = false; sc = NEG_INF; }
+            if (jj < cnt) {
+                const kv_t* kr = kc + (u64)(base + jj) * kv_dim;
+#pragma unroll
+                for (int r = 0; r < PER; ++r) d += qr[r] * KV_LOAD(kr[r]);
             }
+            part[jj] = d;
         }
+        fold_keys<16>(part, lane);
+        fold_keys<8>(part, lane);
+        fold_keys<4>(part, lane);
+        fold_keys<2>(part, lane);
+        fold_keys<1>(part, lane);
+        const int j = base + lane;
+        bool keep = lane < cnt;
+        if (keep && mask_seqs > 0) {
+            const long long owner = j < prompts ? j / mask_prompt : (j - prompts) % mask_seqs;
+            keep = owner == t;
+        }
+        const float sc = keep ? part[0] * scale : NEG_INF;
         const float new_m = fmaxf(mx, warp_max(sc));
         // A tile with no kept key yet leaves new_m at -inf: nothing to add, nothing to rescale.
         const float p = keep ? expf(sc - new_m) : 0.f;
@@ -203,23 +229,24 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int r = 0; r < PER; ++r) acc[r] *= corr;
-        const int cnt = min(32, k_end - base);
+#pragma unroll 8
         for (int jj = 0; jj < cnt; ++jj) {
             const float pj = __shfl_sync(FULL, p, jj);
-            const kv_t* vr = vc + (u64)(base + jj) * kv_dim + (u64)kvh * D;
+            const kv_t* vr = vc + (u64)(base + jj) * kv_dim;
 #pragma unroll
-            for (int r = 0; r < PER; ++r) acc[r] += pj * KV_LOAD(vr[lane + 32 * r]);
+            for (int r = 0; r < PER; ++r) acc[r] += pj * KV_LOAD(vr[r]);
         }
         mx = new_m;
     }
     if (n_splits == 1) {
         const float inv = 1.f / l;
 #pragma unroll
-        for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
+        for (int r = 0; r < PER; ++r) out[th * D + lane * PER + r] = ACT_STORE(acc[r] * inv);
     } else {
+        const long long w = th * n_splits + s;
 #pragma unroll
-        for (int r = 0; r < PER; ++r) part_o[warp * D + lane + 32 * r] = acc[r];
-        if (lane == 0) { part_ml[warp * 2] = mx; part_ml[warp * 2 + 1] = l; }
+        for (int r = 0; r < PER; ++r) part_o[w * D + lane * PER + r] = acc[r];
+        if (lane == 0) { part_ml[w * 2] = mx; part_ml[w * 2 + 1] = l; }
     }
 }
 
