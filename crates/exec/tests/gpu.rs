@@ -541,7 +541,8 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
     let gpu = Gpu::new().unwrap();
     let pool = CpuPool::new(4).unwrap();
     let value = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0 - 1.0;
-    for spec in [catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16), tiny_qwen3_spec()] {
+    for spec in [catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16), tiny_qwen3_spec()]
+    {
         let d = Dims::new(&spec).unwrap();
         let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: d.head_dim }).unwrap();
         // (context, sequences, unified, pass)
