@@ -492,8 +492,9 @@ impl<'a> Simulator<'a> {
 
     /// A lower bound of [`Simulator::phase_ns`] for the prefill, from the sampled chunks' task graphs without
     /// running them: a chunk lasts at least until its last task could end with no ring slot to wait for and
-    /// every compute at the faster of its two rates, interpolated as the simulation interpolates (non-negative weights, so the
-    /// bound holds for every step). A planner skips candidates this proves worse than one it has simulated.
+    /// every compute at the faster of its two rates, interpolated as the simulation interpolates (non-negative
+    /// weights, so the bound holds for every step). A planner skips candidates this proves worse than one it
+    /// has simulated.
     #[must_use]
     pub fn prefill_lower_bound_ns(&self, opts: &SimOptions) -> u64 {
         let w = &self.plan.workload;
