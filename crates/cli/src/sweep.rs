@@ -5,10 +5,12 @@
 //! simulates the plan (sampled steps, see pipeshard-sim). A planner that finds no plan within the budget gives
 //! an `infeasible` row with its reason, never a crash.
 
+use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -179,16 +181,30 @@ pub fn run_cells(
     );
     let inventories: BTreeMap<&String, Arc<Inventory>> =
         specs.iter().map(|(m, s)| (m, Inventory::shared(s))).collect();
-    let out = cells
-        .par_iter()
-        .map(|c| {
-            let r = run_cell(c, &specs[&c.model], &inventories[&c.model], cost);
-            bar.inc(1);
-            r
+    // Longest first, handed out one at a time: on two cores, a long `ilp` cell of a large model that came up
+    // last would run alone at the end. Cells are independent, so the order changes no result.
+    let mut order: Vec<usize> = (0..cells.len()).collect();
+    order.sort_by_key(|&i| {
+        let c = &cells[i];
+        let searches = matches!(c.planner.as_str(), "ilp" | "exhaustive");
+        Reverse((searches, inventories[&c.model].total_bytes(), c.prompt_tokens * c.batch))
+    });
+    let next = AtomicUsize::new(0);
+    let mut done: Vec<(usize, CellResult)> = (0..rayon::current_num_threads())
+        .into_par_iter()
+        .flat_map_iter(|_| {
+            std::iter::from_fn(|| {
+                let &i = order.get(next.fetch_add(1, Ordering::Relaxed))?;
+                let c = &cells[i];
+                let r = run_cell(c, &specs[&c.model], &inventories[&c.model], cost);
+                bar.inc(1);
+                Some((i, r))
+            })
         })
         .collect();
     bar.finish_and_clear();
-    out
+    done.sort_unstable_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Bytes in GiB.

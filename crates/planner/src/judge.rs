@@ -10,7 +10,11 @@
 //!
 //! Each candidate's phase is simulated once, alone, with few samples ([`JUDGE_OPTIONS`]); the phases are then
 //! combined freely: prefill candidate `i` with decode candidate `j` scores `prefill_i + switch(i, j) +
-//! decode_j`, with the switch timed as the simulator times it (one H2D copy of the re-uploaded bytes).
+//! decode_j`, with the switch timed as the simulator times it (one H2D copy of the re-uploaded bytes). A
+//! prefill candidate is simulated to the end only if its lower bound
+//! ([`Simulator::prefill_lower_bound_ns`]: its task graphs with no ring slot to wait for) could still beat the
+//! best pair of a candidate before it, which the choice keeps whatever follows; the choice is the same as with
+//! every candidate simulated.
 
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;
@@ -48,6 +52,14 @@ struct Timed {
     /// Prefill: TTFT; decode: the steps without the switch.
     ns: f64,
     source: usize,
+}
+
+/// What judging one candidate's phase found.
+enum Judged {
+    /// Its simulated time.
+    Simulated(f64),
+    /// A lower bound of its time already loses to a candidate simulated before.
+    Beaten,
 }
 
 /// The model, workload and machine a judgement runs on.
@@ -227,33 +239,63 @@ impl Judge<'_> {
                 }
             }
         }
-        let timed: [Vec<Timed>; 2] = [(0, PhaseKind::Prefill), (1, PhaseKind::Decode)].map(|(i, phase)| {
-            jobs[i]
+        let gen_tokens = self.workload.gen_tokens as f64;
+        // The objective of a pair; ties on the objective's phase are broken by E2EL. It grows with either
+        // phase's time, so a lower bound of a prefill's time bounds its pairs' values.
+        let value = |prefill_ns: f64, switch_ns: f64, decode_ns: f64| {
+            let e2el = prefill_ns + switch_ns + decode_ns;
+            match self.objective {
+                Objective::E2el => e2el,
+                Objective::Ttft => prefill_ns + 1e-6 * e2el,
+                Objective::Tps => decode_ns / gen_tokens.max(1.0) + 1e-6 * e2el,
+            }
+        };
+        let dec: Vec<Timed> = jobs[1]
+            .par_iter()
+            .filter_map(|(c, partner, k)| {
+                match self.simulate(planner, PhaseKind::Decode, partner, c, None)? {
+                    Judged::Simulated(ns) => Some(Timed { candidate: c.clone(), ns, source: *k }),
+                    Judged::Beaten => None,
+                }
+            })
+            .collect();
+        // A pair is kept below only if it beats the best so far, which is at most the value of any pair seen
+        // before: so a prefill candidate whose time provably gives no pair below the best pair of an earlier
+        // candidate is not simulated to the end, only counted. Candidates go in waves of one per thread, each
+        // wave bounded by the candidates before it.
+        let pair_value = |a: &Layout, a_ns: f64| {
+            dec.iter()
+                .map(|b| value(a_ns, self.switch_ns(a, &b.candidate.layout), b.ns))
+                .fold(f64::INFINITY, f64::min)
+        };
+        let mut pre: Vec<Timed> = Vec::new();
+        let (mut cutoff, mut skipped) = (f64::INFINITY, 0);
+        for wave in jobs[0].chunks(rayon::current_num_threads().max(1)) {
+            let judged: Vec<(Judged, &Candidate, usize)> = wave
                 .par_iter()
                 .filter_map(|(c, partner, k)| {
-                    let pair = if i == 0 { (c, partner) } else { (partner, c) };
-                    let ns = self.simulate(planner, phase, pair.0, pair.1)?;
-                    Some(Timed { candidate: c.clone(), ns, source: *k })
+                    let beaten = |bound_ns: f64| pair_value(&c.layout, bound_ns) >= cutoff;
+                    Some((self.simulate(planner, PhaseKind::Prefill, c, partner, Some(&beaten))?, c, *k))
                 })
-                .collect()
-        });
-        let [pre, dec] = &timed;
-        let gen_tokens = self.workload.gen_tokens as f64;
+                .collect();
+            for (judged, c, source) in judged {
+                match judged {
+                    Judged::Simulated(ns) => {
+                        cutoff = cutoff.min(pair_value(&c.layout, ns));
+                        pre.push(Timed { candidate: c.clone(), ns, source });
+                    }
+                    Judged::Beaten => skipped += 1,
+                }
+            }
+        }
         let mut best: Option<(f64, usize, usize)> = None;
         for (i, a) in pre.iter().enumerate() {
             for (j, b) in dec.iter().enumerate() {
-                let switch = self.switch_ns(&a.candidate.layout, &b.candidate.layout);
-                let e2el = a.ns + switch + b.ns;
-                // Ties on the objective's phase are broken by E2EL.
-                let value = match self.objective {
-                    Objective::E2el => e2el,
-                    Objective::Ttft => a.ns + 1e-6 * e2el,
-                    Objective::Tps => b.ns / gen_tokens.max(1.0) + 1e-6 * e2el,
-                };
+                let v = value(a.ns, self.switch_ns(&a.candidate.layout, &b.candidate.layout), b.ns);
                 // A later candidate must win clearly: the first ones are the searches' own, and equal times
                 // would otherwise pick a deeper ring for nothing.
-                if best.is_none_or(|(v, ..)| value < v * (1.0 - 1e-4)) {
-                    best = Some((value, i, j));
+                if best.is_none_or(|(bv, ..)| v < bv * (1.0 - 1e-4)) {
+                    best = Some((v, i, j));
                 }
             }
         }
@@ -267,7 +309,7 @@ impl Judge<'_> {
         let note = format!(
             "simulator's choice among {} prefill and {} decode candidates: prefill from {} (depth {}{}), decode \
              from {} (depth {})",
-            pre.len(),
+            pre.len() + skipped,
             dec.len(),
             sources[a.source].0,
             a.candidate.layout.depth,
@@ -283,19 +325,26 @@ impl Judge<'_> {
         if bytes == 0 { 0.0 } else { self.cost.h2d_ns(bytes, true) as f64 }
     }
 
-    /// The simulated time of `phase` in the plan of `prefill` and `decode`.
+    /// The simulated time of `phase` in the plan of `prefill` and `decode` (`None` if the plan cannot be
+    /// simulated); in prefill, not simulated when `beaten` holds for a lower bound of it.
     fn simulate(
         &self,
         planner: &str,
         phase: PhaseKind,
         prefill: &Candidate,
         decode: &Candidate,
-    ) -> Option<f64> {
+        beaten: Option<&dyn Fn(f64) -> bool>,
+    ) -> Option<Judged> {
         let d = Decision::searched(self.est, prefill.layout.clone(), decode.layout.clone(), Vec::new())
             .with_op_offload(self.est, prefill.op_offload);
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
-        Some(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64)
+        if let (PhaseKind::Prefill, Some(beaten)) = (phase, beaten)
+            && beaten(sim.prefill_lower_bound_ns(&JUDGE_OPTIONS) as f64)
+        {
+            return Some(Judged::Beaten);
+        }
+        Some(Judged::Simulated(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64))
     }
 }
 

@@ -222,6 +222,35 @@ fn view_of(spec: &ModelSpec, pp: &PhasePlan, default_threads: u32) -> PhaseView 
 }
 
 /// Indices of `samples` steps out of `m`: first, last and evenly between (all when `exact`).
+/// The value a fraction `f` of the way from `x` to `y`, rounded to the nanosecond.
+fn lerp(x: u64, y: u64, f: f64) -> u64 {
+    (x as f64 + f * (y as f64 - x as f64)).round() as u64
+}
+
+/// When a graph's last task could end at the earliest: each task starts once its inputs have ended and the
+/// task before it on its exclusive resource has (the engine's order), and takes its faster rate less 1 ns for
+/// the rounding of a rate change. The engine adds waits for ring slots and slower rates, never less.
+fn earliest_end_ns(g: &StepGraph) -> u64 {
+    let mut end_ns = vec![0u64; g.tasks.len()];
+    let mut lane_end_ns = [0u64; 4];
+    let mut last_ns = 0;
+    for (t, task) in g.tasks.iter().enumerate() {
+        // An input created later (none is) would count as ended at 0: the bound only gets weaker.
+        let mut start_ns = g.deps(t as u32).iter().map(|&d| end_ns[d as usize]).max().unwrap_or(0);
+        let lane = task.lane.exclusive_index();
+        if let Some(l) = lane {
+            start_ns = start_ns.max(lane_end_ns[l]);
+        }
+        let end = start_ns + task.duration_ns.min(task.duration_under_dma_ns).saturating_sub(1);
+        end_ns[t] = end;
+        if let Some(l) = lane {
+            lane_end_ns[l] = end;
+        }
+        last_ns = last_ns.max(end);
+    }
+    last_ns
+}
+
 fn sample_indices(m: usize, samples: u32, exact: bool) -> Vec<usize> {
     let k = samples.max(2) as usize;
     if exact || m <= k {
@@ -452,14 +481,44 @@ impl<'a> Simulator<'a> {
             let ((a, da, ba), (b, db, bb)) = (w[0], w[1]);
             for (j, s) in steps.iter_mut().enumerate().take(b).skip(a + 1) {
                 let f = (j - a) as f64 / (b - a) as f64;
-                let lerp = |x: u64, y: u64| (x as f64 + f * (y as f64 - x as f64)).round() as u64;
-                s.duration_ns = lerp(da, db);
+                s.duration_ns = lerp(da, db, f);
                 for (r, b) in s.busy_ns.iter_mut().enumerate() {
-                    *b = lerp(ba[r], bb[r]);
+                    *b = lerp(ba[r], bb[r], f);
                 }
             }
         }
         steps
+    }
+
+    /// A lower bound of [`Simulator::phase_ns`] for the prefill, from the sampled chunks' task graphs without
+    /// running them: a chunk lasts at least until its last task could end with no ring slot to wait for and
+    /// every compute at the faster of its two rates, interpolated as the simulation interpolates (non-negative
+    /// weights, so the bound holds for every step). A planner skips candidates this proves worse than one it
+    /// has simulated.
+    #[must_use]
+    pub fn prefill_lower_bound_ns(&self, opts: &SimOptions) -> u64 {
+        let w = &self.plan.workload;
+        let all_chunks = w.prefill_chunks();
+        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
+        let (full, last) = one.split_at(one.len() - 1);
+        let mut scratch = PhaseScratch::take();
+        let (view, ctx) = (&self.views[phase_index(PhaseKind::Prefill)], self.build_ctx());
+        let mut one_ns = 0;
+        for (phases, samples) in [(full, opts.prefill_samples), (last, 1)] {
+            let mut known: Vec<(usize, u64)> = Vec::new();
+            for i in sample_indices(phases.len(), samples, opts.exact) {
+                let g = graph::build_with(&ctx, view, &phases[i..=i], &mut scratch.graph);
+                known.push((i, earliest_end_ns(&g)));
+                scratch.graph.recycle(g);
+            }
+            one_ns += known.iter().map(|k| k.1).sum::<u64>();
+            for w in known.windows(2) {
+                let ((a, da), (b, db)) = (w[0], w[1]);
+                one_ns += (a + 1..b).map(|j| lerp(da, db, (j - a) as f64 / (b - a) as f64)).sum::<u64>();
+            }
+        }
+        scratch.give_back();
+        one_ns * w.batch
     }
 
     /// VRAM the run used in one phase.

@@ -1,6 +1,6 @@
 //! Properties over random plans of random small models: no resource runs two things at once, every op starts
 //! after its inputs exist, a slot is never overwritten while in use, simulated VRAM stays within the plan's
-//! breakdown, and time never goes backwards.
+//! breakdown, time never goes backwards, and the prefill's lower bound stays below its simulated time.
 
 mod common;
 
@@ -263,6 +263,11 @@ proptest! {
         prop_assert!(run.metrics.vram_peak_bytes <= plan.budget_bytes);
         prop_assert_eq!(run.metrics.e2el_ns, run.metrics.ttft_ns + run.decode_ns);
         prop_assert!(run.decode_ns >= run.switch_ns);
+        // The prefill bound a planner prunes candidates with never exceeds the simulated time.
+        for opts in [SimOptions::default(), SimOptions { prefill_samples: 2, ..SimOptions::default() }] {
+            let (bound, simulated) = (sim.prefill_lower_bound_ns(&opts), sim.phase_ns(PhaseKind::Prefill, &opts));
+            prop_assert!(bound > 0 && bound <= simulated, "bound {} simulated {}", bound, simulated);
+        }
     }
 }
 
