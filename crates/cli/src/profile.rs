@@ -350,3 +350,34 @@ pub fn best_cpu_gemv(p: &Profile, threads: u32) -> Option<(f64, Option<f64>)> {
         })
         .max_by(|a, b| a.0.total_cmp(&b.0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transferred_fit_keeps_the_sources_parameters_and_says_where_they_come_from() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+        let cli3 = Profile::load(&root.join("cli3.json")).unwrap();
+        let Provenance::Derived { fit: Some(source), .. } = &cli3.provenance else {
+            panic!("cli3 is fitted")
+        };
+        let fit = transferred_fit(&root.join("cli3.json")).unwrap();
+        assert_eq!(fit.parameters, source.parameters);
+        assert!(
+            fit.calibration_set.starts_with("not fitted on this system")
+                && fit.calibration_set.contains("cli3")
+        );
+        assert!(fit.objective.contains(&source.objective));
+        // The committed cli2 is the derivation of cli2 under cli3's parameters.
+        let cli2 = Profile::load(&root.join("cli2.json")).unwrap();
+        let Provenance::Derived { fit: Some(f2), .. } = &cli2.provenance else {
+            panic!("cli2 carries its transfer")
+        };
+        assert_eq!(f2.parameters, source.parameters);
+        assert_eq!(cli2.machine, reference::derived("cli2").unwrap().machine);
+        // A profile without a fit is refused, naming the flag and what to give instead.
+        let e = format!("{:#}", transferred_fit(&root.join("h200.json")).unwrap_err());
+        assert!(e.contains("--efficiencies-from") && e.contains("no fit") && e.contains("cli3.json"), "{e}");
+    }
+}
