@@ -153,10 +153,11 @@ fn load_paper(path: &Path) -> anyhow::Result<Vec<(String, String, PaperCell)>> {
     Ok(out)
 }
 
-/// One simulated configuration of a request (with the grid its encoder saw), or why it does not run.
+/// One simulated configuration of a request (with the grid its encoder saw and the language plan's first note,
+/// e.g. `-ngl 25 (largest that fits)`), or why it does not run.
 #[derive(Debug, Clone)]
 pub enum Outcome {
-    Ran(VlmMetrics, ImageGrid),
+    Ran(VlmMetrics, ImageGrid, String),
     Oom(String),
 }
 
@@ -218,7 +219,7 @@ impl Setup<'_> {
             Err(e) => return Err(e.into()),
         };
         let m = simulate_request(self.spec, self.inv, &vision, &plan, self.text, vlm.handover, self.cost)?;
-        Ok(Outcome::Ran(m, vision.grid))
+        Ok(Outcome::Ran(m, vision.grid, plan.notes.first().cloned().unwrap_or_default()))
     }
 }
 
@@ -241,6 +242,8 @@ struct CellRow {
     oom: bool,
     oom_paper: bool,
     baseline_image: Option<String>,
+    /// The `-ngl N` the tuned baseline runs.
+    baseline_llm_plan: Option<String>,
     baseline_peak_vram_gib: Option<f64>,
     /// The baseline's encode and LLM apart (the request peaks at their sum, the runtime once).
     baseline_vision_peak_gib: Option<f64>,
@@ -356,7 +359,7 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
             .request(image, w, &stock, u64::MAX, ("ngl", ngl0), LlmBudget::Own(card))
             .with_context(at)?
         {
-            Outcome::Ran(m, _) => m,
+            Outcome::Ran(m, ..) => m,
             Outcome::Oom(why) => bail!("{}: the script's baseline does not plan: {why}", at()),
         };
         bar.inc(1);
@@ -394,7 +397,7 @@ pub fn run(a: &ReproArgs, command: &str) -> anyhow::Result<()> {
                 .request(image, w, &opts, everything, ("pshard", resident), LlmBudget::Own(llm_budget))
                 .with_context(at)?;
             peaks.push(match o {
-                Outcome::Ran(m, _) => Some(m.peak_vram_bytes),
+                Outcome::Ran(m, ..) => Some(m.peak_vram_bytes),
                 Outcome::Oom(_) => None,
             });
             bar.inc(1);
@@ -485,7 +488,7 @@ fn cell_row(
     paper: Option<PaperCell>,
 ) -> CellRow {
     let ran = |o: &Outcome| match o {
-        Outcome::Ran(m, g) => Some((*m, *g)),
+        Outcome::Ran(m, g, _) => Some((*m, *g)),
         Outcome::Oom(_) => None,
     };
     let note = |o: &Outcome| match o {
@@ -514,6 +517,10 @@ fn cell_row(
         oom: base.is_none(),
         oom_paper: paper == Some(PaperCell::Oom),
         baseline_image: grid(base),
+        baseline_llm_plan: match tuned {
+            Outcome::Ran(_, _, note) => Some(note.clone()),
+            Outcome::Oom(_) => None,
+        },
         baseline_peak_vram_gib: b.map(|b| r3(gib(b.peak_vram_bytes))),
         baseline_vision_peak_gib: b.map(|b| r3(gib(b.vision_peak_bytes))),
         baseline_language_peak_gib: b.map(|b| r3(gib(b.language_peak_bytes))),
