@@ -771,6 +771,35 @@ fn summary(
     if !oom_ours.is_empty() {
         let _ = writeln!(s, "VLMOpt itself does not fit in: {}\n", oom_ours.join("; "));
     }
+    let _ = writeln!(
+        s,
+        "## Where each E2EL goes (s, as the script sums it: encode + image decode + prompt eval + 100 / TPS)\n\n\
+         | cell | baseline | baseline peak (GiB) | encode | image decode | prompt eval | generation | E2EL | \
+         VLMOpt encode | image decode | prompt eval | generation | E2EL |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let sec = |ms: Option<f64>| ms.map_or("-".into(), |x| format!("{:.2}", x / 1e3));
+    let gen_s = |tps: Option<f64>| tps.map_or("-".into(), |t| format!("{:.2}", f.gen_tokens as f64 / t));
+    for r in rows.iter().filter(|r| !r.oom) {
+        let _ = writeln!(
+            s,
+            "| {} {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.resolution,
+            r.vram_budget,
+            r.baseline_llm_plan.as_deref().unwrap_or("-"),
+            r.baseline_peak_vram_gib.map_or("-".into(), |x| format!("{x:.2}")),
+            sec(r.baseline_encode_ms),
+            sec(r.baseline_image_prefill_ms),
+            sec(r.baseline_prompt_eval_ms),
+            gen_s(r.baseline_tps),
+            sec(r.baseline_e2el_ms),
+            sec(r.vlmopt_encode_ms),
+            sec(r.vlmopt_image_prefill_ms),
+            sec(r.vlmopt_prompt_eval_ms),
+            gen_s(r.vlmopt_tps),
+            sec(r.vlmopt_e2el_ms),
+        );
+    }
+    let _ = writeln!(s);
     let _ = writeln!(s, "## Peak VRAM of one request (GiB), VLMOpt measures added one by one\n");
     let _ = writeln!(s, "| resolution | {} | reduction (first / fifth) |", SERIES.join(" | "));
     let _ = writeln!(s, "|---|{}---|", "---|".repeat(SERIES.len()));
