@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipeshard_core::dtype::DType;
-use pipeshard_core::profile::{Profile, Provenance};
+use pipeshard_core::profile::{Fit, Profile, Provenance};
 use pipeshard_core::reference;
 use pipeshard_core::workload::OpClass;
 use pipeshard_profiler::{Config, Mode, Progress};
@@ -20,6 +20,11 @@ pub enum ProfileCommand {
         /// Output file (default: `profiles/SYSTEM.json`).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// A calibrated derived profile (written by `repro calibrate`) whose fitted efficiencies this system
+        /// takes over: for a system the paper publishes no absolute measurements of (cli2), the efficiencies of
+        /// the same software on a sibling machine, recorded as such in the provenance.
+        #[arg(long)]
+        efficiencies_from: Option<PathBuf>,
     },
     /// Measure this machine with the executor's kernels and write its profile.
     Measure {
@@ -57,6 +62,32 @@ pub enum ProfileCommand {
         #[arg(long)]
         plot: Option<PathBuf>,
     },
+}
+
+/// The fit of the calibrated profile at `from`, restated as taken over by another system (command, commit and
+/// date of this transfer; what it was fitted on and how well, from the source).
+fn transferred_fit(from: &Path) -> anyhow::Result<Fit> {
+    let source = Profile::load(from).with_context(|| format!("--efficiencies-from {}", from.display()))?;
+    let Provenance::Derived { fit: Some(fit), .. } = source.provenance else {
+        anyhow::bail!(
+            "--efficiencies-from {}: the profile carries no fit; give a profile written by `pipeshard repro \
+             calibrate` (e.g. profiles/cli3.json)",
+            from.display()
+        );
+    };
+    let name = &source.machine.name;
+    Ok(Fit {
+        parameters: fit.parameters,
+        calibration_set: format!(
+            "not fitted on this system: the efficiencies of {name}'s fit ({}), taken over as the same software's \
+             on a sibling machine; this system's own figures (bandwidths, peaks, cores) are its own",
+            fit.calibration_set
+        ),
+        objective: format!("{name}'s: {}", fit.objective),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        commit: crate::sweep::git_commit(),
+        date_utc: crate::sweep::now_utc(),
+    })
 }
 
 /// indicatif bars, one per section.
@@ -102,13 +133,24 @@ impl Progress for Bars {
 
 pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
     match cmd {
-        ProfileCommand::Derive { system, out } => {
-            let profile = reference::derived(&system).with_context(|| {
+        ProfileCommand::Derive { system, out, efficiencies_from } => {
+            let unknown = || {
                 format!(
                     "no derived profile for `{system}`; known systems: {}",
                     reference::systems().join(", ")
                 )
-            })?;
+            };
+            let profile = match efficiencies_from {
+                None => reference::derived(&system).with_context(unknown)?,
+                Some(from) => {
+                    let fit = transferred_fit(&from)?;
+                    let mut p = reference::derived_with(&system, &fit.parameters).with_context(unknown)?;
+                    if let Provenance::Derived { fit: f, .. } = &mut p.provenance {
+                        *f = Some(fit);
+                    }
+                    p
+                }
+            };
             let out = out.unwrap_or_else(|| PathBuf::from(format!("profiles/{system}.json")));
             std::fs::write(&out, profile.to_json() + "\n")
                 .with_context(|| format!("writing {}", out.display()))?;
@@ -307,4 +349,35 @@ pub fn best_cpu_gemv(p: &Profile, threads: u32) -> Option<(f64, Option<f64>)> {
             (bytes / r.time_ns as f64, r.time_ns_under_dma.map(|t| bytes / t as f64))
         })
         .max_by(|a, b| a.0.total_cmp(&b.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transferred_fit_keeps_the_sources_parameters_and_says_where_they_come_from() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+        let cli3 = Profile::load(&root.join("cli3.json")).unwrap();
+        let Provenance::Derived { fit: Some(source), .. } = &cli3.provenance else {
+            panic!("cli3 is fitted")
+        };
+        let fit = transferred_fit(&root.join("cli3.json")).unwrap();
+        assert_eq!(fit.parameters, source.parameters);
+        assert!(
+            fit.calibration_set.starts_with("not fitted on this system")
+                && fit.calibration_set.contains("cli3")
+        );
+        assert!(fit.objective.contains(&source.objective));
+        // The committed cli2 is the derivation of cli2 under cli3's parameters.
+        let cli2 = Profile::load(&root.join("cli2.json")).unwrap();
+        let Provenance::Derived { fit: Some(f2), .. } = &cli2.provenance else {
+            panic!("cli2 carries its transfer")
+        };
+        assert_eq!(f2.parameters, source.parameters);
+        assert_eq!(cli2.machine, reference::derived("cli2").unwrap().machine);
+        // A profile without a fit is refused, naming the flag and what to give instead.
+        let e = format!("{:#}", transferred_fit(&root.join("h200.json")).unwrap_err());
+        assert!(e.contains("--efficiencies-from") && e.contains("no fit") && e.contains("cli3.json"), "{e}");
+    }
 }

@@ -34,6 +34,11 @@ pub struct Workload {
     /// each query, masking the other sequences' cells (see [`OpKind::Attention`]). Irrelevant for one request.
     #[serde(default)]
     pub kv_unified: bool,
+    /// The host copy of the weights is pageable: llama.cpp maps the model file and, unless
+    /// `GGML_CUDA_REGISTER_HOST` is set (the paper's scripts unset it for their baselines), never pins it, so op
+    /// offload's weight copies run at the pageable rate. Pipelined sharding pins its host weights.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pageable_weights: bool,
 }
 
 impl Workload {
@@ -49,6 +54,7 @@ impl Workload {
             kv_dtype: DType::F16,
             flash_attn: true,
             kv_unified: false,
+            pageable_weights: false,
         }
     }
 

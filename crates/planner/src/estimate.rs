@@ -777,8 +777,13 @@ impl Ctx<'_> {
         let mut charge = |pos: usize, units: &mut [UnitCost]| {
             if !seen[pos] {
                 seen[pos] = true;
-                // One copy of the unit's weights (`copy_ns` is its H2D copy).
-                units[pos].offload_ns += count * units[pos].copy_ns;
+                // One copy of the unit's weights (`copy_ns` is its pinned H2D copy).
+                let copy_ns = if self.w.pageable_weights {
+                    self.cost.h2d_ns(self.inv.units[pos].weight_bytes, false) as f64
+                } else {
+                    units[pos].copy_ns
+                };
+                units[pos].offload_ns += count * copy_ns;
             }
         };
         for op in step_ops.iter().filter(|o| is_matmul(o)) {

@@ -113,6 +113,8 @@ pub struct PlannerOptions {
     /// `ngl` only: run the baseline with flash attention (`-fa`, as the paper's batched runs do and the executor
     /// needs).
     pub ngl_flash_attn: bool,
+    /// `ngl` only: count the CPU output head llama.cpp's reserve graph stages on the GPU (see [`ngl::Ngl`]).
+    pub ngl_reserve_cpu_head: bool,
 }
 
 /// Names [`by_name`] accepts, in the order the CLI lists them.
@@ -130,7 +132,11 @@ pub fn by_name(name: &str) -> Option<Box<dyn Planner>> {
 #[must_use]
 pub fn with_options(name: &str, options: &PlannerOptions) -> Option<Box<dyn Planner>> {
     Some(match name {
-        "ngl" => Box::new(ngl::Ngl { fixed_layers: options.ngl_layers, flash_attn: options.ngl_flash_attn }),
+        "ngl" => Box::new(ngl::Ngl {
+            fixed_layers: options.ngl_layers,
+            flash_attn: options.ngl_flash_attn,
+            reserve_cpu_head: options.ngl_reserve_cpu_head,
+        }),
         "pshard" => Box::new(pshard::Pshard::default()),
         "greedy" => Box::new(greedy::Greedy { objective: options.objective, ..greedy::Greedy::default() }),
         "ilp" => Box::new(ilp::Ilp { objective: options.objective, ..ilp::Ilp::default() }),

@@ -73,3 +73,51 @@ fn tiles_follow_the_budget_and_bound_the_encode_peak() {
     let expect = 4 * 16 * (q(&large) - q(&small)) * small.grid.patches();
     assert_eq!(d, expect);
 }
+
+#[test]
+fn the_stock_baseline_reserves_its_cpu_head_and_copies_pageable_weights() {
+    use pipeshard_core::inventory::UnitId;
+    use pipeshard_planner::ngl::Ngl;
+    let cost = cli3();
+    let spec = model("cosmos-reason1-7b");
+    let inv = Inventory::new(&spec);
+    let image = SourceImage { width_px: 3840, height_px: 2160, max_side_px: 1280 };
+    let vision = plan_vision(&spec, &inv, image, &VlmOptions::stock(), &cost, 64 * GIB).unwrap();
+    let prompt = TEXT.before_image + vision.grid.tokens() + TEXT.after_image;
+    let pinned = Workload::single(prompt, 4096, 100, 512);
+    let pageable = Workload { pageable_weights: true, ..pinned };
+    let ngl = |n, reserve_cpu_head, w: &Workload| {
+        Ngl { fixed_layers: Some(n), reserve_cpu_head, ..Ngl::default() }
+            .plan(&spec, w, &cost, 64 * GIB)
+            .unwrap()
+    };
+    // -ngl 0: the reserve graph's head (152064 × 3584 f16) is staged beside the logits of all 512 rows, after
+    // the layers' buffers are freed, so the compute buffer is the residual stream + head + logits.
+    let head = inv.unit_bytes(UnitId::Output);
+    assert_eq!(head, 152_064 * 3584 * 2 + 3584 * 4, "head and output norm");
+    let (residual, logits) = (3 * 512 * 3584 * 4, 512 * 152_064 * 4);
+    let with = ngl(0, true, &pinned);
+    assert_eq!(with.prefill.vram.scratch_bytes, residual + head + logits);
+    assert!(ngl(0, false, &pinned).prefill.vram.scratch_bytes < residual + head);
+    // With the head on the GPU nothing is staged for it: the option changes nothing.
+    let all = spec.text.n_layers + 1;
+    assert_eq!(ngl(all, true, &pinned).prefill.vram, ngl(all, false, &pinned).prefill.vram);
+    // The request peaks at what the context reserved, though no real step stages the head (one logit row).
+    let run =
+        |plan| simulate_request(&spec, &inv, &vision, &plan, TEXT, Handover::Overlapping, &cost).unwrap();
+    let m = run(with.clone());
+    assert_eq!(m.language_peak_bytes, with.prefill.vram.total());
+    // Pageable weights: every image chunk copies each layer's FFN at the pageable rate instead of the pinned.
+    let slow = run(ngl(0, true, &pageable));
+    let ffn = inv.unit_bytes(UnitId::Ffn { layer: 0 });
+    let chunks = vision.grid.tokens().div_ceil(512);
+    let floor = chunks * u64::from(spec.text.n_layers) * (cost.h2d_ns(ffn, false) - cost.h2d_ns(ffn, true));
+    assert!(
+        slow.image_prefill_ns >= m.image_prefill_ns + floor,
+        "{} vs {}",
+        slow.image_prefill_ns,
+        m.image_prefill_ns
+    );
+    // Decode copies nothing: the same rate.
+    assert!((slow.tps - m.tps).abs() < 1e-9 * m.tps);
+}

@@ -498,7 +498,8 @@ impl Builder<'_> {
 
     /// llama.cpp op offload: a serialised copy of `bytes` of `unit`'s CPU-resident weights, after `prev`. A
     /// unit's staged weights stay in VRAM together until its last op has run (llama.cpp copies the inputs of a
-    /// graph split into its compute buffer at once; the executor stages the whole unit).
+    /// graph split into its compute buffer at once; the executor stages the whole unit). At the pageable rate
+    /// when the workload's host weights are pageable.
     fn offload_copy(&mut self, op_index: usize, unit: UnitId, bytes: u64, prev: Option<u32>) -> u32 {
         let staged = match self.staged_unit {
             Some((u, b)) if u == unit => b + bytes,
@@ -506,7 +507,11 @@ impl Builder<'_> {
         };
         self.staged_unit = Some((unit, staged));
         self.offload_peak_bytes = self.offload_peak_bytes.max(staged);
-        let d = self.copy_ns(true, bytes);
+        let d = if self.ctx.workload.pageable_weights {
+            self.ctx.cost.h2d_ns(bytes, false)
+        } else {
+            self.copy_ns(true, bytes)
+        };
         self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, (d, d), bytes, prev.as_slice())
     }
 
