@@ -181,7 +181,7 @@ impl TableCostModel {
             }
         };
         // Attention reads KV in f16 and computes in f16/f32; matmuls use the weight format's peak.
-        (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
+        (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes_on(ctx.device) / gbps)
     }
 
     /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest thread
@@ -205,7 +205,9 @@ impl TableCostModel {
         let find_matmul = |dtype: DType| {
             find(class, dtype).or_else(|| match class {
                 OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
-                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => find(OpClass::Attention, dtype),
+                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified | OpClass::AttentionMaterialized => {
+                    find(OpClass::Attention, dtype)
+                }
                 _ => None,
             })
         };
@@ -281,7 +283,10 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
         OpClass::MatMul | OpClass::Router => {
             (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
         }
-        OpClass::Attention | OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => {
+        OpClass::Attention
+        | OpClass::AttentionDecode
+        | OpClass::AttentionDecodeUnified
+        | OpClass::AttentionMaterialized => {
             // n = q_heads × head_dim (head_dim 128), k = keys; K and V of `keys` tokens at the row's format, for
             // one sequence, or (decode rows) for each of the `tokens` sequences.
             let head_dim = 128;
@@ -298,6 +303,7 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
                     keys: row.k,
                     scanned_keys: scanned,
                     decode,
+                    materialized: row.op == OpClass::AttentionMaterialized,
                 },
                 4.0 * m * k * n,
                 0.0,

@@ -126,6 +126,19 @@ pub struct Efficiencies {
     /// microseconds. Older fits read as the 4 µs they assumed.
     #[serde(default = "four")]
     pub launch_us: f64,
+    /// CPU attention without flash attention in decode (stock llama.cpp's `mul_mat` pair, KV re-read for each
+    /// query head): fraction of the roofline of those reads at achievable DRAM. Older fits read as 1.
+    #[serde(default = "one")]
+    pub cpu_attn_materialized: f64,
+    /// CPU routed experts: fraction of the CPU matmul rows' speed (ggml's `mul_mat_id` runs each touched
+    /// expert as its own small product). Older fits read as 1.
+    #[serde(default = "one")]
+    pub cpu_experts: f64,
+    /// Fraction of the measured PCIe figure that copies from pageable memory achieve (the driver stages them
+    /// through a pinned buffer); stock llama.cpp's op offload copies from its mapped model file. Older fits read
+    /// as the 30% they assumed.
+    #[serde(default = "pageable_default")]
+    pub pcie_pageable: f64,
 }
 
 fn one() -> f64 {
@@ -136,10 +149,14 @@ fn four() -> f64 {
     4.0
 }
 
+fn pageable_default() -> f64 {
+    0.3
+}
+
 impl Efficiencies {
     /// Names and values, in a fixed order (what calibration varies).
     #[must_use]
-    pub fn values(&self) -> [(&'static str, f64); 12] {
+    pub fn values(&self) -> [(&'static str, f64); 15] {
         [
             ("gpu_gemv_bw", self.gpu_gemv_bw),
             ("gpu_gemm_flops", self.gpu_gemm_flops),
@@ -153,6 +170,9 @@ impl Efficiencies {
             ("gpu_attn_prefill", self.gpu_attn_prefill),
             ("cpu_attn", self.cpu_attn),
             ("launch_us", self.launch_us),
+            ("cpu_attn_materialized", self.cpu_attn_materialized),
+            ("cpu_experts", self.cpu_experts),
+            ("pcie_pageable", self.pcie_pageable),
         ]
     }
 
@@ -171,7 +191,10 @@ impl Efficiencies {
             8 => &mut self.gpu_attn,
             9 => &mut self.gpu_attn_prefill,
             10 => &mut self.cpu_attn,
-            _ => &mut self.launch_us,
+            11 => &mut self.launch_us,
+            12 => &mut self.cpu_attn_materialized,
+            13 => &mut self.cpu_experts,
+            _ => &mut self.pcie_pageable,
         };
         *field = v;
         self
@@ -203,6 +226,9 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     gpu_attn_prefill: 1.0,
     cpu_attn: 1.0,
     launch_us: 4.0,
+    cpu_attn_materialized: 1.0,
+    cpu_experts: 1.0,
+    pcie_pageable: 0.3,
 };
 
 /// Names of the derived systems.
@@ -236,7 +262,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             BwPoint { bytes: GIB, gbps: peak, spread: None },
         ]
     };
-    let pageable = |peak: f64| curve((peak * 0.3).min(15.0));
+    let pageable = curve(s.pcie_measured_gbps * e.pcie_pageable);
     let threads = s.cores;
     let dram = [1, threads / 4, threads / 2, threads]
         .into_iter()
@@ -279,17 +305,19 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 time_ns_under_dma: None,
                 spread: None,
             });
-            cpu_ops.push(OpRow {
-                op: OpClass::MatMul,
-                dtype,
-                n,
-                k,
-                tokens,
-                threads,
-                time_ns: cpu_t.ceil() as u64,
-                time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
-                spread: None,
-            });
+            for (op, t) in [(OpClass::MatMul, cpu_t), (OpClass::Experts, cpu_t / e.cpu_experts)] {
+                cpu_ops.push(OpRow {
+                    op,
+                    dtype,
+                    n,
+                    k,
+                    tokens,
+                    threads,
+                    time_ns: t.ceil() as u64,
+                    time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
+                    spread: None,
+                });
+            }
         }
     }
     // Flash attention, in the row format the cost model reads (n = 32 query heads × 128, k = keys, 4 query heads
@@ -319,6 +347,24 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         gpu_ops.push(row(0, gpu_t, None));
         cpu_ops.push(row(threads, cpu_t, Some(cpu_t / e.dram_under_dma)));
     }
+    // Decode attention without flash attention on the CPU: each query head streams its KV head again (4 query
+    // heads per KV head in the row), at `cpu_attn_materialized` of that roofline.
+    {
+        let (n, keys) = (4096u64, 16384u64);
+        let bytes = 8.0 * n as f64 + (keys * n) as f64 * 4.0;
+        let t = bytes / dram_gbps / e.cpu_attn_materialized;
+        cpu_ops.push(OpRow {
+            op: OpClass::AttentionMaterialized,
+            dtype: DType::F16,
+            n,
+            k: keys,
+            tokens: 1,
+            threads,
+            time_ns: t.ceil() as u64,
+            time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
+            spread: None,
+        });
+    }
     Some(Profile {
         schema_version: PROFILE_SCHEMA_VERSION,
         machine: Machine {
@@ -335,10 +381,12 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             calibration: format!(
                 "{}: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
-                 DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at 30% of that (≤ 15 GB/s); \
+                 DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at {:.0}%; \
                  a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
                  roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
-                 prefill); GPU experts read the routing on the device (llama.cpp)",
+                 prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); CPU \
+                 routed experts at {:.0}% of the matmul rows' speed; GPU experts read the routing on the device \
+                 (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
@@ -348,19 +396,22 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 s.cores,
                 e.dram_under_dma * 100.0,
                 e.pcie_achieved * 100.0,
+                e.pcie_pageable * 100.0,
                 e.host_sync_us,
                 e.launch_us,
                 e.gpu_attn * 100.0,
                 e.gpu_attn_prefill * 100.0,
                 e.cpu_attn * 100.0,
+                e.cpu_attn_materialized * 100.0,
+                e.cpu_experts * 100.0,
             ),
             fit: None,
         },
         pcie: PcieProfile {
             h2d_pinned: curve(pcie),
             d2h_pinned: curve(pcie),
-            h2d_pageable: pageable(pcie),
-            d2h_pageable: pageable(pcie),
+            h2d_pageable: pageable.clone(),
+            d2h_pageable: pageable,
             bidirectional_gbps: pcie * 1.8,
             copy_latency_ns: 8_000,
             h2d_under_compute_gbps: None,
@@ -443,6 +494,7 @@ mod tests {
                     keys,
                     scanned_keys: keys,
                     decode: tokens == 1,
+                    materialized: false,
                 },
                 unit: UnitId::Kv { layer: 0 },
                 tokens,

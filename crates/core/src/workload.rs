@@ -34,6 +34,16 @@ pub struct Workload {
     /// each query, masking the other sequences' cells (see [`OpKind::Attention`]). Irrelevant for one request.
     #[serde(default)]
     pub kv_unified: bool,
+    /// Host copies of the weights and of CPU-resident KV are pageable: stock llama.cpp maps the model file and
+    /// allocates its CPU cache with malloc, so op offload's per-ubatch copies are staged by the driver at the
+    /// pageable rate. Our executor and the paper's runtime page-lock them (the default).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub host_pageable: bool,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Workload {
@@ -49,6 +59,7 @@ impl Workload {
             kv_dtype: DType::F16,
             flash_attn: true,
             kv_unified: false,
+            host_pageable: false,
         }
     }
 
@@ -188,6 +199,10 @@ pub enum OpClass {
     AttentionDecode,
     /// [`OpClass::AttentionDecode`] over one unified cache: each query scans all `tokens × k` cells, masked.
     AttentionDecodeUnified,
+    /// One decode query's attention without flash attention (scores materialised, ggml's `mul_mat` pair with
+    /// each KV head broadcast over its query heads). Only derived CPU rows time it; elsewhere it borrows the
+    /// [`OpClass::Attention`] rows.
+    AttentionMaterialized,
 }
 
 /// What an op is, with the shape facts a cost model needs.
@@ -215,6 +230,10 @@ pub enum OpKind {
         /// A decode step: `tokens` queries, one of each sequence (else one sequence's causal chunk).
         #[serde(default)]
         decode: bool,
+        /// Without flash attention: the scores are materialised by two matmuls, which broadcast each KV head
+        /// over its query heads.
+        #[serde(default, skip_serializing_if = "is_false")]
+        materialized: bool,
     },
     Activation,
     Add,
@@ -263,6 +282,7 @@ impl OpKind {
             OpKind::Attention { decode: true, keys, scanned_keys, .. } if tokens > 1 => {
                 if scanned_keys > keys { OpClass::AttentionDecodeUnified } else { OpClass::AttentionDecode }
             }
+            OpKind::Attention { decode: true, materialized: true, .. } => OpClass::AttentionMaterialized,
             k => k.class(),
         }
     }
@@ -306,6 +326,23 @@ impl Op {
     #[must_use]
     pub fn bytes(&self) -> f64 {
         self.weight_bytes + self.act_bytes + self.kv_bytes
+    }
+
+    /// Bytes `device` moves: [`Op::bytes`], except that the CPU's materialised decode attention reads each KV
+    /// head once per query head of its group (ggml's CPU `mul_mat` broadcasts `K` and `V` over the query heads
+    /// and streams them again for each; the paper's baseline TPS at 16K–64K falls with the query heads, not
+    /// the KV bytes: ≈ 10 GB/s of KV for nemo-8b's 4 query heads per KV head, ≈ 5.5 for qwen3-30b-a3b's 8,
+    /// ≈ 2.8 for qwen3-235b-a22b's 16).
+    #[must_use]
+    pub fn bytes_on(&self, device: crate::cost::Device) -> f64 {
+        match self.kind {
+            OpKind::Attention { q_heads, kv_heads, decode: true, materialized: true, .. }
+                if device == crate::cost::Device::Cpu && kv_heads > 0 =>
+            {
+                self.bytes() + self.kv_bytes * (f64::from(q_heads / kv_heads) - 1.0).max(0.0)
+            }
+            _ => self.bytes(),
+        }
     }
 
     /// FLOPs per byte moved.
@@ -421,6 +458,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
                 keys,
                 scanned_keys,
                 decode: matches!(phase, Phase::Decode { .. }),
+                materialized: !w.flash_attn,
             },
             unit: UnitId::Kv { layer: il },
             tokens: m,

@@ -34,6 +34,13 @@ pub const MAX_JUDGED_DEPTH: u32 = 128;
 /// Prefill candidates the estimator finds more than this many times slower than the fastest are not simulated.
 pub const PRUNE_FACTOR: f64 = 2.0;
 
+/// Pairs within this fraction of the best judged pair are judged again with the sampling the tables use
+/// ([`SimOptions::default`]): two decode samples cannot tell pairs 0.1% apart, which the tables can.
+pub const NEAR_TIE: f64 = 0.005;
+
+/// At most this many near-tied pairs are judged again (the best first).
+pub const MAX_REJUDGED: usize = 4;
+
 /// A candidate layout of one phase; prefill ones may run llama.cpp's op offload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
@@ -238,23 +245,34 @@ impl Judge<'_> {
                 .collect()
         });
         let [pre, dec] = &timed;
-        let gen_tokens = self.workload.gen_tokens as f64;
-        let mut best: Option<(f64, usize, usize)> = None;
+        let mut values = Vec::with_capacity(pre.len() * dec.len());
         for (i, a) in pre.iter().enumerate() {
             for (j, b) in dec.iter().enumerate() {
                 let switch = self.switch_ns(&a.candidate.layout, &b.candidate.layout);
-                let e2el = a.ns + switch + b.ns;
-                // Ties on the objective's phase are broken by E2EL.
-                let value = match self.objective {
-                    Objective::E2el => e2el,
-                    Objective::Ttft => a.ns + 1e-6 * e2el,
-                    Objective::Tps => b.ns / gen_tokens.max(1.0) + 1e-6 * e2el,
-                };
-                // A later candidate must win clearly: the first ones are the searches' own, and equal times
-                // would otherwise pick a deeper ring for nothing.
-                if best.is_none_or(|(v, ..)| value < v * (1.0 - 1e-4)) {
-                    best = Some((value, i, j));
-                }
+                values.push((self.value(a.ns, switch, b.ns), i, j));
+            }
+        }
+        let mut best = first_clear_best(&values);
+        if let Some((v, ..)) = best {
+            // Near ties, best first, judged again over more steps; the pair order (source order) still breaks
+            // ties, so the choice stays deterministic.
+            let mut near: Vec<(f64, usize, usize)> =
+                values.iter().copied().filter(|(x, ..)| *x <= v * (1.0 + NEAR_TIE)).collect();
+            if near.len() > 1 {
+                near.sort_by(|a, b| a.0.total_cmp(&b.0));
+                near.truncate(MAX_REJUDGED);
+                near.sort_by_key(|&(_, i, j)| (i, j));
+                let full = SimOptions::default();
+                let rejudged: Vec<(f64, usize, usize)> = near
+                    .par_iter()
+                    .filter_map(|&(_, i, j)| {
+                        let (a, b) = (&pre[i].candidate, &dec[j].candidate);
+                        let p = self.simulate_with(planner, PhaseKind::Prefill, a, b, &full)?;
+                        let d = self.simulate_with(planner, PhaseKind::Decode, a, b, &full)?;
+                        Some((self.value(p, self.switch_ns(&a.layout, &b.layout), d), i, j))
+                    })
+                    .collect();
+                best = first_clear_best(&rejudged).or(best);
             }
         }
         let Some((_, i, j)) = best else {
@@ -278,6 +296,17 @@ impl Judge<'_> {
         (a.candidate.clone(), b.candidate.clone(), note)
     }
 
+    /// The objective's value of a pair: prefill time, switch and decode time (ties on the objective's phase
+    /// broken by E2EL).
+    fn value(&self, prefill_ns: f64, switch_ns: f64, decode_ns: f64) -> f64 {
+        let e2el = prefill_ns + switch_ns + decode_ns;
+        match self.objective {
+            Objective::E2el => e2el,
+            Objective::Ttft => prefill_ns + 1e-6 * e2el,
+            Objective::Tps => decode_ns / (self.workload.gen_tokens as f64).max(1.0) + 1e-6 * e2el,
+        }
+    }
+
     fn switch_ns(&self, prefill: &Layout, decode: &Layout) -> f64 {
         let bytes = self.est.switch_bytes(prefill, decode);
         if bytes == 0 { 0.0 } else { self.cost.h2d_ns(bytes, true) as f64 }
@@ -291,12 +320,35 @@ impl Judge<'_> {
         prefill: &Candidate,
         decode: &Candidate,
     ) -> Option<f64> {
+        self.simulate_with(planner, phase, prefill, decode, &JUDGE_OPTIONS)
+    }
+
+    fn simulate_with(
+        &self,
+        planner: &str,
+        phase: PhaseKind,
+        prefill: &Candidate,
+        decode: &Candidate,
+        opts: &SimOptions,
+    ) -> Option<f64> {
         let d = Decision::searched(self.est, prefill.layout.clone(), decode.layout.clone(), Vec::new())
             .with_op_offload(self.est, prefill.op_offload);
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
-        Some(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64)
+        Some(sim.phase_ns(phase, opts) as f64)
     }
+}
+
+/// The first of `(value, …)` that no later one beats clearly: the first candidates are the searches' own, and
+/// equal times would otherwise pick a deeper ring for nothing, so a later one must win by 0.01%.
+fn first_clear_best(values: &[(f64, usize, usize)]) -> Option<(f64, usize, usize)> {
+    let mut best: Option<(f64, usize, usize)> = None;
+    for &x in values {
+        if best.is_none_or(|(v, ..)| x.0 < v * (1.0 - 1e-4)) {
+            best = Some(x);
+        }
+    }
+    best
 }
 
 /// `layout` with every streamed unit and expert on the CPU instead (no ring).
