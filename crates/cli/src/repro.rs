@@ -8,12 +8,16 @@
 //!   resource that binds the best plan in decode and in prefill; `summary.md` (hit rates and error statistics,
 //!   calibration and held-out cells apart); `runs.csv` (every simulated cell, as `sim sweep` writes it); the
 //!   plots; and `provenance.json`.
+//! - `repro baseline` runs `experiments/baseline.toml`: the `-ngl` baseline's own measured runs
+//!   (`baseline_ngl_5090.csv`: stock llama.cpp's prompt time and decode rate per model × context × budget ×
+//!   ubatch, the mean of its successful trials) against our replay of the same `-ngl N` at the same ubatch.
 //! - `repro calibrate` fits the few free parameters of a derived profile ([`Efficiencies`]) on the cells of
-//!   the `calibration_models` of Table 4 only, and writes the profile with the fit in its provenance. Table 4
-//!   holds absolute measurements of the machine running pshard; Figure 2's speed-ups are ratios against our
-//!   model of llama.cpp, so fitting the machine to them lets that model's errors bend the machine (a first fit
-//!   on both tables drove DRAM under DMA to 8% and PCIe to 30% of its measured figure, and doubled Table 4's
-//!   TTFT error). Figure 2 is entirely held out.
+//!   the `calibration_models` of Table 4 and of the baseline's runs, each table weighing the same, and writes
+//!   the profile with the fit in its provenance. Both hold absolute measurements of the machine (running pshard,
+//!   and running stock llama.cpp); Figure 2's speed-ups are ratios against our model of llama.cpp, so fitting
+//!   the machine to them lets that model's errors bend the machine (a first fit on Table 4 and Figure 2 drove
+//!   DRAM under DMA to 8% and PCIe to 30% of its measured figure, and doubled Table 4's TTFT error). Figure 2
+//!   is entirely held out.
 //!
 //! How ours is computed, as the paper's scripts do: Table 4 is `pshard`'s TPS and TTFT; Figure 2's speed-ups
 //! pair `ngl` and `pshard` at the same ubatch (TTFT and E2EL: ngl / pshard; TPS: pshard / ngl) and keep the
@@ -63,7 +67,7 @@ pub enum ReproCommand {
     Table9(ReproArgs),
     /// The paper's Figure 7 (batched TPS speed-up of pshard, unified KV, over -ngl, per-sequence KV).
     Figure7(ReproArgs),
-    /// Fit a derived profile's free parameters on the calibration models of Table 4 and Figure 2.
+    /// Fit a derived profile's free parameters on the calibration models of Table 4 and the baseline's runs.
     Calibrate(CalibrateArgs),
 }
 

@@ -305,7 +305,13 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 time_ns_under_dma: None,
                 spread: None,
             });
-            for (op, t) in [(OpClass::MatMul, cpu_t), (OpClass::Experts, cpu_t / e.cpu_experts)] {
+            // A routed expert's row (gate, up and down of this shape, as `cost` reads an experts row) at
+            // `cpu_experts` of the matmul rows' speed.
+            let experts_t = ((3.0 * wbytes + 4.0 * tokens as f64 * (2 * k + 3 * n) as f64)
+                / (dram_gbps * e.cpu_gemv_bw))
+                .max(3.0 * flops / (cpu_flops * e.cpu_gemm_flops) * 1e9)
+                / e.cpu_experts;
+            for (op, t) in [(OpClass::MatMul, cpu_t), (OpClass::Experts, experts_t)] {
                 cpu_ops.push(OpRow {
                     op,
                     dtype,
