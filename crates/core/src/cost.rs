@@ -350,7 +350,13 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
 
 impl CostModel for TableCostModel {
     fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        (self.roofline_f(op, ctx) / self.efficiency(op, ctx)).ceil() as u64
+        let fixed = match op.kind {
+            OpKind::Experts { touched, .. } if ctx.device == Device::Cpu => {
+                touched * self.profile.cpu_expert_ns as f64
+            }
+            _ => 0.0,
+        };
+        (self.roofline_f(op, ctx) / self.efficiency(op, ctx) + fixed).ceil() as u64
     }
 
     fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {

@@ -130,10 +130,10 @@ pub struct Efficiencies {
     /// query head): fraction of the roofline of those reads at achievable DRAM. Older fits read as 1.
     #[serde(default = "one")]
     pub cpu_attn_materialized: f64,
-    /// CPU routed experts: fraction of the CPU matmul rows' speed (ggml's `mul_mat_id` runs each touched
-    /// expert as its own small product). Older fits read as 1.
-    #[serde(default = "one")]
-    pub cpu_experts: f64,
+    /// Fixed CPU cost of one touched routed expert beyond its bytes (ggml's `mul_mat_id` runs each as its own
+    /// small product), microseconds. Older fits read as 0.
+    #[serde(default)]
+    pub cpu_expert_us: f64,
     /// Fraction of the measured PCIe figure that copies from pageable memory achieve (the driver stages them
     /// through a pinned buffer); stock llama.cpp's op offload copies from its mapped model file. Older fits read
     /// as the 30% they assumed.
@@ -171,7 +171,7 @@ impl Efficiencies {
             ("cpu_attn", self.cpu_attn),
             ("launch_us", self.launch_us),
             ("cpu_attn_materialized", self.cpu_attn_materialized),
-            ("cpu_experts", self.cpu_experts),
+            ("cpu_expert_us", self.cpu_expert_us),
             ("pcie_pageable", self.pcie_pageable),
         ]
     }
@@ -193,19 +193,21 @@ impl Efficiencies {
             10 => &mut self.cpu_attn,
             11 => &mut self.launch_us,
             12 => &mut self.cpu_attn_materialized,
-            13 => &mut self.cpu_experts,
+            13 => &mut self.cpu_expert_us,
             _ => &mut self.pcie_pageable,
         };
         *field = v;
         self
     }
 
-    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs.
+    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs,
+    /// a CPU expert's fixed cost in 0.5–500 µs.
     #[must_use]
     pub fn range(i: usize) -> (f64, f64) {
         match i {
             7 => (1.0, 500.0),
             11 => (1.0, 50.0),
+            13 => (0.5, 500.0),
             _ => (0.05, 1.0),
         }
     }
@@ -227,7 +229,7 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     cpu_attn: 1.0,
     launch_us: 4.0,
     cpu_attn_materialized: 1.0,
-    cpu_experts: 1.0,
+    cpu_expert_us: 1.0,
     pcie_pageable: 0.3,
 };
 
@@ -305,25 +307,17 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 time_ns_under_dma: None,
                 spread: None,
             });
-            // A routed expert's row (gate, up and down of this shape, as `cost` reads an experts row) at
-            // `cpu_experts` of the matmul rows' speed.
-            let experts_t = ((3.0 * wbytes + 4.0 * tokens as f64 * (2 * k + 3 * n) as f64)
-                / (dram_gbps * e.cpu_gemv_bw))
-                .max(3.0 * flops / (cpu_flops * e.cpu_gemm_flops) * 1e9)
-                / e.cpu_experts;
-            for (op, t) in [(OpClass::MatMul, cpu_t), (OpClass::Experts, experts_t)] {
-                cpu_ops.push(OpRow {
-                    op,
-                    dtype,
-                    n,
-                    k,
-                    tokens,
-                    threads,
-                    time_ns: t.ceil() as u64,
-                    time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
-                    spread: None,
-                });
-            }
+            cpu_ops.push(OpRow {
+                op: OpClass::MatMul,
+                dtype,
+                n,
+                k,
+                tokens,
+                threads,
+                time_ns: cpu_t.ceil() as u64,
+                time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
+                spread: None,
+            });
         }
     }
     // Flash attention, in the row format the cost model reads (n = 32 query heads × 128, k = keys, 4 query heads
@@ -390,8 +384,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                  DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at {:.0}%; \
                  a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
                  roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
-                 prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); CPU \
-                 routed experts at {:.0}% of the matmul rows' speed; GPU experts read the routing on the device \
+                 prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); a CPU \
+                 routed expert costs {:.1} µs beyond its bytes; GPU experts read the routing on the device \
                  (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
@@ -409,7 +403,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 e.gpu_attn_prefill * 100.0,
                 e.cpu_attn * 100.0,
                 e.cpu_attn_materialized * 100.0,
-                e.cpu_experts * 100.0,
+                e.cpu_expert_us,
             ),
             fit: None,
         },
@@ -441,6 +435,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
         // The paper's runtime is llama.cpp, whose CUDA expert kernels take the expert ids on the device.
         expert_ids_on_device: true,
+        cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         runtime_overhead_bytes: 500 * MIB,
         measurements: Vec::new(),
         notes: Vec::new(),
