@@ -205,9 +205,9 @@ impl TableCostModel {
         let find_matmul = |dtype: DType| {
             find(class, dtype).or_else(|| match class {
                 OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
-                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified | OpClass::AttentionMaterialized => {
-                    find(OpClass::Attention, dtype)
-                }
+                OpClass::AttentionDecode
+                | OpClass::AttentionDecodeUnified
+                | OpClass::AttentionMaterialized => find(OpClass::Attention, dtype),
                 _ => None,
             })
         };
