@@ -23,6 +23,8 @@ pub const PROFILE_SCHEMA_VERSION: u32 = 2;
 pub const PROFILE_SCHEMA_READABLE: [u32; 2] = [1, 2];
 
 /// Where a profile's numbers come from.
+// A profile is loaded once per command: the fit's fifteen parameters inline cost nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "snake_case")]
 pub enum Provenance {
