@@ -1030,6 +1030,50 @@ mod tests {
         std::fs::write(&csv, "Model,Budget,TPS\nm,2G,1\n").unwrap();
         let e = PaperTable::load(&p, None).unwrap_err().to_string();
         assert!(e.contains("CtxK or CtxSize"), "{e}");
+        // The baseline's runs: failed runs skipped, trials of one key averaged, MVA in decimal thousands.
+        let runs = "Model,Context,MVA,Ubatch,Trial,Status,PromptEvalTime_ms,EvalTPS\n\
+                    m,1024,2000,1024,0,SUCCESS,600,10\nm,1024,2000,1024,1,SUCCESS,700,12\n\
+                    m,1024,2000,1024,2,FAILED,1,1\nm,1024,2000,2048,0,SUCCESS,500,11\n";
+        std::fs::write(&csv, runs).unwrap();
+        let t = PaperTable::load(&p, None).unwrap();
+        assert_eq!(t.rows.len(), 2);
+        let r = &t.rows[0];
+        assert_eq!((r.ctx, r.budget_bytes, r.ubatch), (1024, 2 * pipeshard_core::GIB, Some(1024)));
+        let col = |m: Metric| t.metrics.iter().position(|(_, x)| *x == m).unwrap();
+        assert_eq!((r.values[col(Metric::NglTtftMs)], r.values[col(Metric::NglTps)]), (650.0, 11.0));
+        assert_eq!(t.rows[1].ubatch, Some(2048));
+        std::fs::write(&csv, runs.replace(",2000,1024,0", ",2500,1024,0")).unwrap();
+        let e = format!("{:#}", PaperTable::load(&p, None).unwrap_err());
+        assert!(e.contains("row 2") && e.contains("MVA") && e.contains("2500"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn baseline_rows_outside_the_grid_are_dropped_and_ours_is_ngl_at_their_ubatch() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        let t = load_table(&dir, "baseline").unwrap();
+        let budgets = t.experiment.budgets();
+        assert!(t.table.rows.iter().all(|r| budgets.contains(&r.budget_bytes)), "no 1, 3 or 5 GB rows");
+        // minitron-4b 1K at 2G (MVA 2000), ubatch 1024: trials of 660.23 and 678.85 ms.
+        let row = t
+            .table
+            .rows
+            .iter()
+            .find(|r| {
+                r.model == "nemo-4b"
+                    && r.ctx == 1024
+                    && r.ubatch == Some(1024)
+                    && r.budget_bytes == budgets[0]
+            })
+            .unwrap();
+        let ttft = t.table.metrics.iter().position(|(_, m)| *m == Metric::NglTtftMs).unwrap();
+        assert!((row.values[ttft] - (660.23 + 678.85) / 2.0).abs() < 1e-9);
+        let point = |ttft_ms: f64| Point { ttft_ms, tps: 1.0, e2el_ms: 1.0 };
+        let mut pts = Points::new();
+        pts.insert(
+            (row.model.clone(), row.ctx, row.budget_bytes, 1, "ngl".into()),
+            [(1024, point(700.0)), (2048, point(300.0))].into(),
+        );
+        assert_eq!(ours(&pts, row, Metric::NglTtftMs), Some(700.0), "the row's ubatch, not the best");
     }
 }

@@ -523,6 +523,28 @@ mod tests {
     }
 
     #[test]
+    fn a_cpu_routed_expert_pays_its_fixed_cost_on_the_cpu_only() {
+        use crate::cost::{CostModel, OpContext, TableCostModel};
+        use crate::workload::{OpKind, ops};
+        let spec = crate::catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = crate::inventory::Inventory::new(&spec);
+        let w = crate::workload::Workload::single(1000, 4096, 8, 1024);
+        let all = ops(&spec, &inv, &w, w.decode_step(0));
+        let experts = all.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+        let OpKind::Experts { touched, .. } = experts.kind else { unreachable!() };
+        let cost = |us: f64| {
+            TableCostModel::new(
+                &derived_with("cli3", &Efficiencies { cpu_expert_us: us, ..DEFAULT_EFFICIENCIES }).unwrap(),
+            )
+        };
+        let (a, b) = (cost(1.0), cost(51.0));
+        let cpu = OpContext::cpu(16);
+        let extra = b.op_ns(experts, cpu) as f64 - a.op_ns(experts, cpu) as f64;
+        assert!((extra - touched * 50_000.0).abs() < 2.0, "{extra} for {touched} experts");
+        assert_eq!(a.op_ns(experts, OpContext::gpu()), b.op_ns(experts, OpContext::gpu()));
+    }
+
+    #[test]
     fn profiles_round_trip_through_json() {
         let p = derived("cli3").unwrap();
         let back = Profile::from_json("cli3.json", &p.to_json()).unwrap();

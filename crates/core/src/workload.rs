@@ -622,6 +622,34 @@ mod tests {
     use crate::catalog;
 
     #[test]
+    fn materialised_cpu_decode_attention_reads_kv_once_per_query_head() {
+        use crate::cost::{CostModel, Device, OpContext, TableCostModel};
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let fused = Workload::single(16_000, 16_384, 8, 1024);
+        let materialized = Workload { flash_attn: false, ..fused };
+        let attention = |w: &Workload, phase: Phase| {
+            *ops(&spec, &inv, w, phase).iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let (f, m) =
+            (attention(&fused, fused.decode_step(0)), attention(&materialized, fused.decode_step(0)));
+        let group = f64::from(spec.text.n_heads / spec.text.n_kv_heads);
+        assert_eq!(group, 8.0);
+        assert!(matches!(m.kind, OpKind::Attention { materialized: true, .. }));
+        assert_eq!(m.kind.row_class(1), OpClass::AttentionMaterialized);
+        // The CPU streams each KV head once per query head; the GPU and flash attention read it once.
+        assert!((m.bytes_on(Device::Cpu) - m.bytes() - (group - 1.0) * m.kv_bytes).abs() < 1.0);
+        assert_eq!(m.bytes_on(Device::Gpu), m.bytes());
+        assert_eq!(f.bytes_on(Device::Cpu), f.bytes());
+        // A prefill chunk is not a decode query: no materialised-decode row for it.
+        let chunk = attention(&materialized, materialized.prefill_chunks()[0]);
+        assert_eq!(chunk.bytes_on(Device::Cpu), chunk.bytes());
+        // Priced by the derived rows: materialised decode on the CPU costs more than the fused kernel.
+        let cost = TableCostModel::new(&crate::reference::derived("cli3").unwrap());
+        assert!(cost.op_ns(&m, OpContext::cpu(16)) > cost.op_ns(&f, OpContext::cpu(16)));
+    }
+
+    #[test]
     fn expected_experts_limits() {
         assert!((expected_touched_experts(128, 8, 1) - 8.0).abs() < 1e-9);
         assert!(expected_touched_experts(128, 8, 1024) > 127.99);
