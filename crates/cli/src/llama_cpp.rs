@@ -370,6 +370,8 @@ impl Flags {
             batch,
             flash_attn: self.flash_attn.unwrap_or(true),
             kv_unified: self.kv_unified,
+            // llama.cpp maps the model file (and then keeps CPU weights out of its pinned buffer).
+            host_pageable: true,
             ..Workload::single(prompt, ctx, gen_tokens, self.ubatch.unwrap_or(DEFAULT_UBATCH))
         };
         workload.validate()?;

@@ -8,12 +8,16 @@
 //!   resource that binds the best plan in decode and in prefill; `summary.md` (hit rates and error statistics,
 //!   calibration and held-out cells apart); `runs.csv` (every simulated cell, as `sim sweep` writes it); the
 //!   plots; and `provenance.json`.
+//! - `repro baseline` runs `experiments/baseline.toml`: the `-ngl` baseline's own measured runs
+//!   (`baseline_ngl_5090.csv`: stock llama.cpp's prompt time and decode rate per model × context × budget ×
+//!   ubatch, the mean of its successful trials) against our replay of the same `-ngl N` at the same ubatch.
 //! - `repro calibrate` fits the few free parameters of a derived profile ([`Efficiencies`]) on the cells of
-//!   the `calibration_models` of Table 4 only, and writes the profile with the fit in its provenance. Table 4
-//!   holds absolute measurements of the machine running pshard; Figure 2's speed-ups are ratios against our
-//!   model of llama.cpp, so fitting the machine to them lets that model's errors bend the machine (a first fit
-//!   on both tables drove DRAM under DMA to 8% and PCIe to 30% of its measured figure, and doubled Table 4's
-//!   TTFT error). Figure 2 is entirely held out.
+//!   the `calibration_models` of Table 4 and of the baseline's runs, each table weighing the same, and writes
+//!   the profile with the fit in its provenance. Both hold absolute measurements of the machine (running pshard,
+//!   and running stock llama.cpp); Figure 2's speed-ups are ratios against our model of llama.cpp, so fitting
+//!   the machine to them lets that model's errors bend the machine (a first fit on Table 4 and Figure 2 drove
+//!   DRAM under DMA to 8% and PCIe to 30% of its measured figure, and doubled Table 4's TTFT error). Figure 2
+//!   is entirely held out.
 //!
 //! How ours is computed, as the paper's scripts do: Table 4 is `pshard`'s TPS and TTFT; Figure 2's speed-ups
 //! pair `ngl` and `pshard` at the same ubatch (TTFT and E2EL: ngl / pshard; TPS: pshard / ngl) and keep the
@@ -53,6 +57,9 @@ pub enum ReproCommand {
     Table4(ReproArgs),
     /// The paper's Figure 2 (speed-ups of pshard over the -ngl baseline on cli3), against the paper.
     Figure2(ReproArgs),
+    /// The `-ngl` baseline's own runs (stock llama.cpp's TTFT and TPS per ubatch, baseline_ngl_5090.csv)
+    /// against our replay of them.
+    Baseline(ReproArgs),
     /// The paper's Table 8 (Cosmos-Reason1-7B E2EL speed-ups of pshard + VLMOpt, OOM map, on cli2) and the
     /// peak VRAM each VLMOpt measure saves.
     Table8(ReproArgs),
@@ -60,7 +67,7 @@ pub enum ReproCommand {
     Table9(ReproArgs),
     /// The paper's Figure 7 (batched TPS speed-up of pshard, unified KV, over -ngl, per-sequence KV).
     Figure7(ReproArgs),
-    /// Fit a derived profile's free parameters on the calibration models of Table 4 and Figure 2.
+    /// Fit a derived profile's free parameters on the calibration models of Table 4 and the baseline's runs.
     Calibrate(CalibrateArgs),
 }
 
@@ -94,7 +101,7 @@ pub struct CalibrateArgs {
 }
 
 /// The tables `repro calibrate` fits on: absolute measurements only (see the module docs).
-pub const CALIBRATION_TABLES: [&str; 1] = ["table4"];
+pub const CALIBRATION_TABLES: [&str; 2] = ["table4", "baseline"];
 
 /// A metric of a paper table, by its CSV column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +111,10 @@ enum Metric {
     TtftSpeedup,
     TpsSpeedup,
     E2elSpeedup,
+    /// The `-ngl` baseline's own decode rate (the baseline CSV's `EvalTPS`).
+    NglTps,
+    /// The `-ngl` baseline's own prompt time (the baseline CSV's `PromptEvalTime_ms`).
+    NglTtftMs,
 }
 
 impl Metric {
@@ -114,8 +125,19 @@ impl Metric {
             "TTFTSpeedup" => Metric::TtftSpeedup,
             "TPSSpeedup" => Metric::TpsSpeedup,
             "E2ELSpeedup" => Metric::E2elSpeedup,
+            "EvalTPS" => Metric::NglTps,
+            "PromptEvalTime_ms" => Metric::NglTtftMs,
             _ => return None,
         })
+    }
+
+    /// The planners whose runs this metric reads.
+    fn planners(self) -> &'static [&'static str] {
+        match self {
+            Metric::Tps | Metric::TtftMs => &["pshard"],
+            Metric::NglTps | Metric::NglTtftMs => &["ngl"],
+            Metric::TtftSpeedup | Metric::TpsSpeedup | Metric::E2elSpeedup => &["pshard", "ngl"],
+        }
     }
 
     /// The interval the paper's printed value stands for.
@@ -134,6 +156,8 @@ struct PaperRow {
     budget_bytes: u64,
     /// Parallel requests (1 where the table has no batch column).
     batch: u64,
+    /// The ubatch the row was measured at (the baseline CSV's `Ubatch`); `None`: ours is the best ubatch.
+    ubatch: Option<u64>,
     values: Vec<f64>,
 }
 
@@ -148,9 +172,26 @@ struct PaperTable {
 }
 
 const MODEL_COLUMNS: [&str; 1] = ["Model"];
-const CTX_COLUMNS: [&str; 2] = ["CtxK", "CtxSize"];
-const BUDGET_COLUMNS: [&str; 2] = ["VramBudget", "Vram"];
+const CTX_COLUMNS: [&str; 3] = ["CtxK", "CtxSize", "Context"];
+const BUDGET_COLUMNS: [&str; 3] = ["VramBudget", "Vram", "MVA"];
 const BATCH_COLUMNS: [&str; 1] = ["BatchSize"];
+/// The baseline CSV's runs: one row per run at one ubatch, with a status (failed runs are skipped).
+const UBATCH_COLUMN: &str = "Ubatch";
+const STATUS_COLUMN: &str = "Status";
+
+/// A budget cell: `8G` and the like, or the baseline CSV's `-mva` in decimal thousands of MB, which the paper's
+/// scripts key budgets by (2G is looked up as 2000).
+fn parse_budget(column: &str, v: &str) -> anyhow::Result<u64> {
+    if column == "MVA" {
+        let mb: u64 = v.parse().with_context(|| format!("MVA = `{v}` is not a whole number of MB"))?;
+        if mb == 0 || !mb.is_multiple_of(1000) {
+            bail!("MVA = `{v}`: expected a multiple of 1000 (the scripts' label for N GiB is N×1000)");
+        }
+        Ok(mb / 1000 * pipeshard_core::GIB)
+    } else {
+        parse_bytes(v)
+    }
+}
 
 impl PaperTable {
     /// Reads the paper's CSV; a table without a context column gets `default_ctx` (the experiment's only one).
@@ -175,6 +216,8 @@ impl PaperTable {
             Err(e) => return Err(e),
         };
         let bi = find(&BUDGET_COLUMNS)?;
+        let ui = header.iter().position(|h| h == UBATCH_COLUMN);
+        let si = header.iter().position(|h| h == STATUS_COLUMN);
         let metrics: Vec<(usize, String, Metric)> = header
             .iter()
             .enumerate()
@@ -188,6 +231,9 @@ impl PaperTable {
         for (n, rec) in r.records().enumerate() {
             let rec = rec.with_context(|| format!("{file}: row {}", n + 2))?;
             let at = |i: usize| rec.get(i).unwrap_or("");
+            if si.is_some_and(|si| at(si) != "SUCCESS") {
+                continue;
+            }
             let Some(model) = ours.get(at(mi)) else {
                 bail!("{file}: row {}: model `{}` has no entry in [paper] names", n + 2, at(mi));
             };
@@ -200,7 +246,7 @@ impl PaperTable {
                 })
                 .collect::<anyhow::Result<Vec<f64>>>()?;
             let keys: Vec<String> =
-                [Some(mi), ci, Some(bi), ni].into_iter().flatten().map(|i| at(i).to_string()).collect();
+                [Some(mi), ci, Some(bi), ni, ui].into_iter().flatten().map(|i| at(i).to_string()).collect();
             let ctx = match ci {
                 Some(ci) => parse_tokens(at(ci)).with_context(|| format!("{file}: row {}", n + 2))?,
                 None => default_ctx.expect("checked with the columns"),
@@ -211,17 +257,36 @@ impl PaperTable {
                 })?,
                 None => 1,
             };
-            rows.push(PaperRow {
+            let ubatch = match ui {
+                Some(ui) => Some(at(ui).parse::<u64>().ok().filter(|u| *u > 0).with_context(|| {
+                    format!("{file}: row {}: {UBATCH_COLUMN} = `{}` is not a positive count", n + 2, at(ui))
+                })?),
+                None => None,
+            };
+            let row = PaperRow {
                 keys,
                 model: (*model).to_string(),
                 ctx,
-                budget_bytes: parse_bytes(at(bi)).with_context(|| format!("{file}: row {}", n + 2))?,
+                budget_bytes: parse_budget(&header[bi], at(bi))
+                    .with_context(|| format!("{file}: row {}", n + 2))?,
                 batch,
+                ubatch,
                 values,
-            });
+            };
+            // Repeated runs of one key (the baseline's trials) count as their mean.
+            match rows.iter_mut().find(|r: &&mut (PaperRow, f64)| r.0.keys == row.keys) {
+                Some((r, count)) => {
+                    *count += 1.0;
+                    for (a, b) in r.values.iter_mut().zip(&row.values) {
+                        *a += (b - *a) / *count;
+                    }
+                }
+                None => rows.push((row, 1.0)),
+            }
         }
+        let rows = rows.into_iter().map(|(r, _)| r).collect();
         Ok(PaperTable {
-            key_columns: [Some(mi), ci, Some(bi), ni]
+            key_columns: [Some(mi), ci, Some(bi), ni, ui]
                 .into_iter()
                 .flatten()
                 .map(|i| header[i].clone())
@@ -289,7 +354,10 @@ fn at<'m>(pts: &'m Points, row: &PaperRow, planner: &str) -> Option<&'m BTreeMap
 /// Ours for one paper metric on one cell.
 fn ours(pts: &Points, row: &PaperRow, m: Metric) -> Option<f64> {
     let (ps, ngl) = (at(pts, row, "pshard"), at(pts, row, "ngl"));
+    let ngl_at = |f: fn(&Point) -> f64| ngl?.get(&row.ubatch?).map(f);
     match m {
+        Metric::NglTps => ngl_at(|p| p.tps),
+        Metric::NglTtftMs => ngl_at(|p| p.ttft_ms),
         Metric::Tps => best(ps, |p| p.tps),
         Metric::TtftMs => best(ps, |p| 1.0 / p.ttft_ms).map(|x| 1.0 / x),
         Metric::TtftSpeedup => best_paired(ps, ngl, |p, b| b.ttft_ms / p.ttft_ms),
@@ -395,7 +463,11 @@ fn load_table(dir: &Path, name: &str) -> anyhow::Result<PaperRun> {
         format!("{}/{name}.toml has no [paper] section to compare against", dir.display())
     })?;
     let contexts = experiment.contexts();
-    let table = PaperTable::load(&paper, (contexts.len() == 1).then(|| contexts[0]))?;
+    let mut table = PaperTable::load(&paper, (contexts.len() == 1).then(|| contexts[0]))?;
+    // The baseline CSV also holds budgets the figures do not use (1, 3 and 5 GB): only the experiment's grid.
+    let cells: std::collections::BTreeSet<(String, u64, u64)> =
+        experiment.cells().into_iter().map(|c| (c.model, c.ctx, c.budget_bytes)).collect();
+    table.rows.retain(|r| r.ubatch.is_none() || cells.contains(&(r.model.clone(), r.ctx, r.budget_bytes)));
     Ok(PaperRun { experiment, paper, table })
 }
 
@@ -417,6 +489,7 @@ pub fn run(cmd: ReproCommand, command: &str) -> anyhow::Result<()> {
     match cmd {
         ReproCommand::Table4(a) => repro("table4", &a, command),
         ReproCommand::Figure2(a) => repro("figure2", &a, command),
+        ReproCommand::Baseline(a) => repro("baseline", &a, command),
         ReproCommand::Table8(a) => crate::table8::run(&a, command),
         ReproCommand::Table9(a) => repro("table9", &a, command),
         ReproCommand::Figure7(a) => repro("figure7", &a, command),
@@ -677,6 +750,9 @@ fn write_planners(
 /// Our planners against `pshard` and `ngl`: geometric-mean and worst E2EL speed-up, cells where each is at
 /// least as fast as `pshard`, and the binding resources of `ilp`'s plans.
 fn beat_summary(e: &Experiment, rows: &[PlannerRow]) -> String {
+    if !e.planners.iter().any(|p| p == "pshard") {
+        return String::new();
+    }
     let mut s = String::from(
         "## Our planners on the same cells (E2EL speed-up, best ubatch; planners.csv has every cell)\n\n\
          | planner | cells | ≥ pshard | geomean × pshard | worst × pshard (cell) | geomean × ngl | no plan |\n\
@@ -727,11 +803,12 @@ fn calibrate(a: &CalibrateArgs, command: &str) -> anyhow::Result<()> {
     for name in CALIBRATION_TABLES {
         let t = load_table(&a.experiments, name)?;
         let cal = &t.paper.calibration_models;
+        let planners: Vec<&str> = t.table.metrics.iter().flat_map(|(_, m)| m.planners()).copied().collect();
         let cells: Vec<Cell> = t
             .experiment
             .cells()
             .into_iter()
-            .filter(|c| cal.contains(&c.model) && c.planner == "pshard")
+            .filter(|c| cal.contains(&c.model) && planners.contains(&c.planner.as_str()))
             .collect();
         set.push(format!(
             "{name}: {} ({} paper rows)",
@@ -748,14 +825,15 @@ fn calibrate(a: &CalibrateArgs, command: &str) -> anyhow::Result<()> {
     let eval = |e: &Efficiencies| -> f64 {
         let profile = reference::derived_with(&a.system, e).expect("checked above");
         let cost = TableCostModel::new(&profile);
-        let comps: Vec<Comparison> = tables
+        // Each table weighs the same, whatever its number of rows.
+        let per_table: Vec<f64> = tables
             .iter()
-            .flat_map(|(cells, specs, table, paper, gen_tokens)| {
+            .map(|(cells, specs, table, paper, gen_tokens)| {
                 let results = run_cells(cells, specs, &cost, false);
-                compare(table, paper, &points(&results, *gen_tokens))
+                objective(&compare(table, paper, &points(&results, *gen_tokens)))
             })
             .collect();
-        objective(&comps)
+        per_table.iter().sum::<f64>() / per_table.len() as f64
     };
     let n = DEFAULT_EFFICIENCIES.values().len();
     let progress = bar(u64::from(a.rounds) * 2 * n as u64 + 1, "evaluations");
@@ -800,12 +878,13 @@ fn calibrate(a: &CalibrateArgs, command: &str) -> anyhow::Result<()> {
         *fit = Some(Fit {
             parameters: x,
             calibration_set: format!(
-                "{} (pshard's TPS and TTFT; every other cell, and all of Figure 2, is held out)",
+                "{} (Table 4: pshard's TPS and TTFT; baseline: the replayed `-ngl` runs' TTFT and TPS per ubatch; \
+                 every other cell, and all of Figure 2, is held out)",
                 set.join("; ")
             ),
             objective: format!(
-                "mean squared log error of ours vs the paper over every metric of those rows: {start:.4} with the \
-                 default assumptions, {fx:.4} fitted"
+                "mean squared log error of ours vs the paper over every metric of those rows, averaged over the \
+                 tables: {start:.4} with the default assumptions, {fx:.4} fitted"
             ),
             command: command.to_string(),
             commit,
@@ -932,6 +1011,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::float_cmp)] // means of exactly representable values
     fn bad_paper_csv_names_file_row_and_field() {
         let dir = std::env::temp_dir().join(format!("pipeshard-repro-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -951,6 +1031,50 @@ mod tests {
         std::fs::write(&csv, "Model,Budget,TPS\nm,2G,1\n").unwrap();
         let e = PaperTable::load(&p, None).unwrap_err().to_string();
         assert!(e.contains("CtxK or CtxSize"), "{e}");
+        // The baseline's runs: failed runs skipped, trials of one key averaged, MVA in decimal thousands.
+        let runs = "Model,Context,MVA,Ubatch,Trial,Status,PromptEvalTime_ms,EvalTPS\n\
+                    m,1024,2000,1024,0,SUCCESS,600,10\nm,1024,2000,1024,1,SUCCESS,700,12\n\
+                    m,1024,2000,1024,2,FAILED,1,1\nm,1024,2000,2048,0,SUCCESS,500,11\n";
+        std::fs::write(&csv, runs).unwrap();
+        let t = PaperTable::load(&p, None).unwrap();
+        assert_eq!(t.rows.len(), 2);
+        let r = &t.rows[0];
+        assert_eq!((r.ctx, r.budget_bytes, r.ubatch), (1024, 2 * pipeshard_core::GIB, Some(1024)));
+        let col = |m: Metric| t.metrics.iter().position(|(_, x)| *x == m).unwrap();
+        assert_eq!((r.values[col(Metric::NglTtftMs)], r.values[col(Metric::NglTps)]), (650.0, 11.0));
+        assert_eq!(t.rows[1].ubatch, Some(2048));
+        std::fs::write(&csv, runs.replace(",2000,1024,0", ",2500,1024,0")).unwrap();
+        let e = format!("{:#}", PaperTable::load(&p, None).unwrap_err());
+        assert!(e.contains("row 2") && e.contains("MVA") && e.contains("2500"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn baseline_rows_outside_the_grid_are_dropped_and_ours_is_ngl_at_their_ubatch() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        let t = load_table(&dir, "baseline").unwrap();
+        let budgets = t.experiment.budgets();
+        assert!(t.table.rows.iter().all(|r| budgets.contains(&r.budget_bytes)), "no 1, 3 or 5 GB rows");
+        // minitron-4b 1K at 2G (MVA 2000), ubatch 1024: trials of 660.23 and 678.85 ms.
+        let row = t
+            .table
+            .rows
+            .iter()
+            .find(|r| {
+                r.model == "nemo-4b"
+                    && r.ctx == 1024
+                    && r.ubatch == Some(1024)
+                    && r.budget_bytes == budgets[0]
+            })
+            .unwrap();
+        let ttft = t.table.metrics.iter().position(|(_, m)| *m == Metric::NglTtftMs).unwrap();
+        assert!((row.values[ttft] - f64::midpoint(660.23, 678.85)).abs() < 1e-9);
+        let point = |ttft_ms: f64| Point { ttft_ms, tps: 1.0, e2el_ms: 1.0 };
+        let mut pts = Points::new();
+        pts.insert(
+            (row.model.clone(), row.ctx, row.budget_bytes, 1, "ngl".into()),
+            [(1024, point(700.0)), (2048, point(300.0))].into(),
+        );
+        assert_eq!(ours(&pts, row, Metric::NglTtftMs), Some(700.0), "the row's ubatch, not the best");
     }
 }

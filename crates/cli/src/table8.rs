@@ -209,7 +209,7 @@ impl Setup<'_> {
         // The baseline (`ngl`, stock llama.cpp) runs with `GGML_CUDA_REGISTER_HOST` unset: its mapped weights stay
         // pageable. The VLMOpt runs set it and pipelined sharding pins its host weights.
         let w = Workload {
-            pageable_weights: planner.0 == "ngl",
+            host_pageable: planner.0 == "ngl",
             ..Workload::single(prompt, ctx, gen_tokens, ubatch)
         };
         w.validate()?;

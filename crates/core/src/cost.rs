@@ -200,7 +200,7 @@ impl TableCostModel {
             }
         };
         // Attention reads KV in f16 and computes in f16/f32; matmuls use the weight format's peak.
-        (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes() / gbps)
+        (op.flops_on(ctx.device) / flops * 1e9).max(op.bytes_on(ctx.device) / gbps)
     }
 
     /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest
@@ -225,7 +225,9 @@ impl TableCostModel {
         let find_matmul = |dtype: DType| {
             find(class, dtype).or_else(|| match class {
                 OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
-                OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => find(OpClass::Attention, dtype),
+                OpClass::AttentionDecode
+                | OpClass::AttentionDecodeUnified
+                | OpClass::AttentionMaterialized => find(OpClass::Attention, dtype),
                 _ => None,
             })
         };
@@ -308,7 +310,10 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
         OpClass::MatMul | OpClass::Router => {
             (OpKind::MatMul { n: row.n, k: row.k }, 2.0 * m * n * k, wb, 4.0 * m * (n + k), 0.0)
         }
-        OpClass::Attention | OpClass::AttentionDecode | OpClass::AttentionDecodeUnified => {
+        OpClass::Attention
+        | OpClass::AttentionDecode
+        | OpClass::AttentionDecodeUnified
+        | OpClass::AttentionMaterialized => {
             // n = q_heads × head_dim (head_dim 128), k = keys; K and V (f16) of `keys` tokens of the row's KV
             // heads (4 query heads per KV head where the row does not say), for one sequence, or (decode rows)
             // for each of the `tokens` sequences.
@@ -320,7 +325,15 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             let kv = seqs * 2.0 * k * f64::from(kv_heads) * head_dim as f64 * 2.0;
             let scanned = if row.op == OpClass::AttentionDecodeUnified { row.k * row.tokens } else { row.k };
             (
-                OpKind::Attention { q_heads, kv_heads, head_dim, keys: row.k, scanned_keys: scanned, decode },
+                OpKind::Attention {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    keys: row.k,
+                    scanned_keys: scanned,
+                    decode,
+                    materialized: row.op == OpClass::AttentionMaterialized,
+                },
                 4.0 * m * k * n,
                 0.0,
                 4.0 * 2.0 * m * n,
@@ -366,7 +379,13 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
 
 impl CostModel for TableCostModel {
     fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        (self.roofline_f(op, ctx) / self.efficiency(op, ctx)).ceil() as u64
+        let fixed = match op.kind {
+            OpKind::Experts { touched, .. } if ctx.device == Device::Cpu => {
+                touched * self.profile.cpu_expert_ns as f64
+            }
+            _ => 0.0,
+        };
+        (self.roofline_f(op, ctx) / self.efficiency(op, ctx) + fixed).ceil() as u64
     }
 
     fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {

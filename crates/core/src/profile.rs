@@ -23,6 +23,8 @@ pub const PROFILE_SCHEMA_VERSION: u32 = 2;
 pub const PROFILE_SCHEMA_READABLE: [u32; 2] = [1, 2];
 
 /// Where a profile's numbers come from.
+// A profile is loaded once per command: the fit's fifteen parameters inline cost nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "snake_case")]
 pub enum Provenance {
@@ -184,6 +186,11 @@ pub struct Profile {
     /// executor routes on the host (false, the default); the derived profiles of the paper's systems say true.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expert_ids_on_device: bool,
+    /// Fixed CPU cost of one touched routed expert, beyond its bytes: ggml's `mul_mat_id` runs each touched
+    /// expert as a small product of its own (rows split over the threads, a barrier after), which the matmul
+    /// rows of large shapes do not show. Derived profiles fit it; measured ones time whole expert blocks.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cpu_expert_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// Scalar measurements beside the tables (schema 2; empty for derived profiles).
@@ -192,6 +199,11 @@ pub struct Profile {
     /// What a reader should know about how the numbers were taken (schema 2).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 /// A profile that cannot be used.

@@ -126,6 +126,19 @@ pub struct Efficiencies {
     /// microseconds. Older fits read as the 4 µs they assumed.
     #[serde(default = "four")]
     pub launch_us: f64,
+    /// CPU attention without flash attention in decode (stock llama.cpp's `mul_mat` pair, KV re-read for each
+    /// query head): fraction of the roofline of those reads at achievable DRAM. Older fits read as 1.
+    #[serde(default = "one")]
+    pub cpu_attn_materialized: f64,
+    /// Fixed CPU cost of one touched routed expert beyond its bytes (ggml's `mul_mat_id` runs each as its own
+    /// small product), microseconds. Older fits read as 0.
+    #[serde(default)]
+    pub cpu_expert_us: f64,
+    /// Fraction of the measured PCIe figure that copies from pageable memory achieve (the driver stages them
+    /// through a pinned buffer); stock llama.cpp's op offload copies from its mapped model file. Older fits read
+    /// as the 30% they assumed.
+    #[serde(default = "pageable_default")]
+    pub pcie_pageable: f64,
 }
 
 fn one() -> f64 {
@@ -136,10 +149,14 @@ fn four() -> f64 {
     4.0
 }
 
+fn pageable_default() -> f64 {
+    0.3
+}
+
 impl Efficiencies {
     /// Names and values, in a fixed order (what calibration varies).
     #[must_use]
-    pub fn values(&self) -> [(&'static str, f64); 12] {
+    pub fn values(&self) -> [(&'static str, f64); 15] {
         [
             ("gpu_gemv_bw", self.gpu_gemv_bw),
             ("gpu_gemm_flops", self.gpu_gemm_flops),
@@ -153,6 +170,9 @@ impl Efficiencies {
             ("gpu_attn_prefill", self.gpu_attn_prefill),
             ("cpu_attn", self.cpu_attn),
             ("launch_us", self.launch_us),
+            ("cpu_attn_materialized", self.cpu_attn_materialized),
+            ("cpu_expert_us", self.cpu_expert_us),
+            ("pcie_pageable", self.pcie_pageable),
         ]
     }
 
@@ -171,18 +191,23 @@ impl Efficiencies {
             8 => &mut self.gpu_attn,
             9 => &mut self.gpu_attn_prefill,
             10 => &mut self.cpu_attn,
-            _ => &mut self.launch_us,
+            11 => &mut self.launch_us,
+            12 => &mut self.cpu_attn_materialized,
+            13 => &mut self.cpu_expert_us,
+            _ => &mut self.pcie_pageable,
         };
         *field = v;
         self
     }
 
-    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs.
+    /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs,
+    /// a CPU expert's fixed cost in 0.5–500 µs.
     #[must_use]
     pub fn range(i: usize) -> (f64, f64) {
         match i {
             7 => (1.0, 500.0),
             11 => (1.0, 50.0),
+            13 => (0.5, 500.0),
             _ => (0.05, 1.0),
         }
     }
@@ -203,6 +228,9 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     gpu_attn_prefill: 1.0,
     cpu_attn: 1.0,
     launch_us: 4.0,
+    cpu_attn_materialized: 1.0,
+    cpu_expert_us: 1.0,
+    pcie_pageable: 0.3,
 };
 
 /// Names of the derived systems.
@@ -236,7 +264,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             BwPoint { bytes: GIB, gbps: peak, spread: None },
         ]
     };
-    let pageable = |peak: f64| curve((peak * 0.3).min(15.0));
+    let pageable = curve(s.pcie_measured_gbps * e.pcie_pageable);
     let threads = s.cores;
     let dram = [1, threads / 4, threads / 2, threads]
         .into_iter()
@@ -322,6 +350,25 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         gpu_ops.push(row(0, gpu_t, None));
         cpu_ops.push(row(threads, cpu_t, Some(cpu_t / e.dram_under_dma)));
     }
+    // Decode attention without flash attention on the CPU: each query head streams its KV head again (4 query
+    // heads per KV head in the row), at `cpu_attn_materialized` of that roofline.
+    {
+        let (n, keys) = (4096u64, 16384u64);
+        let bytes = 8.0 * n as f64 + (keys * n) as f64 * 4.0;
+        let t = bytes / dram_gbps / e.cpu_attn_materialized;
+        cpu_ops.push(OpRow {
+            op: OpClass::AttentionMaterialized,
+            dtype: DType::F16,
+            n,
+            k: keys,
+            tokens: 1,
+            threads,
+            time_ns: t.ceil() as u64,
+            time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
+            spread: None,
+            kv_heads: None,
+        });
+    }
     Some(Profile {
         schema_version: PROFILE_SCHEMA_VERSION,
         machine: Machine {
@@ -338,10 +385,12 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             calibration: format!(
                 "{}: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
-                 DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at 30% of that (≤ 15 GB/s); \
+                 DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at {:.0}%; \
                  a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
                  roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
-                 prefill); GPU experts read the routing on the device (llama.cpp)",
+                 prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); a CPU \
+                 routed expert costs {:.1} µs beyond its bytes; GPU experts read the routing on the device \
+                 (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
@@ -351,19 +400,22 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 s.cores,
                 e.dram_under_dma * 100.0,
                 e.pcie_achieved * 100.0,
+                e.pcie_pageable * 100.0,
                 e.host_sync_us,
                 e.launch_us,
                 e.gpu_attn * 100.0,
                 e.gpu_attn_prefill * 100.0,
                 e.cpu_attn * 100.0,
+                e.cpu_attn_materialized * 100.0,
+                e.cpu_expert_us,
             ),
             fit: None,
         },
         pcie: PcieProfile {
             h2d_pinned: curve(pcie),
             d2h_pinned: curve(pcie),
-            h2d_pageable: pageable(pcie),
-            d2h_pageable: pageable(pcie),
+            h2d_pageable: pageable.clone(),
+            d2h_pageable: pageable,
             bidirectional_gbps: pcie * 1.8,
             copy_latency_ns: 8_000,
             h2d_under_compute_gbps: None,
@@ -387,6 +439,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
         // The paper's runtime is llama.cpp, whose CUDA expert kernels take the expert ids on the device.
         expert_ids_on_device: true,
+        cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         runtime_overhead_bytes: 500 * MIB,
         measurements: Vec::new(),
         notes: Vec::new(),
@@ -446,6 +499,7 @@ mod tests {
                     keys,
                     scanned_keys: keys,
                     decode: tokens == 1,
+                    materialized: false,
                 },
                 unit: UnitId::Kv { layer: 0 },
                 tokens,
@@ -470,6 +524,28 @@ mod tests {
                 op.tokens
             );
         }
+    }
+
+    #[test]
+    fn a_cpu_routed_expert_pays_its_fixed_cost_on_the_cpu_only() {
+        use crate::cost::{CostModel, OpContext, TableCostModel};
+        use crate::workload::{OpKind, ops};
+        let spec = crate::catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = crate::inventory::Inventory::new(&spec);
+        let w = crate::workload::Workload::single(1000, 4096, 8, 1024);
+        let all = ops(&spec, &inv, &w, w.decode_step(0));
+        let experts = all.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+        let OpKind::Experts { touched, .. } = experts.kind else { unreachable!() };
+        let cost = |us: f64| {
+            TableCostModel::new(
+                &derived_with("cli3", &Efficiencies { cpu_expert_us: us, ..DEFAULT_EFFICIENCIES }).unwrap(),
+            )
+        };
+        let (a, b) = (cost(1.0), cost(51.0));
+        let cpu = OpContext::cpu(16);
+        let extra = b.op_ns(experts, cpu) as f64 - a.op_ns(experts, cpu) as f64;
+        assert!((extra - touched * 50_000.0).abs() < 2.0, "{extra} for {touched} experts");
+        assert_eq!(a.op_ns(experts, OpContext::gpu()), b.op_ns(experts, OpContext::gpu()));
     }
 
     #[test]

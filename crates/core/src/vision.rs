@@ -219,6 +219,7 @@ pub fn encoder_ops(
                 keys: n,
                 scanned_keys: n,
                 decode: false,
+                materialized: attention != VisionAttention::Flash,
             },
             unit,
             tokens: n,

@@ -34,11 +34,16 @@ pub struct Workload {
     /// each query, masking the other sequences' cells (see [`OpKind::Attention`]). Irrelevant for one request.
     #[serde(default)]
     pub kv_unified: bool,
-    /// The host copy of the weights is pageable: llama.cpp maps the model file and, unless
-    /// `GGML_CUDA_REGISTER_HOST` is set (the paper's scripts unset it for their baselines), never pins it, so op
-    /// offload's weight copies run at the pageable rate. Pipelined sharding pins its host weights.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub pageable_weights: bool,
+    /// Host copies of the weights and of CPU-resident KV are pageable: stock llama.cpp maps the model file and
+    /// allocates its CPU cache with malloc, so op offload's per-ubatch copies are staged by the driver at the
+    /// pageable rate. Our executor and the paper's runtime page-lock them (the default).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub host_pageable: bool,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Workload {
@@ -54,7 +59,7 @@ impl Workload {
             kv_dtype: DType::F16,
             flash_attn: true,
             kv_unified: false,
-            pageable_weights: false,
+            host_pageable: false,
         }
     }
 
@@ -194,6 +199,10 @@ pub enum OpClass {
     AttentionDecode,
     /// [`OpClass::AttentionDecode`] over one unified cache: each query scans all `tokens × k` cells, masked.
     AttentionDecodeUnified,
+    /// One decode query's attention without flash attention (scores materialised, ggml's `mul_mat` pair with
+    /// each KV head broadcast over its query heads). Only derived CPU rows time it; elsewhere it borrows the
+    /// [`OpClass::Attention`] rows.
+    AttentionMaterialized,
 }
 
 /// What an op is, with the shape facts a cost model needs.
@@ -221,6 +230,10 @@ pub enum OpKind {
         /// A decode step: `tokens` queries, one of each sequence (else one sequence's causal chunk).
         #[serde(default)]
         decode: bool,
+        /// Without flash attention: the scores are materialised by two matmuls, which broadcast each KV head
+        /// over its query heads.
+        #[serde(default, skip_serializing_if = "is_false")]
+        materialized: bool,
     },
     Activation,
     Add,
@@ -269,6 +282,7 @@ impl OpKind {
             OpKind::Attention { decode: true, keys, scanned_keys, .. } if tokens > 1 => {
                 if scanned_keys > keys { OpClass::AttentionDecodeUnified } else { OpClass::AttentionDecode }
             }
+            OpKind::Attention { decode: true, materialized: true, .. } => OpClass::AttentionMaterialized,
             k => k.class(),
         }
     }
@@ -312,6 +326,23 @@ impl Op {
     #[must_use]
     pub fn bytes(&self) -> f64 {
         self.weight_bytes + self.act_bytes + self.kv_bytes
+    }
+
+    /// Bytes `device` moves: [`Op::bytes`], except that the CPU's materialised decode attention reads each KV
+    /// head once per query head of its group (ggml's CPU `mul_mat` broadcasts `K` and `V` over the query heads
+    /// and streams them again for each; the paper's baseline TPS at 16K–64K falls with the query heads, not
+    /// the KV bytes: ≈ 10 GB/s of KV for nemo-8b's 4 query heads per KV head, ≈ 5.5 for qwen3-30b-a3b's 8,
+    /// ≈ 2.8 for qwen3-235b-a22b's 16).
+    #[must_use]
+    pub fn bytes_on(&self, device: crate::cost::Device) -> f64 {
+        match self.kind {
+            OpKind::Attention { q_heads, kv_heads, decode: true, materialized: true, .. }
+                if device == crate::cost::Device::Cpu && kv_heads > 0 =>
+            {
+                self.bytes() + self.kv_bytes * (f64::from(q_heads / kv_heads) - 1.0).max(0.0)
+            }
+            _ => self.bytes(),
+        }
     }
 
     /// FLOPs per byte moved.
@@ -427,6 +458,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
                 keys,
                 scanned_keys,
                 decode: matches!(phase, Phase::Decode { .. }),
+                materialized: !w.flash_attn,
             },
             unit: UnitId::Kv { layer: il },
             tokens: m,
@@ -609,6 +641,35 @@ mod tests {
         // 16 sequences of 32 heads: 4096 warps at 8 splits; a prefill chunk does not split.
         assert_eq!(attention_key_splits(4096, 16, true, 32), 8);
         assert_eq!(attention_key_splits(4096, 512, false, 32), 1);
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // the same sums, computed the same way
+    fn materialised_cpu_decode_attention_reads_kv_once_per_query_head() {
+        use crate::cost::{CostModel, Device, OpContext, TableCostModel};
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let fused = Workload::single(16_000, 16_384, 8, 1024);
+        let materialized = Workload { flash_attn: false, ..fused };
+        let attention = |w: &Workload, phase: Phase| {
+            *ops(&spec, &inv, w, phase).iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let (f, m) =
+            (attention(&fused, fused.decode_step(0)), attention(&materialized, fused.decode_step(0)));
+        let group = f64::from(spec.text.n_heads / spec.text.n_kv_heads);
+        assert_eq!(group, 8.0);
+        assert!(matches!(m.kind, OpKind::Attention { materialized: true, .. }));
+        assert_eq!(m.kind.row_class(1), OpClass::AttentionMaterialized);
+        // The CPU streams each KV head once per query head; the GPU and flash attention read it once.
+        assert!((m.bytes_on(Device::Cpu) - m.bytes() - (group - 1.0) * m.kv_bytes).abs() < 1.0);
+        assert_eq!(m.bytes_on(Device::Gpu), m.bytes());
+        assert_eq!(f.bytes_on(Device::Cpu), f.bytes());
+        // A prefill chunk is not a decode query: no materialised-decode row for it.
+        let chunk = attention(&materialized, materialized.prefill_chunks()[0]);
+        assert_eq!(chunk.bytes_on(Device::Cpu), chunk.bytes());
+        // Priced by the derived rows: materialised decode on the CPU costs more than the fused kernel.
+        let cost = TableCostModel::new(&crate::reference::derived("cli3").unwrap());
+        assert!(cost.op_ns(&m, OpContext::cpu(16)) > cost.op_ns(&f, OpContext::cpu(16)));
     }
 
     #[test]

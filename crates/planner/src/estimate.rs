@@ -353,8 +353,9 @@ pub struct Estimator {
     pub gen_tokens: u64,
     /// Weight bytes by inventory position.
     pub unit_bytes: Vec<u64>,
-    /// Per unit, the weights op offload stages in VRAM at once when the unit is CPU-resident: those of all its
-    /// offloaded prefill ops (a layer's CPU routed experts are staged together: their count × one expert).
+    /// Per unit, the bytes op offload stages in VRAM at once when the unit is CPU-resident: the weights of all
+    /// its offloaded prefill ops (a layer's CPU routed experts are staged together: their count × one expert),
+    /// for a KV unit the cache view its attention reads in the last chunk.
     pub offload_stage_bytes: Vec<u64>,
 }
 
@@ -778,12 +779,12 @@ impl Ctx<'_> {
             if !seen[pos] {
                 seen[pos] = true;
                 // One copy of the unit's weights (`copy_ns` is its pinned H2D copy).
-                let copy_ns = if self.w.pageable_weights {
+                let copy = if self.w.host_pageable {
                     self.cost.h2d_ns(self.inv.units[pos].weight_bytes, false) as f64
                 } else {
                     units[pos].copy_ns
                 };
-                units[pos].offload_ns += count * copy_ns;
+                units[pos].offload_ns += count * copy;
             }
         };
         for op in step_ops.iter().filter(|o| is_matmul(o)) {
@@ -854,12 +855,19 @@ impl Ctx<'_> {
                     .expect("every layer has attention")
             });
             let (gpu, cpu) = times.of(&op);
+            // Under op offload a CPU layer's attention runs on the GPU after a copy of the cache view it reads
+            // (as the simulator models ggml's scheduler).
+            let offloaded = (tokens >= OP_OFFLOAD_MIN_TOKENS).then(|| {
+                let bytes = op.kv_bytes as u64;
+                (gpu + self.cost.h2d_ns(bytes, !self.w.host_pageable) as f64, bytes)
+            });
             for l in &self.st.layers {
                 let u = &mut units[l.kv];
                 u.gpu_ns += gpu;
                 u.cpu_ns += cpu;
-                u.offload_ns += cpu;
+                u.offload_ns += offloaded.map_or(cpu, |o| o.0);
                 u.cpu_dram_bytes += op.bytes();
+                stage[l.kv] = stage[l.kv].max(offloaded.map_or(0, |o| o.1));
             }
         }
         let costs = PhaseCosts {

@@ -38,6 +38,14 @@ pub const MAX_JUDGED_DEPTH: u32 = 128;
 /// Prefill candidates the estimator finds more than this many times slower than the fastest are not simulated.
 pub const PRUNE_FACTOR: f64 = 2.0;
 
+/// Pairs within this fraction of the best judged pair have their decode judged again with the sampling the
+/// tables use ([`SimOptions::default`]): two decode samples cannot tell pairs 0.1% apart, which the tables
+/// can. (Prefill keeps its judged time: re-simulating it cost the qwen3-235b-a22b bench ≈ 10%.)
+pub const NEAR_TIE: f64 = 0.005;
+
+/// At most this many near-tied pairs are judged again (the best first).
+pub const MAX_REJUDGED: usize = 4;
+
 /// A candidate layout of one phase; prefill ones may run llama.cpp's op offload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
@@ -239,33 +247,22 @@ impl Judge<'_> {
                 }
             }
         }
-        let gen_tokens = self.workload.gen_tokens as f64;
-        // The objective of a pair; ties on the objective's phase are broken by E2EL. It grows with either
-        // phase's time, so a lower bound of a prefill's time bounds its pairs' values.
-        let value = |prefill_ns: f64, switch_ns: f64, decode_ns: f64| {
-            let e2el = prefill_ns + switch_ns + decode_ns;
-            match self.objective {
-                Objective::E2el => e2el,
-                Objective::Ttft => prefill_ns + 1e-6 * e2el,
-                Objective::Tps => decode_ns / gen_tokens.max(1.0) + 1e-6 * e2el,
-            }
-        };
         let dec: Vec<Timed> = jobs[1]
             .par_iter()
             .filter_map(|(c, partner, k)| {
-                match self.simulate(planner, PhaseKind::Decode, partner, c, None)? {
+                match self.simulate(planner, PhaseKind::Decode, partner, c, &JUDGE_OPTIONS, None)? {
                     Judged::Simulated(ns) => Some(Timed { candidate: c.clone(), ns, source: *k }),
                     Judged::Beaten => None,
                 }
             })
             .collect();
-        // A pair is kept below only if it beats the best so far, which is at most the value of any pair seen
-        // before: so a prefill candidate whose time provably gives no pair below the best pair of an earlier
-        // candidate is not simulated to the end, only counted. Candidates go in waves of one per thread, each
-        // wave bounded by the candidates before it.
+        // The best pair is at most the value of any pair seen before, and only pairs within NEAR_TIE of the best
+        // are judged again: so a prefill candidate whose time provably gives no pair within NEAR_TIE of the best
+        // pair of an earlier candidate is not simulated to the end, only counted. Candidates go in waves of one
+        // per thread, each wave bounded by the candidates before it.
         let pair_value = |a: &Layout, a_ns: f64| {
             dec.iter()
-                .map(|b| value(a_ns, self.switch_ns(a, &b.candidate.layout), b.ns))
+                .map(|b| self.value(a_ns, self.switch_ns(a, &b.candidate.layout), b.ns))
                 .fold(f64::INFINITY, f64::min)
         };
         let mut pre: Vec<Timed> = Vec::new();
@@ -274,8 +271,16 @@ impl Judge<'_> {
             let judged: Vec<(Judged, &Candidate, usize)> = wave
                 .par_iter()
                 .filter_map(|(c, partner, k)| {
-                    let beaten = |bound_ns: f64| pair_value(&c.layout, bound_ns) >= cutoff;
-                    Some((self.simulate(planner, PhaseKind::Prefill, c, partner, Some(&beaten))?, c, *k))
+                    let beaten = |bound_ns: f64| pair_value(&c.layout, bound_ns) >= cutoff * (1.0 + NEAR_TIE);
+                    let judged = self.simulate(
+                        planner,
+                        PhaseKind::Prefill,
+                        c,
+                        partner,
+                        &JUDGE_OPTIONS,
+                        Some(&beaten),
+                    )?;
+                    Some((judged, c, *k))
                 })
                 .collect();
             for (judged, c, source) in judged {
@@ -288,15 +293,37 @@ impl Judge<'_> {
                 }
             }
         }
-        let mut best: Option<(f64, usize, usize)> = None;
+        let mut values = Vec::with_capacity(pre.len() * dec.len());
         for (i, a) in pre.iter().enumerate() {
             for (j, b) in dec.iter().enumerate() {
-                let v = value(a.ns, self.switch_ns(&a.candidate.layout, &b.candidate.layout), b.ns);
-                // A later candidate must win clearly: the first ones are the searches' own, and equal times
-                // would otherwise pick a deeper ring for nothing.
-                if best.is_none_or(|(bv, ..)| v < bv * (1.0 - 1e-4)) {
-                    best = Some((v, i, j));
-                }
+                let switch = self.switch_ns(&a.candidate.layout, &b.candidate.layout);
+                values.push((self.value(a.ns, switch, b.ns), i, j));
+            }
+        }
+        let mut best = first_clear_best(&values);
+        if let Some((v, ..)) = best {
+            // Near ties, best first, their decode judged again over more steps; the pair order (source order)
+            // still breaks ties, so the choice stays deterministic.
+            let mut near: Vec<(f64, usize, usize)> =
+                values.iter().copied().filter(|(x, ..)| *x <= v * (1.0 + NEAR_TIE)).collect();
+            if near.len() > 1 {
+                near.sort_by(|a, b| a.0.total_cmp(&b.0));
+                near.truncate(MAX_REJUDGED);
+                near.sort_by_key(|&(_, i, j)| (i, j));
+                let full = SimOptions::default();
+                let rejudged: Vec<(f64, usize, usize)> = near
+                    .par_iter()
+                    .filter_map(|&(_, i, j)| {
+                        let (a, b) = (&pre[i].candidate, &dec[j].candidate);
+                        let Judged::Simulated(d) =
+                            self.simulate(planner, PhaseKind::Decode, a, b, &full, None)?
+                        else {
+                            return None;
+                        };
+                        Some((self.value(pre[i].ns, self.switch_ns(&a.layout, &b.layout), d), i, j))
+                    })
+                    .collect();
+                best = first_clear_best(&rejudged).or(best);
             }
         }
         let Some((_, i, j)) = best else {
@@ -320,19 +347,31 @@ impl Judge<'_> {
         (a.candidate.clone(), b.candidate.clone(), note)
     }
 
+    /// The objective's value of a pair: prefill time, switch and decode time (ties on the objective's phase
+    /// broken by E2EL).
+    fn value(&self, prefill_ns: f64, switch_ns: f64, decode_ns: f64) -> f64 {
+        let e2el = prefill_ns + switch_ns + decode_ns;
+        match self.objective {
+            Objective::E2el => e2el,
+            Objective::Ttft => prefill_ns + 1e-6 * e2el,
+            Objective::Tps => decode_ns / (self.workload.gen_tokens as f64).max(1.0) + 1e-6 * e2el,
+        }
+    }
+
     fn switch_ns(&self, prefill: &Layout, decode: &Layout) -> f64 {
         let bytes = self.est.switch_bytes(prefill, decode);
         if bytes == 0 { 0.0 } else { self.cost.h2d_ns(bytes, true) as f64 }
     }
 
-    /// The simulated time of `phase` in the plan of `prefill` and `decode` (`None` if the plan cannot be
-    /// simulated); in prefill, not simulated when `beaten` holds for a lower bound of it.
+    /// The simulated time of `phase` in the plan of `prefill` and `decode` under `opts` (`None` if the plan
+    /// cannot be simulated); in prefill, not simulated when `beaten` holds for a lower bound of it.
     fn simulate(
         &self,
         planner: &str,
         phase: PhaseKind,
         prefill: &Candidate,
         decode: &Candidate,
+        opts: &SimOptions,
         beaten: Option<&dyn Fn(f64) -> bool>,
     ) -> Option<Judged> {
         let d = Decision::searched(self.est, prefill.layout.clone(), decode.layout.clone(), Vec::new())
@@ -340,12 +379,24 @@ impl Judge<'_> {
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
         if let (PhaseKind::Prefill, Some(beaten)) = (phase, beaten)
-            && beaten(sim.prefill_lower_bound_ns(&JUDGE_OPTIONS) as f64)
+            && beaten(sim.prefill_lower_bound_ns(opts) as f64)
         {
             return Some(Judged::Beaten);
         }
-        Some(Judged::Simulated(sim.phase_ns(phase, &JUDGE_OPTIONS) as f64))
+        Some(Judged::Simulated(sim.phase_ns(phase, opts) as f64))
     }
+}
+
+/// The first of `(value, …)` that no later one beats clearly: the first candidates are the searches' own, and
+/// equal times would otherwise pick a deeper ring for nothing, so a later one must win by 0.01%.
+fn first_clear_best(values: &[(f64, usize, usize)]) -> Option<(f64, usize, usize)> {
+    let mut best: Option<(f64, usize, usize)> = None;
+    for &x in values {
+        if best.is_none_or(|(v, ..)| x.0 < v * (1.0 - 1e-4)) {
+            best = Some(x);
+        }
+    }
+    best
 }
 
 /// `layout` with every streamed unit and expert on the CPU instead (no ring).

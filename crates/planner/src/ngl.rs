@@ -5,7 +5,12 @@
 //!   `N > n_layers` (llama.cpp counts it as layer `n_layers`); the token embedding always stays on the CPU.
 //! - No streaming and no pipelining. In prefill, steps of at least
 //!   [`OP_OFFLOAD_MIN_TOKENS`] tokens run the matmuls of CPU-resident
-//!   layers on the GPU after copying their weights, every ubatch, without overlap (llama.cpp's op offload).
+//!   layers on the GPU after copying their weights, every ubatch, without overlap (llama.cpp's op offload),
+//!   and their attention too, after copying the cache view it reads (ggml's scheduler expands the offloaded
+//!   projections' GPU assignment to the weightless attention ops between them).
+//! - **Pageable host memory** (`host_pageable`): llama.cpp maps the model file (`--mmap`, the default, under
+//!   which it does not use its pinned host buffer) and mallocs the CPU layers' cache, so those copies go at
+//!   the pageable rate.
 //! - **Flash attention off**, as in the paper's single-request baseline: the plan's workload has
 //!   `flash_attn = false`, so the score matrix counts in scratch and attention time. [`Ngl::flash_attn`] turns
 //!   it on (the batched runs of Table 9 / Figure 7 pass `-fa` to both sides; the executor implements flash
@@ -61,7 +66,7 @@ impl Planner for Ngl {
         budget_bytes: u64,
     ) -> Result<Plan, PlanError> {
         workload.validate()?;
-        let w = Workload { flash_attn: self.flash_attn, kv_unified: false, ..*workload };
+        let w = Workload { flash_attn: self.flash_attn, kv_unified: false, host_pageable: true, ..*workload };
         let inv = Inventory::shared(spec);
         let est = Estimator::new(spec, &inv, &w, cost);
         let model = Offload::new(spec, &w, &est, self.reserve_cpu_head);

@@ -85,7 +85,7 @@ fn the_stock_baseline_reserves_its_cpu_head_and_copies_pageable_weights() {
     let vision = plan_vision(&spec, &inv, image, &VlmOptions::stock(), &cost, 64 * GIB).unwrap();
     let prompt = TEXT.before_image + vision.grid.tokens() + TEXT.after_image;
     let pinned = Workload::single(prompt, 4096, 100, 512);
-    let pageable = Workload { pageable_weights: true, ..pinned };
+    let pageable = Workload { host_pageable: true, ..pinned };
     let ngl = |n, reserve_cpu_head, w: &Workload| {
         Ngl { fixed_layers: Some(n), reserve_cpu_head, ..Ngl::default() }
             .plan(&spec, w, &cost, 64 * GIB)

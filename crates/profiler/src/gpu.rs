@@ -827,6 +827,7 @@ pub fn measure_all(
         host_sync_ns: sync.median.round() as u64,
         // The executor reads the routing on the host before any GPU expert runs.
         expert_ids_on_device: false,
+        cpu_expert_ns: 0,
         runtime_overhead_bytes,
         measurements: Vec::new(),
         notes: Vec::new(),

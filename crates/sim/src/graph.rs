@@ -324,10 +324,12 @@ impl CostKey {
     fn new(op: &Op, device: Device) -> CostKey {
         let kind = match op.kind {
             OpKind::MatMul { n, k } => [1, n, k, 0, 0, 0],
-            OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys, decode } => {
-                // Heads fit in 32 bits each: one word holds both, and the kind word says decode or prefill.
+            OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys, decode, materialized } => {
+                // Heads fit in 32 bits each: one word holds both; the kind word says decode or prefill, and
+                // materialised or fused.
                 let heads = u64::from(q_heads) << 32 | u64::from(kv_heads);
-                [if decode { 100 } else { 2 }, heads, head_dim, keys, scanned_keys, 0]
+                let kind = if decode { 100 } else { 2 } + if materialized { 1000 } else { 0 };
+                [kind, heads, head_dim, keys, scanned_keys, 0]
             }
             OpKind::Router { n_experts, top_k } => [3, u64::from(n_experts), u64::from(top_k), 0, 0, 0],
             OpKind::Experts { n_experts, touched, tokens_per_touched, ffn, hidden } => {
@@ -498,8 +500,8 @@ impl Builder<'_> {
 
     /// llama.cpp op offload: a serialised copy of `bytes` of `unit`'s CPU-resident weights, after `prev`. A
     /// unit's staged weights stay in VRAM together until its last op has run (llama.cpp copies the inputs of a
-    /// graph split into its compute buffer at once; the executor stages the whole unit). At the pageable rate
-    /// when the workload's host weights are pageable.
+    /// graph split into its compute buffer at once; the executor stages the whole unit).
+    /// Stock llama.cpp copies from pageable memory (its mapped model file and malloc'd CPU cache).
     fn offload_copy(&mut self, op_index: usize, unit: UnitId, bytes: u64, prev: Option<u32>) -> u32 {
         let staged = match self.staged_unit {
             Some((u, b)) if u == unit => b + bytes,
@@ -507,7 +509,7 @@ impl Builder<'_> {
         };
         self.staged_unit = Some((unit, staged));
         self.offload_peak_bytes = self.offload_peak_bytes.max(staged);
-        let d = if self.ctx.workload.pageable_weights {
+        let d = if self.ctx.workload.host_pageable {
             self.ctx.cost.h2d_ns(bytes, false)
         } else {
             self.copy_ns(true, bytes)
@@ -525,6 +527,14 @@ impl Builder<'_> {
         self.offload_phase(op) && op.weight_bytes > 0.0 && !matches!(op.kind, OpKind::Embed)
     }
 
+    /// Under op offload, a CPU-resident layer's attention runs on the GPU too, after copying the cache view it
+    /// reads: ggml's scheduler leaves the attention ops (which read no weights) unassigned and expands the GPU
+    /// assignment of the offloaded output projection up to them (`ggml_backend_sched_split_graph`, pass 2), so
+    /// the K and V views of the host cache become inputs of a GPU split, copied every ubatch and layer.
+    fn offloads_attention(&self, op: &Op) -> bool {
+        self.offload_phase(op) && matches!(op.kind, OpKind::Attention { .. })
+    }
+
     /// Under op offload, an op with neither weights nor KV runs where its input is (ggml's scheduler expands
     /// assignments to such ops from their neighbours).
     fn follows_input(&self, op: &Op) -> bool {
@@ -535,7 +545,7 @@ impl Builder<'_> {
     fn device_of(&self, op: &Op, prev: Option<u32>) -> Device {
         match self.view.placement(op.unit) {
             Placement::Pinned | Placement::Streamed => Device::Gpu,
-            Placement::Cpu if self.offloads(op) => Device::Gpu,
+            Placement::Cpu if self.offloads(op) || self.offloads_attention(op) => Device::Gpu,
             Placement::Cpu if self.follows_input(op) => prev.map_or(Device::Cpu, |p| self.device(p)),
             Placement::Cpu => Device::Cpu,
         }
@@ -827,6 +837,9 @@ pub(crate) fn build_with(
             }
             if placement == Placement::Cpu && b.offloads(op) {
                 deps.push(b.offload_copy(i, op.unit, op.weight_bytes as u64, prev));
+            } else if placement == Placement::Cpu && b.offloads_attention(op) {
+                // The cells the chunk reads, its own new ones included (written to the host cache first).
+                deps.push(b.offload_copy(i, op.unit, op.kv_bytes as u64, prev));
             }
             let t = b.compute(i, OpShare::Whole, op, dev, deps.as_slice());
             if let Some(it) = item {

@@ -6,7 +6,7 @@ use common::{FixedCost, PhaseShape, plan, small, uniform};
 use pipeshard_core::cost::{CostModel, Device, OpContext};
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::{self, Op, Phase, Workload};
+use pipeshard_core::workload::{self, Op, OpKind, Phase, Workload};
 use pipeshard_sim::graph::TaskKind;
 use pipeshard_sim::{Lane, Simulator};
 
@@ -297,7 +297,11 @@ fn op_offload_copies_cpu_weights_then_computes_serially() {
         offloaded += 1;
         let op = &g.ops[op as usize];
         assert_eq!(op.unit.layer(), Some(0), "only layer 0 is CPU-resident");
-        assert_eq!(g.tasks[t as usize].bytes, op.weight_bytes as u64);
+        // Weights for the matmuls and norms; the attention copies the cache view it reads (ggml's scheduler
+        // runs it on the GPU between the offloaded projections).
+        let want = if matches!(op.kind, OpKind::Attention { .. }) { op.kv_bytes } else { op.weight_bytes };
+        assert!(want > 0.0, "{}", op.unit);
+        assert_eq!(g.tasks[t as usize].bytes, want as u64);
         // The copy starts after the previous op ended, and its op runs on the GPU after it.
         let user = (0..g.tasks.len() as u32).find(|&u| g.deps(u).contains(&t)).unwrap();
         assert_eq!(g.device(user), Some(Device::Gpu));
@@ -306,8 +310,8 @@ fn op_offload_copies_cpu_weights_then_computes_serially() {
             assert!(o.start_ns[t as usize] >= o.end_ns[d as usize]);
         }
     }
-    // q, k, v, o, up, down and both norms of layer 0.
-    assert_eq!(offloaded, 8);
+    // q, k, v, o, up, down, both norms and the attention of layer 0.
+    assert_eq!(offloaded, 9);
     // A unit's staged weights stay together until its last op: the larger of layer 0's attention and FFN
     // (their matrices and norm weights; the unit also holds norm biases of a few KiB).
     let staged = |u: UnitId| -> u64 {
@@ -315,12 +319,12 @@ fn op_offload_copies_cpu_weights_then_computes_serially() {
             TaskKind::Offload { op } => Some(&g.ops[op as usize]),
             _ => None,
         });
-        ops.filter(|op| op.unit == u).map(|op| op.weight_bytes as u64).sum()
+        ops.filter(|op| op.unit == u).map(|op| (op.weight_bytes + op.kv_bytes) as u64).sum()
     };
-    let (attn, ffn) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 });
+    let (attn, ffn, kv) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 }, UnitId::Kv { layer: 0 });
     assert_eq!(
         g.offload_peak_bytes,
-        staged(attn).max(staged(ffn)),
+        staged(attn).max(staged(ffn)).max(staged(kv)),
         "the largest offloaded unit sits in scratch"
     );
     for u in [attn, ffn] {
