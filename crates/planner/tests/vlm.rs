@@ -107,8 +107,13 @@ fn the_stock_baseline_reserves_its_cpu_head_and_copies_pageable_weights() {
         |plan| simulate_request(&spec, &inv, &vision, &plan, TEXT, Handover::Overlapping, &cost).unwrap();
     let m = run(with.clone());
     assert_eq!(m.language_peak_bytes, with.prefill.vram.total());
-    // Pageable weights: every image chunk copies each layer's FFN at the pageable rate instead of the pinned.
+    // Pageable weights (`ngl` plans stock llama.cpp's mapped, unpinned weights): every image chunk copies each
+    // layer's FFN at the pageable rate instead of the pinned one of the same plan with its host memory pinned.
     let slow = run(ngl(0, true, &pageable));
+    assert!(with.workload.host_pageable, "ngl plans pageable host memory whatever the workload says");
+    let mut pinned_plan = with.clone();
+    pinned_plan.workload.host_pageable = false;
+    let m = run(pinned_plan);
     let ffn = inv.unit_bytes(UnitId::Ffn { layer: 0 });
     let chunks = vision.grid.tokens().div_ceil(512);
     let floor = chunks * u64::from(spec.text.n_layers) * (cost.h2d_ns(ffn, false) - cost.h2d_ns(ffn, true));
