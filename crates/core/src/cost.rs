@@ -635,62 +635,17 @@ mod tests {
         assert_eq!(m.op_ns(&prefill, OpContext::gpu()), old.op_ns(&prefill, OpContext::gpu()));
     }
 
-    /// A KV head shared by 8 query heads (qwen3) is priced from rows of that grouping, not from rows where 4
-    /// share one (llama): the kernel's time follows its KV bytes and how its warps share them.
-    #[test]
-    fn attention_takes_the_rows_of_its_head_grouping() {
+    /// The measured H200 profile without its attention rows, for tests that add their own.
+    fn h200_without_attention() -> Profile {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
         let mut p = Profile::load(&path).unwrap();
         p.gpu.ops.retain(|r| r.op != OpClass::Attention);
-        let row = |kv_heads: u32, time_ns: u64| OpRow {
-            op: OpClass::Attention,
-            dtype: DType::F16,
-            n: 4096,
-            k: 4096,
-            tokens: 1,
-            threads: 0,
-            time_ns,
-            time_ns_under_dma: None,
-            spread: None,
-            kv_heads: Some(kv_heads),
-        };
-        p.gpu.ops.push(row(8, 200_000));
-        p.gpu.ops.push(row(4, 60_000));
-        let m = TableCostModel::new(&p);
-        let decode_attention = |name: &str| {
-            let spec = catalog::get(name).unwrap().truncated(1).unwrap();
-            let inv = Inventory::new(&spec);
-            let w = Workload::single(4095, 4200, 8, 1024);
-            let op = *ops(&spec, &inv, &w, w.decode_step(0))
-                .iter()
-                .find(|o| matches!(o.kind, OpKind::Attention { .. }))
-                .unwrap();
-            m.op_ns(&op, OpContext::gpu()) as f64
-        };
-        let (llama, qwen3) = (decode_attention("llama-3.1-8b"), decode_attention("qwen3-30b-a3b"));
-        assert!((llama / 200e3 - 1.0).abs() < 0.02, "32 query heads on 8 KV heads: {llama} ns");
-        assert!((qwen3 / 60e3 - 1.0).abs() < 0.02, "32 query heads on 4 KV heads: {qwen3} ns");
-        // Rows that do not say are taken as 4 query heads per KV head, as profiles before the field were.
-        p.gpu.ops.retain(|r| r.op != OpClass::Attention);
-        p.gpu.ops.push(OpRow { kv_heads: None, ..row(8, 200_000) });
-        let unsaid = TableCostModel::new(&p);
-        let spec = catalog::get("llama-3.1-8b").unwrap().truncated(1).unwrap();
-        let inv = Inventory::new(&spec);
-        let w = Workload::single(4095, 4200, 8, 1024);
-        let op = *ops(&spec, &inv, &w, w.decode_step(0))
-            .iter()
-            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
-            .unwrap();
-        assert_eq!(unsaid.op_ns(&op, OpContext::gpu()), m.op_ns(&op, OpContext::gpu()));
+        p
     }
 
-    /// A prefill chunk is priced from the prefill rows even where a one-token decode row's key count is nearer.
-    #[test]
-    fn prefill_attention_takes_prefill_rows_over_nearer_decode_rows() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
-        let mut p = Profile::load(&path).unwrap();
-        p.gpu.ops.retain(|r| r.op != OpClass::Attention);
-        let row = |k: u64, tokens: u64, time_ns: u64| OpRow {
+    /// A GPU attention row of 32 query heads (n = 32 × 128) over `k` keys.
+    fn attention_row(k: u64, tokens: u64, time_ns: u64, kv_heads: Option<u32>) -> OpRow {
+        OpRow {
             op: OpClass::Attention,
             dtype: DType::F16,
             n: 4096,
@@ -700,18 +655,52 @@ mod tests {
             time_ns,
             time_ns_under_dma: None,
             spread: None,
-            kv_heads: Some(8),
-        };
-        p.gpu.ops.extend([row(2048, 1, 35_000), row(1792, 512, 2_700_000), row(3840, 512, 5_800_000)]);
-        let m = TableCostModel::new(&p);
-        let spec = catalog::get("llama-3.1-8b").unwrap().truncated(1).unwrap();
+            kv_heads,
+        }
+    }
+
+    /// The attention op of one layer of `name` in `phase` of `w`.
+    fn attention_op(name: &str, w: &Workload, phase: crate::workload::Phase) -> Op {
+        let spec = catalog::get(name).unwrap().truncated(1).unwrap();
         let inv = Inventory::new(&spec);
+        *ops(&spec, &inv, w, phase).iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+    }
+
+    /// A KV head shared by 8 query heads (qwen3) is priced from rows of that grouping, not from rows where 4
+    /// share one (llama): the kernel's time follows its KV bytes and how its warps share them.
+    #[test]
+    fn attention_takes_the_rows_of_its_head_grouping() {
+        let mut p = h200_without_attention();
+        p.gpu.ops.push(attention_row(4096, 1, 200_000, Some(8)));
+        p.gpu.ops.push(attention_row(4096, 1, 60_000, Some(4)));
+        let m = TableCostModel::new(&p);
+        let w = Workload::single(4095, 4200, 8, 1024);
+        let decode_attention = |name: &str| attention_op(name, &w, w.decode_step(0));
+        let (llama_op, qwen3_op) = (decode_attention("llama-3.1-8b"), decode_attention("qwen3-30b-a3b"));
+        let (llama, qwen3) =
+            (m.op_ns(&llama_op, OpContext::gpu()) as f64, m.op_ns(&qwen3_op, OpContext::gpu()) as f64);
+        assert!((llama / 200e3 - 1.0).abs() < 0.02, "32 query heads on 8 KV heads: {llama} ns");
+        assert!((qwen3 / 60e3 - 1.0).abs() < 0.02, "32 query heads on 4 KV heads: {qwen3} ns");
+        // Rows that do not say are taken as 4 query heads per KV head, as profiles before the field were.
+        let mut unsaid = h200_without_attention();
+        unsaid.gpu.ops.push(attention_row(4096, 1, 200_000, None));
+        let unsaid = TableCostModel::new(&unsaid);
+        assert_eq!(unsaid.op_ns(&llama_op, OpContext::gpu()), m.op_ns(&llama_op, OpContext::gpu()));
+    }
+
+    /// A prefill chunk is priced from the prefill rows even where a one-token decode row's key count is nearer.
+    #[test]
+    fn prefill_attention_takes_prefill_rows_over_nearer_decode_rows() {
+        let mut p = h200_without_attention();
+        p.gpu.ops.extend([
+            attention_row(2048, 1, 35_000, Some(8)),
+            attention_row(1792, 512, 2_700_000, Some(8)),
+            attention_row(3840, 512, 5_800_000, Some(8)),
+        ]);
+        let m = TableCostModel::new(&p);
         // The third 1024-token chunk of a 4096-token prompt: 2560 keys on average, nearer 2048 than 1792.
         let w = Workload::single(4096, 4200, 8, 1024);
-        let op = *ops(&spec, &inv, &w, w.prefill_chunks()[2])
-            .iter()
-            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
-            .unwrap();
+        let op = attention_op("llama-3.1-8b", &w, w.prefill_chunks()[2]);
         let OpKind::Attention { keys, .. } = op.kind else { unreachable!() };
         // Compute-bound: the 1792-key chunk row's time scaled by query-key pairs.
         let want = 2.7e6 * (op.tokens * keys) as f64 / (512.0 * 1792.0);
