@@ -26,7 +26,7 @@ use pipeshard_exec::host::Elem;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{ExecError, RunOptions, RunOutput, lazy_load_reserve_bytes, runtime_overhead_bytes};
+use pipeshard_exec::{ExecError, LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, runtime_overhead_bytes};
 use pipeshard_planner::PlannerOptions;
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
@@ -310,7 +310,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             eprintln!(
                 "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve); profile {} assumed {}",
                 measured.runtime_overhead_bytes,
-                lazy_load_reserve_bytes(&Dims::new(&spec)?),
+                LAZY_LOAD_RESERVE_BYTES,
                 args.profile,
                 profile.runtime_overhead_bytes
             );

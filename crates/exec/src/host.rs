@@ -200,6 +200,28 @@ impl Elem {
         }
     }
 
+    /// Writes `xs` (rounded) as elements `0..xs.len()` of a byte slice holding this type, with one dispatch
+    /// per row like [`Elem::read_row`] (a prefill chunk's MoE activations are 2 M elements).
+    pub fn write_row(self, xs: &[f32], bytes: &mut [u8]) {
+        match self {
+            Elem::F32 => {
+                for (c, x) in bytes.chunks_exact_mut(4).zip(xs) {
+                    c.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            Elem::F16 => {
+                for (c, &x) in bytes.chunks_exact_mut(2).zip(xs) {
+                    c.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                }
+            }
+            Elem::Bf16 => {
+                for (c, &x) in bytes.chunks_exact_mut(2).zip(xs) {
+                    c.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+                }
+            }
+        }
+    }
+
     /// Writes `x` (rounded) as element `i` of a byte slice holding this type.
     pub fn write(self, bytes: &mut [u8], i: usize, x: f32) {
         match self {

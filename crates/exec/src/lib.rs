@@ -41,7 +41,7 @@
 //!   additions (measured: ≤ 1e-2 relative logits error between any two placements, ≤ 6.2e-3 against
 //!   transformers in float32).
 //! - One arena: after the context, cuBLAS (our own workspace) and the kernels are up and GEMM shapes are warmed,
-//!   the process VRAM is measured (device total − free) and `budget − overhead − lazy_load_reserve_bytes` is
+//!   the process VRAM is measured (device total − free) and `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is
 //!   allocated once with `cuMemAlloc`; the stream-ordered pool is never used. KV from the bottom, pinned weights
 //!   from the top, slots/staging/scratch between: a unit keeps its address across phases when both pin it.
 //! - The ring follows the core's `PhasePlan::stream_groups`: a streamed attention carries its streamed KV in
@@ -87,8 +87,5 @@ pub mod seqs;
 pub mod testing;
 pub mod weights;
 
-pub use engine::{
-    LAZY_LOAD_RESERVE_BYTES, MOE_LAZY_LOAD_EXTRA_BYTES, RunOptions, RunOutput, VramReport,
-    lazy_load_reserve_bytes, run, runtime_overhead_bytes,
-};
+pub use engine::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, VramReport, run, runtime_overhead_bytes};
 pub use error::{ExecError, Result};

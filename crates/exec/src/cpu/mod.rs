@@ -712,17 +712,30 @@ impl Routing {
         let m = logits.len() / n_experts;
         let mut experts = Vec::with_capacity(m * top_k);
         let mut weights = Vec::with_capacity(m * top_k);
+        let mut p = vec![0f32; n_experts];
+        // The best `top_k` so far, best first, kept by insertion rather than a sort of every row: a prefill
+        // chunk routes ~1000 rows on the host between two GPU steps (a full sort took 7 ms per layer on the H200).
+        let mut best: Vec<(f32, usize)> = Vec::with_capacity(top_k + 1);
         for row in logits.chunks_exact(n_experts) {
             let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let p: Vec<f32> = row.iter().map(|&l| (l - mx).exp()).collect();
+            for (pe, &l) in p.iter_mut().zip(row) {
+                *pe = (l - mx).exp();
+            }
             let sum: f32 = p.iter().sum();
-            let mut order: Vec<usize> = (0..n_experts).collect();
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let picked = &order[..top_k];
-            let total: f32 = picked.iter().map(|&e| p[e] / sum).sum();
-            for &e in picked {
+            best.clear();
+            for (e, &pe) in p.iter().enumerate() {
+                // Experts come in id order, so one that only ties the worst kept never displaces it.
+                if best.len() == top_k && best[top_k - 1].0.total_cmp(&pe).is_ge() {
+                    continue;
+                }
+                let at = best.partition_point(|&(q, _)| q.total_cmp(&pe).is_ge());
+                best.insert(at, (pe, e));
+                best.truncate(top_k);
+            }
+            let total: f32 = best.iter().map(|&(pe, _)| pe / sum).sum();
+            for &(pe, e) in &best {
                 experts.push(e as u32);
-                weights.push(if norm_topk_prob { p[e] / sum / total } else { p[e] / sum });
+                weights.push(if norm_topk_prob { pe / sum / total } else { pe / sum });
             }
         }
         Routing { top_k, experts, weights }
@@ -962,6 +975,24 @@ mod tests {
         assert_eq!(lists[0], vec![(0, r.weights[1])]);
         assert_eq!(lists[3], vec![(1, r.weights[3])]);
         assert!(lists[2].len() == 1 && lists[1].len() == 1);
+    }
+
+    proptest::proptest! {
+        /// The insertion top-k picks what a stable sort of the row by probability (then id) picks, ties and
+        /// all: the logits are drawn from a few values so that rows are full of ties.
+        #[test]
+        fn routing_picks_what_a_full_sort_picks(
+            levels in proptest::collection::vec(0u8..5, 128 * 3),
+            top_k in 1usize..=8,
+        ) {
+            let logits: Vec<f32> = levels.iter().map(|&l| f32::from(l) * 0.75).collect();
+            let r = Routing::from_logits(&logits, 128, top_k, true);
+            for (row, picked) in logits.chunks_exact(128).zip(r.experts.chunks_exact(top_k)) {
+                let mut order: Vec<u32> = (0..128).collect();
+                order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+                proptest::prop_assert_eq!(picked, &order[..top_k]);
+            }
+        }
     }
 
     #[test]
