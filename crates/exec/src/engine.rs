@@ -33,7 +33,7 @@ use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostRegistration, KernelKey, Ker
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
-use crate::seqs::{Pass, SeqKv};
+use crate::seqs::{GpuKeys, Pass, SeqKv};
 use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code the
@@ -84,7 +84,8 @@ pub struct VramReport {
     pub used: [VramBreakdown; 2],
     /// Bytes uploaded when switching from the prefill to the decode layout.
     pub switch_uploaded_bytes: u64,
-    /// Weight bytes left pageable (see [`RunOptions::pinned_limit_bytes`]).
+    /// Weight bytes left pageable (see [`RunOptions::pinned_limit_bytes`]; all of them for a plan whose workload
+    /// says `host_pageable`).
     #[serde(default)]
     pub pageable_weight_bytes: u64,
 }
@@ -195,8 +196,8 @@ struct GpuSide<'a> {
     mark: Event,
     t0: Event,
     t0_ns: u64,
-    /// Weight bytes that could not be page-locked, and the warning that says why.
-    pageable: Option<(u64, String)>,
+    /// Weight bytes left pageable, and the warning that says why when the plan did not ask for it.
+    pageable: (u64, Option<String>),
     _regs: Vec<HostRegistration>,
 }
 
@@ -389,18 +390,17 @@ fn uses_gpu(plan: &PhasePlan, tokens: usize) -> bool {
             }))
 }
 
-/// Bytes of [`host_attention`]'s staging for `m` tokens: q, k, v (f32) then the output (activations).
-fn host_attention_io_bytes(d: &Dims, m: usize) -> usize {
-    m * (d.q_dim + 2 * d.kv_dim) * 4 + m * d.q_dim * d.mat.size_bytes()
+/// Bytes of [`offloaded_attention`]'s staging for `m` tokens: the chunk's new k and v rows (f32).
+fn offloaded_attention_io_bytes(d: &Dims, m: usize) -> usize {
+    2 * m * d.kv_dim * 4
 }
 
-/// Op offload's attention core on the CPU: llama.cpp runs a CPU-resident layer's matmuls on the GPU during
-/// prefill but its attention where the KV cache is, on the host. Brings q, k, v (roped, in scratch) down, writes
-/// the K/V rows into the host cache, runs attention on `pool` and puts the output into scratch `xb`.
-#[allow(clippy::too_many_arguments)]
-fn host_attention(
+/// Op offload's attention of a CPU-resident layer, where llama.cpp's scheduler runs it: on the GPU. The
+/// chunk's new K/V rows (roped, in scratch) go down into the host cache, where decode reads them; then the
+/// sequence's rows up to the chunk's last come up into scratch `kv_view` and the GPU kernel attends over them,
+/// writing scratch `xb`. Returns the start of the timeline span of the GPU work after the host sync.
+fn offloaded_attention(
     g: &GpuSide,
-    pool: &CpuPool,
     d: &Dims,
     io: &mut HostBuf,
     kv_cache: &mut [u8],
@@ -408,40 +408,59 @@ fn host_attention(
     tl: &mut Timeline,
     sc: &ScratchLayout,
     pass: Pass,
-) -> Result<()> {
-    let m = pass.tokens(cache.seqs);
-    let (nq, nkv) = (m * d.q_dim, m * d.kv_dim);
+) -> Result<Event> {
+    let Pass::Prefill { seq, pos0, tokens: m } = pass else {
+        unreachable!("op offload runs prefill chunks only")
+    };
+    let nkv = m * d.kv_dim;
     let at = |o: usize| g.base() + o as u64;
     let t = tl.now_ns();
     {
-        let (q, rest) = io.as_mut_slice().split_at_mut(nq * 4);
-        let (k, rest) = rest.split_at_mut(nkv * 4);
-        // SAFETY: scratch q, k, v hold m·q_dim and m·kv_dim f32 (scratch_layout); io is registered, sized by
-        // host_attention_io_bytes for ≥ m tokens, and read only after the sync below.
+        let (k, rest) = io.as_mut_slice().split_at_mut(nkv * 4);
+        // SAFETY: scratch k, v hold m·kv_dim f32 (scratch_layout); io is registered, sized by
+        // offloaded_attention_io_bytes for ≥ m tokens, and read only after the sync below.
         unsafe {
-            g.gpu.d2h(Stream::Compute, q, at(sc.q))?;
             g.gpu.d2h(Stream::Compute, k, at(sc.k))?;
             g.gpu.d2h(Stream::Compute, &mut rest[..nkv * 4], at(sc.v))?;
         }
     }
     g.gpu.sync(Stream::Compute)?;
-    tl.host("sync: q, k, v to host".into(), Track::Host, t);
-    let t = tl.now_ns();
-    let mut att = vec![0f32; nq];
+    tl.host("sync: k, v to host".into(), Track::Host, t);
+    let whole = cache.whole();
     {
-        let (q, rest) = io.f32s_mut().split_at_mut(nq);
-        let (k, v) = rest.split_at_mut(nkv);
-        let kv = cache.whole();
-        cpu::store_kv_rows(kv_cache, kv, k, &v[..nkv], m, cache.store_rows(pass));
-        cpu::attention_rows(pool, d, q, kv_cache, kv, m, &|t| cache.keys(pass, t), d.mat, &mut att);
+        let (k, v) = io.f32s_mut().split_at_mut(nkv);
+        cpu::store_kv_rows(kv_cache, whole, k, &v[..nkv], m, cache.store_rows(pass));
     }
-    let out_off = (nq + 2 * nkv) * 4;
-    let out = &mut io.as_mut_slice()[out_off..out_off + nq * d.mat.size_bytes()];
-    d.mat.write_row(&att, out);
-    tl.host("cpu attention".into(), Track::Cpu, t);
-    // SAFETY: xb holds m·max(hidden, q_dim) activations; the host rewrites io only after a later sync of this
-    // stream, which orders it after this copy.
-    unsafe { g.gpu.h2d(Stream::Compute, at(sc.xb), out) }
+    let (first, len) = (whole.row_offset(cache.row(seq, 0)), whole.row_offset(pos0 + m));
+    let (kc, vc) = (at(sc.kv_view), at(sc.kv_view) + len as u64);
+    let start = g.span_start(Stream::Compute)?;
+    // SAFETY: kv_view holds one sequence's [K | V] (layout_phase) and pos0 + m ≤ its ctx rows; the host cache
+    // is registered and this layer's rows are next written after a later sync of this stream; q and xb hold
+    // m·q_dim, the split partials the scratch's splits.
+    unsafe {
+        g.gpu.h2d(Stream::Compute, kc, &kv_cache[first..first + len])?;
+        g.gpu.h2d(
+            Stream::Compute,
+            vc,
+            &kv_cache[whole.half_bytes() + first..whole.half_bytes() + first + len],
+        )?;
+        g.gpu.attention(
+            &g.k,
+            at(sc.q),
+            kc,
+            vc,
+            at(sc.xb),
+            at(sc.part_o),
+            at(sc.part_ml),
+            m,
+            GpuKeys::causal(pos0),
+            d.n_heads,
+            d.n_kv_heads,
+            d.attn_scale(),
+            sc.attn_splits,
+        )?;
+    }
+    Ok(start)
 }
 
 /// Runs `plan` for `w` with `opts`: on `gpu` where the plan places units on the GPU (an error if it does and
@@ -531,7 +550,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         io: Io::new(d, m_max, seqs),
         moe_io: MoeIo::new(d, m_max),
         attn_io: HostBuf::zeroed(if plan.prefill.op_offload {
-            host_attention_io_bytes(d, m_prefill)
+            offloaded_attention_io_bytes(d, m_prefill)
         } else {
             0
         }),
@@ -597,7 +616,10 @@ impl<'a> Exec<'a> {
         let wanted: Vec<(u64, bool)> =
             units.iter().map(|u| (u.buf.capacity_bytes() as u64, streamed.contains(&u.id))).collect();
         let (mut pageable_bytes, mut refused) = (0u64, None);
-        for (u, lock) in units.iter().zip(page_lock_choice(&wanted, self.opts.pinned_limit_bytes)) {
+        // A plan costed for pageable host memory (`ngl`: llama.cpp copies from its mmap of the model file) runs
+        // from pageable memory, as it was costed.
+        let limit = if plan.workload.host_pageable { Some(0) } else { self.opts.pinned_limit_bytes };
+        for (u, lock) in units.iter().zip(page_lock_choice(&wanted, limit)) {
             if lock && refused.is_none() {
                 // SAFETY: the weights outlive this run (borrowed for 'a) and each buffer is registered once.
                 match unsafe { gpu.register(&u.buf) } {
@@ -611,22 +633,20 @@ impl<'a> Exec<'a> {
             }
             pageable_bytes += u.buf.capacity_bytes() as u64;
         }
-        let pageable = (pageable_bytes > 0).then(|| {
-            let why = match (&refused, self.opts.pinned_limit_bytes) {
+        let warning = (pageable_bytes > 0 && !plan.workload.host_pageable).then(|| {
+            let why = match (&refused, limit) {
                 (Some(e), _) => format!("the driver refused to page-lock more ({e})"),
                 (None, Some(limit)) => format!("the page-lock limit is {limit} bytes"),
                 (None, None) => unreachable!("nothing is left pageable without a limit or a refusal"),
             };
             let total: u64 = wanted.iter().map(|w| w.0).sum();
-            (
-                pageable_bytes,
-                format!(
-                    "{pageable_bytes} of {total} bytes of weights stay pageable because {why}: their copies run \
-                     at pageable speed (several times slower than page-locked); free host memory or raise the \
-                     locked-memory limit (`ulimit -l`) to page-lock them"
-                ),
+            format!(
+                "{pageable_bytes} of {total} bytes of weights stay pageable because {why}: their copies run at \
+                 pageable speed (several times slower than page-locked); free host memory or raise the \
+                 locked-memory limit (`ulimit -l`) to page-lock them"
             )
         });
+        let pageable = (pageable_bytes, warning);
         let kv_wb = (0..d.n_layers).map(|_| gpu.event(false)).collect::<Result<Vec<_>>>()?;
         let t0 = gpu.event(true)?;
         let mark = gpu.event(false)?;
@@ -794,7 +814,7 @@ impl<'a> Exec<'a> {
                 planned: [plan.prefill.vram, plan.decode.vram],
                 used: [lay_p.used, lay_d.used],
                 switch_uploaded_bytes,
-                pageable_weight_bytes: g.pageable.as_ref().map_or(0, |p| p.0),
+                pageable_weight_bytes: g.pageable.0,
             };
             if peak > plan.budget_bytes {
                 return Err(ExecError::BudgetExceeded { peak_bytes: peak, budget_bytes: plan.budget_bytes });
@@ -818,8 +838,7 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        let warnings =
-            self.gpu.as_ref().and_then(|g| g.pageable.as_ref()).map(|p| p.1.clone()).into_iter().collect();
+        let warnings = self.gpu.as_ref().and_then(|g| g.pageable.1.clone()).into_iter().collect();
         Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
@@ -1132,7 +1151,7 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
-                    self.gpu_block(lay, pool, step, at, pass)?;
+                    self.gpu_block(lay, step, at, pass)?;
                 }
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
@@ -1489,14 +1508,7 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn gpu_block(
-        &mut self,
-        lay: &PhaseLayout,
-        pool: &CpuPool,
-        step: &Step,
-        pass_at: Pass,
-        pass: usize,
-    ) -> Result<()> {
+    fn gpu_block(&mut self, lay: &PhaseLayout, step: &Step, pass_at: Pass, pass: usize) -> Result<()> {
         let m = pass_at.tokens(self.kv.seqs);
         self.ensure_dev(lay, m)?;
         let d = self.d;
@@ -1518,7 +1530,7 @@ impl<'a> Exec<'a> {
         let half = whole.half_bytes() as u64;
         let mut kslot = None;
         let kv_base = match step.kv {
-            // No KV, or op offload's attention over the host KV, which runs on the CPU (below) as in llama.cpp.
+            // No KV, or op offload's attention over the host KV, whose rows come up per chunk (below).
             None | Some(KvLoc::Host) => 0,
             Some(KvLoc::Pinned(o)) => at(o),
             Some(KvLoc::Streamed) if joint => {
@@ -1620,9 +1632,8 @@ impl<'a> Exec<'a> {
                         Stream::Compute,
                         start,
                     )?;
-                    host_attention(
+                    start = offloaded_attention(
                         g,
-                        pool,
                         d,
                         &mut self.attn_io,
                         self.host_kv[layer as usize].as_mut_slice(),
@@ -1631,7 +1642,6 @@ impl<'a> Exec<'a> {
                         &sc,
                         pass_at,
                     )?;
-                    start = g.span_start(Stream::Compute)?;
                 } else {
                     let rows = self.kv.store_rows(pass_at);
                     let keys = self.kv.gpu_keys(pass_at);

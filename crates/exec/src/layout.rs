@@ -118,6 +118,11 @@ pub struct ScratchLayout {
     pub moe_up: usize,
     pub moe_act: usize,
     pub moe_y: usize,
+    /// End of the attention temporaries (q, k, v, split partials) in the region they share with the FFN's.
+    pub attn_end: usize,
+    /// Op offload: a CPU-resident layer's `[K | V]` cache view, copied up for its attention on the GPU (after
+    /// the attention temporaries, in the region the FFN's temporaries use later); 0 when no layer needs one.
+    pub kv_view: usize,
     /// Bytes of the whole scratch region.
     pub bytes: usize,
 }
@@ -197,6 +202,7 @@ fn carve_scratch(
     s.q = q;
     s.k = k;
     s.v = v;
+    s.attn_end = attn_end;
     s.up = up;
     s.gate = gate;
     s.act = act_off;
@@ -380,7 +386,7 @@ fn layout_phase(
         let kv_loc = if let UnitId::Attn { layer } = id {
             let kp = get(UnitId::Kv { layer })?;
             let loc = match (weights, kp) {
-                // Op offload keeps attention over a host cache on the CPU, as llama.cpp does.
+                // Op offload keeps the cache on the host: a chunk's attention copies its rows up (kv_view).
                 (WeightLoc::Cpu | WeightLoc::Staged(_), Placement::Cpu) => KvLoc::Host,
                 (WeightLoc::Pinned(_) | WeightLoc::Streamed, Placement::Pinned) => {
                     KvLoc::Pinned(kv_pinned[&layer])
@@ -451,6 +457,12 @@ fn layout_phase(
     let room = arena_bytes - arena_bytes % REGION_ALIGN_BYTES;
     while scratch.attn_splits > 1 && at + scratch.bytes + pinned_used > room {
         scratch = carve_scratch(d, tokens, logit_rows, scratch.attn_splits / 2, at);
+    }
+    // Op offload runs a CPU-resident layer's attention on the GPU over a copy of its sequence's cache rows, as
+    // llama.cpp's scheduler does (the simulator's `offloads_attention`).
+    if steps.iter().any(|s| matches!((s.weights, s.kv), (WeightLoc::Staged(_), Some(KvLoc::Host)))) {
+        scratch.kv_view = scratch.attn_end;
+        scratch.bytes = scratch.bytes.max(align(scratch.attn_end + kv.seq.bytes()) - at);
     }
     at += scratch.bytes;
     let used = VramBreakdown {
