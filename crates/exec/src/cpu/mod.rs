@@ -579,13 +579,13 @@ pub fn store_kv(kv: &mut [u8], lay: KvLayout, k: &[f32], v: &[f32], m: usize, po
 
 /// Writes the K and V rows of `m` tokens into the cache, token `t` at row `first + t·step` (`rows`).
 pub fn store_kv_rows(kv: &mut [u8], lay: KvLayout, k: &[f32], v: &[f32], m: usize, rows: (usize, usize)) {
-    let half = lay.half_bytes();
+    let (kh, vh) = kv.split_at_mut(lay.half_bytes());
+    let (dim, row_bytes) = (lay.kv_dim, lay.row_offset(1));
     for t in 0..m {
-        let base = (rows.0 + t * rows.1) * lay.kv_dim;
-        for i in 0..lay.kv_dim {
-            lay.elem.write(&mut kv[..half], base + i, k[t * lay.kv_dim + i]);
-            lay.elem.write(&mut kv[half..], base + i, v[t * lay.kv_dim + i]);
-        }
+        // Row-wise conversion: a 1008-token prefill chunk's rows one element at a time took ~7 ms a layer.
+        let at = lay.row_offset(rows.0 + t * rows.1);
+        lay.elem.write_row(&k[t * dim..(t + 1) * dim], &mut kh[at..at + row_bytes]);
+        lay.elem.write_row(&v[t * dim..(t + 1) * dim], &mut vh[at..at + row_bytes]);
     }
 }
 
