@@ -40,7 +40,7 @@ pub struct BenchArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Also run whole-model decode against its bounds (needs a GPU): all-pinned decode of `--dense-model`
-    /// against the HBM roofline, its streamed decode's H2D against the profiled pinned bandwidth, and
+    /// against the HBM roofline, its decode with every FFN streamed against the profiled pinned H2D, and
     /// `--moe-model` with its experts on the CPU against DRAM read ÷ CPU bytes per token.
     #[arg(long)]
     bounds: bool,
@@ -51,12 +51,6 @@ pub struct BenchArgs {
     /// with the full model's per-layer sizes).
     #[arg(long, default_value = "qwen3-30b-a3b")]
     moe_model: String,
-    /// VRAM budget of the dense model's streamed plan.
-    #[arg(long, default_value = "8G")]
-    stream_budget: String,
-    /// Planner of the dense model's streamed plan.
-    #[arg(long, default_value = "pshard")]
-    stream_planner: String,
     /// VRAM budget of the MoE model's plan.
     #[arg(long, default_value = "2G")]
     moe_budget: String,
@@ -72,6 +66,10 @@ pub struct BenchArgs {
     /// Decode steps (step 0 is left out of every figure).
     #[arg(long = "gen", default_value_t = 16)]
     gen_tokens: u64,
+    /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
+    /// `bounds-moe-cpu-experts.json`).
+    #[arg(long)]
+    trace: bool,
 }
 
 fn table(rows: &[BenchRow]) -> String {
@@ -151,9 +149,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let bcfg = BoundsConfig {
             dense_model: &args.dense_model,
             moe_model: &args.moe_model,
-            stream_budget_bytes: budget("--stream-budget", &args.stream_budget)?,
             moe_budget_bytes: budget("--moe-budget", &args.moe_budget)?,
-            stream_planner: &args.stream_planner,
             moe_planner: &args.moe_planner,
             profile: &profile,
             profile_name: &args.profile,
@@ -162,6 +158,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             threads: u32::try_from(threads).context("--threads")?,
             device_gbps: gpu_row.bound_gbps,
             dram_gbps: cpu_row.bound_gbps,
+            trace_dir: args.out.as_deref().filter(|_| args.trace),
         };
         let mut bounds = vec![BoundRow {
             bound: "DRAM read".into(),
