@@ -279,12 +279,12 @@ pub fn decode_bounds(
     let decode = &plan.decode;
     let on_cpu = |u: UnitId| decode.placement(u) == Some(Placement::Cpu);
     // Bytes the CPU reads in every decode step whatever the routing: its dense units and its layers' KV.
-    let fixed: f64 = w
+    let fixed = w
         .units()
         .iter()
         .filter(|u| !matches!(u.id, UnitId::Expert { .. } | UnitId::TokenEmbd) && on_cpu(u.id))
         .map(|u| u.bytes as f64)
-        .sum();
+        .fold(0.0, |a, b| a + b);
     let kv_layers = (0..moe.text.n_layers).filter(|&l| on_cpu(UnitId::Kv { layer: l })).count() as u32;
     let kv = kv_cell_bytes(&moe, &wl) * f64::from(kv_layers);
     let mut per_step = Vec::new();
