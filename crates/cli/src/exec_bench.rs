@@ -1,6 +1,7 @@
 //! `pipeshard exec bench`: the decode GEMV of every weight format against the bandwidth that bounds it
 //! (DRAM on the CPU, a device copy on the GPU), as a table on stdout and, with `--out DIR`, `gemv.csv` and
-//! `gemv.md` carrying their provenance.
+//! `gemv.md` carrying their provenance; with `--bounds`, whole-model decode against its bounds too
+//! ([`crate::exec_bounds`]: `bounds.csv`, `bounds.md`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

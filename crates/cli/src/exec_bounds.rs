@@ -360,3 +360,32 @@ pub fn table(rows: &[BoundRow]) -> String {
 pub fn budget(flag: &str, s: &str) -> anyhow::Result<u64> {
     parse_bytes(s).with_context(|| format!("{flag} {s}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steady-state steps are the host's `decode step i` spans for i ≥ 1, whatever else the trace holds.
+    #[test]
+    fn steady_steps_leave_out_step_0_and_other_spans() {
+        let mut t = Trace::new();
+        t.span(2, 0, "prefill chunk 0 (128 tokens)", "exec", 0, 5_000);
+        t.span(2, 0, "decode step 0", "exec", 6_000, 3_000);
+        t.span(0, 1, "copy blk.0.ffn", "exec", 9_500, 1_000);
+        t.span(2, 0, "decode step 1", "exec", 9_000, 2_000);
+        t.span(2, 0, "decode step 10", "exec", 11_000, 4_000);
+        assert_eq!(steady_steps(&t), vec![(9_000, 11_000), (11_000, 15_000)]);
+    }
+
+    #[test]
+    fn bounds_need_a_gpu() {
+        #[derive(Debug, clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: crate::exec_bench::BenchArgs,
+        }
+        let args = <Wrap as clap::Parser>::try_parse_from(["bench", "--bounds", "--cpu-only"]).unwrap().a;
+        let err = crate::exec_bench::run(&args).unwrap_err().to_string();
+        assert!(err.contains("--bounds runs whole models on the GPU"), "{err}");
+    }
+}

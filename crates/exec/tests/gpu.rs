@@ -393,53 +393,10 @@ fn plans_over_the_budget_fail_before_running() {
     assert!(ok.vram.unwrap().peak_process_bytes <= 8 * GIB);
 }
 
-/// `Gpu::matmul` of `w` (stored as `quant`, else in `kn`'s activation type) over the bf16/f16 activation bytes
-/// `xb`, onto `y0`.
-#[allow(clippy::too_many_arguments)]
-fn gpu_matmul(
-    gpu: &Gpu,
-    kn: &pipeshard_exec::cuda::Kernels,
-    quant: Option<pipeshard_exec::quant::QFormat>,
-    w: &[u8],
-    xb: &[u8],
-    y0: &[f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-) -> Vec<f32> {
-    use pipeshard_exec::cuda::Stream;
-    let y0b: Vec<u8> = y0.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let (wd, xd, yd) =
-        (gpu.alloc(w.len()).unwrap(), gpu.alloc(xb.len()).unwrap(), gpu.alloc(y0b.len()).unwrap());
-    let mut got = vec![0u8; y0b.len()];
-    // SAFETY: every buffer holds the sizes the matmul reads and writes; synchronised before the host reads the
-    // result.
-    unsafe {
-        gpu.h2d(Stream::Compute, wd.ptr(), w).unwrap();
-        gpu.h2d(Stream::Compute, xd.ptr(), xb).unwrap();
-        gpu.h2d(Stream::Compute, yd.ptr(), &y0b).unwrap();
-        gpu.matmul(kn, quant, wd.ptr(), xd.ptr(), yd.ptr(), m, n, k, accumulate).unwrap();
-        gpu.sync(Stream::Compute).unwrap();
-        gpu.d2h(Stream::Compute, &mut got, yd.ptr()).unwrap();
-    }
-    gpu.sync(Stream::Compute).unwrap();
-    got.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
-}
-
-/// `m × k` activations rounded to `act`, as f32 and as the bytes the GPU reads.
-fn activations(act: pipeshard_exec::host::Elem, m: usize, k: usize) -> (Vec<f32>, Vec<u8>) {
-    let x: Vec<f32> =
-        (0..m * k).map(|i| act.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0)).collect();
-    let mut xb = vec![0u8; 2 * m * k];
-    for (i, &v) in x.iter().enumerate() {
-        act.write(&mut xb, i, v);
-    }
-    (x, xb)
-}
-
 #[test]
 fn quantised_matmul_matches_the_cpu_for_every_token_count() {
     use pipeshard_exec::cpu::{CpuPool, matmul_quant};
-    use pipeshard_exec::cuda::KernelKey;
+    use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::quant::QFormat;
     if let Err(reason) = probe() {
@@ -456,57 +413,40 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
             let k = k32 / 32 * fmt.block_elems();
             let wf: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.1).collect();
             let w = fmt.quantize(&wf, k);
+            let wd = gpu.alloc(w.len()).unwrap();
             for m in [1usize, 2, 3, 5, 8, 12] {
-                let (x, xb) = activations(Elem::Bf16, m, k);
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| Elem::Bf16.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0))
+                    .collect();
+                let mut xb = vec![0u8; 2 * m * k];
+                for (i, &v) in x.iter().enumerate() {
+                    Elem::Bf16.write(&mut xb, i, v);
+                }
                 let y0: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.01).collect();
                 for accumulate in [false, true] {
                     let mut want = y0.clone();
                     matmul_quant(&pool, &x, m, k, &w, fmt, n, &mut want, accumulate);
-                    let got = gpu_matmul(&gpu, &kn, Some(fmt), &w, &xb, &y0, (m, n, k), accumulate);
+                    let y0b: Vec<u8> = y0.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let (xd, yd) = (gpu.alloc(xb.len()).unwrap(), gpu.alloc(y0b.len()).unwrap());
+                    let mut got = vec![0u8; y0b.len()];
+                    // SAFETY: every buffer holds the sizes the matmul reads and writes; synchronised before
+                    // the host reads the result.
+                    unsafe {
+                        gpu.h2d(Stream::Compute, wd.ptr(), &w).unwrap();
+                        gpu.h2d(Stream::Compute, xd.ptr(), &xb).unwrap();
+                        gpu.h2d(Stream::Compute, yd.ptr(), &y0b).unwrap();
+                        gpu.matmul(&kn, Some(fmt), wd.ptr(), xd.ptr(), yd.ptr(), m, n, k, accumulate)
+                            .unwrap();
+                        gpu.sync(Stream::Compute).unwrap();
+                        gpu.d2h(Stream::Compute, &mut got, yd.ptr()).unwrap();
+                    }
+                    gpu.sync(Stream::Compute).unwrap();
+                    let got: Vec<f32> =
+                        got.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
                     let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
                     let err = rel_err(&got, &want64);
                     eprintln!("{fmt:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err:.1e}");
                     assert!(err < 1e-5, "{fmt:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err}");
-                }
-            }
-        }
-    }
-}
-
-/// The decode GEMV of bf16/f16 rows (`gemv_act`, up to 8 tokens; cuBLAS beyond, and for rows whose length is
-/// not a multiple of 32) against the CPU.
-#[test]
-fn activation_type_matmul_matches_the_cpu_for_every_token_count() {
-    use pipeshard_exec::cpu::{CpuPool, matmul};
-    use pipeshard_exec::cuda::KernelKey;
-    use pipeshard_exec::host::Elem;
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
-    let pool = CpuPool::new(4).unwrap();
-    for act in [Elem::Bf16, Elem::F16] {
-        let kn = gpu.kernels(KernelKey { act, kv: act, head_dim: 128 }).unwrap();
-        // 37 rows: the last warp has one row; 96 and 4128 elements: a warp step (256) and its 2-step unroll
-        // leave remainders; 72: not a multiple of 32, so cuBLAS.
-        for (n, k) in [(37usize, 96usize), (64, 4096), (5, 4128), (9, 72)] {
-            let wf: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.1).collect();
-            let mut w = vec![0u8; 2 * n * k];
-            for (i, &v) in wf.iter().enumerate() {
-                act.write(&mut w, i, v);
-            }
-            for m in [1usize, 2, 3, 5, 8, 12] {
-                let (x, xb) = activations(act, m, k);
-                let y0: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.01).collect();
-                for accumulate in [false, true] {
-                    let mut want = y0.clone();
-                    matmul(&pool, &x, m, k, &w, act, n, &mut want, accumulate);
-                    let got = gpu_matmul(&gpu, &kn, None, &w, &xb, &y0, (m, n, k), accumulate);
-                    let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
-                    let err = rel_err(&got, &want64);
-                    eprintln!("{act:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err:.1e}");
-                    assert!(err < 1e-5, "{act:?} {n}×{k} m={m} accumulate={accumulate}: rel err {err}");
                 }
             }
         }

@@ -296,10 +296,7 @@ fn gpu_rows(
     const REPS: usize = 20;
     let k = cfg.cols;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
-    progress.section(
-        "GPU: device copy, then GEMV per format, then bf16 at layer shapes",
-        1 + (Fmt::ALL.len() + 2 * LAYER_ROWS.len()) as u64,
-    );
+    progress.section("GPU: device copy, then GEMV per format", 1 + Fmt::ALL.len() as u64);
     let (start, end) = (gpu.event(true)?, gpu.event(true)?);
     // Times `REPS` launches of `f` on the compute stream; seconds per launch.
     let timed = |f: &dyn Fn() -> pipeshard_exec::Result<()>| -> Result<f64> {
@@ -357,11 +354,7 @@ fn gpu_rows(
         rows.push(BenchRow {
             device: "gpu".into(),
             format: fmt.name().into(),
-            kernel: if quant.is_some() {
-                "exec gemv_q (NVRTC)".into()
-            } else {
-                "exec gemv_act (NVRTC)".into()
-            },
+            kernel: if quant.is_some() { "exec gemv_q (NVRTC)".into() } else { "cuBLAS GemmEx".into() },
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
@@ -373,52 +366,10 @@ fn gpu_rows(
         });
         progress.tick(&format!("{}: {gbps:.0} GB/s", fmt.name()))?;
     }
-    // A layer's matrices (8–90 MB) against cuBLAS, each launch on another part of `a` so that L2 (50 MB on the
-    // H200) does not serve repeats: the executor's decode GEMV replaced cuBLAS's one-token GEMMs for these.
-    for n in LAYER_ROWS.into_iter().filter(|n| 2 * n * k * 2 <= bytes) {
-        let mat = n * k * 2;
-        let yd = gpu.alloc(4 * n)?;
-        // Whole matrices side by side (mat is a multiple of 512 bytes: k of 256), so every offset is aligned.
-        let at = |i: usize| a.ptr() + ((i % (bytes / mat)) * mat) as u64;
-        for cublas in [false, true] {
-            let i = std::cell::Cell::new(0);
-            let launch = || {
-                i.set(i.get() + 1);
-                // SAFETY: `a` holds `bytes` ≥ at(i) + n·k bf16, xd k activations, yd n f32.
-                unsafe {
-                    if cublas {
-                        gpu.gemm(Elem::Bf16, at(i.get()), xd.ptr(), yd.ptr(), 1, n, k, false)
-                    } else {
-                        gpu.matmul(&kn, None, at(i.get()), xd.ptr(), yd.ptr(), 1, n, k, false)
-                    }
-                }
-            };
-            let t = sample(cfg.rule, || timed(&launch))?;
-            let gbps = mat as f64 / t.median / 1e9;
-            rows.push(BenchRow {
-                device: "gpu".into(),
-                format: "bf16".into(),
-                kernel: if cublas { "cuBLAS GemmEx (layer shape)" } else { "exec gemv_act (layer shape)" }
-                    .into(),
-                rows: n,
-                cols: k,
-                weight_bytes: mat as u64,
-                time_ns: t.median * 1e9,
-                gbps,
-                bound: "device-to-device copy".into(),
-                bound_gbps: hbm_gbps,
-                max_rel_err: 0.0,
-            });
-            progress.tick(&format!("bf16 {n}×{k}, cuBLAS {cublas}: {gbps:.0} GB/s"))?;
-        }
-    }
     drop(a);
     rows.extend(gpu_prefill_rows(gpu, &kn, k, cfg, &timed, progress)?);
     Ok(rows)
 }
-
-/// Output rows of the bf16 GEMVs at a decoder layer's shapes (nemo-8b: K/V, Q/O, FFN projections).
-const LAYER_ROWS: [usize; 3] = [1024, 4096, 11520];
 
 /// Times launches of a closure on the compute stream: seconds per launch.
 type Timed<'a> = dyn Fn(&dyn Fn() -> pipeshard_exec::Result<()>) -> Result<f64> + 'a;

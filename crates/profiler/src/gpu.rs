@@ -704,8 +704,7 @@ pub fn measure_all(
     figures.add("host sync (launch a tiny kernel, wait for it on the host)", "ns", sync);
     progress.tick(&format!("host sync {:.1} µs", sync.median / 1e3))?;
 
-    // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN (the executor's matmul: its GEMV kernel,
-    // cuBLAS), alone and while H2D copies stream.
+    // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
     let wbytes = (fn_ * fk * 2).next_multiple_of(256);
     let copies = (rot_bytes / wbytes).max(1);
@@ -716,7 +715,7 @@ pub fn measure_all(
         let mut run = |i: usize| -> Result<()> {
             let w = wbuf.ptr() + ((i % copies) * wbytes) as u64;
             // SAFETY: as in the GEMM sweep.
-            unsafe { gpu.matmul(&kn, None, w, xbuf.ptr(), ybuf.ptr(), m, fn_, fk, false) }.map_err(Into::into)
+            unsafe { gpu.gemm(e, w, xbuf.ptr(), ybuf.ptr(), m, fn_, fk, false) }.map_err(Into::into)
         };
         let alone = b.events(Stream::Compute, &mut run)?;
         let mut under = None;
@@ -745,7 +744,7 @@ pub fn measure_all(
             for i in 0..queue {
                 let w = wbuf.ptr() + ((i % copies) * wbytes) as u64;
                 // SAFETY: as in the GEMM sweep.
-                unsafe { gpu.matmul(&kn, None, w, xbuf.ptr(), ybuf.ptr(), *m, fn_, fk, false)? };
+                unsafe { gpu.gemm(e, w, xbuf.ptr(), ybuf.ptr(), *m, fn_, fk, false)? };
             }
             gpu.record(&b.ev0, Stream::H2d)?;
             // SAFETY: copy_bytes of the pinned buffer into `dev`.

@@ -457,68 +457,6 @@ extern "C" __global__ void gemv1_q4_0(const u8* w, const act_t* x, float* y, int
     gemv_q<1, 1>(w, x, y, n, k, m, acc);
 }
 
-// Decode GEMV over f16/bf16 rows (the activation type), as gemv_q: one warp per QROWS rows; a lane reads 8
-// consecutive elements (16 bytes) of every row per step, so a warp step covers 256 elements of each row with
-// coalesced loads. Replaces cuBLAS for up to QMAX_T tokens, whose one-token GEMMs reach the HBM rate only on
-// large matrices. Rows are 16-byte aligned (k a multiple of 32; tensors aligned).
-template <int MT>
-__device__ __forceinline__ void gemv_a(const act_t* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
-                                       int n, int k, int m, int accumulate) {
-    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
-    const int lane = threadIdx.x & 31;
-    if (row0 >= n) return;
-    const act_t* wr[QROWS];
-#pragma unroll
-    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * k;  // past n: re-read, not stored
-    float acc[MT][QROWS];
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int r = 0; r < QROWS; ++r) acc[t][r] = 0.f;
-#pragma unroll 2
-    for (int c = lane * 8; c < k; c += 256) {
-        uint4 wq[QROWS];
-#pragma unroll
-        for (int r = 0; r < QROWS; ++r) wq[r] = __ldg((const uint4*)(wr[r] + c));
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-            if (t < m) {
-                const uint4 a = *(const uint4*)(x + (u64)t * k + c);
-                const u32 xw[4] = {a.x, a.y, a.z, a.w};
-                float xf[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) xf[j] = ACT_LOAD((u16)(xw[j >> 1] >> (16 * (j & 1))));
-#pragma unroll
-                for (int r = 0; r < QROWS; ++r) {
-                    const u32 ww[4] = {wq[r].x, wq[r].y, wq[r].z, wq[r].w};
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        acc[t][r] = fmaf(xf[j], ACT_LOAD((u16)(ww[j >> 1] >> (16 * (j & 1)))), acc[t][r]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-        if (t < m) {
-#pragma unroll
-            for (int r = 0; r < QROWS; ++r) {
-                const float s = warp_sum(acc[t][r]);
-                if (lane == 0 && row0 + r < n) {
-                    float* o = y + (u64)t * n + row0 + r;
-                    *o = accumulate ? *o + s : s;
-                }
-            }
-        }
-    }
-}
-extern "C" __global__ void gemv_act(const act_t* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_a<QMAX_T>(w, x, y, n, k, m, acc);
-}
-extern "C" __global__ void gemv1_act(const act_t* w, const act_t* x, float* y, int n, int k, int m, int acc) {
-    gemv_a<1>(w, x, y, n, k, m, acc);
-}
-
 // Prefill path: out[i] = w[i] dequantised and rounded to the activation type, for n elements (whole rows).
 extern "C" __global__ void dequant_q8_0(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -113,8 +113,6 @@ pub struct Kernels {
     gemv_q4_0: CudaFunction,
     gemv1_q8_0: CudaFunction,
     gemv1_q4_0: CudaFunction,
-    gemv_act: CudaFunction,
-    gemv1_act: CudaFunction,
     dequant_q8_0: CudaFunction,
     dequant_q4_0: CudaFunction,
     embed_q8_0: CudaFunction,
@@ -482,8 +480,6 @@ impl Gpu {
             gemv_q4_0: f("gemv_q4_0")?,
             gemv1_q8_0: f("gemv1_q8_0")?,
             gemv1_q4_0: f("gemv1_q4_0")?,
-            gemv_act: f("gemv_act")?,
-            gemv1_act: f("gemv1_act")?,
             dequant_q8_0: f("dequant_q8_0")?,
             dequant_q4_0: f("dequant_q4_0")?,
             embed_q8_0: f("embed_q8_0")?,
@@ -574,11 +570,9 @@ impl Gpu {
     }
 
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`):
-    /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that converts as it reads (exact
-    /// f32 weights; `gemv_act` for activation-type rows whose length is a multiple of 32, which cuBLAS's
-    /// one-token GEMMs serve at well below the HBM rate on a layer's smaller matrices); more tokens run cuBLAS,
-    /// quantised rows first dequantised in chunks into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation
-    /// type).
+    /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
+    /// more tokens dequantise chunks of rows into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation type)
+    /// and run cuBLAS on each.
     ///
     /// # Safety
     /// `w` holds `n` rows of `k` elements in its format (`k` a multiple of its block when quantised; 16-byte
@@ -596,22 +590,20 @@ impl Gpu {
         accumulate: bool,
     ) -> Result<()> {
         let act = kn.key.act;
-        if quant.is_none() && (m > EXACT_MAX_TOKENS || !k.is_multiple_of(32)) {
+        let Some(fmt) = quant else {
             // SAFETY: forwarded.
             return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
-        }
+        };
         if m <= EXACT_MAX_TOKENS {
-            let f = match (quant, m) {
-                (None, 1) => &kn.gemv1_act,
-                (None, _) => &kn.gemv_act,
-                (Some(QFormat::Q8_0), 1) => &kn.gemv1_q8_0,
-                (Some(QFormat::Q4_0), 1) => &kn.gemv1_q4_0,
-                (Some(QFormat::Q8_0), _) => &kn.gemv_q8_0,
-                (Some(QFormat::Q4_0), _) => &kn.gemv_q4_0,
-                (Some(QFormat::Q4K), 1) => &kn.gemv1_q4_k,
-                (Some(QFormat::Q6K), 1) => &kn.gemv1_q6_k,
-                (Some(QFormat::Q4K), _) => &kn.gemv_q4_k,
-                (Some(QFormat::Q6K), _) => &kn.gemv_q6_k,
+            let f = match (fmt, m) {
+                (QFormat::Q8_0, 1) => &kn.gemv1_q8_0,
+                (QFormat::Q4_0, 1) => &kn.gemv1_q4_0,
+                (QFormat::Q8_0, _) => &kn.gemv_q8_0,
+                (QFormat::Q4_0, _) => &kn.gemv_q4_0,
+                (QFormat::Q4K, 1) => &kn.gemv1_q4_k,
+                (QFormat::Q6K, 1) => &kn.gemv1_q6_k,
+                (QFormat::Q4K, _) => &kn.gemv_q4_k,
+                (QFormat::Q6K, _) => &kn.gemv_q6_k,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
             // Four warps per block, GEMV_ROWS_PER_WARP rows each.
@@ -635,7 +627,6 @@ impl Gpu {
             .map(|_| ())
             .map_err(driver_err("cuLaunchKernel(gemv_q)"));
         }
-        let Some(fmt) = quant else { unreachable!("larger activation-type matmuls went to cuBLAS above") };
         let mut scratch = self.dequant_scratch.lock().expect("dequant scratch lock");
         if scratch.is_none() {
             *scratch = Some(self.alloc(DEQUANT_SCRATCH_BYTES)?);
