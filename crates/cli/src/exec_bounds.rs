@@ -17,7 +17,7 @@ use pipeshard_core::trace::Trace;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::Gpu;
 use pipeshard_exec::testing::random_tokens;
-use pipeshard_exec::weights::ModelWeights;
+use pipeshard_exec::weights::{Dims, ModelWeights};
 use pipeshard_exec::{RunOptions, RunOutput};
 use pipeshard_planner::PlannerOptions;
 use pipeshard_profiler::Progress;
@@ -162,6 +162,11 @@ pub fn decode_bounds(
     progress.section("decode bounds: weights, all pinned, streamed, MoE experts on the CPU", 5);
 
     let dense = spec(cfg.dense_model, "--dense-model")?;
+    // Both models are checked before the first one's weights are generated.
+    let moe = spec(cfg.moe_model, "--moe-model")?;
+    if Dims::new(&moe)?.moe.is_none() {
+        bail!("--moe-model {}: not a MoE model; pass one with routed experts (qwen3-30b-a3b)", cfg.moe_model);
+    }
     let t = std::time::Instant::now();
     let w = ModelWeights::random(&dense, 1).context("generating the dense model's weights")?;
     progress.tick(&format!(
@@ -246,7 +251,6 @@ pub fn decode_bounds(
         });
     }
 
-    let moe = spec(cfg.moe_model, "--moe-model")?;
     let t = std::time::Instant::now();
     let w = ModelWeights::random(&moe, 1).context("generating the MoE model's weights")?;
     progress.tick(&format!(
@@ -255,7 +259,7 @@ pub fn decode_bounds(
         w.total_bytes(),
         t.elapsed().as_secs_f64()
     ))?;
-    let Some(m) = w.dims.moe.as_ref() else { bail!("--moe-model {}: not a MoE model", cfg.moe_model) };
+    let Some(m) = w.dims.moe.as_ref() else { unreachable!("checked above") };
     let (top_k, n_experts) = (m.top_k, m.n_experts);
     let plan = plan_with(gpu, cfg, &moe, &wl, cfg.moe_planner, cfg.moe_budget_bytes)?;
     let out = run_plan(&w, &plan, gpu, &wl, true)?;
