@@ -38,7 +38,7 @@ pub enum ExecCommand {
     /// Run plans on the GPU and CPU of this machine and measure TTFT, TPS, E2EL and peak VRAM.
     Run(Box<RunArgs>),
     /// Measure the decode GEMV of every weight format (bf16, q8_0, q4_0, q4_k, q6_k) against DRAM / HBM
-    /// bandwidth.
+    /// bandwidth; `--bounds`: whole-model decode against the HBM roofline, pinned H2D and DRAM ÷ CPU bytes.
     Bench(crate::exec_bench::BenchArgs),
     /// Run random feasible plans (random truncated catalog models, budgets, depths, placements) and check that
     /// the measured VRAM peak never exceeds the budget; CSV and summary under results/reliability/.

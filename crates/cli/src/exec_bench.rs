@@ -1,6 +1,7 @@
 //! `pipeshard exec bench`: the decode GEMV of every weight format against the bandwidth that bounds it
 //! (DRAM on the CPU, a device copy on the GPU), as a table on stdout and, with `--out DIR`, `gemv.csv` and
-//! `gemv.md` carrying their provenance.
+//! `gemv.md` carrying their provenance; with `--bounds`, whole-model decode against its bounds too
+//! ([`crate::exec_bounds`]: `bounds.csv`, `bounds.md`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -13,8 +14,9 @@ use pipeshard_profiler::bench::{BenchConfig, BenchRow, gemv_bandwidth};
 use pipeshard_profiler::machine::cpu_model;
 use pipeshard_profiler::stats::Rule;
 
-use crate::args::parse_bytes;
+use crate::args::{load_profile, parse_bytes};
 use crate::exec::provenance;
+use crate::exec_bounds::{BoundRow, BoundsConfig, budget, decode_bounds, table as bounds_table};
 use crate::profile::Bars;
 
 /// Arguments of `exec bench`.
@@ -35,9 +37,40 @@ pub struct BenchArgs {
     /// Measure the CPU only, even where a GPU is present.
     #[arg(long)]
     cpu_only: bool,
-    /// Write `gemv.csv` and `gemv.md` into this folder.
+    /// Write `gemv.csv` and `gemv.md` (and with `--bounds`, `bounds.csv` and `bounds.md`) into this folder.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also run whole-model decode against its bounds (needs a GPU): all-pinned decode of `--dense-model`
+    /// against the HBM roofline, its decode with every FFN streamed against the profiled pinned H2D, and
+    /// `--moe-model` with its experts on the CPU against DRAM read ÷ CPU bytes per token.
+    #[arg(long)]
+    bounds: bool,
+    /// Dense model of the roofline and streaming bounds (bf16 random weights; `NAME@NL` truncates).
+    #[arg(long, default_value = "nemo-8b")]
+    dense_model: String,
+    /// MoE model of the CPU-experts bound (bf16 random weights; `NAME@NL` keeps the first N layers, each
+    /// with the full model's per-layer sizes).
+    #[arg(long, default_value = "qwen3-30b-a3b")]
+    moe_model: String,
+    /// VRAM budget of the MoE model's plan.
+    #[arg(long, default_value = "2G")]
+    moe_budget: String,
+    /// Planner of the MoE model's plan.
+    #[arg(long, default_value = "ilp")]
+    moe_planner: String,
+    /// Machine profile the planners cost with and whose pinned H2D curve bounds streaming.
+    #[arg(long, default_value = "profiles/h200.json")]
+    profile: String,
+    /// Prompt tokens before the measured decode steps (one prefill pass).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: u64,
+    /// Decode steps (step 0 is left out of every figure).
+    #[arg(long = "gen", default_value_t = 16)]
+    gen_tokens: u64,
+    /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
+    /// `bounds-moe-cpu-experts.json`).
+    #[arg(long)]
+    trace: bool,
 }
 
 fn table(rows: &[BenchRow]) -> String {
@@ -92,11 +125,58 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         cols: args.cols,
         rule: Rule { min_samples: 5, max_samples: 15, target_spread: 0.03, budget: Duration::from_secs(2) },
     };
-    let rows = gemv_bandwidth(&cfg, gpu.as_ref(), &Bars::new())?;
+    if args.bounds && gpu.is_none() {
+        anyhow::bail!(
+            "--bounds runs whole models on the GPU: this machine has none (or --cpu-only was given)"
+        );
+    }
+    if args.bounds && args.gen_tokens < 2 {
+        anyhow::bail!("--gen {}: --bounds leaves decode step 0 out, so it needs 2 or more", args.gen_tokens);
+    }
+    let bars = Bars::new();
+    let rows = gemv_bandwidth(&cfg, gpu.as_ref(), &bars)?;
     let machine =
         format!("{} + {} ({threads} threads)", gpu.as_ref().map_or("no GPU", |g| g.name()), cpu_model());
     let t = table(&rows);
     println!("{t}");
+    if let (true, Some(g)) = (args.bounds, &gpu) {
+        let bf16 = |device: &str| {
+            rows.iter().find(|r| r.device == device && r.format == "bf16").with_context(|| {
+                format!("the GEMV bench measured no bf16 {device} row, which the bounds need")
+            })
+        };
+        let (cpu_row, gpu_row) = (bf16("cpu")?, bf16("gpu")?);
+        let profile = load_profile(&args.profile)?;
+        let bcfg = BoundsConfig {
+            dense_model: &args.dense_model,
+            moe_model: &args.moe_model,
+            moe_budget_bytes: budget("--moe-budget", &args.moe_budget)?,
+            moe_planner: &args.moe_planner,
+            profile: &profile,
+            profile_name: &args.profile,
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            threads: u32::try_from(threads).context("--threads")?,
+            device_gbps: gpu_row.bound_gbps,
+            dram_gbps: cpu_row.bound_gbps,
+            trace_dir: args.out.as_deref().filter(|_| args.trace),
+        };
+        let mut bounds = vec![BoundRow {
+            bound: "DRAM read".into(),
+            workload: format!("CPU GEMV bf16 {}×{} ({})", cpu_row.rows, cpu_row.cols, cpu_row.kernel),
+            measured: cpu_row.gbps,
+            bound_value: cpu_row.bound_gbps,
+            unit: "GB/s",
+            goal_pct: 80.0,
+            how: format!("DRAM read of {} with the same {threads} threads", args.cpu_bytes),
+        }];
+        bounds.extend(decode_bounds(g, &bcfg, &bars)?);
+        let bt = bounds_table(&bounds);
+        println!("{bt}");
+        if let Some(dir) = &args.out {
+            write_bounds(dir, &bounds, &bt, &machine, &args.profile)?;
+        }
+    }
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let md = format!(
@@ -131,5 +211,46 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         std::fs::write(dir.join("gemv.csv"), csv).with_context(|| format!("writing {}", dir.display()))?;
         eprintln!("wrote {}/gemv.md and gemv.csv", dir.display());
     }
+    Ok(())
+}
+
+/// Writes `bounds.md` and `bounds.csv` with their provenance.
+fn write_bounds(
+    dir: &std::path::Path,
+    rows: &[BoundRow],
+    table: &str,
+    machine: &str,
+    profile: &str,
+) -> anyhow::Result<()> {
+    let (commit, date, command) = provenance();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let md = format!(
+        "# Decode against its hardware bounds\n\nmachine: {machine}  \ncommit: {commit}  \ndate: {date}  \n\
+         profile: {profile}  \ncommand: `{command}`\n\nRandom bf16 weights. Decode figures are the mean of decode \
+         steps 1.. (step 0 follows the prefill → decode switch), from the run's measured trace; the H2D rows \
+         count the bytes of every ring copy that starts within those steps.\n\n{table}"
+    );
+    std::fs::write(dir.join("bounds.md"), md)
+        .with_context(|| format!("writing {}/bounds.md", dir.display()))?;
+    let mut csv = String::from(
+        "bound,workload,measured,bound_value,unit,pct_of_bound,goal_pct,how,machine,commit,date\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            csv,
+            "\"{}\",\"{}\",{:.3},{:.3},{},{:.1},{:.0},\"{}\",\"{machine}\",{commit},{date}",
+            r.bound,
+            r.workload,
+            r.measured,
+            r.bound_value,
+            r.unit,
+            r.pct(),
+            r.goal_pct,
+            r.how
+        );
+    }
+    std::fs::write(dir.join("bounds.csv"), csv)
+        .with_context(|| format!("writing {}/bounds.csv", dir.display()))?;
+    eprintln!("wrote {}/bounds.md and bounds.csv", dir.display());
     Ok(())
 }

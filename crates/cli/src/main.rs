@@ -4,6 +4,7 @@ mod args;
 mod compare;
 mod exec;
 mod exec_bench;
+mod exec_bounds;
 mod experiment;
 mod interrupt;
 mod llama_cpp;

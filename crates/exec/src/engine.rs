@@ -147,6 +147,9 @@ struct GpuSpan {
     track: Track,
     start: Event,
     end: Event,
+    /// Bytes a copy span moved (0 for kernels): the trace carries them so achieved copy bandwidth can be read
+    /// off it (`exec bench --bounds`).
+    bytes: u64,
 }
 
 struct Timeline {
@@ -235,7 +238,7 @@ impl GpuSide<'_> {
     ) -> Result<()> {
         let end = self.gpu.event(true)?;
         self.gpu.record(&end, on)?;
-        tl.gpu.push(GpuSpan { name, track, start, end });
+        tl.gpu.push(GpuSpan { name, track, start, end, bytes: 0 });
         Ok(())
     }
 }
@@ -804,6 +807,9 @@ impl<'a> Exec<'a> {
                 let dur_ms = g.gpu.elapsed_ms(&s.start, &s.end)?;
                 let start = g.t0_ns + (f64::from(start_ms.max(0.0)) * 1e6) as u64;
                 add(&mut trace, &s.name, s.track, start, (f64::from(dur_ms.max(0.0)) * 1e6) as u64);
+                if s.bytes > 0 {
+                    trace.events.last_mut().expect("just added").args.insert("bytes".into(), s.bytes.into());
+                }
             }
             let peak = g.total_bytes - g.min_free_bytes;
             let report = VramReport {
@@ -968,12 +974,14 @@ impl<'a> Exec<'a> {
             let dst = ring.slots[slot];
             let start = g.gpu.event(true)?;
             g.gpu.record(&start, Stream::H2d)?;
+            let mut bytes = 0;
             let name = match item {
                 RingItem::Weights(u) => {
                     let uw = self.w.unit(u).expect("weight unit");
                     // SAFETY: a slot holds slot_bytes ≥ every streamed unit; the weights are registered and outlive
                     // the run; the slot is free (waited above).
                     unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                    bytes = uw.bytes as u64;
                     format!("copy {u}")
                 }
                 RingItem::Kv(l) | RingItem::AttnKv(l) => {
@@ -981,6 +989,7 @@ impl<'a> Exec<'a> {
                         let uw = self.w.unit(UnitId::Attn { layer: l }).expect("attention unit");
                         // SAFETY: the slot holds align(attention bytes) + kv.bytes() (layout_phase sized it).
                         unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                        bytes = uw.bytes as u64;
                         dst + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
                     } else {
                         dst
@@ -1000,6 +1009,7 @@ impl<'a> Exec<'a> {
                             g.gpu.h2d(Stream::H2d, dst + o as u64, &hb[o..o + n])?;
                             g.gpu.h2d(Stream::H2d, dst + (half + o) as u64, &hb[half + o..half + o + n])?;
                         }
+                        bytes += 2 * n as u64;
                     }
                     let rows: usize = runs.iter().map(|r| r.1).sum();
                     let what = if let RingItem::AttnKv(_) = item { "attn + kv" } else { "kv" };
@@ -1012,7 +1022,7 @@ impl<'a> Exec<'a> {
             };
             let end = g.gpu.event(true)?;
             g.gpu.record(&end, Stream::H2d)?;
-            self.tl.gpu.push(GpuSpan { name, track: Track::H2d, start, end });
+            self.tl.gpu.push(GpuSpan { name, track: Track::H2d, start, end, bytes });
             g.gpu.record(&ring.copy_done[slot], Stream::H2d)?;
             ring.in_flight.push_back((item, slot));
             ring.pending.pop_front();
@@ -1466,6 +1476,9 @@ impl<'a> Exec<'a> {
                 // the previous staged unit's compute; weights are registered and outlive the run.
                 unsafe { g.gpu.h2d(Stream::Compute, base + off as u64, &uw.buf.as_slice()[..uw.bytes])? };
                 g.span_end(&mut self.tl, format!("stage {}", step.unit), Track::H2d, Stream::Compute, start)?;
+                if let Some(s) = self.tl.gpu.last_mut() {
+                    s.bytes = uw.bytes as u64;
+                }
                 (base + off as u64, None)
             }
             WeightLoc::Cpu => unreachable!("CPU units have no device weights"),

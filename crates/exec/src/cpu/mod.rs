@@ -778,6 +778,10 @@ pub type ExpertWork<'a> = (&'a [u8], ExpertOffsets, &'a [(u32, f32)]);
 
 /// Routed experts on the CPU: for each `(expert unit bytes, offsets, tokens)` in order,
 /// `out[t] += w · down(silu(gate(xn[t])) · up(xn[t]))` over the expert's `(t, w)` tokens.
+///
+/// The experts, and each one's gate and up, run at once on the pool: a decode token's expert matrices are a few
+/// MB each, too small for one parallel GEMV at a time to keep every thread reading DRAM (measured: 41 GB/s of
+/// 111 one after the other). Outputs are added in the experts' order, so the sums do not depend on scheduling.
 pub fn experts_block(
     pool: &CpuPool,
     d: &Dims,
@@ -787,22 +791,26 @@ pub fn experts_block(
     out: &mut [f32],
 ) {
     let (hd, fe) = (d.hidden, expert_ffn);
-    for &(unit, off, tokens) in experts {
+    let expert = |&(unit, off, tokens): &ExpertWork<'_>| {
         let c = tokens.len();
-        if c == 0 {
-            continue;
-        }
         let mut xe = vec![0f32; c * hd];
         for (row, &(t, _)) in xe.chunks_exact_mut(hd).zip(tokens) {
             row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
         }
         let mut g = vec![0f32; c * fe];
         let mut u = vec![0f32; c * fe];
-        mat_mul(pool, d, &xe, c, hd, unit, off.gate, fe, &mut g, false);
-        mat_mul(pool, d, &xe, c, hd, unit, off.up, fe, &mut u, false);
+        rayon::join(
+            || mat_mul(pool, d, &xe, c, hd, unit, off.gate, fe, &mut g, false),
+            || mat_mul(pool, d, &xe, c, hd, unit, off.up, fe, &mut u, false),
+        );
         swiglu(&mut g, &u, d.mat);
         let mut y = vec![0f32; c * hd];
         mat_mul(pool, d, &g, c, fe, unit, off.down, hd, &mut y, false);
+        y
+    };
+    let busy: Vec<&ExpertWork<'_>> = experts.iter().filter(|e| !e.2.is_empty()).collect();
+    let ys: Vec<Vec<f32>> = pool.install(|| busy.par_iter().map(|e| expert(e)).collect());
+    for (&&(_, _, tokens), y) in busy.iter().zip(&ys) {
         for (row, &(t, w)) in y.chunks_exact(hd).zip(tokens) {
             let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
             o.iter_mut().zip(row).for_each(|(o, y)| *o += w * y);
