@@ -328,6 +328,7 @@ impl Row {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
+                identical_requests: false,
             },
         }
     }
@@ -807,6 +808,7 @@ mod tests {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
+                identical_requests: false,
             },
             kind,
             status: "ok".into(),
