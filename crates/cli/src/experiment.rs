@@ -43,7 +43,7 @@ use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::gguf;
 use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
-use pipeshard_core::workload::{MAX_BATCH, Workload};
+use pipeshard_core::workload::{MAX_BATCH, Requests, Workload};
 use serde::Deserialize;
 
 use crate::args::{format_bytes, format_tokens, parse_bytes, parse_tokens};
@@ -208,8 +208,8 @@ pub struct Experiment {
     pub budget_excludes_runtime: bool,
     /// `ngl` plans with flash attention on.
     pub ngl_flash_attn: bool,
-    /// Every request is the same token sequence.
-    pub identical_requests: bool,
+    /// Distinct requests, or copies of one token sequence.
+    pub requests: Requests,
     /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
     pub ngl_layers: BTreeMap<NglKey, u32>,
     pub paper: Option<PaperRef>,
@@ -331,7 +331,11 @@ impl Experiment {
             weights: top_weights,
             budget_excludes_runtime: f.budget_excludes_runtime.unwrap_or(false),
             ngl_flash_attn: f.ngl_flash_attn.unwrap_or(false),
-            identical_requests: f.identical_requests.unwrap_or(false),
+            requests: if f.identical_requests == Some(true) {
+                Requests::Identical
+            } else {
+                Requests::Distinct
+            },
             ngl_layers,
             paper: f.paper,
         };
@@ -471,7 +475,7 @@ impl Experiment {
                                     ngl_layers,
                                     budget_excludes_runtime: self.budget_excludes_runtime,
                                     ngl_flash_attn: self.ngl_flash_attn,
-                                    identical_requests: self.identical_requests,
+                                    requests: self.requests,
                                 });
                             }
                         }
@@ -634,8 +638,8 @@ pub struct Cell {
     pub budget_excludes_runtime: bool,
     /// `ngl` only: plan with flash attention on.
     pub ngl_flash_attn: bool,
-    /// Every request is the same token sequence.
-    pub identical_requests: bool,
+    /// Distinct requests, or copies of one token sequence.
+    pub requests: Requests,
 }
 
 impl Cell {
@@ -656,7 +660,7 @@ impl Cell {
     #[must_use]
     pub fn workload(&self) -> Workload {
         Workload {
-            identical_requests: self.identical_requests,
+            requests: self.requests,
             ..Workload::single(self.prompt_tokens, self.ctx, self.gen_tokens, self.ubatch)
                 .batched(self.batch, self.kv_unified)
         }

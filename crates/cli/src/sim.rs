@@ -195,7 +195,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             ngl_layers: None,
             budget_excludes_runtime: false,
             ngl_flash_attn: false,
-            identical_requests: false,
+            requests: pipeshard_core::workload::Requests::Distinct,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");
         let plan = planner

@@ -328,7 +328,7 @@ impl Row {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
-                identical_requests: false,
+                requests: pipeshard_core::workload::Requests::Distinct,
             },
         }
     }
@@ -808,7 +808,7 @@ mod tests {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
-                identical_requests: false,
+                requests: pipeshard_core::workload::Requests::Distinct,
             },
             kind,
             status: "ok".into(),

@@ -39,11 +39,29 @@ pub struct Workload {
     /// pageable rate. Our executor and the paper's runtime page-lock them (the default).
     #[serde(default, skip_serializing_if = "is_false")]
     pub host_pageable: bool,
-    /// Every request is the same token sequence, so a decode step's tokens route alike and touch only top-k
-    /// experts per layer: `llama-batched-bench`, which the paper's batched runs use, feeds token 0 to every
-    /// sequence at every position. Otherwise the step's tokens route independently (distinct requests).
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub identical_requests: bool,
+    /// Whether the parallel requests are distinct token sequences or copies of one ([`Requests`]).
+    #[serde(default, skip_serializing_if = "Requests::is_distinct")]
+    pub requests: Requests,
+}
+
+/// What the parallel requests of a batched workload are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Requests {
+    /// Different token sequences: a decode step's tokens route independently.
+    #[default]
+    Distinct,
+    /// One token sequence, repeated: a decode step's tokens route alike and touch only top-k experts per
+    /// layer. `llama-batched-bench`, which the paper's batched runs use, feeds token 0 to every sequence at
+    /// every position.
+    Identical,
+}
+
+impl Requests {
+    #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+    fn is_distinct(&self) -> bool {
+        *self == Requests::Distinct
+    }
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
@@ -65,7 +83,7 @@ impl Workload {
             flash_attn: true,
             kv_unified: false,
             host_pageable: false,
-            identical_requests: false,
+            requests: Requests::Distinct,
         }
     }
 
@@ -488,7 +506,7 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
             out.push(r);
             // Identical requests route a decode step's tokens alike: one token's experts.
             let routing_tokens = match phase {
-                Phase::Decode { .. } if w.identical_requests => 1,
+                Phase::Decode { .. } if w.requests == Requests::Identical => 1,
                 _ => m,
             };
             let touched = expected_touched_experts(moe.n_experts, moe.top_k, routing_tokens);
@@ -758,7 +776,7 @@ mod tests {
         };
         for r in [4u64, 16, 64] {
             let distinct = Workload::single(889, 1024, 128, 1024).batched(r, true);
-            let same = Workload { identical_requests: true, ..distinct };
+            let same = Workload { requests: Requests::Identical, ..distinct };
             let (touched, per_touched, bytes, flops) = experts(&same, same.decode_step(5));
             assert!((touched - 8.0).abs() < 1e-9 && (per_touched - r as f64).abs() < 1e-9, "R = {r}");
             assert!((bytes - 8.0 * per_expert).abs() < 1e-3, "R = {r}");
