@@ -287,6 +287,7 @@ mod tests {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
+                requests: pipeshard_core::workload::Requests::Distinct,
             },
             status,
             reason: "needs at least 2 GiB".into(),

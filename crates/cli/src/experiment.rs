@@ -28,6 +28,9 @@
 //!   paper's batched runs).
 //! - `ngl_flash_attn = true`: `ngl` plans llama.cpp's `-fa on` (the paper's batched runs did; the executor
 //!   implements flash attention only), instead of Table 4 / Figure 2's `-fa off`.
+//! - `identical_requests = true`: every request is the same token sequence, as `llama-batched-bench` (the
+//!   paper's batched runs) feeds token 0 to every sequence, so a decode step's tokens route alike and touch
+//!   top-k experts per layer whatever the batch.
 //! - `[paper]`: the paper's CSV that `pipeshard repro` compares against, its model names, and the models
 //!   whose cells calibrate the profile.
 
@@ -40,7 +43,7 @@ use pipeshard_core::checkpoint::Checkpoint;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::gguf;
 use pipeshard_core::model::{ModelSpec, WeightFormat, load_hf_config};
-use pipeshard_core::workload::{MAX_BATCH, Workload};
+use pipeshard_core::workload::{MAX_BATCH, Requests, Workload};
 use serde::Deserialize;
 
 use crate::args::{format_bytes, format_tokens, parse_bytes, parse_tokens};
@@ -150,6 +153,9 @@ pub struct ExperimentFile {
     /// Plan `ngl` with flash attention on (llama.cpp `-fa on`) instead of the paper's `-fa off`: the executor
     /// implements flash attention only, so experiments it runs (`validate`) need this.
     pub ngl_flash_attn: Option<bool>,
+    /// Every request is the same token sequence (`llama-batched-bench`'s), so a decode step's tokens touch one
+    /// token's experts; else they route independently.
+    pub identical_requests: Option<bool>,
     pub ngl: Option<NglFile>,
     pub paper: Option<PaperRef>,
 }
@@ -202,6 +208,8 @@ pub struct Experiment {
     pub budget_excludes_runtime: bool,
     /// `ngl` plans with flash attention on.
     pub ngl_flash_attn: bool,
+    /// Distinct requests, or copies of one token sequence.
+    pub requests: Requests,
     /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
     pub ngl_layers: BTreeMap<NglKey, u32>,
     pub paper: Option<PaperRef>,
@@ -323,6 +331,11 @@ impl Experiment {
             weights: top_weights,
             budget_excludes_runtime: f.budget_excludes_runtime.unwrap_or(false),
             ngl_flash_attn: f.ngl_flash_attn.unwrap_or(false),
+            requests: if f.identical_requests == Some(true) {
+                Requests::Identical
+            } else {
+                Requests::Distinct
+            },
             ngl_layers,
             paper: f.paper,
         };
@@ -462,6 +475,7 @@ impl Experiment {
                                     ngl_layers,
                                     budget_excludes_runtime: self.budget_excludes_runtime,
                                     ngl_flash_attn: self.ngl_flash_attn,
+                                    requests: self.requests,
                                 });
                             }
                         }
@@ -624,6 +638,8 @@ pub struct Cell {
     pub budget_excludes_runtime: bool,
     /// `ngl` only: plan with flash attention on.
     pub ngl_flash_attn: bool,
+    /// Distinct requests, or copies of one token sequence.
+    pub requests: Requests,
 }
 
 impl Cell {
@@ -643,8 +659,11 @@ impl Cell {
     /// The workload of the cell (f16 KV, flash attention).
     #[must_use]
     pub fn workload(&self) -> Workload {
-        Workload::single(self.prompt_tokens, self.ctx, self.gen_tokens, self.ubatch)
-            .batched(self.batch, self.kv_unified)
+        Workload {
+            requests: self.requests,
+            ..Workload::single(self.prompt_tokens, self.ctx, self.gen_tokens, self.ubatch)
+                .batched(self.batch, self.kv_unified)
+        }
     }
 }
 

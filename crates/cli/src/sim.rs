@@ -146,6 +146,7 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                         kv_unified: Some(a.kv_unified),
                         budget_excludes_runtime: None,
                         ngl_flash_attn: None,
+                        identical_requests: None,
                         ngl: None,
                         paper: None,
                     },
@@ -194,6 +195,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
             ngl_layers: None,
             budget_excludes_runtime: false,
             ngl_flash_attn: false,
+            requests: pipeshard_core::workload::Requests::Distinct,
         };
         let planner = pipeshard_planner::by_name(&a.planner).expect("clap checks the planner name");
         let plan = planner

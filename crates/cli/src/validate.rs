@@ -329,6 +329,7 @@ impl Row {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
+                requests: pipeshard_core::workload::Requests::Distinct,
             },
         }
     }
@@ -813,6 +814,7 @@ mod tests {
                 ngl_layers: None,
                 budget_excludes_runtime: false,
                 ngl_flash_attn: false,
+                requests: pipeshard_core::workload::Requests::Distinct,
             },
             kind,
             status: "ok".into(),

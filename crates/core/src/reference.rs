@@ -139,6 +139,11 @@ pub struct Efficiencies {
     /// as the 30% they assumed.
     #[serde(default = "pageable_default")]
     pub pcie_pageable: f64,
+    /// CPU routed experts: fraction of the CPU GEMM rate (`cpu_gemm_flops`) that ggml's `mul_mat_id` reaches
+    /// when several tokens share an expert (it runs one quantised dot product per weight row and token, where a
+    /// dense `mul_mat` takes the tiled GEMM). Older fits read as 1 (the dense rate).
+    #[serde(default = "one")]
+    pub cpu_expert_gemm: f64,
 }
 
 fn one() -> f64 {
@@ -156,7 +161,7 @@ fn pageable_default() -> f64 {
 impl Efficiencies {
     /// Names and values, in a fixed order (what calibration varies).
     #[must_use]
-    pub fn values(&self) -> [(&'static str, f64); 15] {
+    pub fn values(&self) -> [(&'static str, f64); 16] {
         [
             ("gpu_gemv_bw", self.gpu_gemv_bw),
             ("gpu_gemm_flops", self.gpu_gemm_flops),
@@ -173,6 +178,7 @@ impl Efficiencies {
             ("cpu_attn_materialized", self.cpu_attn_materialized),
             ("cpu_expert_us", self.cpu_expert_us),
             ("pcie_pageable", self.pcie_pageable),
+            ("cpu_expert_gemm", self.cpu_expert_gemm),
         ]
     }
 
@@ -194,7 +200,8 @@ impl Efficiencies {
             11 => &mut self.launch_us,
             12 => &mut self.cpu_attn_materialized,
             13 => &mut self.cpu_expert_us,
-            _ => &mut self.pcie_pageable,
+            14 => &mut self.pcie_pageable,
+            _ => &mut self.cpu_expert_gemm,
         };
         *field = v;
         self
@@ -231,6 +238,7 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     cpu_attn_materialized: 1.0,
     cpu_expert_us: 1.0,
     pcie_pageable: 0.3,
+    cpu_expert_gemm: 1.0,
 };
 
 /// Names of the derived systems.
@@ -288,7 +296,10 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
     for dtype in [DType::F16, DType::Bf16, DType::Q4_0, DType::Q2K, DType::Q8_0] {
         let (n, k) = (4096u64, 4096u64);
         let wbytes = dtype.tensor_bytes(k, n).expect("4096 is block aligned") as f64;
-        for tokens in [1u64, 64, 512, 2048] {
+        // Every power of two up to 64 tokens, where decode batches and a layer's tokens per expert fall: the cost
+        // model interpolates efficiency in log tokens, and between a bandwidth-bound row and a compute-bound one
+        // that would bend the roofline's corner into a slope.
+        for tokens in [1u64, 2, 4, 8, 16, 32, 64, 512, 2048] {
             let flops = 2.0 * tokens as f64 * (n * k) as f64;
             let act = 4.0 * tokens as f64 * (n + k) as f64;
             let peak_gpu = s.gpu_f16_flops;
@@ -317,6 +328,33 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 threads,
                 time_ns: cpu_t.ceil() as u64,
                 time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
+                spread: None,
+                kv_heads: None,
+            });
+        }
+    }
+    // Routed experts on the CPU (one expert's gate, up and down, 1536 × 4096): ggml's `mul_mat_id` at
+    // `cpu_expert_gemm` of the dense GEMM rate. Only q4_0's: the rate was fitted on its runs (Table 9), and
+    // other formats' dot products differ in cost (a q2_K expert would turn compute-bound at one token, which
+    // the paper's qwen3-235b-a22b decode does not show); they keep borrowing the dense matmul rows.
+    {
+        let dtype = DType::Q4_0;
+        let (n, k) = (1536u64, 4096u64);
+        let wbytes = 3.0 * dtype.tensor_bytes(k, n).expect("4096 is block aligned") as f64;
+        for tokens in [1u64, 2, 4, 8, 16, 32, 64, 512, 2048] {
+            let flops = 6.0 * tokens as f64 * (n * k) as f64;
+            let act = 4.0 * tokens as f64 * (2 * k + 3 * n) as f64;
+            let t = ((wbytes + act) / (dram_gbps * e.cpu_gemv_bw))
+                .max(flops / (cpu_flops * e.cpu_gemm_flops * e.cpu_expert_gemm) * 1e9);
+            cpu_ops.push(OpRow {
+                op: OpClass::Experts,
+                dtype,
+                n,
+                k,
+                tokens,
+                threads,
+                time_ns: t.ceil() as u64,
+                time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
                 spread: None,
                 kv_heads: None,
             });
@@ -389,8 +427,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                  a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
                  roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
                  prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); a CPU \
-                 routed expert costs {:.1} µs beyond its bytes; GPU experts read the routing on the device \
-                 (llama.cpp)",
+                 routed expert costs {:.1} µs beyond its bytes and computes at {:.0}% of the CPU GEMM rate; GPU \
+                 experts read the routing on the device (llama.cpp)",
                 if e == DEFAULT_EFFICIENCIES { "uncalibrated" } else { "calibrated (see `fit`)" },
                 e.gpu_gemv_bw * 100.0,
                 e.gpu_gemm_flops * 100.0,
@@ -408,6 +446,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 e.cpu_attn * 100.0,
                 e.cpu_attn_materialized * 100.0,
                 e.cpu_expert_us,
+                e.cpu_expert_gemm * 100.0,
             ),
             fit: None,
         },

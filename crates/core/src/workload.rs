@@ -39,6 +39,29 @@ pub struct Workload {
     /// pageable rate. Our executor and the paper's runtime page-lock them (the default).
     #[serde(default, skip_serializing_if = "is_false")]
     pub host_pageable: bool,
+    /// Whether the parallel requests are distinct token sequences or copies of one ([`Requests`]).
+    #[serde(default, skip_serializing_if = "Requests::is_distinct")]
+    pub requests: Requests,
+}
+
+/// What the parallel requests of a batched workload are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Requests {
+    /// Different token sequences: a decode step's tokens route independently.
+    #[default]
+    Distinct,
+    /// One token sequence, repeated: a decode step's tokens route alike and touch only top-k experts per
+    /// layer. `llama-batched-bench`, which the paper's batched runs use, feeds token 0 to every sequence at
+    /// every position.
+    Identical,
+}
+
+impl Requests {
+    #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+    fn is_distinct(&self) -> bool {
+        *self == Requests::Distinct
+    }
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
@@ -60,6 +83,7 @@ impl Workload {
             flash_attn: true,
             kv_unified: false,
             host_pageable: false,
+            requests: Requests::Distinct,
         }
     }
 
@@ -480,7 +504,12 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
             let mut r = matmul(router, "ffn_gate_inp.weight", m).expect("router tensor");
             r.kind = OpKind::Router { n_experts: moe.n_experts, top_k: moe.top_k };
             out.push(r);
-            let touched = expected_touched_experts(moe.n_experts, moe.top_k, m);
+            // Identical requests route a decode step's tokens alike: one token's experts.
+            let routing_tokens = match phase {
+                Phase::Decode { .. } if w.requests == Requests::Identical => 1,
+                _ => m,
+            };
+            let touched = expected_touched_experts(moe.n_experts, moe.top_k, routing_tokens);
             let routed = mf * f64::from(moe.top_k);
             let expert_bytes = inv.unit_bytes(UnitId::Expert { layer: il, expert: 0 }) as f64;
             let ffn = moe.expert_ffn as f64;
@@ -730,6 +759,33 @@ mod tests {
         }
         // 64 tokens touch almost every expert (128 · (1 − (120/128)^64) ≈ 125.9), far fewer than 64 × 8.
         assert!((125.8..126.0).contains(&expected_touched_experts(128, 8, 64)));
+    }
+
+    /// Identical requests (`llama-batched-bench`) route a decode step's R tokens to one token's top-k experts,
+    /// each running all R tokens; their prefill chunks still route by token.
+    #[test]
+    fn identical_requests_decode_through_one_tokens_experts() {
+        let spec = catalog::get("qwen3-30b-a3b").unwrap();
+        let inv = Inventory::new(&spec);
+        let per_expert = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 }) as f64;
+        let experts = |w: &Workload, phase: Phase| {
+            let ops = ops(&spec, &inv, w, phase);
+            let e = *ops.iter().find(|o| matches!(o.kind, OpKind::Experts { .. })).unwrap();
+            let OpKind::Experts { touched, tokens_per_touched, .. } = e.kind else { unreachable!() };
+            (touched, tokens_per_touched, e.weight_bytes, e.flops)
+        };
+        for r in [4u64, 16, 64] {
+            let distinct = Workload::single(889, 1024, 128, 1024).batched(r, true);
+            let same = Workload { requests: Requests::Identical, ..distinct };
+            let (touched, per_touched, bytes, flops) = experts(&same, same.decode_step(5));
+            assert!((touched - 8.0).abs() < 1e-9 && (per_touched - r as f64).abs() < 1e-9, "R = {r}");
+            assert!((bytes - 8.0 * per_expert).abs() < 1e-3, "R = {r}");
+            let (d_touched, _, d_bytes, d_flops) = experts(&distinct, distinct.decode_step(5));
+            assert!(d_touched > 8.0 * 1.5 && d_bytes > bytes, "R = {r}: distinct requests touch more");
+            assert!((flops - d_flops).abs() < 1e-3 * flops, "R = {r}: the same R × k expert FLOPs");
+            let chunk = same.prefill_chunks()[0];
+            assert_eq!(experts(&same, chunk), experts(&distinct, chunk), "R = {r}: prefill");
+        }
     }
 
     #[test]

@@ -205,6 +205,8 @@ pub(crate) struct Decision {
     pub prefill_vram: VramBreakdown,
     pub decode_vram: VramBreakdown,
     pub prefill_op_offload: bool,
+    /// llama.cpp's op offload in decode: only the `ngl` baseline, when a step decodes enough sequences.
+    pub decode_op_offload: bool,
     pub prediction: Prediction,
     pub notes: Vec<String>,
 }
@@ -220,6 +222,7 @@ impl Decision {
             prefill,
             decode,
             prefill_op_offload: false,
+            decode_op_offload: false,
             notes,
         }
     }
@@ -252,7 +255,7 @@ pub(crate) fn assemble(
         budget_bytes,
         workload: *workload,
         prefill: est.phase_plan(inv, PhaseKind::Prefill, &d.prefill, d.prefill_vram, d.prefill_op_offload),
-        decode: est.phase_plan(inv, PhaseKind::Decode, &d.decode, d.decode_vram, false),
+        decode: est.phase_plan(inv, PhaseKind::Decode, &d.decode, d.decode_vram, d.decode_op_offload),
         switch_bytes: est.switch_bytes(&d.prefill, &d.decode),
         prediction: Some(d.prediction),
         notes: d.notes,

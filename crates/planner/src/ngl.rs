@@ -3,9 +3,9 @@
 //! - The **last** N decoder layers go to the GPU whole (attention, router, FFN or every expert, and their KV
 //!   at full context); the others stay on the CPU with their KV. The output head goes to the GPU only when
 //!   `N > n_layers` (llama.cpp counts it as layer `n_layers`); the token embedding always stays on the CPU.
-//! - No streaming and no pipelining. In prefill, steps of at least
-//!   [`OP_OFFLOAD_MIN_TOKENS`] tokens run the matmuls of CPU-resident
-//!   layers on the GPU after copying their weights, every ubatch, without overlap (llama.cpp's op offload),
+//! - No streaming and no pipelining. Steps of at least [`OP_OFFLOAD_MIN_TOKENS`] tokens (prefill ubatches,
+//!   and decode steps of that many parallel requests) run the matmuls of CPU-resident
+//!   layers on the GPU after copying their weights, every step, without overlap (llama.cpp's op offload),
 //!   and their attention too, after copying the cache view it reads (ggml's scheduler expands the offloaded
 //!   projections' GPU assignment to the weightless attention ops between them).
 //! - **Pageable host memory** (`host_pageable`): llama.cpp maps the model file (`--mmap`, the default, under
@@ -34,7 +34,7 @@
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;
 use pipeshard_core::model::ModelSpec;
-use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
+use pipeshard_core::plan::{PhaseKind, Placement, Plan, VramBreakdown};
 use pipeshard_core::workload::{ACT_BYTES, Phase, Workload, scratch_parts};
 
 use crate::estimate::{Estimator, Layout, OP_OFFLOAD_MIN_TOKENS};
@@ -83,7 +83,7 @@ impl Planner for Ngl {
         };
         let layout = model.layout(n);
         let vram = model.vram(n);
-        let op_offload = model.op_offload();
+        let op_offload = model.op_offload(PhaseKind::Prefill);
         let notes = vec![
             format!(
                 "-ngl {n}{}",
@@ -109,6 +109,7 @@ impl Planner for Ngl {
                 prefill_vram: vram,
                 decode_vram: vram,
                 prefill_op_offload: op_offload,
+                decode_op_offload: model.op_offload(PhaseKind::Decode),
                 notes,
             },
         ))
@@ -149,8 +150,10 @@ impl<'a> Offload<'a> {
         }
     }
 
-    fn op_offload(&self) -> bool {
-        self.est.prefill.tier_tokens >= OP_OFFLOAD_MIN_TOKENS
+    /// Whether llama.cpp's op offload runs in `phase`: its steps (a prefill ubatch, or one token of each of the
+    /// batch's sequences) reach [`OP_OFFLOAD_MIN_TOKENS`].
+    fn op_offload(&self, phase: PhaseKind) -> bool {
+        self.est.costs(phase).tier_tokens >= OP_OFFLOAD_MIN_TOKENS
     }
 
     /// First GPU layer of `-ngl n`.

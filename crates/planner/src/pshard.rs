@@ -803,6 +803,7 @@ impl Pshard {
                 prefill: pre_layout,
                 decode: dec_layout,
                 prefill_op_offload: false,
+                decode_op_offload: false,
                 prediction,
                 notes,
             },

@@ -250,7 +250,7 @@ impl PhaseView {
     pub fn uses_gpu(&self) -> bool {
         self.token_embd.on_gpu()
             || self.output.on_gpu()
-            || (self.op_offload && self.kind == PhaseKind::Prefill)
+            || self.op_offload
             || self.layers.iter().any(|l| {
                 l.attn.on_gpu()
                     || l.ffn.on_gpu()
@@ -267,7 +267,7 @@ impl PhaseView {
         if !self.uses_gpu() {
             return 0;
         }
-        let offload = self.op_offload && self.kind == PhaseKind::Prefill;
+        let offload = self.op_offload;
         let attn = self.layers.iter().any(|l| l.attn.on_gpu());
         // A MoE layer's `ffn` is its router, whose output (one score per expert) is no FFN intermediate.
         let ffn = offload
@@ -518,7 +518,7 @@ impl Builder<'_> {
     }
 
     fn offload_phase(&self, op: &Op) -> bool {
-        self.view.op_offload && self.view.kind == PhaseKind::Prefill && op.tokens >= OP_OFFLOAD_MIN_TOKENS
+        self.view.op_offload && op.tokens >= OP_OFFLOAD_MIN_TOKENS
     }
 
     /// Under op offload, an op reading CPU-resident weights runs on the GPU (ggml offloads every op whose

@@ -49,8 +49,8 @@
 //!   sequences' masked cells (core's `Op::flops_on`). TPS sums the tokens of all requests.
 //! - **Shared DRAM.** While an H2D or D2H copy is in flight, CPU and GPU ops run at their cost model's
 //!   under-DMA rate; a running op switches rate when the copy starts or ends.
-//! - **Op offload** (the `ngl` baseline's prefill): ops reading CPU-resident weights copy them to the GPU and
-//!   run there, copy then compute, not overlapped.
+//! - **Op offload** (the `ngl` baseline, in prefill and in decode steps of ≥ 32 parallel requests): ops
+//!   reading CPU-resident weights copy them to the GPU and run there, copy then compute, not overlapped.
 //! - **Sampling.** A step's time is linear in its position except through pipeline stalls, so `run` simulates
 //!   the first, last and a few evenly spaced steps of each phase and interpolates the rest
 //!   ([`SimOptions`]); `SimOptions { exact: true, .. }` simulates every one.

@@ -3,11 +3,12 @@
 mod common;
 
 use common::{FixedCost, PhaseShape, cli3, plan, small};
-use pipeshard_core::cost::{CostModel, OpContext};
+use pipeshard_core::cost::{CostModel, Device, OpContext};
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::workload::{Op, Workload};
+use pipeshard_sim::graph::TaskKind;
 use pipeshard_sim::{SimOptions, Simulator};
 
 /// [`FixedCost`] whose copies also pay a fixed latency each, as real copies do.
@@ -108,4 +109,34 @@ fn batching_shares_weights_and_a_unified_cache_costs_the_gpu_its_scan() {
     let decode_s = (split.e2el_ns - split.ttft_ns) as f64 / 1e9;
     assert!((split.tps - 16.0 * 16.0 / decode_s).abs() / split.tps < 1e-9);
     assert!(split.busy(Resource::GpuCompute) > one.busy(Resource::GpuCompute));
+}
+
+/// The `ngl` baseline's op offload runs in decode too once a step decodes ≥ 32 sequences (ggml offloads an op
+/// of CPU-resident weights from 32 rows on): a step of 64 copies the CPU layer's weights and runs it on the GPU,
+/// a step of 16 computes it on the CPU.
+#[test]
+fn op_offload_in_decode_from_32_sequences() {
+    let cost = FixedCost::plain(0.01, 25.0);
+    let spec = small("qwen3-30b-a3b", 2);
+    let place = |u: UnitId| if u.layer() == Some(0) { Placement::Cpu } else { Placement::Pinned };
+    for (r, offloads) in [(16u64, false), (64, true)] {
+        let w = Workload::single(300, 512, 4, 256).batched(r, false);
+        let mut p = plan(&spec, &w, SHAPE, &place);
+        p.decode.op_offload = true;
+        let sim = Simulator::new(&spec, &p, &cost).unwrap();
+        let o = sim.step(PhaseKind::Decode, w.decode_step(1));
+        let g = &o.graph;
+        let copied: Vec<_> = (0..g.tasks.len())
+            .filter_map(|t| match g.tasks[t].kind {
+                TaskKind::Offload { op } => Some(g.ops[op as usize].unit),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(!copied.is_empty(), offloads, "R = {r}");
+        assert!(copied.iter().all(|u| u.layer() == Some(0)), "R = {r}: only layer 0 is CPU-resident");
+        let computes_on_cpu = (0..g.tasks.len() as u32).any(|t| {
+            matches!(g.tasks[t as usize].kind, TaskKind::Compute { .. }) && g.device(t) == Some(Device::Cpu)
+        });
+        assert_eq!(computes_on_cpu, !offloads, "R = {r}: offloaded ops leave the CPU no compute");
+    }
 }
