@@ -472,6 +472,15 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
     let d = &w.dims;
     plan.validate(&w.inventory).map_err(|e| ExecError::InvalidPlan(e.to_string()))?;
     let wl = &plan.workload;
+    if plan.decode.op_offload {
+        return Err(ExecError::UnsupportedPlan {
+            phase: PhaseKind::Decode,
+            reason:
+                "op offload in decode steps (llama.cpp's, for steps of ≥ 32 sequences) is not implemented by \
+                     the executor; run `ngl` with fewer than 32 parallel requests"
+                    .into(),
+        });
+    }
     if !wl.flash_attn {
         return Err(ExecError::UnsupportedPlan {
             phase: PhaseKind::Prefill,

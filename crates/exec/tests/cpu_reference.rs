@@ -213,6 +213,20 @@ fn a_plan_naming_units_the_model_lacks_is_an_error() {
     assert!(msg.contains("blk.3") && msg.contains("does not have"), "{msg}");
 }
 
+/// llama.cpp's op offload in decode steps (`ngl` at ≥ 32 parallel requests) is refused before anything runs,
+/// saying so, rather than run as a different plan than the simulator costs.
+#[test]
+fn decode_op_offload_is_refused() {
+    let spec = tiny_spec();
+    let w = ModelWeights::random(&spec, 1).unwrap();
+    let mut plan = manual_plan(&spec, Workload::single(4, 16, 2, 4), 1 << 30, 0, 0, 1, |_, _| Placement::Cpu);
+    plan.decode.op_offload = true;
+    let opts = RunOptions { prompt: vec![1, 2, 3, 4], gen_tokens: 2, ..RunOptions::default() };
+    let e = run(&w, &plan, None, &opts).unwrap_err();
+    assert!(matches!(e, ExecError::UnsupportedPlan { .. }), "{e}");
+    assert!(e.to_string().contains("op offload in decode"), "{e}");
+}
+
 /// A raised interrupt flag stops a run before its next forward pass with `Interrupted`; a lowered one changes
 /// nothing.
 #[test]
