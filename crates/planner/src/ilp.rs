@@ -56,11 +56,16 @@
 
 use good_lp::solvers::SolutionStatus;
 use good_lp::solvers::highs::highs;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+
 use good_lp::{
-    Constraint, Expression, ProblemVariables, ResolutionError, Solution, SolverModel, Variable, variable,
+    Constraint, Expression, IntoAffineExpression, ProblemVariables, ResolutionError, Solution, SolverModel,
+    Variable, variable,
 };
 use pipeshard_core::MIB;
 use pipeshard_core::cost::CostModel;
+use pipeshard_core::fxhash::FxHashMap;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
@@ -385,6 +390,34 @@ impl Ilp {
                 e2el
             }
         };
+        let key =
+            program_key(&vars, &objective, &rows, [self.time_limit_s.to_bits(), goal.word(), cap_bits(goal)]);
+        let solution = match memoised(&key) {
+            Some(stored) => stored,
+            None => {
+                let stored = self.run_highs(vars, objective, rows)?;
+                remember(key, stored.clone());
+                stored
+            }
+        };
+        let Some(solution) = solution else { return Ok(None) };
+        Ok(Some(Outcome {
+            prefill: pre.read(&*solution, est, classes, budget),
+            decode: dec.read(&*solution, est, classes, budget),
+            phase_ms: [solution.value(pre.t), solution.value(dec.t)],
+            // HiGHS stops within its relative gap: that counts as optimal.
+            proven: matches!(solution.status(), SolutionStatus::Optimal | SolutionStatus::GapLimit),
+        }))
+    }
+
+    /// One HiGHS solve: the values of every variable, or `None` when the program is infeasible.
+    fn run_highs(
+        &self,
+        vars: ProblemVariables,
+        objective: Expression,
+        rows: Vec<Constraint>,
+    ) -> Result<Option<Arc<Stored>>, PlanError> {
+        let all: Vec<Variable> = vars.iter_variables_with_def().map(|(v, _)| v).collect();
         let mut model = vars
             .minimise(objective)
             .using(highs)
@@ -397,19 +430,103 @@ impl Ilp {
         for r in rows {
             model.add_constraint(r);
         }
-        let solution = match model.solve() {
-            Ok(s) => s,
-            Err(ResolutionError::Infeasible) => return Ok(None),
-            Err(e) => return Err(PlanError::Solver { planner: "ilp".into(), reason: e.to_string() }),
-        };
-        Ok(Some(Outcome {
-            prefill: pre.read(&solution, est, classes, budget),
-            decode: dec.read(&solution, est, classes, budget),
-            phase_ms: [solution.value(pre.t), solution.value(dec.t)],
-            // HiGHS stops within its relative gap: that counts as optimal.
-            proven: matches!(solution.status(), SolutionStatus::Optimal | SolutionStatus::GapLimit),
-        }))
+        match model.solve() {
+            Ok(s) => Ok(Some(Arc::new(Stored {
+                status: s.status(),
+                index: all.iter().enumerate().map(|(i, &v)| (v, i)).collect(),
+                values: all.iter().map(|&v| s.value(v)).collect(),
+            }))),
+            Err(ResolutionError::Infeasible) => Ok(None),
+            Err(e) => Err(PlanError::Solver { planner: "ilp".into(), reason: e.to_string() }),
+        }
     }
+}
+
+impl Goal {
+    /// The goal's kind as one word of a program's key.
+    fn word(self) -> u64 {
+        match self {
+            Goal::E2el => 0,
+            Goal::Phase(PhaseKind::Prefill) => 1,
+            Goal::Phase(PhaseKind::Decode) => 2,
+            Goal::E2elCapped(PhaseKind::Prefill, _) => 3,
+            Goal::E2elCapped(PhaseKind::Decode, _) => 4,
+        }
+    }
+}
+
+fn cap_bits(goal: Goal) -> u64 {
+    if let Goal::E2elCapped(_, cap) = goal { cap.to_bits() } else { 0 }
+}
+
+/// A solve's outcome, kept for a later solve of the same program.
+struct Stored {
+    status: SolutionStatus,
+    index: FxHashMap<Variable, usize>,
+    values: Vec<f64>,
+}
+
+impl Solution for Stored {
+    fn status(&self) -> SolutionStatus {
+        self.status
+    }
+
+    fn value(&self, variable: Variable) -> f64 {
+        self.values[self.index[&variable]]
+    }
+}
+
+/// Programs [`memoised`] keeps, oldest first.
+const MEMO_PROGRAMS: usize = 64;
+
+/// Outcomes of the last programs solved in this process, by their [`program_key`] (`None`: infeasible).
+static SOLVED: Mutex<VecDeque<(Vec<u64>, Option<Arc<Stored>>)>> = Mutex::new(VecDeque::new());
+
+/// The outcome of an earlier solve of the program with this key. HiGHS is deterministic (one thread, fixed
+/// seed), so it is what solving it again would give; cells that differ only where the program does not look
+/// (Figure 2's 1K prompts fit one chunk of either ubatch) solve once.
+fn memoised(key: &[u64]) -> Option<Option<Arc<Stored>>> {
+    let memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
+    memo.iter().find(|(k, _)| k.as_slice() == key).map(|(_, s)| s.clone())
+}
+
+fn remember(key: Vec<u64>, stored: Option<Arc<Stored>>) {
+    let mut memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
+    if memo.len() == MEMO_PROGRAMS {
+        memo.pop_front();
+    }
+    memo.push_back((key, stored));
+}
+
+/// Everything HiGHS is given, as words: `extra` (the time limit and the goal), each variable's bounds and
+/// integrality, the objective and the rows, coefficients in variable order (f64 bits, so only identical
+/// programs share a key). good_lp does not expose whether an inequality was written `≥` or `≤` (HiGHS gets
+/// the row negated or not); that follows from the code that built the row, which the goal and the variables
+/// (the classes' kinds) identify.
+fn program_key(
+    vars: &ProblemVariables,
+    objective: &Expression,
+    rows: &[Constraint],
+    extra: [u64; 3],
+) -> Vec<u64> {
+    let index: FxHashMap<Variable, u64> =
+        vars.iter_variables_with_def().enumerate().map(|(i, (v, _))| (v, i as u64)).collect();
+    let mut key = extra.to_vec();
+    for (_, def) in vars.iter_variables_with_def() {
+        key.extend([def.get_min().to_bits(), def.get_max().to_bits(), u64::from(def.is_integer())]);
+    }
+    let expression = |key: &mut Vec<u64>, e: &Expression, tag: u64| {
+        let mut coefficients: Vec<(u64, u64)> =
+            e.linear_coefficients().map(|(v, c)| (index[&v], c.to_bits())).collect();
+        coefficients.sort_unstable();
+        key.extend([tag, e.constant().to_bits(), coefficients.len() as u64]);
+        key.extend(coefficients.into_iter().flat_map(|(v, c)| [v, c]));
+    };
+    expression(&mut key, objective, 2);
+    for r in rows {
+        expression(&mut key, r.expression(), u64::from(r.is_equality()));
+    }
+    key
 }
 
 /// Counts of one class in one phase.
