@@ -392,15 +392,14 @@ impl Ilp {
         };
         let key =
             program_key(&vars, &objective, &rows, [self.time_limit_s.to_bits(), goal.word(), cap_bits(goal)]);
-        let solution = match memoised(&key) {
-            Some(stored) => stored,
-            None => {
-                let stored = self.run_highs(vars, objective, rows)?;
-                remember(key, stored.clone());
-                stored
-            }
+        let answer = if let Some(answer) = memoised(&key) {
+            answer
+        } else {
+            let answer = self.run_highs(vars, objective, rows)?;
+            remember(key, answer.clone());
+            answer
         };
-        let Some(solution) = solution else { return Ok(None) };
+        let Answer::Solved(solution) = answer else { return Ok(None) };
         Ok(Some(Outcome {
             prefill: pre.read(&*solution, est, classes, budget),
             decode: dec.read(&*solution, est, classes, budget),
@@ -410,13 +409,13 @@ impl Ilp {
         }))
     }
 
-    /// One HiGHS solve: the values of every variable, or `None` when the program is infeasible.
+    /// One HiGHS solve.
     fn run_highs(
         &self,
         vars: ProblemVariables,
         objective: Expression,
         rows: Vec<Constraint>,
-    ) -> Result<Option<Arc<Stored>>, PlanError> {
+    ) -> Result<Answer, PlanError> {
         let all: Vec<Variable> = vars.iter_variables_with_def().map(|(v, _)| v).collect();
         let mut model = vars
             .minimise(objective)
@@ -431,12 +430,12 @@ impl Ilp {
             model.add_constraint(r);
         }
         match model.solve() {
-            Ok(s) => Ok(Some(Arc::new(Stored {
+            Ok(s) => Ok(Answer::Solved(Arc::new(Stored {
                 status: s.status(),
                 index: all.iter().enumerate().map(|(i, &v)| (v, i)).collect(),
                 values: all.iter().map(|&v| s.value(v)).collect(),
             }))),
-            Err(ResolutionError::Infeasible) => Ok(None),
+            Err(ResolutionError::Infeasible) => Ok(Answer::Infeasible),
             Err(e) => Err(PlanError::Solver { planner: "ilp".into(), reason: e.to_string() }),
         }
     }
@@ -459,7 +458,14 @@ fn cap_bits(goal: Goal) -> u64 {
     if let Goal::E2elCapped(_, cap) = goal { cap.to_bits() } else { 0 }
 }
 
-/// A solve's outcome, kept for a later solve of the same program.
+/// What HiGHS made of a program.
+#[derive(Clone)]
+enum Answer {
+    Infeasible,
+    Solved(Arc<Stored>),
+}
+
+/// A solution, kept for a later solve of the same program.
 struct Stored {
     status: SolutionStatus,
     index: FxHashMap<Variable, usize>,
@@ -479,23 +485,25 @@ impl Solution for Stored {
 /// Programs [`memoised`] keeps, oldest first.
 const MEMO_PROGRAMS: usize = 64;
 
-/// Outcomes of the last programs solved in this process, by their [`program_key`] (`None`: infeasible).
-static SOLVED: Mutex<VecDeque<(Vec<u64>, Option<Arc<Stored>>)>> = Mutex::new(VecDeque::new());
+/// The last programs solved in this process, by their [`program_key`].
+type Memo = VecDeque<(Vec<u64>, Answer)>;
+
+static SOLVED: Mutex<Memo> = Mutex::new(VecDeque::new());
 
 /// The outcome of an earlier solve of the program with this key. HiGHS is deterministic (one thread, fixed
 /// seed), so it is what solving it again would give; cells that differ only where the program does not look
 /// (Figure 2's 1K prompts fit one chunk of either ubatch) solve once.
-fn memoised(key: &[u64]) -> Option<Option<Arc<Stored>>> {
+fn memoised(key: &[u64]) -> Option<Answer> {
     let memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
     memo.iter().find(|(k, _)| k.as_slice() == key).map(|(_, s)| s.clone())
 }
 
-fn remember(key: Vec<u64>, stored: Option<Arc<Stored>>) {
+fn remember(key: Vec<u64>, answer: Answer) {
     let mut memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
     if memo.len() == MEMO_PROGRAMS {
         memo.pop_front();
     }
-    memo.push_back((key, stored));
+    memo.push_back((key, answer));
 }
 
 /// Everything HiGHS is given, as words: `extra` (the time limit and the goal), each variable's bounds and
@@ -907,6 +915,41 @@ fn switch_ms(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 12-item knapsack with room for `room`, as the program to solve, and its item variables.
+    fn knapsack(room: f64) -> (ProblemVariables, Expression, Vec<Constraint>, Vec<Variable>) {
+        let mut vars = ProblemVariables::new();
+        let items: Vec<Variable> = (0..12).map(|_| vars.add(variable().binary())).collect();
+        let value: Expression = items.iter().enumerate().map(|(i, &x)| -((i * 7 % 11 + 1) as f64) * x).sum();
+        let weight: Expression = items.iter().enumerate().map(|(i, &x)| ((i * 5 % 7 + 1) as f64) * x).sum();
+        (vars, value, vec![weight.leq(room)], items)
+    }
+
+    #[test]
+    fn the_solve_memo_answers_only_the_same_program_and_as_highs_would() {
+        let key = |(v, o, r, _): &(ProblemVariables, Expression, Vec<Constraint>, Vec<Variable>)| {
+            program_key(v, o, r, [0, 0, 0])
+        };
+        let (a, b, other) = (knapsack(10.0), knapsack(10.0), knapsack(10.5));
+        let (key_a, key_other) = (key(&a), key(&other));
+        assert_eq!(key_a, key(&b), "the same program, built twice, has one key");
+        assert_ne!(key_a, key_other, "one bound apart");
+        assert_ne!(key_a, program_key(&a.0, &a.1, &a.2, [0, 1, 0]), "another goal");
+        let items = a.3.clone();
+        let ilp = Ilp::default();
+        let solve = |(v, o, r, _)| match ilp.run_highs(v, o, r) {
+            Ok(Answer::Solved(s)) => s,
+            _ => panic!("a knapsack has a solution"),
+        };
+        let (first, second) = (solve(a), solve(b));
+        // What the memo hands out is what solving again gives, value for value.
+        assert!(items.iter().all(|&x| first.value(x).to_bits() == second.value(x).to_bits()));
+        assert!(items.iter().any(|&x| first.value(x) > 0.5) && items.iter().any(|&x| first.value(x) < 0.5));
+        remember(key_a.clone(), Answer::Solved(first));
+        let Some(Answer::Solved(kept)) = memoised(&key_a) else { panic!("the program just solved is kept") };
+        assert!(items.iter().all(|&x| kept.value(x).to_bits() == second.value(x).to_bits()));
+        assert!(memoised(&key_other).is_none());
+    }
 
     #[test]
     fn ranks_spread_through_the_class() {

@@ -462,13 +462,12 @@ impl Builder<'_> {
             Device::Cpu => (Lane::Cpu, OpContext::cpu(self.view.cpu_threads), 0),
         };
         let key = CostKey::new(op, dev);
-        let (alone, dma) = match self.memo.get(&key) {
-            Some(&times) => times,
-            None => {
-                let times = (cost.op_ns(op, ctx), cost.op_ns(op, ctx.with_dma(true)));
-                self.memo.insert(key, times);
-                times
-            }
+        let (alone, dma) = if let Some(&times) = self.memo.get(&key) {
+            times
+        } else {
+            let times = (cost.op_ns(op, ctx), cost.op_ns(op, ctx.with_dma(true)));
+            self.memo.insert(key, times);
+            times
         };
         // Launches are asynchronous: the host issues the next kernel while the device runs this one, so a GPU op
         // takes its device time, or the launch rate's when it is shorter (the profile's back-to-back launch
