@@ -498,6 +498,12 @@ fn memoised(key: &[u64]) -> Option<Answer> {
     memo.iter().find(|(k, _)| k.as_slice() == key).map(|(_, s)| s.clone())
 }
 
+/// Forgets every program solved so far: a benchmark timing `ilp` on one cell over and over calls it so that
+/// each run solves its program, as the first plan of a cell does.
+pub fn forget_solves() {
+    SOLVED.lock().unwrap_or_else(PoisonError::into_inner).clear();
+}
+
 fn remember(key: Vec<u64>, answer: Answer) {
     let mut memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
     if memo.len() == MEMO_PROGRAMS {
