@@ -46,7 +46,9 @@
 //! `greedy` (no margin). Inside the program times are in milliseconds and bytes in MiB; the VRAM row keeps a
 //! safety margin for the solver's tolerances (16 KiB, raised to 1 and 16 MiB if the rounded solution does not
 //! fit), and the plan's breakdown is recomputed in bytes. `ttft` and `tps` take two solves: the phase's time,
-//! then E2EL with that phase capped at the time found.
+//! then E2EL with that phase capped at the time found. A process keeps the answers to its last programs by
+//! their exact data (HiGHS is deterministic), so cells that pose the same program (Figure 2's 1K prompts, one
+//! chunk at either ubatch) solve it once.
 //!
 //! # Parallel requests
 //! With R > 1 requests the KV layout is a choice too (core's `Workload::kv_unified`: one copy per sequence, or a
