@@ -461,7 +461,7 @@ impl<'a> Simulator<'a> {
 
     /// Simulates `sampled` steps of `phases` and interpolates the rest (see the module docs); `built` holds the
     /// graphs of the first sampled steps if they were built already (prefill, for a bound).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the two accumulators run through both phases' families
     fn family(
         &self,
         kind: PhaseKind,
@@ -539,13 +539,13 @@ impl<'a> Simulator<'a> {
     /// has simulated.
     #[must_use]
     pub fn prefill_lower_bound_ns(&self, opts: &SimOptions) -> u64 {
-        let mut scratch = PhaseScratch::take();
-        let (bound_ns, built) = self.prefill_bound(opts, &mut scratch);
-        for g in built.into_iter().flatten() {
-            scratch.graph.recycle(g);
-        }
-        scratch.give_back();
-        bound_ns
+        let bound_ns = std::cell::Cell::new(0);
+        let beaten = |b| {
+            bound_ns.set(b);
+            true
+        };
+        let _ = self.prefill_ns_unless(opts, &beaten);
+        bound_ns.get()
     }
 
     /// [`Simulator::phase_ns`] of the prefill, or `None` if `beaten` holds for
