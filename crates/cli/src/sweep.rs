@@ -184,10 +184,13 @@ pub fn run_cells(
     // Longest first, handed out one at a time: on two cores, a long `ilp` cell of a large model that came up
     // last would run alone at the end. Cells are independent, so the order changes no result.
     let mut order: Vec<usize> = (0..cells.len()).collect();
+    // Among equally long cells, one ubatch's come before the next's: where a prompt fits one chunk of either
+    // (Figure 2 at 1K), the two cells pose `ilp` the same program, which it solves once if the first solve has
+    // finished when the second cell starts rather than running beside it.
     order.sort_by_key(|&i| {
         let c = &cells[i];
         let searches = matches!(c.planner.as_str(), "ilp" | "exhaustive");
-        Reverse((searches, inventories[&c.model].total_bytes(), c.prompt_tokens * c.batch))
+        (Reverse((searches, inventories[&c.model].total_bytes(), c.prompt_tokens * c.batch)), c.ubatch)
     });
     let next = AtomicUsize::new(0);
     let mut done: Vec<(usize, CellResult)> = (0..rayon::current_num_threads())

@@ -46,7 +46,9 @@
 //! `greedy` (no margin). Inside the program times are in milliseconds and bytes in MiB; the VRAM row keeps a
 //! safety margin for the solver's tolerances (16 KiB, raised to 1 and 16 MiB if the rounded solution does not
 //! fit), and the plan's breakdown is recomputed in bytes. `ttft` and `tps` take two solves: the phase's time,
-//! then E2EL with that phase capped at the time found.
+//! then E2EL with that phase capped at the time found. A process keeps the answers to its last programs by
+//! their exact data (HiGHS is deterministic), so cells that pose the same program (Figure 2's 1K prompts, one
+//! chunk at either ubatch) solve it once.
 //!
 //! # Parallel requests
 //! With R > 1 requests the KV layout is a choice too (core's `Workload::kv_unified`: one copy per sequence, or a
@@ -56,11 +58,16 @@
 
 use good_lp::solvers::SolutionStatus;
 use good_lp::solvers::highs::highs;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+
 use good_lp::{
-    Constraint, Expression, ProblemVariables, ResolutionError, Solution, SolverModel, Variable, variable,
+    Constraint, Expression, IntoAffineExpression, ProblemVariables, ResolutionError, Solution, SolverModel,
+    Variable, variable,
 };
 use pipeshard_core::MIB;
 use pipeshard_core::cost::CostModel;
+use pipeshard_core::fxhash::FxHashMap;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
@@ -385,6 +392,33 @@ impl Ilp {
                 e2el
             }
         };
+        let key =
+            program_key(&vars, &objective, &rows, [self.time_limit_s.to_bits(), goal.word(), cap_bits(goal)]);
+        let answer = if let Some(answer) = memoised(&key) {
+            answer
+        } else {
+            let answer = self.run_highs(vars, objective, rows)?;
+            remember(key, answer.clone());
+            answer
+        };
+        let Answer::Solved(solution) = answer else { return Ok(None) };
+        Ok(Some(Outcome {
+            prefill: pre.read(&*solution, est, classes, budget),
+            decode: dec.read(&*solution, est, classes, budget),
+            phase_ms: [solution.value(pre.t), solution.value(dec.t)],
+            // HiGHS stops within its relative gap: that counts as optimal.
+            proven: matches!(solution.status(), SolutionStatus::Optimal | SolutionStatus::GapLimit),
+        }))
+    }
+
+    /// One HiGHS solve.
+    fn run_highs(
+        &self,
+        vars: ProblemVariables,
+        objective: Expression,
+        rows: Vec<Constraint>,
+    ) -> Result<Answer, PlanError> {
+        let all: Vec<Variable> = vars.iter_variables_with_def().map(|(v, _)| v).collect();
         let mut model = vars
             .minimise(objective)
             .using(highs)
@@ -397,19 +431,118 @@ impl Ilp {
         for r in rows {
             model.add_constraint(r);
         }
-        let solution = match model.solve() {
-            Ok(s) => s,
-            Err(ResolutionError::Infeasible) => return Ok(None),
-            Err(e) => return Err(PlanError::Solver { planner: "ilp".into(), reason: e.to_string() }),
-        };
-        Ok(Some(Outcome {
-            prefill: pre.read(&solution, est, classes, budget),
-            decode: dec.read(&solution, est, classes, budget),
-            phase_ms: [solution.value(pre.t), solution.value(dec.t)],
-            // HiGHS stops within its relative gap: that counts as optimal.
-            proven: matches!(solution.status(), SolutionStatus::Optimal | SolutionStatus::GapLimit),
-        }))
+        match model.solve() {
+            Ok(s) => Ok(Answer::Solved(Arc::new(Stored {
+                status: s.status(),
+                index: all.iter().enumerate().map(|(i, &v)| (v, i)).collect(),
+                values: all.iter().map(|&v| s.value(v)).collect(),
+            }))),
+            Err(ResolutionError::Infeasible) => Ok(Answer::Infeasible),
+            Err(e) => Err(PlanError::Solver { planner: "ilp".into(), reason: e.to_string() }),
+        }
     }
+}
+
+impl Goal {
+    /// The goal's kind as one word of a program's key.
+    fn word(self) -> u64 {
+        match self {
+            Goal::E2el => 0,
+            Goal::Phase(PhaseKind::Prefill) => 1,
+            Goal::Phase(PhaseKind::Decode) => 2,
+            Goal::E2elCapped(PhaseKind::Prefill, _) => 3,
+            Goal::E2elCapped(PhaseKind::Decode, _) => 4,
+        }
+    }
+}
+
+fn cap_bits(goal: Goal) -> u64 {
+    if let Goal::E2elCapped(_, cap) = goal { cap.to_bits() } else { 0 }
+}
+
+/// What HiGHS made of a program.
+#[derive(Clone)]
+enum Answer {
+    Infeasible,
+    Solved(Arc<Stored>),
+}
+
+/// A solution, kept for a later solve of the same program.
+struct Stored {
+    status: SolutionStatus,
+    index: FxHashMap<Variable, usize>,
+    values: Vec<f64>,
+}
+
+impl Solution for Stored {
+    fn status(&self) -> SolutionStatus {
+        self.status
+    }
+
+    fn value(&self, variable: Variable) -> f64 {
+        self.values[self.index[&variable]]
+    }
+}
+
+/// Programs [`memoised`] keeps, oldest first.
+const MEMO_PROGRAMS: usize = 64;
+
+/// The last programs solved in this process, by their [`program_key`].
+type Memo = VecDeque<(Vec<u64>, Answer)>;
+
+static SOLVED: Mutex<Memo> = Mutex::new(VecDeque::new());
+
+/// The outcome of an earlier solve of the program with this key. HiGHS is deterministic (one thread, fixed
+/// seed), so it is what solving it again would give; cells that differ only where the program does not look
+/// (Figure 2's 1K prompts fit one chunk of either ubatch) solve once.
+fn memoised(key: &[u64]) -> Option<Answer> {
+    let memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
+    memo.iter().find(|(k, _)| k.as_slice() == key).map(|(_, s)| s.clone())
+}
+
+/// Forgets every program solved so far: a benchmark timing `ilp` on one cell over and over calls it so that
+/// each run solves its program, as the first plan of a cell does.
+pub fn forget_solves() {
+    SOLVED.lock().unwrap_or_else(PoisonError::into_inner).clear();
+}
+
+fn remember(key: Vec<u64>, answer: Answer) {
+    let mut memo = SOLVED.lock().unwrap_or_else(PoisonError::into_inner);
+    if memo.len() == MEMO_PROGRAMS {
+        memo.pop_front();
+    }
+    memo.push_back((key, answer));
+}
+
+/// Everything HiGHS is given, as words: `extra` (the time limit and the goal), each variable's bounds and
+/// integrality, the objective and the rows, coefficients in variable order (f64 bits, so only identical
+/// programs share a key). good_lp does not expose whether an inequality was written `≥` or `≤` (HiGHS gets
+/// the row negated or not); that follows from the code that built the row, which the goal and the variables
+/// (the classes' kinds) identify.
+fn program_key(
+    vars: &ProblemVariables,
+    objective: &Expression,
+    rows: &[Constraint],
+    extra: [u64; 3],
+) -> Vec<u64> {
+    let index: FxHashMap<Variable, u64> =
+        vars.iter_variables_with_def().enumerate().map(|(i, (v, _))| (v, i as u64)).collect();
+    let mut key = extra.to_vec();
+    for (_, def) in vars.iter_variables_with_def() {
+        key.extend([def.get_min().to_bits(), def.get_max().to_bits(), u64::from(def.is_integer())]);
+    }
+    let expression = |key: &mut Vec<u64>, e: &Expression, tag: u64| {
+        let mut coefficients: Vec<(u64, u64)> =
+            e.linear_coefficients().map(|(v, c)| (index[&v], c.to_bits())).collect();
+        coefficients.sort_unstable();
+        key.extend([tag, e.constant().to_bits(), coefficients.len() as u64]);
+        key.extend(coefficients.into_iter().flat_map(|(v, c)| [v, c]));
+    };
+    expression(&mut key, objective, 2);
+    for r in rows {
+        expression(&mut key, r.expression(), u64::from(r.is_equality()));
+    }
+    key
 }
 
 /// Counts of one class in one phase.
@@ -790,6 +923,41 @@ fn switch_ms(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 12-item knapsack with room for `room`, as the program to solve, and its item variables.
+    fn knapsack(room: f64) -> (ProblemVariables, Expression, Vec<Constraint>, Vec<Variable>) {
+        let mut vars = ProblemVariables::new();
+        let items: Vec<Variable> = (0..12).map(|_| vars.add(variable().binary())).collect();
+        let value: Expression = items.iter().enumerate().map(|(i, &x)| -((i * 7 % 11 + 1) as f64) * x).sum();
+        let weight: Expression = items.iter().enumerate().map(|(i, &x)| ((i * 5 % 7 + 1) as f64) * x).sum();
+        (vars, value, vec![weight.leq(room)], items)
+    }
+
+    #[test]
+    fn the_solve_memo_answers_only_the_same_program_and_as_highs_would() {
+        let key = |(v, o, r, _): &(ProblemVariables, Expression, Vec<Constraint>, Vec<Variable>)| {
+            program_key(v, o, r, [0, 0, 0])
+        };
+        let (a, b, other) = (knapsack(10.0), knapsack(10.0), knapsack(10.5));
+        let (key_a, key_other) = (key(&a), key(&other));
+        assert_eq!(key_a, key(&b), "the same program, built twice, has one key");
+        assert_ne!(key_a, key_other, "one bound apart");
+        assert_ne!(key_a, program_key(&a.0, &a.1, &a.2, [0, 1, 0]), "another goal");
+        let items = a.3.clone();
+        let ilp = Ilp::default();
+        let solve = |(v, o, r, _)| match ilp.run_highs(v, o, r) {
+            Ok(Answer::Solved(s)) => s,
+            _ => panic!("a knapsack has a solution"),
+        };
+        let (first, second) = (solve(a), solve(b));
+        // What the memo hands out is what solving again gives, value for value.
+        assert!(items.iter().all(|&x| first.value(x).to_bits() == second.value(x).to_bits()));
+        assert!(items.iter().any(|&x| first.value(x) > 0.5) && items.iter().any(|&x| first.value(x) < 0.5));
+        remember(key_a.clone(), Answer::Solved(first));
+        let Some(Answer::Solved(kept)) = memoised(&key_a) else { panic!("the program just solved is kept") };
+        assert!(items.iter().all(|&x| kept.value(x).to_bits() == second.value(x).to_bits()));
+        assert!(memoised(&key_other).is_none());
+    }
 
     #[test]
     fn ranks_spread_through_the_class() {

@@ -14,7 +14,8 @@
 //! prefill candidate is simulated to the end only if its lower bound
 //! ([`Simulator::prefill_lower_bound_ns`]: its task graphs with no ring slot to wait for) could still beat the
 //! best pair of a candidate before it, which the choice keeps whatever follows; the choice is the same as with
-//! every candidate simulated.
+//! every candidate simulated. The graphs built for the bound are the ones simulated
+//! ([`Simulator::prefill_ns_unless`]).
 
 use pipeshard_core::cost::CostModel;
 use pipeshard_core::inventory::Inventory;
@@ -378,10 +379,9 @@ impl Judge<'_> {
             .with_op_offload(self.est, prefill.op_offload);
         let plan = assemble(planner, self.spec, self.inv, self.est, self.workload, self.budget_bytes, d);
         let sim = Simulator::with_inventory(self.spec, self.inv, &plan, self.cost).ok()?;
-        if let (PhaseKind::Prefill, Some(beaten)) = (phase, beaten)
-            && beaten(sim.prefill_lower_bound_ns(opts) as f64)
-        {
-            return Some(Judged::Beaten);
+        if let (PhaseKind::Prefill, Some(beaten)) = (phase, beaten) {
+            let ns = sim.prefill_ns_unless(opts, &|bound_ns| beaten(bound_ns as f64));
+            return Some(ns.map_or(Judged::Beaten, |ns| Judged::Simulated(ns as f64)));
         }
         Some(Judged::Simulated(sim.phase_ns(phase, opts) as f64))
     }

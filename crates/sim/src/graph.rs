@@ -311,13 +311,27 @@ pub(crate) struct BuildCtx<'a> {
 }
 
 /// The identity of an op's cost: everything a cost model may read, except the unit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CostKey {
     kind: [u64; 6],
     tokens: u64,
     dtype: pipeshard_core::dtype::DType,
     device: Device,
     amounts: [u64; 4],
+}
+
+impl std::hash::Hash for CostKey {
+    /// The words that tell ops apart (shape, tokens, FLOPs and weight bytes, the device), one `write_u64`
+    /// each: the memo is asked once per op of every simulated step, and hashing the whole key word by word
+    /// through slices was a tenth of a sweep. Equal keys still compare whole.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let device = u64::from(self.device == Device::Gpu);
+        for w in
+            [self.kind[0], self.kind[1], self.kind[2], self.kind[3], self.tokens, self.amounts[0], device]
+        {
+            state.write_u64(w);
+        }
+    }
 }
 
 impl CostKey {
@@ -447,10 +461,14 @@ impl Builder<'_> {
             Device::Gpu => (Lane::Gpu, OpContext::gpu(), cost.launch_ns()),
             Device::Cpu => (Lane::Cpu, OpContext::cpu(self.view.cpu_threads), 0),
         };
-        let (alone, dma) = *self
-            .memo
-            .entry(CostKey::new(op, dev))
-            .or_insert_with(|| (cost.op_ns(op, ctx), cost.op_ns(op, ctx.with_dma(true))));
+        let key = CostKey::new(op, dev);
+        let (alone, dma) = if let Some(&times) = self.memo.get(&key) {
+            times
+        } else {
+            let times = (cost.op_ns(op, ctx), cost.op_ns(op, ctx.with_dma(true)));
+            self.memo.insert(key, times);
+            times
+        };
         // Launches are asynchronous: the host issues the next kernel while the device runs this one, so a GPU op
         // takes its device time, or the launch rate's when it is shorter (the profile's back-to-back launch
         // cost). The validation's all-GPU dense decode was 7-13% slow when launches were added on top.

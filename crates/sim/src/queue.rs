@@ -16,14 +16,17 @@ pub trait Ranked {
 #[derive(Debug)]
 struct Entry<E> {
     time_ns: u64,
-    rank: u8,
-    seq: u64,
+    /// The rank in the top byte, the insertion sequence below: one comparison orders both.
+    rank_seq: u64,
     event: E,
 }
 
+/// Bits of `rank_seq` below the rank.
+const SEQ_BITS: u32 = 56;
+
 impl<E> Entry<E> {
-    fn key(&self) -> (u64, u8, u64) {
-        (self.time_ns, self.rank, self.seq)
+    fn key(&self) -> (u64, u64) {
+        (self.time_ns, self.rank_seq)
     }
 }
 
@@ -70,8 +73,9 @@ impl<E: Ranked> EventQueue<E> {
 
     /// Schedules `event` at `time_ns`.
     pub fn push(&mut self, time_ns: u64, event: E) {
-        let rank = event.rank();
-        self.heap.push(Entry { time_ns, rank, seq: self.seq, event });
+        assert!(self.seq < 1 << SEQ_BITS, "an event queue holds fewer than 2^56 pushes");
+        let rank_seq = u64::from(event.rank()) << SEQ_BITS | self.seq;
+        self.heap.push(Entry { time_ns, rank_seq, event });
         self.seq += 1;
     }
 

@@ -371,17 +371,54 @@ impl<'a> Simulator<'a> {
         max_slots: &mut u32,
         offload_bytes: &mut u64,
     ) -> Vec<StepTime> {
-        let w = &self.plan.workload;
-        let all_chunks = w.prefill_chunks();
-        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
-        let (full, last) = one.split_at(one.len() - 1);
         let mut scratch = PhaseScratch::take();
-        let mut family = |phases, samples| {
-            self.family(PhaseKind::Prefill, phases, samples, opts, &mut scratch, max_slots, offload_bytes)
-        };
-        let mut steps = family(full, opts.prefill_samples);
-        steps.extend(family(last, 1));
+        let steps =
+            self.prefill_steps_with(opts, &mut scratch, [Vec::new(), Vec::new()], max_slots, offload_bytes);
         scratch.give_back();
+        steps
+    }
+
+    /// One request's prefill chunks: all but the last, and the last.
+    fn one_request_chunks(&self) -> [Vec<Phase>; 2] {
+        let w = &self.plan.workload;
+        let mut one = w.prefill_chunks();
+        one.truncate(one.len() / w.batch as usize);
+        let last = one.split_off(one.len() - 1);
+        [one, last]
+    }
+
+    /// [`Self::prefill_steps`] with the sampled chunks' graphs of each family already built, if `built` holds
+    /// them (in sample order).
+    fn prefill_steps_with(
+        &self,
+        opts: &SimOptions,
+        scratch: &mut PhaseScratch,
+        built: [Vec<StepGraph>; 2],
+        max_slots: &mut u32,
+        offload_bytes: &mut u64,
+    ) -> Vec<StepTime> {
+        let [full, last] = self.one_request_chunks();
+        let [built_full, built_last] = built;
+        let mut steps = self.family(
+            PhaseKind::Prefill,
+            &full,
+            opts.prefill_samples,
+            opts,
+            scratch,
+            built_full,
+            max_slots,
+            offload_bytes,
+        );
+        steps.extend(self.family(
+            PhaseKind::Prefill,
+            &last,
+            1,
+            opts,
+            scratch,
+            built_last,
+            max_slots,
+            offload_bytes,
+        ));
         steps
     }
 
@@ -396,6 +433,7 @@ impl<'a> Simulator<'a> {
             opts.decode_samples,
             opts,
             &mut scratch,
+            Vec::new(),
             max_slots,
             offload_bytes,
         );
@@ -421,7 +459,9 @@ impl<'a> Simulator<'a> {
         }
     }
 
-    /// Simulates `sampled` steps of `phases` and interpolates the rest (see the module docs).
+    /// Simulates `sampled` steps of `phases` and interpolates the rest (see the module docs); `built` holds the
+    /// graphs of the first sampled steps if they were built already (prefill, for a bound).
+    #[allow(clippy::too_many_arguments)] // the two accumulators run through both phases' families
     fn family(
         &self,
         kind: PhaseKind,
@@ -429,9 +469,11 @@ impl<'a> Simulator<'a> {
         samples: u32,
         opts: &SimOptions,
         scratch: &mut PhaseScratch,
+        built: Vec<StepGraph>,
         max_slots: &mut u32,
         offload_bytes: &mut u64,
     ) -> Vec<StepTime> {
+        let mut built = built.into_iter();
         let idx = sample_indices(phases.len(), samples, opts.exact);
         let mut known: Vec<(usize, u64, [u64; 4])> = Vec::with_capacity(idx.len());
         let mut steps: Vec<StepTime> = phases
@@ -453,7 +495,7 @@ impl<'a> Simulator<'a> {
                 PhaseKind::Prefill => (&pair[..1], 0),
                 PhaseKind::Decode => (&pair[..], 1),
             };
-            let g = graph::build_with(&ctx, view, run, &mut scratch.graph);
+            let g = built.next().unwrap_or_else(|| graph::build_with(&ctx, view, run, &mut scratch.graph));
             let summary = engine::run(&g, self.audit, &mut scratch.engine);
             let ws = &scratch.engine;
             let (window_start, duration) = match kind {
@@ -497,19 +539,48 @@ impl<'a> Simulator<'a> {
     /// has simulated.
     #[must_use]
     pub fn prefill_lower_bound_ns(&self, opts: &SimOptions) -> u64 {
-        let w = &self.plan.workload;
-        let all_chunks = w.prefill_chunks();
-        let one = &all_chunks[..all_chunks.len() / w.batch as usize];
-        let (full, last) = one.split_at(one.len() - 1);
+        let bound_ns = std::cell::Cell::new(0);
+        let beaten = |b| {
+            bound_ns.set(b);
+            true
+        };
+        let _ = self.prefill_ns_unless(opts, &beaten);
+        bound_ns.get()
+    }
+
+    /// [`Simulator::phase_ns`] of the prefill, or `None` if `beaten` holds for
+    /// [`Simulator::prefill_lower_bound_ns`]: the sampled chunks' graphs serve both.
+    #[must_use]
+    pub fn prefill_ns_unless(&self, opts: &SimOptions, beaten: &dyn Fn(u64) -> bool) -> Option<u64> {
         let mut scratch = PhaseScratch::take();
+        let (bound_ns, built) = self.prefill_bound(opts, &mut scratch);
+        let ns = if beaten(bound_ns) {
+            for g in built.into_iter().flatten() {
+                scratch.graph.recycle(g);
+            }
+            None
+        } else {
+            let steps = self.prefill_steps_with(opts, &mut scratch, built, &mut 0, &mut 0);
+            Some(steps.iter().map(|s| s.duration_ns).sum::<u64>() * self.plan.workload.batch)
+        };
+        scratch.give_back();
+        ns
+    }
+
+    /// The prefill's lower bound (see [`Simulator::prefill_lower_bound_ns`]) and the sampled chunks' graphs of
+    /// each family, in sample order.
+    fn prefill_bound(&self, opts: &SimOptions, scratch: &mut PhaseScratch) -> (u64, [Vec<StepGraph>; 2]) {
         let (view, ctx) = (&self.views[phase_index(PhaseKind::Prefill)], self.build_ctx());
         let mut one_ns = 0;
-        for (phases, samples) in [(full, opts.prefill_samples), (last, 1)] {
+        let mut built: [Vec<StepGraph>; 2] = [Vec::new(), Vec::new()];
+        for ((phases, samples), graphs) in
+            self.one_request_chunks().iter().zip([opts.prefill_samples, 1]).zip(&mut built)
+        {
             let mut known: Vec<(usize, u64)> = Vec::new();
             for i in sample_indices(phases.len(), samples, opts.exact) {
                 let g = graph::build_with(&ctx, view, &phases[i..=i], &mut scratch.graph);
                 known.push((i, earliest_end_ns(&g)));
-                scratch.graph.recycle(g);
+                graphs.push(g);
             }
             one_ns += known.iter().map(|k| k.1).sum::<u64>();
             for w in known.windows(2) {
@@ -517,8 +588,7 @@ impl<'a> Simulator<'a> {
                 one_ns += (a + 1..b).map(|j| lerp(da, db, (j - a) as f64 / (b - a) as f64)).sum::<u64>();
             }
         }
-        scratch.give_back();
-        one_ns * w.batch
+        (one_ns * self.plan.workload.batch, built)
     }
 
     /// VRAM the run used in one phase.
