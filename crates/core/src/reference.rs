@@ -247,6 +247,30 @@ pub fn systems() -> Vec<&'static str> {
     SYSTEMS.iter().map(|s| s.name).collect()
 }
 
+/// A derived op row: `t_ns` rounded up as the profiler rounds its medians, alone and (when given) under DMA.
+fn derived_row(
+    op: OpClass,
+    dtype: DType,
+    (n, k): (u64, u64),
+    tokens: u64,
+    threads: u32,
+    t_ns: f64,
+    t_ns_under_dma: Option<f64>,
+) -> OpRow {
+    OpRow {
+        op,
+        dtype,
+        n,
+        k,
+        tokens,
+        threads,
+        time_ns: t_ns.ceil() as u64,
+        time_ns_under_dma: t_ns_under_dma.map(|t| t.ceil() as u64),
+        spread: None,
+        kv_heads: None,
+    }
+}
+
 /// The derived profile of `name` (cli1, cli2, cli3) under the default assumptions.
 #[must_use]
 pub fn derived(name: &str) -> Option<Profile> {
@@ -307,30 +331,9 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 .max(flops / (peak_gpu * e.gpu_gemm_flops) * 1e9);
             let cpu_t = ((wbytes + act) / (dram_gbps * e.cpu_gemv_bw))
                 .max(flops / (cpu_flops * e.cpu_gemm_flops) * 1e9);
-            gpu_ops.push(OpRow {
-                op: OpClass::MatMul,
-                dtype,
-                n,
-                k,
-                tokens,
-                threads: 0,
-                time_ns: gpu_t.ceil() as u64,
-                time_ns_under_dma: None,
-                spread: None,
-                kv_heads: None,
-            });
-            cpu_ops.push(OpRow {
-                op: OpClass::MatMul,
-                dtype,
-                n,
-                k,
-                tokens,
-                threads,
-                time_ns: cpu_t.ceil() as u64,
-                time_ns_under_dma: Some((cpu_t / e.dram_under_dma).ceil() as u64),
-                spread: None,
-                kv_heads: None,
-            });
+            gpu_ops.push(derived_row(OpClass::MatMul, dtype, (n, k), tokens, 0, gpu_t, None));
+            let under_dma = Some(cpu_t / e.dram_under_dma);
+            cpu_ops.push(derived_row(OpClass::MatMul, dtype, (n, k), tokens, threads, cpu_t, under_dma));
         }
     }
     // Routed experts on the CPU (one expert's gate, up and down, 1536 × 4096): ggml's `mul_mat_id` at
@@ -346,18 +349,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             let act = 4.0 * tokens as f64 * (2 * k + 3 * n) as f64;
             let t = ((wbytes + act) / (dram_gbps * e.cpu_gemv_bw))
                 .max(flops / (cpu_flops * e.cpu_gemm_flops * e.cpu_expert_gemm) * 1e9);
-            cpu_ops.push(OpRow {
-                op: OpClass::Experts,
-                dtype,
-                n,
-                k,
-                tokens,
-                threads,
-                time_ns: t.ceil() as u64,
-                time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
-                spread: None,
-                kv_heads: None,
-            });
+            let under_dma = Some(t / e.dram_under_dma);
+            cpu_ops.push(derived_row(OpClass::Experts, dtype, (n, k), tokens, threads, t, under_dma));
         }
     }
     // Flash attention, in the row format the cost model reads (n = 32 query heads × 128, k = keys, 4 query heads
@@ -373,17 +366,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         // its TTFT (qwen3-30b-a3b 4K at 2G: 6.5 s for ≈ 5.7 TFLOP of attention) leaves no room for less.
         let cpu_eff = if tokens == 1 { e.cpu_attn } else { 1.0 };
         let cpu_t = (bytes / dram_gbps).max(flops / cpu_flops * 1e9) / cpu_eff;
-        let row = |threads: u32, t: f64, t_dma: Option<f64>| OpRow {
-            op: OpClass::Attention,
-            dtype: DType::F16,
-            n,
-            k: keys,
-            tokens,
-            threads,
-            time_ns: t.ceil() as u64,
-            time_ns_under_dma: t_dma.map(|t| t.ceil() as u64),
-            spread: None,
-            kv_heads: None,
+        let row = |threads: u32, t: f64, t_dma: Option<f64>| {
+            derived_row(OpClass::Attention, DType::F16, (n, keys), tokens, threads, t, t_dma)
         };
         gpu_ops.push(row(0, gpu_t, None));
         cpu_ops.push(row(threads, cpu_t, Some(cpu_t / e.dram_under_dma)));
@@ -394,18 +378,16 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         let (n, keys) = (4096u64, 16384u64);
         let bytes = 8.0 * n as f64 + (keys * n) as f64 * 4.0;
         let t = bytes / dram_gbps / e.cpu_attn_materialized;
-        cpu_ops.push(OpRow {
-            op: OpClass::AttentionMaterialized,
-            dtype: DType::F16,
-            n,
-            k: keys,
-            tokens: 1,
+        let under_dma = Some(t / e.dram_under_dma);
+        cpu_ops.push(derived_row(
+            OpClass::AttentionMaterialized,
+            DType::F16,
+            (n, keys),
+            1,
             threads,
-            time_ns: t.ceil() as u64,
-            time_ns_under_dma: Some((t / e.dram_under_dma).ceil() as u64),
-            spread: None,
-            kv_heads: None,
-        });
+            t,
+            under_dma,
+        ));
     }
     Some(Profile {
         schema_version: PROFILE_SCHEMA_VERSION,
