@@ -100,6 +100,19 @@ fn spec(name: &str, flag: &str) -> anyhow::Result<ModelSpec> {
     Ok(resolve_model(name).with_context(|| format!("{flag} {name}"))?.with_uniform_weights(DType::Bf16))
 }
 
+/// Random bf16 weights of `spec` (`what`, for the error), with how long they took on the progress line.
+fn random_weights(spec: &ModelSpec, what: &str, progress: &dyn Progress) -> anyhow::Result<ModelWeights> {
+    let t = std::time::Instant::now();
+    let w = ModelWeights::random(spec, 1).with_context(|| format!("generating the {what}'s weights"))?;
+    progress.tick(&format!(
+        "{}: {} bytes of bf16 weights in {:.0} s",
+        spec.name,
+        w.total_bytes(),
+        t.elapsed().as_secs_f64()
+    ))?;
+    Ok(w)
+}
+
 /// KV bytes the attention of one layer reads per cell.
 fn kv_cell_bytes(spec: &ModelSpec, w: &Workload) -> f64 {
     w.kv_bytes_per_layer(spec) as f64 / w.ctx as f64
@@ -167,14 +180,7 @@ pub fn decode_bounds(
     if Dims::new(&moe)?.moe.is_none() {
         bail!("--moe-model {}: not a MoE model; pass one with routed experts (qwen3-30b-a3b)", cfg.moe_model);
     }
-    let t = std::time::Instant::now();
-    let w = ModelWeights::random(&dense, 1).context("generating the dense model's weights")?;
-    progress.tick(&format!(
-        "{}: {} bytes of bf16 weights in {:.0} s",
-        dense.name,
-        w.total_bytes(),
-        t.elapsed().as_secs_f64()
-    ))?;
+    let w = random_weights(&dense, "dense model", progress)?;
     let weight_bytes: u64 =
         w.units().iter().filter(|u| u.id != UnitId::TokenEmbd).map(|u| u.bytes as u64).sum::<u64>()
             + (w.dims.hidden * 2) as u64;
@@ -251,14 +257,7 @@ pub fn decode_bounds(
         });
     }
 
-    let t = std::time::Instant::now();
-    let w = ModelWeights::random(&moe, 1).context("generating the MoE model's weights")?;
-    progress.tick(&format!(
-        "{}: {} bytes of bf16 weights in {:.0} s",
-        moe.name,
-        w.total_bytes(),
-        t.elapsed().as_secs_f64()
-    ))?;
+    let w = random_weights(&moe, "MoE model", progress)?;
     let Some(m) = w.dims.moe.as_ref() else { unreachable!("checked above") };
     let (top_k, n_experts) = (m.top_k, m.n_experts);
     let plan = plan_with(gpu, cfg, &moe, &wl, cfg.moe_planner, cfg.moe_budget_bytes)?;
