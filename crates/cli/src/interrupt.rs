@@ -46,8 +46,11 @@ fn temp_path(path: &Path) -> PathBuf {
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so `path` holds either
-/// its old content or all of the new one.
+/// its old content or all of the new one. Missing parent folders are created.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating the folder {}", dir.display()))?;
+    }
     let tmp = temp_path(path);
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| {
@@ -69,6 +72,10 @@ mod tests {
         std::fs::write(&file, "old\n").unwrap();
         write_atomic(&file, b"new,rows\n1,2\n").unwrap();
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "new,rows\n1,2\n");
+        let nested = dir.join("traces/run1/trace.json");
+        write_atomic(&nested, b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(&nested).unwrap(), "{}");
+        std::fs::remove_dir_all(dir.join("traces")).unwrap();
         let blocked = dir.join("a-folder");
         std::fs::create_dir(&blocked).unwrap();
         std::fs::write(blocked.join("inside"), "x").unwrap();

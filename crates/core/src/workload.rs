@@ -278,6 +278,9 @@ pub enum OpKind {
     Sample {
         vocab: u64,
     },
+    /// A chunk's new K and V rows written into the layer's cache (one kernel on the GPU); priced as an
+    /// elementwise op of its bytes.
+    KvStore,
 }
 
 impl OpKind {
@@ -290,7 +293,8 @@ impl OpKind {
             OpKind::Rope => OpClass::Rope,
             OpKind::Attention { .. } => OpClass::Attention,
             OpKind::Activation => OpClass::Activation,
-            OpKind::Add => OpClass::Add,
+            // A KV store is an elementwise copy: priced by the add rows.
+            OpKind::Add | OpKind::KvStore => OpClass::Add,
             OpKind::Router { .. } => OpClass::Router,
             OpKind::Experts { .. } => OpClass::Experts,
             OpKind::Sample { .. } => OpClass::Sample,
@@ -467,7 +471,33 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
         out.extend(
             ["attn_q.weight", "attn_k.weight", "attn_v.weight"].iter().filter_map(|s| matmul(attn, s, m)),
         );
-        out.push(simple(OpKind::Rope, attn, mf * (q_dim + kv_dim) * t.partial_rotary, 6.0, 0.0));
+        // Every kernel the executor (and llama.cpp) launches between the projections and the attention: the
+        // biases, the per-head q/k norms, RoPE of q and of k, and the store of the new K and V rows. Decode runs
+        // them at the launch rate, so their count matters more than their bytes.
+        for (bias, dim) in [("attn_q.bias", q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)] {
+            if let Some(tt) = tensor_of(attn, bias) {
+                out.push(simple(OpKind::Add, attn, mf * dim, 1.0, tt.bytes as f64));
+            }
+        }
+        if t.qk_norm {
+            for (norm, dim) in [("attn_q_norm.weight", q_dim), ("attn_k_norm.weight", kv_dim)] {
+                let nb = tensor_of(attn, norm).map_or(0.0, |tt| tt.bytes as f64);
+                out.push(simple(OpKind::Norm, attn, mf * dim, 3.0, nb));
+            }
+        }
+        for dim in [q_dim, kv_dim] {
+            out.push(simple(OpKind::Rope, attn, mf * dim * t.partial_rotary, 6.0, 0.0));
+        }
+        out.push(Op {
+            kind: OpKind::KvStore,
+            unit: UnitId::Kv { layer: il },
+            tokens: m,
+            dtype: w.kv_dtype,
+            flops: 0.0,
+            weight_bytes: 0.0,
+            act_bytes: act(2.0 * mf * kv_dim) + mf * kv_tok,
+            kv_bytes: 0.0,
+        });
         // Per query: q·K over `keys` keys and P·V, 2 FLOPs each per head dimension.
         let score_elems = mf * keys as f64 * f64::from(t.n_heads);
         let kv_read = match phase {

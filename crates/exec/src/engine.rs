@@ -314,33 +314,52 @@ struct Exec<'a> {
 
 /// Runs the GEMM shapes of a model once so cuBLAS loads its kernels, for `m_prefill` and `m_decode` tokens;
 /// returns the lowest device free memory seen.
-fn warm_up(gpu: &Gpu, kn: &Kernels, d: &Dims, m_prefill: usize, m_decode: usize) -> Result<u64> {
+/// Runs every GEMM shape a run will launch once, so that cuBLAS's first call of a shape (its heuristics, and
+/// loading the kernel it picks: 3–4 ms each on the H200 for the output head and the accumulating projections)
+/// falls before the timed run, as a warm-up run of llama.cpp's would; the simulator prices steady-state kernels.
+/// `output_rows`: the token counts of passes that produce logits on the GPU (none when the head is on the CPU).
+/// Returns the device's free bytes while the warm-up buffers are allocated.
+fn warm_up(
+    gpu: &Gpu,
+    kn: &Kernels,
+    d: &Dims,
+    m_prefill: usize,
+    m_decode: usize,
+    output_rows: &[usize],
+) -> Result<u64> {
+    // (n, k, accumulate): the output and down projections add into the residual stream.
     let mut shapes = vec![
-        (d.q_dim, d.hidden),
-        (d.kv_dim, d.hidden),
-        (d.hidden, d.q_dim),
-        (d.ffn, d.hidden),
-        (d.hidden, d.ffn),
+        (d.q_dim, d.hidden, false),
+        (d.kv_dim, d.hidden, false),
+        (d.hidden, d.q_dim, true),
+        (d.ffn, d.hidden, false),
+        (d.hidden, d.ffn, true),
     ];
     if let Some(moe) = d.moe {
-        shapes.extend([(moe.n_experts, d.hidden), (moe.expert_ffn, d.hidden), (d.hidden, moe.expert_ffn)]);
+        shapes.extend([
+            (moe.n_experts, d.hidden, false),
+            (moe.expert_ffn, d.hidden, false),
+            (d.hidden, moe.expert_ffn, false),
+        ]);
     }
-    let max_w = shapes.iter().map(|(n, k)| n * k).max().unwrap_or(0) * 2;
+    let head = if output_rows.is_empty() { 0 } else { d.vocab * d.hidden };
+    let max_w = shapes.iter().map(|(n, k, _)| n * k).max().unwrap_or(0).max(head) * 2;
     let max_k = d.hidden.max(d.q_dim).max(d.ffn);
     let m_max = m_prefill.max(m_decode);
+    let max_rows = output_rows.iter().copied().max().unwrap_or(0);
     let wb = gpu.alloc(max_w)?;
     let xb = gpu.alloc(m_max * max_k * 2)?;
-    let yb = gpu.alloc(m_max * max_k * 4)?;
+    let yb = gpu.alloc((m_max * max_k).max(max_rows * d.vocab) * 4)?;
     // Experts see every token count up to the chunk: warm every power of two too.
     let mut counts = vec![m_prefill, 1, m_decode];
     if d.moe.is_some() {
         counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
     }
-    for m in counts {
-        for &(n, kd) in &shapes {
-            // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
-            unsafe { gpu.matmul(kn, d.quant, wb.ptr(), xb.ptr(), yb.ptr(), m, n, kd, false)? };
-        }
+    let head_shapes = output_rows.iter().map(|&m| (m, d.vocab, d.hidden, false));
+    let calls = counts.iter().flat_map(|&m| shapes.iter().map(move |&(n, k, acc)| (m, n, k, acc)));
+    for (m, n, kd, acc) in calls.chain(head_shapes) {
+        // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
+        unsafe { gpu.matmul(kn, d.quant, wb.ptr(), xb.ptr(), yb.ptr(), m, n, kd, acc)? };
     }
     gpu.sync(Stream::Compute)?;
     Ok(gpu.mem_info()?.0)
@@ -358,7 +377,7 @@ pub fn runtime_overhead_bytes(
     decode_tokens: usize,
 ) -> Result<u64> {
     let k = gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
-    warm_up(gpu, &k, w, prefill_tokens, decode_tokens)?;
+    warm_up(gpu, &k, w, prefill_tokens, decode_tokens, &[1, decode_tokens])?;
     let (free, total) = gpu.mem_info()?;
     Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
 }
@@ -585,7 +604,13 @@ impl<'a> Exec<'a> {
         let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.seq.elem, head_dim: d.head_dim })?;
         let (free0, total) = gpu.mem_info()?;
         let seqs = self.kv.seqs;
-        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill, seqs)?);
+        // Logits come from one row of a prefill chunk and from every sequence of a decode step.
+        let head_on_gpu = |p: &PhasePlan| p.placement(UnitId::Output).is_some_and(|pl| pl != Placement::Cpu);
+        let output_rows: Vec<usize> = [(head_on_gpu(&plan.prefill), 1), (head_on_gpu(&plan.decode), seqs)]
+            .iter()
+            .filter_map(|&(on, rows)| on.then_some(rows))
+            .collect();
+        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill, seqs, &output_rows)?);
         let (free, _) = gpu.mem_info()?;
         let min_free = min_free.min(free);
         let overhead = total - free;
@@ -1170,7 +1195,11 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
+                    // The host's enqueue time: decode kernels are small, so a GPU span as long as this one
+                    // is bound by the host's launches, not by the GPU.
+                    let t = self.tl.now_ns();
                     self.gpu_block(lay, step, at, pass)?;
+                    self.tl.host(format!("enqueue {}", step.unit), Track::Host, t);
                 }
                 (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
@@ -1342,7 +1371,7 @@ impl<'a> Exec<'a> {
                 gpu_experts.iter().copied().filter(|&e| locs[e as usize] == WeightLoc::Streamed).collect();
             self.expand_experts(layer, &streamed)?;
         }
-        // 3. GPU experts: enqueued now, they run while the host computes the CPU experts.
+        // 3. GPU experts' token lists (and the normed input, if the router ran on the CPU) go up.
         if !gpu_experts.is_empty() {
             self.ensure_dev(lay, m)?;
             let mio = &mut self.moe_io;
@@ -1372,74 +1401,39 @@ impl<'a> Exec<'a> {
                     g.gpu.h2d(Stream::Compute, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
                 }
             }
-            let mut first = 0usize;
-            let mut group = None;
-            for (i, &e) in gpu_experts.iter().enumerate() {
-                let c = lists[e as usize].len();
-                // cuBLAS pays ≈ 0.4 ms of host time the first time it sees a GEMM shape (measured on the H200:
-                // an expert's 35-token GEMMs took 393 µs, the same shape again 40 µs), and a prefill chunk gives
-                // every expert another token count. The GEMMs run over the count rounded up to a power of two
-                // (warm_up warms those); rows past `c` hold stale activations and their results are not scattered.
-                let rows = c.next_power_of_two().min(lay.scratch.tokens).max(c);
-                let unit = UnitId::Expert { layer, expert: e };
-                let (wb, slot) =
-                    self.weights_base(lay, &Step { unit, weights: locs[e as usize], kv: None })?;
-                let UnitKind::Expert(o) = self.w.unit(unit).expect("expert unit").kind else {
-                    unreachable!("expert unit kind")
-                };
-                let g = self.gpu.as_ref().expect("gpu");
-                let start = if i < pinned {
-                    if i == 0 {
-                        group = Some(g.span_start(Stream::Compute)?);
-                    }
-                    None
-                } else {
-                    Some(g.span_start(Stream::Compute)?)
-                };
-                let io = ExpertIo {
-                    xn: at(sc.xb),
-                    idx: at(sc.moe_idx) + 4 * first as u64,
-                    wts: at(sc.moe_w) + 4 * first as u64,
-                    x: at(sc.moe_x),
-                    gate: at(sc.moe_gate),
-                    up: at(sc.moe_up),
-                    act: at(sc.moe_act),
-                    y: at(sc.moe_y),
-                    h: at(sc.h),
-                };
-                // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
-                // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
-                // and h.
-                unsafe { g.gpu.expert_ffn(&g.k, d.quant, wb, o, &io, c, rows, hd, fe)? };
-                first += c;
-                if let Some(start) = start {
-                    let name = format!("gpu {unit} ({c} tokens)");
-                    g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
-                } else if i + 1 == pinned {
-                    let start = group.take().expect("the first pinned expert opened the group");
-                    let name = format!("gpu blk.{layer} experts ({pinned} pinned, {first} tokens)");
-                    g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
-                }
-                if let Some(s) = slot {
-                    self.release(s, Stream::Compute)?;
-                }
-            }
         }
-        // 4. CPU experts, while the GPU works; their sum joins the residual stream where it is.
-        if !cpu_experts.is_empty() {
-            let t = self.tl.now_ns();
+        // Pinned experts, then streamed ones as their ring slots free up.
+        let enqueue_gpu_experts = |ex: &mut Self| -> Result<()> {
+            let first = ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?;
+            ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first).map(|_| ())
+        };
+        // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
+        // experts; the CPU experts' sum joins the residual stream where it is.
+        if cpu_experts.is_empty() {
+            enqueue_gpu_experts(self)?;
+        } else {
+            let w = self.w;
             let units: Vec<_> = cpu_experts
                 .iter()
                 .map(|&e| {
-                    let u = self.w.unit(UnitId::Expert { layer, expert: e }).expect("expert unit");
+                    let u = w.unit(UnitId::Expert { layer, expert: e }).expect("expert unit");
                     let UnitKind::Expert(o) = u.kind else { unreachable!("expert unit kind") };
                     (u.buf.as_slice(), o, lists[e as usize].as_slice())
                 })
                 .collect();
+            let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
+            let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
                 let mut part = vec![0f32; m * hd];
-                cpu::experts_block(pool, d, fe, &xn, &units, &mut part);
-                self.tl.host(format!("cpu blk.{layer} experts ({})", cpu_experts.len()), Track::Cpu, t);
+                let (cpu_end_ns, enqueued) = pool.alongside(
+                    || {
+                        cpu::experts_block(pool, d, fe, &xn, &units, &mut part);
+                        clock.elapsed().as_nanos() as u64
+                    },
+                    || enqueue_gpu_experts(self),
+                );
+                enqueued?;
+                self.tl.spans.push((name, Track::Cpu, t, cpu_end_ns.saturating_sub(t)));
                 let po = self.moe_io.part;
                 let buf = self.moe_io.buf.as_mut_slice();
                 Elem::F32.write_row(&part, &mut buf[po..po + 4 * m * hd]);
@@ -1456,15 +1450,88 @@ impl<'a> Exec<'a> {
                     )?;
                     g.gpu.add_bias(&g.k, at(sc.h), at(sc.moe_y), m * hd, m * hd)?;
                 }
+                // From the pool's last expert to the sum's upload enqueued: the host thread's wake-up included.
+                self.tl.host(format!("cpu → gpu: blk.{layer} experts' sum"), Track::Host, cpu_end_ns);
             } else {
+                // No GPU expert ran (it would have moved the residual stream to the device).
                 cpu::experts_block(pool, d, fe, &xn, &units, self.h_host.f32s_mut());
-                self.tl.host(format!("cpu blk.{layer} experts ({})", cpu_experts.len()), Track::Cpu, t);
+                self.tl.host(name, Track::Cpu, t);
             }
         }
         if let Some(g) = &self.gpu {
             g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
         }
         Ok(())
+    }
+
+    /// Enqueues `experts` of `layer` on the GPU, their tokens at `first` onwards of the uploaded token lists
+    /// (pinned experts under one timeline span, each streamed one under its own, waiting for its ring slot);
+    /// returns the next token list position.
+    fn enqueue_experts(
+        &mut self,
+        lay: &PhaseLayout,
+        layer: u32,
+        lists: &[Vec<(u32, f32)>],
+        experts: &[u32],
+        pinned: bool,
+        mut first: usize,
+    ) -> Result<usize> {
+        let Some(&last) = experts.last() else { return Ok(first) };
+        let d = self.d;
+        let (hd, fe) = (d.hidden, d.moe.expect("MoE layer").expert_ffn);
+        let locs = &lay.experts[&layer];
+        let mut group =
+            if pinned { Some(self.gpu.as_ref().expect("gpu").span_start(Stream::Compute)?) } else { None };
+        for &e in experts {
+            let c = lists[e as usize].len();
+            // cuBLAS pays ≈ 0.4 ms of host time the first time it sees a GEMM shape (measured on the H200: an
+            // expert's 35-token GEMMs took 393 µs, the same shape again 40 µs), and a prefill chunk gives every
+            // expert another token count. The GEMMs run over the count rounded up to a power of two (warm_up
+            // warms those); rows past `c` hold stale activations and their results are not scattered.
+            let rows = c.next_power_of_two().min(lay.scratch.tokens).max(c);
+            let unit = UnitId::Expert { layer, expert: e };
+            let (wb, slot) = self.weights_base(lay, &Step { unit, weights: locs[e as usize], kv: None })?;
+            let UnitKind::Expert(o) = self.w.unit(unit).expect("expert unit").kind else {
+                unreachable!("expert unit kind")
+            };
+            let g = self.gpu.as_ref().expect("gpu");
+            let (base, sc) = (g.base(), lay.scratch);
+            let at = |o: usize| base + o as u64;
+            let start = if pinned { None } else { Some(g.span_start(Stream::Compute)?) };
+            let io = ExpertIo {
+                xn: at(sc.xb),
+                idx: at(sc.moe_idx) + 4 * first as u64,
+                wts: at(sc.moe_w) + 4 * first as u64,
+                x: at(sc.moe_x),
+                gate: at(sc.moe_gate),
+                up: at(sc.moe_up),
+                act: at(sc.moe_act),
+                y: at(sc.moe_y),
+                h: at(sc.h),
+            };
+            // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
+            // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
+            // and h.
+            unsafe { g.gpu.expert_ffn(&g.k, d.quant, wb, o, &io, c, rows, hd, fe)? };
+            first += c;
+            if let Some(start) = start {
+                g.span_end(
+                    &mut self.tl,
+                    format!("gpu {unit} ({c} tokens)"),
+                    Track::Compute,
+                    Stream::Compute,
+                    start,
+                )?;
+            } else if e == last {
+                let start = group.take().expect("pinned experts open a group span");
+                let name = format!("gpu blk.{layer} experts ({} pinned, {first} tokens)", experts.len());
+                g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
+            }
+            if let Some(s) = slot {
+                self.release(s, Stream::Compute)?;
+            }
+        }
+        Ok(first)
     }
 
     /// Device address of a GPU step's weights, acquiring a ring slot or staging the unit as its location says.

@@ -196,6 +196,7 @@ impl StepGraph {
                     },
                     OpKind::Router { .. } => "router".to_string(),
                     OpKind::Sample { .. } => "sample".to_string(),
+                    OpKind::KvStore => "kv store".to_string(),
                     k => format!("{:?}", k.class()).to_lowercase(),
                 };
                 format!("{} {what}", o.unit)

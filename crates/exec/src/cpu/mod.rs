@@ -120,6 +120,17 @@ impl CpuPool {
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
     }
+
+    /// Runs `work` on the pool while the calling thread runs `host` (which may block, e.g. on a GPU ring
+    /// slot), and returns both results once both are done.
+    pub fn alongside<W: Send, H>(&self, work: impl FnOnce() -> W + Send, host: impl FnOnce() -> H) -> (W, H) {
+        let mut done = None;
+        let h = self.pool.in_place_scope(|s| {
+            s.spawn(|_| done = Some(work()));
+            host()
+        });
+        (done.expect("the scope waits for its spawned work"), h)
+    }
 }
 
 /// How the quantised kernels prefetch along each row. Measured on the H200 machine's Xeon (16
