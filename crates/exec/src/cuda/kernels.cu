@@ -729,3 +729,153 @@ extern "C" __global__ void embed_q6_k(const u8* __restrict__ table, const u32* _
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 210;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<1>(row, i);
 }
+
+// ---- q2_K (84 bytes: 16 scale/min bytes, sc low nibble and m high nibble per 16 elements; 64 bytes of 2-bit
+// quants; f16 d at 80, dmin at 82; value = d*sc*q - dmin*m) and q3_K (110 bytes: 32 bytes of high-bit mask, 64
+// bytes of low 2 bits, 12 bytes of 6-bit scales, f16 d at 108; value = d*(sc - 32)*(q - 4), q = low bits + 4
+// where the mask bit is set). Element e = 128n + 32j + l (half n, quarter j, lane l < 32) takes bits 2j..2j+2
+// of quant byte 32n + l and, for q3_K, bit 4n + j of mask byte l; its group of 16 is e >> 4.
+__device__ __forceinline__ int q3k_scale(const u8* __restrict__ s, int g) {
+    const int low = g < 8 ? s[g] & 15 : s[g - 8] >> 4;
+    return low | (((s[8 + (g & 3)] >> (2 * (g >> 2))) & 3) << 4);
+}
+
+// Element i of a row of q2_K / q3_K super-blocks, dequantised as ggml's dequantize_row_q2_K / _q3_K (f32
+// products in the reference's order, unfused).
+template <int Q3> __device__ __forceinline__ float k23val(const u8* __restrict__ row, u64 i) {
+    const int e = (int)(i & (QK_K - 1)), n = e >> 7, j = (e >> 5) & 3, l = e & 31;
+    if (Q3) {
+        const u8* blk = row + (i >> 8) * 110;
+        const int q = ((blk[32 + 32 * n + l] >> (2 * j)) & 3) - (((blk[l] >> (4 * n + j)) & 1) ? 0 : 4);
+        const float dl = __fmul_rn(h2f(*(const u16*)(blk + 108)), (float)(q3k_scale(blk + 96, e >> 4) - 32));
+        return __fmul_rn(dl, (float)q);
+    }
+    const u8* blk = row + (i >> 8) * 84;
+    const int sc = blk[e >> 4], q = (blk[16 + 32 * n + l] >> (2 * j)) & 3;
+    const float dl = __fmul_rn(h2f(*(const u16*)(blk + 80)), (float)(sc & 15));
+    const float ml = __fmul_rn(h2f(*(const u16*)(blk + 82)), (float)(sc >> 4));
+    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+
+// Decode GEMV over q2_K / q3_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 2 super-blocks of
+// every row. Lane l takes super-block l >> 4 of the step, half n = (l >> 3) & 1 and quant bytes 32n + 4i..+4
+// (i = l & 7): 16 weights, 4 of each quarter j (elements 128n + 32j + 4i..+4, group 8n + 2j + (i >> 2)), and for
+// q3_K mask bytes 4i..4i+4. q3_K super-blocks are 2-byte aligned only, so its loads are 2-byte ones.
+template <int Q3, int MT>
+__device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, h = (lane >> 3) & 1, i4 = 4 * (lane & 7);
+    if (row0 >= n) return;
+    const int nb = k >> 8, bb = Q3 ? 110 : 84;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * bb;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+    for (int b = lane >> 4; b < nb; b += 2) {
+        u32 qw[QROWS], hw[QROWS];
+        float ds[QROWS][4], dm[QROWS][4];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * bb;
+            const u16* q = (const u16*)(blk + (Q3 ? 32 : 16) + 32 * h + i4);
+            qw[r] = (u32)q[0] | ((u32)q[1] << 16);
+            if (Q3) {
+                const u16* hm = (const u16*)(blk + i4);
+                hw[r] = (u32)hm[0] | ((u32)hm[1] << 16);
+                const float d = h2f(*(const u16*)(blk + 108));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) { ds[r][j] = d * (float)(q3k_scale(blk + 96, 8 * h + 2 * j + (i4 >> 4)) - 32); dm[r][j] = 0.f; }
+            } else {
+                hw[r] = 0;
+                const float d = h2f(*(const u16*)(blk + 80)), dmin = h2f(*(const u16*)(blk + 82));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int sc = blk[8 * h + 2 * j + (i4 >> 4)];
+                    ds[r][j] = d * (float)(sc & 15);
+                    dm[r][j] = dmin * (float)(sc >> 4);
+                }
+            }
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + i4;
+                float xf[4][4], xs[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint2 xw = *(const uint2*)(xt + 32 * j);
+                    xf[j][0] = ACT_LOAD((u16)(xw.x & 0xffffu));
+                    xf[j][1] = ACT_LOAD((u16)(xw.x >> 16));
+                    xf[j][2] = ACT_LOAD((u16)(xw.y & 0xffffu));
+                    xf[j][3] = ACT_LOAD((u16)(xw.y >> 16));
+                    xs[j] = (xf[j][0] + xf[j][1]) + (xf[j][2] + xf[j][3]);
+                }
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        // Quarter j's 4 quants as bytes: low bits, plus 4 where q3_K's mask bit is set.
+                        u32 v = (qw[r] >> (2 * j)) & 0x03030303u;
+                        if (Q3) v |= ((hw[r] >> (4 * h + j)) & 0x01010101u) << 2;
+                        float wv[4];
+                        bytes_to_f32(v, Q3 ? 4.f : 0.f, wv);
+                        float p = 0.f;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) p = fmaf(xf[j][e], wv[e], p);
+                        s = fmaf(ds[r][j], p, s);
+                        if (!Q3) s = fmaf(-dm[r][j], xs[j], s);
+                    }
+                    acc[tt][r] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_q2_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<0, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q2_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<0, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv_q3_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<1, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q3_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<1, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void dequant_q2_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(k23val<0>(w, i));
+}
+extern "C" __global__ void dequant_q3_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(k23val<1>(w, i));
+}
+extern "C" __global__ void embed_q2_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 84;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<0>(row, i);
+}
+extern "C" __global__ void embed_q3_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 110;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<1>(row, i);
+}

@@ -125,6 +125,14 @@ pub struct Kernels {
     dequant_q6_k: CudaFunction,
     embed_q4_k: CudaFunction,
     embed_q6_k: CudaFunction,
+    gemv_q2_k: CudaFunction,
+    gemv_q3_k: CudaFunction,
+    gemv1_q2_k: CudaFunction,
+    gemv1_q3_k: CudaFunction,
+    dequant_q2_k: CudaFunction,
+    dequant_q3_k: CudaFunction,
+    embed_q2_k: CudaFunction,
+    embed_q3_k: CudaFunction,
 }
 
 impl Kernels {
@@ -492,6 +500,14 @@ impl Gpu {
             dequant_q6_k: f("dequant_q6_k")?,
             embed_q4_k: f("embed_q4_k")?,
             embed_q6_k: f("embed_q6_k")?,
+            gemv_q2_k: f("gemv_q2_k")?,
+            gemv_q3_k: f("gemv_q3_k")?,
+            gemv1_q2_k: f("gemv1_q2_k")?,
+            gemv1_q3_k: f("gemv1_q3_k")?,
+            dequant_q2_k: f("dequant_q2_k")?,
+            dequant_q3_k: f("dequant_q3_k")?,
+            embed_q2_k: f("embed_q2_k")?,
+            embed_q3_k: f("embed_q3_k")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -604,6 +620,10 @@ impl Gpu {
                 (QFormat::Q6K, 1) => &kn.gemv1_q6_k,
                 (QFormat::Q4K, _) => &kn.gemv_q4_k,
                 (QFormat::Q6K, _) => &kn.gemv_q6_k,
+                (QFormat::Q2K, 1) => &kn.gemv1_q2_k,
+                (QFormat::Q3K, 1) => &kn.gemv1_q3_k,
+                (QFormat::Q2K, _) => &kn.gemv_q2_k,
+                (QFormat::Q3K, _) => &kn.gemv_q3_k,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
             // Four warps per block, GEMV_ROWS_PER_WARP rows each.
@@ -638,6 +658,8 @@ impl Gpu {
             QFormat::Q4_0 => &kn.dequant_q4_0,
             QFormat::Q4K => &kn.dequant_q4_k,
             QFormat::Q6K => &kn.dequant_q6_k,
+            QFormat::Q2K => &kn.dequant_q2_k,
+            QFormat::Q3K => &kn.dequant_q3_k,
         };
         let mut r0 = 0;
         while r0 < n {
@@ -707,6 +729,8 @@ impl Gpu {
             Some(QFormat::Q4_0) => &k.embed_q4_0,
             Some(QFormat::Q4K) => &k.embed_q4_k,
             Some(QFormat::Q6K) => &k.embed_q6_k,
+            Some(QFormat::Q2K) => &k.embed_q2_k,
+            Some(QFormat::Q3K) => &k.embed_q3_k,
         };
         // SAFETY: argument types match the kernel signature; sizes per the caller.
         unsafe { self.compute.launch_builder(f).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg) }
