@@ -1,19 +1,21 @@
-//! SIMD inner loops of the CPU matmul on K-quant rows (q4_k, q6_k): f32 activations against 256-element
-//! super-blocks, for [`super::qdot::dot_block`].
+//! SIMD inner loops of the CPU matmul on K-quant rows (q2_k, q3_k, q4_k, q6_k): f32 activations against
+//! 256-element super-blocks, for [`super::qdot::dot_block`].
 //!
 //! Per super-block and row the scales are decoded once into f32 (q4_k: `d·sc` and `dmin·m` per sub-block of
-//! 32; q6_k: `d·scale` per group of 16), then each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q4_k) or
-//! `d·scale·Σ x·(q − 32)` (q6_k) to the row's accumulator. The activation loads, their bf16 conversion and the
-//! sums `Σ x` are shared by the rows of a register block. The result equals dequantise-then-f32 up to the order
-//! and rounding of f32 additions, as for q4_0.
+//! 32; q6_k: `d·scale` per group of 16; q2_k: `d·sc` and `dmin·m` per 16; q3_k: `d·(sc − 32)` per 16), then
+//! each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q2_k, q4_k) or `d·scale·Σ x·q` (q3_k, q6_k, signed quants)
+//! to the row's accumulator. The activation loads, their bf16 conversion and the sums `Σ x` are shared by the
+//! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
+//! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k; `vpermt2w` on the
-//! 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and `vdpbf16ps` multiplies
-//! them with the activations (bf16 values already, so exact too). Other x86 machines with AVX2+FMA (AVX-512
-//! ones without BF16 included) widen the quants to f32 and use FMAs.
+//! With AVX512_BF16 the quants of q4_k and q6_k become bf16 by table lookups (`vpermw` on nibbles for q4_k;
+//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
+//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
+//! with AVX2+FMA (AVX-512 ones without BF16 included), and q2_k/q3_k everywhere, widen the quants to f32 and
+//! use FMAs.
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
+pub use x86::{dot_k23_avx2, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
 /// `m[0..8]`, as ggml's `get_scale_min_k4` reads them one by one), unpacked four at a time in 32-bit words:
@@ -52,13 +54,15 @@ mod x86 {
         _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi16, _mm512_srli_epi16,
         _mm512_storeu_ps, _mm256_castpd_ps, _mm256_castps_pd, _mm256_hadd_ps, _mm256_permute2f128_ps,
         _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_extractf64x4_pd,
-        _mm512_insertf64x4, _mm512_mask_blend_ps, _mm512_setzero_pd,
+        _mm512_insertf64x4, _mm512_mask_blend_ps, _mm512_setzero_pd, _mm_cvtsi32_si128, _mm256_srl_epi16,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
     use super::q4_k_scales_mins;
 
     const Q4K_BYTES: usize = 144;
+    const Q2K_BYTES: usize = 84;
+    const Q3K_BYTES: usize = 110;
     const Q6K_BYTES: usize = 210;
 
     /// Prefetches every cache line of the block at `p`, `pf.bytes` ahead (a hint: never faults).
@@ -267,6 +271,108 @@ mod x86 {
                             let s1 = _mm256_fmadd_ps(xv[t][3], qv[3], _mm256_mul_ps(xv[t][2], qv[2]));
                             *a = _mm256_fmadd_ps(s0, _mm256_set1_ps(ds[r][g]), *a);
                             *a = _mm256_fmadd_ps(s1, _mm256_set1_ps(ds[r][g + 1]), *a);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum8(acc[r][t]);
+            }
+        }
+    }
+
+    /// q2_k (`Q3` false) or q3_k with AVX2+FMA; see `qdot::dot_block`. Per super-block and row the 16 group
+    /// factors are decoded once (q2_k: `d·sc` and `dmin·m`; q3_k: `d·(sc − 32)`); per quarter of 32 elements the
+    /// 2-bit fields (and q3_k's mask bit) of one 32-byte load widen to f32, and each group of 16 adds
+    /// `d·sc·Σ x·q` (− `dmin·m·Σ x`, whose `Σ x` the rows share).
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx2`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_k23_avx2<const R: usize, const T: usize, const Q3: bool>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let bb = if Q3 { Q3K_BYTES } else { Q2K_BYTES };
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let (mask2, one, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1), _mm256_set1_epi8(4));
+        for b in 0..k / 256 {
+            // Per row: the groups' scale factors (and q2_k's min factors).
+            let (mut ds, mut dm) = ([[0f32; 16]; R], [[0f32; 16]; R]);
+            for r in 0..R {
+                // SAFETY: super-block b of row r exists.
+                unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    prefetch_block(p, bb, pf);
+                    if Q3 {
+                        let sc = crate::quant::q3_k_scales(std::slice::from_raw_parts(p.add(96), 12));
+                        let d = f16(p, 108);
+                        for (g, v) in ds[r].iter_mut().enumerate() {
+                            *v = d * f32::from(i8::try_from(sc[g]).unwrap_or(0) - 32);
+                        }
+                    } else {
+                        let (d, dmin) = (f16(p, 80), f16(p, 82));
+                        for g in 0..16 {
+                            let sc = *p.add(g);
+                            ds[r][g] = d * f32::from(sc & 0x0f);
+                            dm[r][g] = dmin * f32::from(sc >> 4);
+                        }
+                    }
+                }
+            }
+            for n in 0..2 {
+                for j in 0..4 {
+                    // SAFETY: elements 256b + 128n + 32j .. + 32 of every token exist.
+                    let xv = unsafe { load_x::<T>(x, ldx, 256 * b + 128 * n + 32 * j) };
+                    let xs: [[__m256; 2]; T] = std::array::from_fn(|t| {
+                        [_mm256_add_ps(xv[t][0], xv[t][1]), _mm256_add_ps(xv[t][2], xv[t][3])]
+                    });
+                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    let g = 8 * n + 2 * j;
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        // SAFETY: the half's 32 quant bytes (and q3_k's 32 mask bytes) of super-block b, row r.
+                        let qv = unsafe {
+                            let p = w.add(r * ws + b * bb);
+                            let q = _mm256_and_si256(
+                                _mm256_srl_epi16(
+                                    _mm256_loadu_si256(p.add(if Q3 { 32 } else { 16 } + 32 * n).cast::<__m256i>()),
+                                    shift,
+                                ),
+                                mask2,
+                            );
+                            if Q3 {
+                                // q − 4 with q = low bits + 4 where bit 4n + j of the mask byte is set.
+                                let hbit = _mm256_and_si256(
+                                    _mm256_srl_epi16(
+                                        _mm256_loadu_si256(p.cast::<__m256i>()),
+                                        _mm_cvtsi32_si128((4 * n + j) as i32),
+                                    ),
+                                    one,
+                                );
+                                bytes_to_f32x32::<true>(_mm256_sub_epi8(
+                                    _mm256_or_si256(q, _mm256_slli_epi16::<2>(hbit)),
+                                    four,
+                                ))
+                            } else {
+                                bytes_to_f32x32::<false>(q)
+                            }
+                        };
+                        for (t, a) in row.iter_mut().enumerate() {
+                            let s0 = _mm256_fmadd_ps(xv[t][1], qv[1], _mm256_mul_ps(xv[t][0], qv[0]));
+                            let s1 = _mm256_fmadd_ps(xv[t][3], qv[3], _mm256_mul_ps(xv[t][2], qv[2]));
+                            *a = _mm256_fmadd_ps(s0, _mm256_set1_ps(ds[r][g]), *a);
+                            *a = _mm256_fmadd_ps(s1, _mm256_set1_ps(ds[r][g + 1]), *a);
+                            if !Q3 {
+                                *a = _mm256_fnmadd_ps(xs[t][0], _mm256_set1_ps(dm[r][g]), *a);
+                                *a = _mm256_fnmadd_ps(xs[t][1], _mm256_set1_ps(dm[r][g + 1]), *a);
+                            }
                         }
                     }
                 }
