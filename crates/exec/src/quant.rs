@@ -900,7 +900,10 @@ mod tests {
                 for ((xg, bg), &(step, _)) in xs.chunks(16).zip(bs.chunks(16)).zip(&groups) {
                     let slack = levels * top_step / scale_levels + top_min / scale_levels;
                     for (a, b) in xg.iter().zip(bg) {
-                        assert!((a - b).abs() <= step + slack, "{f:?}: {a} → {b}, step {step}, slack {slack}");
+                        assert!(
+                            (a - b).abs() <= step + slack,
+                            "{f:?}: {a} → {b}, step {step}, slack {slack}"
+                        );
                         sq += (a - b) * (a - b);
                         sq_x += a * a;
                     }

@@ -97,8 +97,12 @@ fn other_formats_are_converted_and_unknown_tensors_named() {
     // A q3_k file read into a q4_k spec, and a q2_k one into q6_k: dequantised as ggml does, requantised.
     for (from, to) in [(DType::Q3K, DType::Q4K), (DType::Q2K, DType::Q6K)] {
         let path = temp(&format!("{from}.gguf"));
-        write_gguf(&ModelWeights::random(&tiny_k_spec().with_uniform_weights(from), 8).unwrap(), "llama", &path)
-            .unwrap();
+        write_gguf(
+            &ModelWeights::random(&tiny_k_spec().with_uniform_weights(from), 8).unwrap(),
+            "llama",
+            &path,
+        )
+        .unwrap();
         let (_, converted) =
             ModelWeights::from_gguf(&tiny_k_spec().with_uniform_weights(to), &read_header(&path).unwrap())
                 .unwrap();

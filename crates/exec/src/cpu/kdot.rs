@@ -41,20 +41,20 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_loadu_si128,
-        _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castsi256_si128,
-        _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256,
-        _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
-        _mm256_or_si256, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16,
+        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
+        _mm_loadu_si128, _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castpd_ps,
+        _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
+        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
+        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
         _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
-        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
-        _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
-        _mm512_loadu_si512, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
+        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
+        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_mask_blend_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
         _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set1_epi16,
-        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi16, _mm512_srli_epi16,
-        _mm512_storeu_ps, _mm256_castpd_ps, _mm256_castps_pd, _mm256_hadd_ps, _mm256_permute2f128_ps,
-        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_extractf64x4_pd,
-        _mm512_insertf64x4, _mm512_mask_blend_ps, _mm512_setzero_pd, _mm_cvtsi32_si128, _mm256_srl_epi16,
+        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_slli_epi16,
+        _mm512_srli_epi16, _mm512_storeu_ps,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
@@ -342,7 +342,9 @@ mod x86 {
                             let p = w.add(r * ws + b * bb);
                             let q = _mm256_and_si256(
                                 _mm256_srl_epi16(
-                                    _mm256_loadu_si256(p.add(if Q3 { 32 } else { 16 } + 32 * n).cast::<__m256i>()),
+                                    _mm256_loadu_si256(
+                                        p.add(if Q3 { 32 } else { 16 } + 32 * n).cast::<__m256i>(),
+                                    ),
                                     shift,
                                 ),
                                 mask2,
@@ -473,7 +475,8 @@ mod x86 {
                     prefetch_block(p, Q4K_BYTES, pf);
                     let sm = q4_k_scales_mins(p.add(4).cast::<[u8; 12]>().read_unaligned());
                     let six = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sm.as_ptr().cast())));
-                    let (d, dmin) = (p.cast::<u16>().read_unaligned(), p.add(2).cast::<u16>().read_unaligned());
+                    let (d, dmin) =
+                        (p.cast::<u16>().read_unaligned(), p.add(2).cast::<u16>().read_unaligned());
                     let dd = _mm512_mask_blend_ps(
                         0xff00,
                         _mm512_set1_ps(*f16s.add(usize::from(d))),

@@ -34,6 +34,8 @@ pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
 /// Rows one warp of the quantised GEMV kernels computes (`QROWS` in kernels.cu): they share each activation
 /// load and conversion.
 const GEMV_ROWS_PER_WARP: usize = 4;
+/// Rows one block of four warps of the tensor-core GEMV (q4_k) computes: the M of its mma.
+const TC_GEMV_ROWS: usize = 16;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -626,8 +628,13 @@ impl Gpu {
                 (QFormat::Q3K, _) => &kn.gemv_q3_k,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
-            // Four warps per block, GEMV_ROWS_PER_WARP rows each.
-            let cfg = threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128);
+            let cfg = if fmt == QFormat::Q4K {
+                // Tensor-core kernel: a block of four warps per TC_GEMV_ROWS rows.
+                threads_for(n.div_ceil(TC_GEMV_ROWS) as u64 * 128, 128)
+            } else {
+                // Four warps per block, GEMV_ROWS_PER_WARP rows each.
+                threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128)
+            };
             // SAFETY: argument types match the kernel; the kernel reads n rows of whole blocks of w (a warp's
             // rows past n re-read row n − 1; q4_k's 16-byte loads need 16-byte aligned rows, which tensors are:
             // `weights::TENSOR_ALIGN_BYTES` in units, `layout::REGION_ALIGN_BYTES` in the arena) and m rows of k
