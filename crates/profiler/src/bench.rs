@@ -356,7 +356,11 @@ fn gpu_rows(
         rows.push(BenchRow {
             device: "gpu".into(),
             format: fmt.name().into(),
-            kernel: if quant.is_some() { "exec gemv_q (NVRTC)".into() } else { "cuBLAS GemmEx".into() },
+            kernel: match quant {
+                Some(QFormat::Q4K) => "exec gemv_q (NVRTC, tensor cores)".into(),
+                Some(_) => "exec gemv_q (NVRTC)".into(),
+                None => "cuBLAS GemmEx".into(),
+            },
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
