@@ -427,7 +427,7 @@ mod x86 {
     /// The 8 sums of 8 vectors, in order (`[Σ s_0, …, Σ s_7]`): halves added, then a tree of horizontal adds.
     #[inline]
     #[target_feature(enable = "avx512f,avx2")]
-    fn sums8(s: [__m512; 8]) -> __m256 {
+    fn sums8(s: &[__m512; 8]) -> __m256 {
         let h = s.map(|v| {
             _mm256_add_ps(
                 _mm512_castps512_ps256(v),
@@ -526,7 +526,7 @@ mod x86 {
                 // [0…0 | Σx_0..8]: the scale lanes of the factors multiply zeros.
                 let sx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
                     _mm512_setzero_pd(),
-                    _mm256_castps_pd(sums8(*sums)),
+                    _mm256_castps_pd(sums8(sums)),
                 ));
                 for (m, v) in mins.iter_mut().zip(&fv) {
                     m[t] = _mm512_fmadd_ps(*v, sx, m[t]);
