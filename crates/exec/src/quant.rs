@@ -551,9 +551,9 @@ fn dequantize_q3_k_block(b: &[u8], out: &mut [f32]) {
     let (hmask, qs, scales) = (&b[..32], &b[32..96], q3_k_scales(&b[96..108]));
     let d = f16_at(b, 108);
     for (e, o) in out.iter_mut().enumerate() {
-        let dl = d * f32::from(i8::try_from(scales[e / 16]).expect("6 bits") - 32);
+        let dl = d * f32::from(i16::from(scales[e / 16]) - 32);
         let high = (hmask[e % 32] >> (e / 32)) & 1;
-        let q = i8::try_from(two_bit_quant(qs, e)).expect("2 bits") - if high == 1 { 0 } else { 4 };
+        let q = i16::from(two_bit_quant(qs, e)) - if high == 1 { 0 } else { 4 };
         *o = dl * f32::from(q);
     }
 }
@@ -688,7 +688,7 @@ fn quantize_q3_k_block(x: &[f32], out: &mut [u8]) {
     }
     let (d, sc) = (f16_at(out, 108), q3_k_scales(&out[96..108]));
     for j in 0..16 {
-        let ds = d * f32::from(i8::try_from(sc[j]).expect("6 bits") - 32);
+        let ds = d * f32::from(i16::from(sc[j]) - 32);
         if ds == 0.0 {
             continue;
         }

@@ -315,7 +315,7 @@ mod x86 {
                         let sc = crate::quant::q3_k_scales(std::slice::from_raw_parts(p.add(96), 12));
                         let d = f16(p, 108);
                         for (g, v) in ds[r].iter_mut().enumerate() {
-                            *v = d * f32::from(i8::try_from(sc[g]).unwrap_or(0) - 32);
+                            *v = d * f32::from(i16::from(sc[g]) - 32);
                         }
                     } else {
                         let (d, dmin) = (f16(p, 80), f16(p, 82));
