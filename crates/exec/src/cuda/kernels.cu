@@ -575,6 +575,7 @@ template <int MT>
 __device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                          int n, int k, int m, int accumulate) {
     __shared__ float part[4][32][4];
+    // 16 rows a block (cuda::TC_GEMV_ROWS), launched with 128 threads.
     const int row0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nb = k >> 8;
     const u8* wa = w + (u64)min(row0 + g, n - 1) * nb * 144;
