@@ -23,6 +23,7 @@ use pipeshard_core::profile::Profile;
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::host::Elem;
+use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
@@ -76,7 +77,7 @@ pub struct RunArgs {
     /// Run these plans (JSON) instead of planning.
     #[arg(long)]
     plan: Vec<PathBuf>,
-    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`, `q4_k`, `q6_k`), overriding the
+    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`, `q2_k`, `q3_k`, `q4_k`, `q6_k`), overriding the
     /// catalog's.
     #[arg(long)]
     weights: Option<String>,
@@ -144,10 +145,11 @@ fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
     } else if !spec.stored.is_empty() {
         // The executor holds every matrix in one format and norms in f32, whatever the file stores.
         let m = spec.weights.attn_q;
-        if !matches!(m, DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4K | DType::Q6K) {
+        if !matches!(m, DType::Bf16 | DType::F16) && QFormat::from_dtype(m).is_none() {
             bail!(
-                "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0, q4_0, q4_k or q6_k \
-                 matrices: pass --weights q4_k (or q4_0, bf16); the file's tensors are converted as they load"
+                "{model} stores its matrices as {m}; the executor runs bf16, f16, q8_0, q4_0, q2_k, q3_k, q4_k \
+                 or q6_k matrices: pass --weights q4_k (or q4_0, bf16); the file's tensors are converted as they \
+                 load"
             );
         }
         spec = spec.with_uniform_weights(m);

@@ -14,7 +14,7 @@
 //! parallel requests, each with its own prompt and `ctx` tokens of KV; `kv_unified` gives the planners that do
 //! not pick it themselves (`greedy`, `exhaustive`) one unified cache instead of one per sequence
 //! (`pshard` always runs unified, `ngl` never, as in the paper's batched runs). `weights` stores every matrix in
-//! one format (the executor's: `bf16`, `f16`, `q8_0`, `q4_0`, `q4_k`, `q6_k`); a `[[grid]]` may name its own, and its models are
+//! one format (the executor's: `bf16`, `f16`, `q8_0`, `q4_0`, `q2_k`, `q3_k`, `q4_k`, `q6_k`); a `[[grid]]` may name its own, and its models are
 //! then labelled `model:format` in cells and results, so one experiment can run a model in two formats.
 //!
 //! Paper reproductions and executor runs add:
@@ -73,7 +73,7 @@ pub struct GridFile {
     pub prompt_tokens: Option<PromptTokensFile>,
     /// Parallel requests: one number or a list (default 1).
     pub batch: Option<Counts>,
-    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`, `q4_k`, `q6_k`) instead of the catalog's — the
+    /// Store every matrix in this format (`bf16`, `f16`, `q8_0`, `q4_0`, `q2_k`, `q3_k`, `q4_k`, `q6_k`) instead of the catalog's — the
     /// executor runs these. At the top level: every grid's default; in a `[[grid]]`: that grid's models.
     pub weights: Option<String>,
 }

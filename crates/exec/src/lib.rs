@@ -17,11 +17,11 @@
 //! - [`cpu`]: SIMD kernels (AVX-512 / AVX2+FMA+F16C, f32 accumulation; bf16/f16 rows and q8_0/q4_0 blocks)
 //!   and the CPU half of a forward pass; they double as the reference for the GPU path.
 //!   [`reference`](mod@reference) is an independent f64 forward pass for tests.
-//! - [`quant`]: the GGUF q8_0/q4_0 block formats, quantise and dequantise bit-exact with ggml's reference, and
-//!   the q4_k/q6_k super-blocks' dequantisation (for converting such tensors as a GGUF file loads).
+//! - [`quant`]: the GGUF q8_0/q4_0 blocks and q2_k/q3_k/q4_k/q6_k super-blocks, quantised and dequantised
+//!   bit-exact with ggml's reference.
 //! - [`cuda`] (`exec::cuda`): the device seam — [`cuda::probe`], [`cuda::Gpu`] (context, compute/H2D/D2H
 //!   streams, cuBLAS GemmEx, NVRTC kernels for norms, RoPE, KV store, tiled causal attention, SwiGLU/ReLU²,
-//!   embedding and greedy sampling, q8_0/q4_0 GEMV and dequantisation), raw allocations and events.
+//!   embedding and greedy sampling, GEMV and dequantisation of every [`quant`] format), raw allocations and events.
 //! - [`layout`]: a phase plan turned into arena offsets, per-step weight/KV locations and the streaming ring's
 //!   item sequence; fails before running, naming the line that overflows.
 //! - [`engine`]: [`run`] — prefill chunks, the switch to the decode plan, decode steps, the ring, metrics.
@@ -70,9 +70,9 @@
 //!   of each pass (the host reuses its staging buffers).
 //!
 //! # Not supported (errors say so)
-//! Vision towers (issue 11), shared experts, tied embeddings, mixed or K-quant formats as compute formats (q4_k,
-//! q6_k, …: a GGUF file's tensors in them are converted to the one format of `--weights q4_0`, `q8_0` or `bf16`
-//! as they load; q2_k, q3_k and q5_k cannot be read yet), parallel requests with prompts of different lengths.
+//! Vision towers (issue 11), shared experts, tied embeddings, mixed matrix formats (a GGUF file's tensors in
+//! other formats are converted to the one format of `--weights` as they load; q4_1, q5_0, q5_1 and q5_k cannot
+//! be read yet), parallel requests with prompts of different lengths.
 
 pub mod cpu;
 pub mod cuda;

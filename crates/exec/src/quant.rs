@@ -1,16 +1,15 @@
 //! Block-quantised matrix formats, bit-exact with GGUF: `q8_0` (an f16 scale `d` and 32 signed bytes,
 //! value = `q · d`) and `q4_0` (an f16 scale `d` and 16 bytes of nibbles, value = `(q − 8) · d`; the low nibble
-//! of byte `j` is element `j`, the high nibble element `j + 16`), and the K-quants `q4_k` and `q6_k`, whose
-//! super-blocks of 256 elements carry 6- or 8-bit scales per sub-block of 32 or 16 elements (layouts in the
-//! comments of their dequantisers). A row of `k` elements is
-//! `k / block_elems` blocks laid out back to back, so a matrix is its rows' blocks in row order, as in a GGUF
-//! file.
+//! of byte `j` is element `j`, the high nibble element `j + 16`), and the K-quants `q2_k`, `q3_k`, `q4_k` and
+//! `q6_k`, whose super-blocks of 256 elements carry 4-, 6- or 8-bit scales per sub-block of 16 or 32 elements
+//! (layouts in the comments of their dequantisers). A row of `k` elements is `k / block_elems` blocks laid out
+//! back to back, so a matrix is its rows' blocks in row order, as in a GGUF file.
 //!
 //! [`QFormat::quantize_row`] follows ggml's reference quantisers (`quantize_row_q8_0_ref`,
-//! `quantize_row_q4_0_ref`, `quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`), operation for operation in f32
-//! without fused multiply-adds, so it writes the bytes ggml writes: for q8_0/q4_0 the scale is computed from the
-//! block's largest magnitude and stored rounded to f16, while the quants are computed with the unrounded f32
-//! scale; the K-quants search each sub-block's scale (and q4_k's min) by weighted least squares, quantise the
+//! `quantize_row_q4_0_ref`, `quantize_row_q{2,3,4,6}_K_ref`), operation for operation in f32 without fused
+//! multiply-adds, so it writes the bytes ggml writes: for q8_0/q4_0 the scale is computed from the block's
+//! largest magnitude and stored rounded to f16, while the quants are computed with the unrounded f32 scale; the
+//! K-quants search each sub-block's scale (and q2_k's and q4_k's min) by weighted least squares, quantise the
 //! scales against the super-block's f16 scale, and recompute the quants from the stored scales.
 //! [`QFormat::dequantize_row`] is ggml's `dequantize_row_*`: for q8_0/q4_0 the product of a small integer and
 //! an f16 is exact in f32, so dequantised values are exact; the K-quants form their products in ggml's order.
@@ -38,11 +37,17 @@ pub enum QFormat {
     Q4K,
     /// 256-element super-blocks: 6-bit quants (offset 32), an 8-bit signed scale per 16 elements, f16 `d`.
     Q6K,
+    /// 256-element super-blocks: 2-bit quants, a 4-bit scale and 4-bit min per 16 elements, f16 `d`, `dmin`.
+    Q2K,
+    /// 256-element super-blocks: 3-bit quants (2 low bits and a high-bit mask, offset 4), a 6-bit scale
+    /// (offset 32) per 16 elements, f16 `d`.
+    Q3K,
 }
 
 impl QFormat {
     /// Every format.
-    pub const ALL: [QFormat; 4] = [QFormat::Q8_0, QFormat::Q4_0, QFormat::Q4K, QFormat::Q6K];
+    pub const ALL: [QFormat; 6] =
+        [QFormat::Q8_0, QFormat::Q4_0, QFormat::Q4K, QFormat::Q6K, QFormat::Q2K, QFormat::Q3K];
 
     /// The executor format of a core dtype, if it is one of these.
     #[must_use]
@@ -52,6 +57,8 @@ impl QFormat {
             DType::Q4_0 => Some(QFormat::Q4_0),
             DType::Q4K => Some(QFormat::Q4K),
             DType::Q6K => Some(QFormat::Q6K),
+            DType::Q2K => Some(QFormat::Q2K),
+            DType::Q3K => Some(QFormat::Q3K),
             _ => None,
         }
     }
@@ -64,6 +71,8 @@ impl QFormat {
             QFormat::Q4_0 => DType::Q4_0,
             QFormat::Q4K => DType::Q4K,
             QFormat::Q6K => DType::Q6K,
+            QFormat::Q2K => DType::Q2K,
+            QFormat::Q3K => DType::Q3K,
         }
     }
 
@@ -72,7 +81,7 @@ impl QFormat {
     pub const fn block_elems(self) -> usize {
         match self {
             QFormat::Q8_0 | QFormat::Q4_0 => BLOCK_ELEMS,
-            QFormat::Q4K | QFormat::Q6K => K_BLOCK_ELEMS,
+            QFormat::Q4K | QFormat::Q6K | QFormat::Q2K | QFormat::Q3K => K_BLOCK_ELEMS,
         }
     }
 
@@ -84,6 +93,8 @@ impl QFormat {
             QFormat::Q4_0 => 18,
             QFormat::Q4K => 144,
             QFormat::Q6K => 210,
+            QFormat::Q2K => 84,
+            QFormat::Q3K => 110,
         }
     }
 
@@ -132,6 +143,8 @@ impl QFormat {
                 }
                 QFormat::Q4K => quantize_q4_k_block(xb, ob),
                 QFormat::Q6K => quantize_q6_k_block(xb, ob),
+                QFormat::Q2K => quantize_q2_k_block(xb, ob),
+                QFormat::Q3K => quantize_q3_k_block(xb, ob),
             }
         }
     }
@@ -165,6 +178,8 @@ impl QFormat {
                 }
                 QFormat::Q4K => dequantize_q4_k_block(b, ob),
                 QFormat::Q6K => dequantize_q6_k_block(b, ob),
+                QFormat::Q2K => dequantize_q2_k_block(b, ob),
+                QFormat::Q3K => dequantize_q3_k_block(b, ob),
             }
         }
     }
@@ -192,9 +207,9 @@ impl QFormat {
 pub const K_BLOCK_ELEMS: usize = 256;
 
 /// Dequantises whole blocks of a GGUF tensor in `dtype` to f32, for the formats the executor reads from files
-/// (q8_0, q4_0, q4_k and q6_k); `None` for another format. K-quant super-blocks follow ggml's
-/// `dequantize_row_q4_K` / `dequantize_row_q6_K`: every product is formed in f32 in the reference's order,
-/// without fused multiply-adds.
+/// (q8_0, q4_0, q2_k, q3_k, q4_k and q6_k); `None` for another format. K-quant super-blocks follow ggml's
+/// `dequantize_row_q*_K`: every product is formed in f32 in the reference's order, without fused
+/// multiply-adds.
 ///
 /// # Panics
 /// If `raw` is not whole blocks.
@@ -262,9 +277,11 @@ fn nearest_int(v: f32) -> i32 {
     v.round_ties_even() as i32
 }
 
-/// ggml's `make_qkx2_quants` with squared errors: the scale and min (returned as `(scale, −min)`, min ≤ 0) of
-/// `x ≈ scale·l + min` with `l` in 0..=nmax, by weighted least squares over `nstep + 1` trial scales around
-/// `nmax / (max − min)`, each from the best min so far; `l` receives the quants of the best.
+/// ggml's `make_qkx2_quants`: the scale and min (returned as `(scale, −min)`, min ≤ 0) of `x ≈ scale·l + min`
+/// with `l` in 0..=nmax, by weighted least squares over `nstep + 1` trial scales around `nmax / (max − min)`,
+/// each from the best min so far, the best by weighted squared errors (or absolute ones, `use_mad`); `l`
+/// receives the quants of the best.
+#[allow(clippy::too_many_arguments)] // the reference's parameters, one for one
 fn make_qkx2_quants(
     x: &[f32],
     w: &[f32],
@@ -272,6 +289,7 @@ fn make_qkx2_quants(
     rmin: f32,
     rdelta: f32,
     nstep: i32,
+    use_mad: bool,
     l: &mut [u8],
 ) -> (f32, f32) {
     let (mut min, mut max) = (x[0], x[0]);
@@ -299,7 +317,7 @@ fn make_qkx2_quants(
         let q = quant(iscale, xi, min);
         *li = q as u8;
         let diff = scale * q as f32 + min - xi;
-        best_error += wi * (diff * diff);
+        best_error += wi * if use_mad { diff.abs() } else { diff * diff };
     }
     let mut aux = [0u8; K_BLOCK_ELEMS];
     let aux = &mut aux[..x.len()];
@@ -325,7 +343,7 @@ fn make_qkx2_quants(
             let mut cur_error = 0f32;
             for ((&a, &xi), &wi) in aux.iter().zip(x).zip(w) {
                 let diff = this_scale * f32::from(a) + this_min - xi;
-                cur_error += wi * (diff * diff);
+                cur_error += wi * if use_mad { diff.abs() } else { diff * diff };
             }
             if cur_error < best_error {
                 l.copy_from_slice(aux);
@@ -353,7 +371,8 @@ fn quantize_q4_k_block(x: &[f32], out: &mut [u8]) {
         for (wi, &xi) in w.iter_mut().zip(xs) {
             *wi = av_x + xi.abs();
         }
-        (scales[j], mins[j]) = make_qkx2_quants(xs, &w, 15, -1.0, 0.1, 20, &mut l[32 * j..32 * j + 32]);
+        (scales[j], mins[j]) =
+            make_qkx2_quants(xs, &w, 15, -1.0, 0.1, 20, false, &mut l[32 * j..32 * j + 32]);
         if scales[j] > max_scale {
             max_scale = scales[j];
         }
@@ -488,6 +507,205 @@ fn quantize_q6_k_block(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// The quants of a q2_k or q3_k super-block's 64 bytes of 2-bit fields (ggml's layout): element `e` of half
+/// `n = e / 128`, quarter `j`, lane `l` (`e = 128n + 32j + l`) sits in bits `2j..2j + 2` of byte `32n + l`.
+fn two_bit_quant(qs: &[u8], e: usize) -> u8 {
+    (qs[32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3
+}
+
+/// Packs 256 values 0..=3 into the 64 bytes [`two_bit_quant`] reads.
+fn pack_two_bit(l: &[u8], qs: &mut [u8]) {
+    for n in 0..2 {
+        for i in 0..32 {
+            let at = 128 * n + i;
+            qs[32 * n + i] = l[at] | (l[at + 32] << 2) | (l[at + 64] << 4) | (l[at + 96] << 6);
+        }
+    }
+}
+
+/// q2_k: 16 bytes of scales (low nibble) and mins (high nibble), one per 16 elements; 64 bytes of 2-bit quants
+/// ([`two_bit_quant`]); f16 `d` at 80 and `dmin` at 82. Value = d·sc·q − dmin·m, as ggml's `dequantize_row_q2_K`.
+fn dequantize_q2_k_block(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (e, o) in out.iter_mut().enumerate() {
+        let sc = b[e / 16];
+        let (dl, ml) = (d * f32::from(sc & 0x0f), dmin * f32::from(sc >> 4));
+        *o = dl * f32::from(two_bit_quant(&b[16..80], e)) - ml;
+    }
+}
+
+/// The 16 six-bit scales (0..64, before the offset 32) of a q3_k super-block's 12 packed bytes, as ggml's
+/// `dequantize_row_q3_K` unpacks them: scale `j` has its low 4 bits in the low (j < 8) or high nibble of byte
+/// `j mod 8`, and its top 2 bits in bits `2·(j / 4)` of byte `8 + j mod 4`.
+pub(crate) fn q3_k_scales(packed: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|j| {
+        let low = if j < 8 { packed[j] & 0x0f } else { packed[j - 8] >> 4 };
+        low | (((packed[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)
+    })
+}
+
+/// q3_k: 32 bytes of high-bit mask (element `e`: bit `e / 32` of byte `e mod 32`), 64 bytes of low 2 bits
+/// ([`two_bit_quant`]), 12 bytes of 6-bit scales ([`q3_k_scales`]), f16 `d` at 108. Value = d·(sc − 32)·(q − 4)
+/// with q = low bits + 4 where the mask bit is set, as ggml's `dequantize_row_q3_K`.
+fn dequantize_q3_k_block(b: &[u8], out: &mut [f32]) {
+    let (hmask, qs, scales) = (&b[..32], &b[32..96], q3_k_scales(&b[96..108]));
+    let d = f16_at(b, 108);
+    for (e, o) in out.iter_mut().enumerate() {
+        let dl = d * f32::from(i16::from(scales[e / 16]) - 32);
+        let high = (hmask[e % 32] >> (e / 32)) & 1;
+        let q = i16::from(two_bit_quant(qs, e)) - if high == 1 { 0 } else { 4 };
+        *o = dl * f32::from(q);
+    }
+}
+
+/// ggml's `quantize_row_q2_K_ref` for one super-block: per group of 16, [`make_qkx2_quants`] (nmax 3, weights
+/// |x|, absolute errors); scales and mins to 4 bits against the largest of each (`d = max / 15` in f16); then
+/// the quants again from the stored scales. A group whose stored scale is 0 keeps its searched quants.
+fn quantize_q2_k_block(x: &[f32], out: &mut [u8]) {
+    let mut l = [0u8; K_BLOCK_ELEMS];
+    let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..16 {
+        let xs = &x[16 * j..16 * j + 16];
+        let w: [f32; 16] = std::array::from_fn(|i| xs[i].abs());
+        (scales[j], mins[j]) = make_qkx2_quants(xs, &w, 3, -0.5, 0.1, 15, true, &mut l[16 * j..16 * j + 16]);
+        max_scale = max_scale.max(scales[j]);
+        max_min = max_min.max(mins[j]);
+    }
+    out.fill(0);
+    if max_scale > 0.0 {
+        let iscale = 15.0 / max_scale;
+        for j in 0..16 {
+            out[j] = nearest_int(iscale * scales[j]) as u8;
+        }
+        out[80..82].copy_from_slice(&f16::from_f32(max_scale / 15.0).to_le_bytes());
+    }
+    if max_min > 0.0 {
+        let iscale = 15.0 / max_min;
+        for j in 0..16 {
+            out[j] |= (nearest_int(iscale * mins[j]) as u8) << 4;
+        }
+        out[82..84].copy_from_slice(&f16::from_f32(max_min / 15.0).to_le_bytes());
+    }
+    let (d, dmin) = (f16_at(out, 80), f16_at(out, 82));
+    for j in 0..16 {
+        let ds = d * f32::from(out[j] & 0x0f);
+        if ds == 0.0 {
+            continue;
+        }
+        let dm = dmin * f32::from(out[j] >> 4);
+        for (li, &xi) in l[16 * j..16 * j + 16].iter_mut().zip(&x[16 * j..]) {
+            *li = nearest_int((xi + dm) / ds).clamp(0, 3) as u8;
+        }
+    }
+    pack_two_bit(&l, &mut out[16..80]);
+}
+
+/// ggml's `make_q3_quants` with `do_rmse`: the signed scale of `x ≈ scale·l`, `l` in −nmax..nmax, from
+/// `−nmax / max` and then up to 5 passes that move single quants while the `x²`-weighted fit improves; `l`
+/// receives `l + nmax`.
+fn make_q3_quants(x: &[f32], nmax: i32, l: &mut [u8]) -> f32 {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &xi in x {
+        if xi.abs() > amax {
+            amax = xi.abs();
+            max = xi;
+        }
+    }
+    if amax < 1e-15 {
+        // GROUP_MAX_EPS: an all-zero group.
+        l.fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let mut li = [0i32; 16];
+    let li = &mut li[..x.len()];
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for (q, &xi) in li.iter_mut().zip(x) {
+        *q = nearest_int(iscale * xi).clamp(-nmax, nmax - 1);
+        let w = xi * xi;
+        sumlx += w * xi * *q as f32;
+        suml2 += w * *q as f32 * *q as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for (q, &xi) in li.iter_mut().zip(x) {
+            let w = xi * xi;
+            let mut slx = sumlx - w * xi * *q as f32;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * *q as f32 * *q as f32;
+                let new_l = nearest_int(xi * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != *q {
+                    slx += w * xi * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        (*q, sumlx, suml2) = (new_l, slx, sl2);
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for (o, &q) in l.iter_mut().zip(li.iter()) {
+        *o = (q + nmax) as u8;
+    }
+    sumlx / suml2
+}
+
+/// ggml's `quantize_row_q3_K_ref` for one super-block: per group of 16, [`make_q3_quants`] (nmax 4); the group
+/// scales to 6 bits against the one of largest magnitude (which maps to −32; `d` in f16); then the quants again
+/// from the stored scales, split into low bits and the high-bit mask. A group whose stored scale is 0 keeps its
+/// searched quants.
+fn quantize_q3_k_block(x: &[f32], out: &mut [u8]) {
+    let mut l = [0u8; K_BLOCK_ELEMS];
+    let mut scales = [0f32; 16];
+    let (mut max_scale, mut amax) = (0f32, 0f32);
+    for (j, s) in scales.iter_mut().enumerate() {
+        *s = make_q3_quants(&x[16 * j..16 * j + 16], 4, &mut l[16 * j..16 * j + 16]);
+        if s.abs() > amax {
+            amax = s.abs();
+            max_scale = *s;
+        }
+    }
+    out.fill(0);
+    if max_scale != 0.0 {
+        let iscale = -32.0 / max_scale;
+        let packed = &mut out[96..108];
+        for (j, &s) in scales.iter().enumerate() {
+            // C stores the int into an int8_t (wrapping), then clamps to −32..=31.
+            let v = (i32::from(nearest_int(iscale * s) as i8).clamp(-32, 31) + 32) as u8;
+            if j < 8 {
+                packed[j] = v & 0x0f;
+            } else {
+                packed[j - 8] |= (v & 0x0f) << 4;
+            }
+            packed[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+        }
+        out[108..110].copy_from_slice(&f16::from_f32(1.0 / iscale).to_le_bytes());
+    }
+    let (d, sc) = (f16_at(out, 108), q3_k_scales(&out[96..108]));
+    for j in 0..16 {
+        let ds = d * f32::from(i16::from(sc[j]) - 32);
+        if ds == 0.0 {
+            continue;
+        }
+        for (li, &xi) in l[16 * j..16 * j + 16].iter_mut().zip(&x[16 * j..]) {
+            *li = (nearest_int(xi / ds).clamp(-4, 3) + 4) as u8;
+        }
+    }
+    // Values 4..8 set their bit in the mask (element e: bit e / 32 of byte e mod 32) and keep 0..4.
+    for (e, li) in l.iter_mut().enumerate() {
+        if *li > 3 {
+            out[e % 32] |= 1 << (e / 32);
+            *li -= 4;
+        }
+    }
+    pack_two_bit(&l, &mut out[32..96]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,7 +821,116 @@ mod tests {
         // Other formats: q4_0 as its own dequantiser, unknown ones none.
         let q4 = QFormat::Q4_0.quantize(&[0.5; 32], 32);
         assert_eq!(dequantize_gguf(DType::Q4_0, &q4), Some(QFormat::Q4_0.dequantize(&q4)));
-        assert_eq!(dequantize_gguf(DType::Q2K, &[0; 84]), None);
+        assert_eq!(dequantize_gguf(DType::Q5K, &[0; 176]), None);
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // powers of two times small integers: exact
+    fn hand_made_q2_k_block_dequantises_per_sixteen() {
+        // Scale/min byte s: scale s % 16, min 15 − s; 2-bit quants from a pattern; d = 0.5, dmin = 0.25.
+        let sm: Vec<u8> = (0..16u8).map(|s| (s % 16) | ((15 - s) << 4)).collect();
+        let qs: Vec<u8> = (0..64u32).map(|i| ((i * 73 + 29) % 256) as u8).collect();
+        let mut b = sm.clone();
+        b.extend(&qs);
+        b.extend(f16::from_f32(0.5).to_le_bytes());
+        b.extend(f16::from_f32(0.25).to_le_bytes());
+        let out = dequantize_gguf(DType::Q2K, &b).unwrap();
+        for (i, &v) in out.iter().enumerate() {
+            // Element i: half n, quarter j (bits 2j..2j+2), lane l of byte 32n + l; group i / 16.
+            let (n, j, l) = (i / 128, i % 128 / 32, i % 32);
+            let q = (qs[32 * n + l] >> (2 * j)) & 3;
+            let g = sm[i / 16];
+            let want = 0.5 * f32::from(g & 15) * f32::from(q) - 0.25 * f32::from(g >> 4);
+            assert_eq!(v, want, "element {i}");
+        }
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)]
+    fn hand_made_q3_k_block_dequantises_per_sixteen() {
+        // 6-bit scales 4s + 1 (s = 0..16, so 1..61: the top 2 bits matter); d = 0.125.
+        let sc: Vec<u8> = (0..16u8).map(|s| 4 * s + 1).collect();
+        let mut packed = [0u8; 12];
+        for (j, &v) in sc.iter().enumerate() {
+            if j < 8 {
+                packed[j] |= v & 15;
+            } else {
+                packed[j - 8] |= (v & 15) << 4;
+            }
+            packed[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+        }
+        let hmask: Vec<u8> = (0..32u32).map(|i| ((i * 151 + 7) % 256) as u8).collect();
+        let qs: Vec<u8> = (0..64u32).map(|i| ((i * 89 + 13) % 256) as u8).collect();
+        let mut b = hmask.clone();
+        b.extend(&qs);
+        b.extend(packed);
+        b.extend(f16::from_f32(0.125).to_le_bytes());
+        assert_eq!(q3_k_scales(&packed).to_vec(), sc);
+        let out = dequantize_gguf(DType::Q3K, &b).unwrap();
+        for (i, &v) in out.iter().enumerate() {
+            let (n, j, l) = (i / 128, i % 128 / 32, i % 32);
+            let low = (qs[32 * n + l] >> (2 * j)) & 3;
+            // The mask bit set means q = low bits; clear means low bits − 4.
+            let q = f32::from(low) - if (hmask[l] >> (4 * n + j)) & 1 == 1 { 0.0 } else { 4.0 };
+            let want = 0.125 * (f32::from(sc[i / 16]) - 32.0) * q;
+            assert_eq!(v, want, "element {i}");
+        }
+    }
+
+    #[test]
+    fn low_bit_k_quants_round_trip_within_their_scale_steps() {
+        let x = k_quant_rows();
+        // Per group of 16: q2_k has 3 steps over [min(0, lo), hi], q3_k 4 steps over the largest magnitude.
+        // Their group scales are 4 or 6 bits against the super-block's largest, so a group far below it loses
+        // up to half a scale step on every quant: bound each group by a step of its own plus that loss.
+        for (f, levels, scale_levels) in [(QFormat::Q2K, 3.0, 15.0), (QFormat::Q3K, 4.0, 32.0)] {
+            let back = f.dequantize(&f.quantize(&x, 512));
+            for (c, (xs, bs)) in x.chunks(256).zip(back.chunks(256)).enumerate() {
+                let groups: Vec<(f32, f32)> = xs
+                    .chunks(16)
+                    .map(|g| {
+                        let (lo, hi) = g.iter().fold((0f32, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                        let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        if f == QFormat::Q2K { ((hi - lo) / levels, -lo) } else { (amax / levels, 0.0) }
+                    })
+                    .collect();
+                let top_step = groups.iter().fold(0f32, |m, g| m.max(g.0));
+                let top_min = groups.iter().fold(0f32, |m, g| m.max(g.1));
+                let (mut sq, mut sq_x) = (0f32, 0f32);
+                for ((xg, bg), &(step, _)) in xs.chunks(16).zip(bs.chunks(16)).zip(&groups) {
+                    let slack = levels * top_step / scale_levels + top_min / scale_levels;
+                    for (a, b) in xg.iter().zip(bg) {
+                        assert!(
+                            (a - b).abs() <= step + slack,
+                            "{f:?}: {a} → {b}, step {step}, slack {slack}"
+                        );
+                        sq += (a - b) * (a - b);
+                        sq_x += a * a;
+                    }
+                }
+                // Uniformly spread values (all but the outlier super-blocks, c mod 4 = 2) leave rounding noise of
+                // step²/12 against a spread of (3 steps)²/12 for q2_k: 1/9 of the values' energy, less for q3_k.
+                if c % 4 != 2 {
+                    assert!(sq < 0.15 * sq_x, "{f:?}: error energy {sq} of {sq_x} in super-block {c}");
+                }
+            }
+            assert!(f.dequantize(&f.quantize(&[0.0; 256], 256)).iter().all(|&v| v == 0.0), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn low_bit_k_quant_scales_follow_the_reference_rules() {
+        let x = k_quant_rows();
+        // q2_k: the largest group scale and min take 4-bit value 15.
+        let b = QFormat::Q2K.quantize(&x[256..512], 256);
+        assert_eq!(b[..16].iter().map(|&s| s & 15).max(), Some(15));
+        assert_eq!(b[..16].iter().map(|&s| s >> 4).max(), Some(15), "this block has negative values: mins");
+        // q3_k: the group scale of largest magnitude maps to 6-bit 0 (−32 after the offset).
+        let b = QFormat::Q3K.quantize(&x[512..768], 256);
+        let sc = q3_k_scales(&b[96..108]);
+        assert!(sc.contains(&0), "{sc:?}");
+        // Outliers (·40) and small values (·0.01) share d: the small groups keep nonzero scales.
+        assert!(sc.iter().all(|&s| s != 32), "{sc:?}");
     }
 
     /// Rows of the shapes weights take: small and large magnitudes, an outlier group, one-signed blocks.

@@ -136,7 +136,7 @@ impl Dims {
         if moe_mixed || mats.iter().any(|&d| d != mat) || w.ffn_down_more_bits.is_some_and(|d| d != mat) {
             return Err(unsupported(
                 "mixed matrix formats",
-                "pass one of --weights bf16, f16, q8_0, q4_0, q4_k, q6_k",
+                "pass one of --weights bf16, f16, q8_0, q4_0, q2_k, q3_k, q4_k, q6_k",
             ));
         }
         let quant = QFormat::from_dtype(mat);
@@ -146,7 +146,7 @@ impl Dims {
             _ => {
                 return Err(unsupported(
                     &format!("{mat} matrices"),
-                    "pass --weights bf16, f16, q8_0, q4_0, q4_k or q6_k",
+                    "pass --weights bf16, f16, q8_0, q4_0, q2_k, q3_k, q4_k or q6_k",
                 ));
             }
         };
@@ -616,8 +616,8 @@ impl GgufSource<'_> {
                 return Err(err(
                     info.split,
                     format!(
-                        "is {from}, which the executor cannot read (it reads f32, f16, bf16, q8_0, q4_0, q4_k and \
-                         q6_k tensors); requantise the file to one of these"
+                        "is {from}, which the executor cannot read (it reads f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, \
+                         q4_k and q6_k tensors); requantise the file to one of these"
                     ),
                 ));
             }
@@ -785,7 +785,7 @@ impl ModelWeights {
                     ExecError::UnsupportedModel {
                         model: spec.name.clone(),
                         what: format!("{} stored as {}", t.name, t.dtype),
-                        hint: "pass --weights bf16, f16, q8_0, q4_0, q4_k or q6_k".into(),
+                        hint: "pass --weights bf16, f16, q8_0, q4_0, q2_k, q3_k, q4_k or q6_k".into(),
                     }
                 })?;
                 let bytes = part.bytes as usize;
@@ -906,12 +906,15 @@ mod tests {
                 }
             }
             // One quantisation step (1/8 of the block maximum for q4_0, 1/127 for q8_0, at most 2/15 of it for
-            // q4_k's range, 1/32 for q6_k) plus bf16 rounding.
+            // q4_k's range, 1/32 for q6_k, 1/4 for q3_k, at most 2/3 for q2_k's range) plus bf16 rounding and,
+            // for q2_k/q3_k, the loss of their 4- and 6-bit group scales.
             let bound = match q {
                 QFormat::Q4_0 => 0.13,
                 QFormat::Q8_0 => 0.012,
                 QFormat::Q4K => 0.14,
                 QFormat::Q6K => 0.035,
+                QFormat::Q3K => 0.3,
+                QFormat::Q2K => 0.75,
             };
             assert!(worst > 0.0 && worst < bound, "{q:?}: worst {worst}");
         }

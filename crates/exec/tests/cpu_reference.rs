@@ -22,6 +22,8 @@ fn all_cpu_matches_the_f64_reference() {
         tiny_qwen3_moe_spec().with_uniform_weights(DType::Q4_0),
         tiny_k_spec().with_uniform_weights(DType::Q4K),
         tiny_k_spec().with_uniform_weights(DType::Q6K),
+        tiny_k_spec().with_uniform_weights(DType::Q2K),
+        tiny_k_spec().with_uniform_weights(DType::Q3K),
         // Not tinyk-qwen3-moe in q4_k: with bf16 activations one of its routing choices is a near-tie that the
         // unrounded f64 reference breaks the other way (rel err 0.32 at one position); the GPU tests check it
         // against all-CPU, which rounds as the GPU does.
@@ -65,7 +67,7 @@ fn all_cpu_matches_the_f64_reference() {
         assert!(out.metrics.ttft_ns > 0 && out.metrics.tps > 0.0);
         assert!(out.vram.is_none());
     }
-    assert_eq!(checked, 54);
+    assert_eq!(checked, 66);
 }
 
 /// The CPU runs only the experts the router picks: each decode step's MoE block computes at most top-k

@@ -41,6 +41,8 @@ fn a_gguf_loads_back_byte_for_byte_and_gives_the_same_logits() {
         (tiny_qwen3_moe_spec().with_uniform_weights(DType::Q4_0), "qwen3moe"),
         (tiny_k_spec().with_uniform_weights(DType::Q4K), "llama"),
         (tiny_k_spec().with_uniform_weights(DType::Q6K), "llama"),
+        (tiny_k_spec().with_uniform_weights(DType::Q2K), "llama"),
+        (tiny_k_spec().with_uniform_weights(DType::Q3K), "llama"),
     ];
     for (spec, arch) in cases {
         let w = ModelWeights::random(&spec, 31).unwrap();
@@ -92,6 +94,21 @@ fn other_formats_are_converted_and_unknown_tensors_named() {
     )
     .unwrap();
     assert!(converted.iter().all(|c| c.ends_with("q4_0 → q8_0")) && !converted.is_empty());
+    // A q3_k file read into a q4_k spec, and a q2_k one into q6_k: dequantised as ggml does, requantised.
+    for (from, to) in [(DType::Q3K, DType::Q4K), (DType::Q2K, DType::Q6K)] {
+        let path = temp(&format!("{from}.gguf"));
+        write_gguf(
+            &ModelWeights::random(&tiny_k_spec().with_uniform_weights(from), 8).unwrap(),
+            "llama",
+            &path,
+        )
+        .unwrap();
+        let (_, converted) =
+            ModelWeights::from_gguf(&tiny_k_spec().with_uniform_weights(to), &read_header(&path).unwrap())
+                .unwrap();
+        let arrow = format!("{from} → {to}");
+        assert!(converted.iter().all(|c| c.ends_with(&arrow)) && !converted.is_empty(), "{converted:?}");
+    }
     // A tensor of another model is missing from this one: an error naming the tensor and the file.
     let e = ModelWeights::from_gguf(&tiny_spec().with_uniform_weights(DType::Bf16), &header).unwrap_err();
     let msg = e.to_string();

@@ -332,6 +332,8 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES),
         tiny(quant(tiny_k_spec(), DType::Q4K), MIXES),
         tiny(quant(tiny_k_spec(), DType::Q6K), MIXES),
+        tiny(quant(tiny_k_spec(), DType::Q2K), MIXES),
+        tiny(quant(tiny_k_spec(), DType::Q3K), MIXES),
         tiny(quant(tiny_qwen3_moe_k_spec(), DType::Q4K), MOE_MIXES),
         tiny(tiny_spec(), MIXES),
         tiny(tiny_nemotron_spec(), MIXES),

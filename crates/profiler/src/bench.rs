@@ -68,12 +68,14 @@ enum Fmt {
 }
 
 impl Fmt {
-    const ALL: [Fmt; 5] = [
+    const ALL: [Fmt; 7] = [
         Fmt::Bf16,
         Fmt::Quant(QFormat::Q8_0),
         Fmt::Quant(QFormat::Q4_0),
         Fmt::Quant(QFormat::Q4K),
         Fmt::Quant(QFormat::Q6K),
+        Fmt::Quant(QFormat::Q2K),
+        Fmt::Quant(QFormat::Q3K),
     ];
 
     fn name(self) -> &'static str {
@@ -354,7 +356,11 @@ fn gpu_rows(
         rows.push(BenchRow {
             device: "gpu".into(),
             format: fmt.name().into(),
-            kernel: if quant.is_some() { "exec gemv_q (NVRTC)".into() } else { "cuBLAS GemmEx".into() },
+            kernel: match quant {
+                Some(QFormat::Q4K) => "exec gemv_q (NVRTC, tensor cores)".into(),
+                Some(_) => "exec gemv_q (NVRTC)".into(),
+                None => "cuBLAS GemmEx".into(),
+            },
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
@@ -464,17 +470,19 @@ mod tests {
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
         // Every format with the default kernels, then the quantised variants.
         let formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
-        assert_eq!(formats[..7], ["bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q8_0", "q8_0"]);
+        assert_eq!(formats[..9], ["bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "q3_k", "q8_0", "q8_0"]);
         assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
-        assert!(rows[5].kernel.contains("4 rows a block") && rows[6].kernel.contains("no prefetch"));
+        assert!(rows[7].kernel.contains("4 rows a block") && rows[8].kernel.contains("no prefetch"));
         assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");
             assert!(r.weight_bytes <= 4 << 20 && r.weight_bytes > 4 << 19, "{r:?}");
         }
-        // q4_0 and q4_k (4.5 bits a weight) pack the most rows into the same bytes, then q6_k, q8_0, bf16.
-        let n: Vec<usize> = rows[..5].iter().map(|r| r.rows).collect();
+        // q2_k (2.625 bits a weight) packs the most rows into the same bytes, then q3_k (3.4375), q4_0 and q4_k
+        // (4.5), q6_k, q8_0, bf16.
+        let n: Vec<usize> = rows[..7].iter().map(|r| r.rows).collect();
+        assert!(n[5] > n[6] && n[6] > n[2], "{n:?}");
         assert!(n[2] == n[3] && n[3] > n[4] && n[4] > n[1] && n[1] > n[0], "{n:?}");
     }
 }

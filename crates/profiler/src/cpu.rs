@@ -73,11 +73,13 @@ pub fn fill_random(bytes: &mut [u8], elem: Elem, seed: u64) {
 #[must_use]
 pub fn random_blocks(fmt: QFormat, len_bytes: usize, seed: u64) -> Vec<u8> {
     let bb = fmt.block_bytes();
-    // Where each block keeps its f16 scales (q4_k: d and dmin; q6_k: d at the end).
+    // Where each block keeps its f16 scales (q4_k: d and dmin; q6_k, q3_k: d at the end; q2_k: d, dmin there).
     let f16_at: &[usize] = match fmt {
         QFormat::Q8_0 | QFormat::Q4_0 => &[0],
         QFormat::Q4K => &[0, 2],
         QFormat::Q6K => &[208],
+        QFormat::Q2K => &[80, 82],
+        QFormat::Q3K => &[108],
     };
     let mut v = random_vec(len_bytes / bb * bb, Elem::F32, seed);
     for (i, b) in v.chunks_exact_mut(bb).enumerate() {
@@ -260,7 +262,15 @@ fn grid(mode: Mode) -> Grid {
             .into_iter()
             .chain(cat.experts.iter().map(|s| (s.n, s.k)))
             .collect(),
-            dtypes: vec![DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4K, DType::Q6K],
+            dtypes: vec![
+                DType::Bf16,
+                DType::Q8_0,
+                DType::Q4_0,
+                DType::Q4K,
+                DType::Q6K,
+                DType::Q2K,
+                DType::Q3K,
+            ],
             tokens: vec![1, 4, 16, 64],
             // 1024 for the default ubatch: validation run12's CPU FFN prefill of 1008-token chunks took 33% more
             // CPU time than the 256-token rows predicted.

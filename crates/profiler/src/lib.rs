@@ -13,7 +13,7 @@
 //! - **GPU ops**: exec's matmul (cuBLAS GEMM; for the quantised formats its dequantising GEMV or dequantise +
 //!   cuBLAS)
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
-//!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k; the fast mode bf16 and q4_0); routed experts as exec's
+//!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k; the fast mode bf16 and q4_0); routed experts as exec's
 //!   whole per-expert sequence (gather, gate and up GEMMs, SwiGLU, down GEMM, weighted scatter-add: six launches);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
@@ -35,12 +35,12 @@
 //!   measured and the GPU and PCIe sections are taken from a base profile, which the profile's notes name;
 //!   `gpu_decode_attention` adds the GPU's batched decode attention rows measured in the same run.
 //!
-//! [`bench`](mod@bench) (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0, q4_k, q6_k) on CPU and
+//! [`bench`](mod@bench) (`pipeshard exec bench`) measures the decode GEMV per weight format (bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k) on CPU and
 //! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
 //!
 //! # Not measured (notes say so)
 //! A grouped expert kernel (exec has none yet: experts are per-expert GEMMs); quantised formats other than
-//! q8_0, q4_0, q4_k and q6_k (exec does not run them).
+//! q8_0, q4_0, q2_k, q3_k, q4_k and q6_k (exec does not run them).
 
 pub mod bench;
 pub mod cpu;
@@ -183,7 +183,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     }
     let mut figures = Figures::default();
     let mut notes = vec![
-        "quantised matmuls (q8_0/q4_0/q4_k/q6_k rows) are exec's own kernels: a dequantising GEMV up to 8 tokens, \
+        "quantised matmuls (q8_0/q4_0/q2_k/q3_k/q4_k/q6_k rows) are exec's own kernels: a dequantising GEMV up to 8 tokens, \
          dequantise-to-bf16 + cuBLAS (GPU) or the bf16 kernel (CPU) above; formats without rows borrow the bf16 \
          rows' efficiency in the cost model"
             .into(),

@@ -1,19 +1,21 @@
-//! SIMD inner loops of the CPU matmul on K-quant rows (q4_k, q6_k): f32 activations against 256-element
-//! super-blocks, for [`super::qdot::dot_block`].
+//! SIMD inner loops of the CPU matmul on K-quant rows (q2_k, q3_k, q4_k, q6_k): f32 activations against
+//! 256-element super-blocks, for [`super::qdot::dot_block`].
 //!
 //! Per super-block and row the scales are decoded once into f32 (q4_k: `d·sc` and `dmin·m` per sub-block of
-//! 32; q6_k: `d·scale` per group of 16), then each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q4_k) or
-//! `d·scale·Σ x·(q − 32)` (q6_k) to the row's accumulator. The activation loads, their bf16 conversion and the
-//! sums `Σ x` are shared by the rows of a register block. The result equals dequantise-then-f32 up to the order
-//! and rounding of f32 additions, as for q4_0.
+//! 32; q6_k: `d·scale` per group of 16; q2_k: `d·sc` and `dmin·m` per 16; q3_k: `d·(sc − 32)` per 16), then
+//! each sub-block adds `d·sc·Σ x·q − dmin·m·Σ x` (q2_k, q4_k) or `d·scale·Σ x·q` (q3_k, q6_k, signed quants)
+//! to the row's accumulator. The activation loads, their bf16 conversion and the sums `Σ x` are shared by the
+//! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
+//! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k; `vpermt2w` on the
-//! 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and `vdpbf16ps` multiplies
-//! them with the activations (bf16 values already, so exact too). Other x86 machines with AVX2+FMA (AVX-512
-//! ones without BF16 included) widen the quants to f32 and use FMAs.
+//! With AVX512_BF16 the quants of q4_k and q6_k become bf16 by table lookups (`vpermw` on nibbles for q4_k;
+//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
+//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
+//! with AVX2+FMA (AVX-512 ones without BF16 included), and q2_k/q3_k everywhere, widen the quants to f32 and
+//! use FMAs.
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
+pub use x86::{dot_k23_avx2, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
 /// `m[0..8]`, as ggml's `get_scale_min_k4` reads them one by one), unpacked four at a time in 32-bit words:
@@ -39,24 +41,28 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_loadu_si128,
-        _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castsi256_si128,
-        _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256,
-        _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
-        _mm256_or_si256, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16,
+        __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
+        _mm_loadu_si128, _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castpd_ps,
+        _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
+        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
+        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
         _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
-        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
-        _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_loadu_ps,
-        _mm512_loadu_si512, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
+        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
+        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_mask_blend_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
         _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set1_epi16,
-        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_slli_epi16, _mm512_srli_epi16,
-        _mm512_storeu_ps,
+        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_slli_epi16,
+        _mm512_srli_epi16, _mm512_storeu_ps,
     };
 
-    use super::super::qdot::{CacheLevel, Prefetch};
+    use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
     use super::q4_k_scales_mins;
 
     const Q4K_BYTES: usize = 144;
+    const Q2K_BYTES: usize = 84;
+    const Q3K_BYTES: usize = 110;
     const Q6K_BYTES: usize = 210;
 
     /// Prefetches every cache line of the block at `p`, `pf.bytes` ahead (a hint: never faults).
@@ -277,6 +283,110 @@ mod x86 {
         }
     }
 
+    /// q2_k (`Q3` false) or q3_k with AVX2+FMA; see `qdot::dot_block`. Per super-block and row the 16 group
+    /// factors are decoded once (q2_k: `d·sc` and `dmin·m`; q3_k: `d·(sc − 32)`); per quarter of 32 elements the
+    /// 2-bit fields (and q3_k's mask bit) of one 32-byte load widen to f32, and each group of 16 adds
+    /// `d·sc·Σ x·q` (− `dmin·m·Σ x`, whose `Σ x` the rows share).
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx2`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_k23_avx2<const R: usize, const T: usize, const Q3: bool>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let bb = if Q3 { Q3K_BYTES } else { Q2K_BYTES };
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let (mask2, one, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1), _mm256_set1_epi8(4));
+        for b in 0..k / 256 {
+            // Per row: the groups' scale factors (and q2_k's min factors).
+            let (mut ds, mut dm) = ([[0f32; 16]; R], [[0f32; 16]; R]);
+            for r in 0..R {
+                // SAFETY: super-block b of row r exists.
+                unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    prefetch_block(p, bb, pf);
+                    if Q3 {
+                        let sc = crate::quant::q3_k_scales(std::slice::from_raw_parts(p.add(96), 12));
+                        let d = f16(p, 108);
+                        for (g, v) in ds[r].iter_mut().enumerate() {
+                            *v = d * f32::from(i16::from(sc[g]) - 32);
+                        }
+                    } else {
+                        let (d, dmin) = (f16(p, 80), f16(p, 82));
+                        for g in 0..16 {
+                            let sc = *p.add(g);
+                            ds[r][g] = d * f32::from(sc & 0x0f);
+                            dm[r][g] = dmin * f32::from(sc >> 4);
+                        }
+                    }
+                }
+            }
+            for n in 0..2 {
+                for j in 0..4 {
+                    // SAFETY: elements 256b + 128n + 32j .. + 32 of every token exist.
+                    let xv = unsafe { load_x::<T>(x, ldx, 256 * b + 128 * n + 32 * j) };
+                    let xs: [[__m256; 2]; T] = std::array::from_fn(|t| {
+                        [_mm256_add_ps(xv[t][0], xv[t][1]), _mm256_add_ps(xv[t][2], xv[t][3])]
+                    });
+                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    let g = 8 * n + 2 * j;
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        // SAFETY: the half's 32 quant bytes (and q3_k's 32 mask bytes) of super-block b, row r.
+                        let qv = unsafe {
+                            let p = w.add(r * ws + b * bb);
+                            let q = _mm256_and_si256(
+                                _mm256_srl_epi16(
+                                    _mm256_loadu_si256(
+                                        p.add(if Q3 { 32 } else { 16 } + 32 * n).cast::<__m256i>(),
+                                    ),
+                                    shift,
+                                ),
+                                mask2,
+                            );
+                            if Q3 {
+                                // q − 4 with q = low bits + 4 where bit 4n + j of the mask byte is set.
+                                let hbit = _mm256_and_si256(
+                                    _mm256_srl_epi16(
+                                        _mm256_loadu_si256(p.cast::<__m256i>()),
+                                        _mm_cvtsi32_si128((4 * n + j) as i32),
+                                    ),
+                                    one,
+                                );
+                                bytes_to_f32x32::<true>(_mm256_sub_epi8(
+                                    _mm256_or_si256(q, _mm256_slli_epi16::<2>(hbit)),
+                                    four,
+                                ))
+                            } else {
+                                bytes_to_f32x32::<false>(q)
+                            }
+                        };
+                        for (t, a) in row.iter_mut().enumerate() {
+                            let s0 = _mm256_fmadd_ps(xv[t][1], qv[1], _mm256_mul_ps(xv[t][0], qv[0]));
+                            let s1 = _mm256_fmadd_ps(xv[t][3], qv[3], _mm256_mul_ps(xv[t][2], qv[2]));
+                            *a = _mm256_fmadd_ps(s0, _mm256_set1_ps(ds[r][g]), *a);
+                            *a = _mm256_fmadd_ps(s1, _mm256_set1_ps(ds[r][g + 1]), *a);
+                            if !Q3 {
+                                *a = _mm256_fnmadd_ps(xs[t][0], _mm256_set1_ps(dm[r][g]), *a);
+                                *a = _mm256_fnmadd_ps(xs[t][1], _mm256_set1_ps(dm[r][g + 1]), *a);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum8(acc[r][t]);
+            }
+        }
+    }
+
     /// bf16 bit patterns of `i − off` for `i` in 0..32 (as a `vpermw` / `vpermt2w` table of 32 entries).
     const fn bf16_table(off: i32) -> [u16; 32] {
         let mut t = [0u16; 32];
@@ -314,7 +424,29 @@ mod x86 {
         (_mm512_cvtne2ps_pbh(hi, lo), lo, hi)
     }
 
+    /// The 8 sums of 8 vectors, in order (`[Σ s_0, …, Σ s_7]`): halves added, then a tree of horizontal adds.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn sums8(s: &[__m512; 8]) -> __m256 {
+        let h = s.map(|v| {
+            _mm256_add_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+            )
+        });
+        // [h_a:0-3, h_b:0-3, h_c:0-3, h_d:0-3 | h_a:4-7, h_b:4-7, h_c:4-7, h_d:4-7] for a..d = 0..4, then 4..8.
+        let b0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        let b1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(b0, b1), _mm256_permute2f128_ps::<0x31>(b0, b1))
+    }
+
     /// q4_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    ///
+    /// Per super-block and row the factors `[d·sc_0..8 | dmin·m_0..8]` are one vector (the f16 `d` and `dmin`
+    /// read from a table, as q4_0's scale). The mins' part `Σ_j dmin·m_j·Σx_j` is one FMA a row and super-block
+    /// against `[0…0 | Σx_0..8]`, whose 8 sums each token's activations give once for every row of the block;
+    /// only the scales' part is per sub-block (a `vdpbf16ps` and an FMA). Measured on the H200 machine's Xeon
+    /// (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one per sub-block.
     ///
     /// # Safety
     /// As [`dot_q4_k_avx2`], with AVX-512F/BW/BF16 present.
@@ -330,35 +462,41 @@ mod x86 {
     ) {
         // SAFETY: the table is 64 bytes.
         let table = unsafe { _mm512_loadu_si512(Q4K_BF16.as_ptr().cast::<__m512i>()) };
+        let f16s = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let mut mins = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
+            let mut fv = [_mm512_setzero_ps(); R];
             let mut f = [[0f32; 16]; R];
-            for (r, fr) in f.iter_mut().enumerate() {
-                // SAFETY: super-block b of row r exists.
+            for (r, (fr, v)) in f.iter_mut().zip(&mut fv).enumerate() {
+                // SAFETY: super-block b of row r exists; the f16 table has an entry for every 16-bit pattern.
                 unsafe {
                     let p = w.add(r * ws + b * Q4K_BYTES);
                     prefetch_block(p, Q4K_BYTES, pf);
-                    // [d×8 | dmin×8] times the 16 unpacked 6-bit values.
-                    let packed: [u8; 12] = p.add(4).cast::<[u8; 12]>().read_unaligned();
-                    let sm = q4_k_scales_mins(packed);
-                    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        sm.as_ptr().cast::<__m128i>(),
-                    )));
-                    let mut dd = [f16(p, 0); 16];
-                    dd[8..].fill(f16(p, 2));
-                    _mm512_storeu_ps(fr.as_mut_ptr(), _mm512_mul_ps(v, _mm512_loadu_ps(dd.as_ptr())));
+                    let sm = q4_k_scales_mins(p.add(4).cast::<[u8; 12]>().read_unaligned());
+                    let six = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sm.as_ptr().cast())));
+                    let (d, dmin) =
+                        (p.cast::<u16>().read_unaligned(), p.add(2).cast::<u16>().read_unaligned());
+                    let dd = _mm512_mask_blend_ps(
+                        0xff00,
+                        _mm512_set1_ps(*f16s.add(usize::from(d))),
+                        _mm512_set1_ps(*f16s.add(usize::from(dmin))),
+                    );
+                    *v = _mm512_mul_ps(six, dd);
+                    _mm512_storeu_ps(fr.as_mut_ptr(), *v);
                 }
             }
+            // Per token, the sums of its 32 activations of sub-block 2c + half (16 lanes each).
+            let mut xsum = [[_mm512_setzero_ps(); 8]; T];
             for c in 0..4 {
-                // Per token and half: the 32 activations as bf16 and their f32 sums (16 lanes).
-                let zero =
-                    (_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()), _mm512_setzero_ps());
-                let mut xt = [[zero; 2]; T];
-                for (t, v) in xt.iter_mut().enumerate() {
+                // Per token and half: the 32 activations as bf16.
+                let mut xt = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 2]; T];
+                for (t, (v, sums)) in xt.iter_mut().zip(&mut xsum).enumerate() {
                     for (half, vh) in v.iter_mut().enumerate() {
                         // SAFETY: elements 256b + 64c + 32half .. + 32 of token t exist.
                         let (bh, lo, hi) = unsafe { load_x_bf16(x, t * ldx + 256 * b + 64 * c + 32 * half) };
-                        *vh = (bh, _mm512_add_ps(lo, hi));
+                        *vh = bh;
+                        sums[2 * c + half] = _mm512_add_ps(lo, hi);
                     }
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
@@ -376,22 +514,28 @@ mod x86 {
                             )),
                         )
                     };
-                    let fr = &f[r];
                     for (t, a) in row.iter_mut().enumerate() {
                         for (half, wv) in [wlo, whi].into_iter().enumerate() {
-                            let (bh, sum) = xt[t][half];
-                            let j = 2 * c + half;
-                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), bh, wv);
-                            *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(fr[j]), *a);
-                            *a = _mm512_fnmadd_ps(sum, _mm512_set1_ps(fr[8 + j]), *a);
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xt[t][half], wv);
+                            *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(f[r][2 * c + half]), *a);
                         }
                     }
+                }
+            }
+            for (t, sums) in xsum.iter().enumerate() {
+                // [0…0 | Σx_0..8]: the scale lanes of the factors multiply zeros.
+                let sx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_setzero_pd(),
+                    _mm256_castps_pd(sums8(sums)),
+                ));
+                for (m, v) in mins.iter_mut().zip(&fv) {
+                    m[t] = _mm512_fmadd_ps(*v, sx, m[t]);
                 }
             }
         }
         for r in 0..R {
             for t in 0..T {
-                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]) - _mm512_reduce_add_ps(mins[r][t]);
             }
         }
     }

@@ -107,6 +107,16 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         (Isa::Avx2 | Isa::Avx512, QFormat::Q6K) => unsafe {
             super::kdot::dot_q6_k_avx2::<R, T>(pf, x, ldx, w, ws, k, out);
         },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; every x86 ISA above Portable has AVX2+FMA+F16C.
+        (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q2K) => unsafe {
+            super::kdot::dot_k23_avx2::<R, T, false>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q3K) => unsafe {
+            super::kdot::dot_k23_avx2::<R, T, true>(pf, x, ldx, w, ws, k, out);
+        },
         _ => {
             let rb = fmt.row_bytes(k);
             let mut row = vec![0f32; k];
@@ -125,6 +135,13 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
 
 const _: () = assert!(BLOCK_ELEMS == 32, "the kernels below unroll 32-element blocks");
 
+/// f32 of every f16 bit pattern: a block's scale is then one broadcast load, which keeps the shuffle port
+/// (the limit of the bf16 kernels) free of the f16 conversion.
+pub(super) fn f16_to_f32_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect())
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
@@ -140,7 +157,7 @@ mod x86 {
         _mm512_setzero_ps, _mm512_setzero_si512, _mm512_srlv_epi16, _mm512_sub_epi32,
     };
 
-    use super::{CacheLevel, Prefetch};
+    use super::{CacheLevel, Prefetch, f16_to_f32_table};
     use crate::quant::QFormat;
 
     /// Asks for the line `pf.bytes` past `p` (0: nothing). Prefetches never fault, so the address may lie
@@ -167,13 +184,6 @@ mod x86 {
         }
         t
     };
-
-    /// f32 of every f16 bit pattern: a block's scale is then one broadcast load, which keeps the shuffle port
-    /// (the limit of this kernel) free of the f16 conversion.
-    fn f16_to_f32_table() -> &'static [f32] {
-        static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
-        TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect())
-    }
 
     /// q4_0 with AVX512_BF16; see `dot_block` and the module documentation.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]

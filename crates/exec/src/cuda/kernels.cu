@@ -543,97 +543,123 @@ __device__ __forceinline__ void bytes_to_f32(u32 v, float off, float* out) {
     for (int j = 0; j < 4; ++j) out[j] = __int_as_float((int)__byte_perm(v, 0x4b000000u, 0x7440u + j)) - (8388608.f + off);
 }
 
-// Decode GEMV over q4_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 4 super-blocks of every
-// row with 16-byte loads (super-blocks and rows are 16-byte aligned: 144 bytes each). Lane l takes super-block
-// l >> 3 of the step; within it, 16 bytes (half h = l & 1) of nibble chunk t = (l & 7) >> 1: elements
-// 64t+16h.. (low nibbles, sub-block 2t) and 64t+32+16h.. (high nibbles, sub-block 2t+1), and the block's whole
-// 16-byte header (d, dmin, the 12 packed scale bytes). Per sub-block it adds d*sc*sum(x*q) - dmin*m*sum(x).
-// The 6-bit scales unpack four at a time from the header's words (sc 0..4 and mins 0..4 in the low 6 bits of
-// words 1 and 2; sc/mins 4..8 in the nibbles of word 3 with their top bits in the top bits of words 1 and 2).
+// Tensor-core pieces of the q4_K GEMV. Small integers are exact in the activation type, so a product of a
+// quant and an activation is exact, and mma accumulates in f32: the same function as the f32 kernels, up to the
+// order of additions. A quant q (< 128) becomes the 16-bit pattern MAGIC | q, which is MAGIC_VAL + q exactly
+// (bf16: 128 + q, ulp 1 from 128 on; f16: 1024 + q), and one packed FMA (x1 − MAGIC_VAL) leaves q in each half.
+#if ACT_BF16
+#define MMA_TYPE "bf16"
+#define MAGIC2 0x43004300u
+#define ONE2 0x3F803F80u
+#define NEG_MAGIC2 0xC300C300u
+#else
+#define MMA_TYPE "f16"
+#define MAGIC2 0x64006400u
+#define ONE2 0x3C003C00u
+#define NEG_MAGIC2 0xE400E400u
+#endif
+// Two quants (low halves of v's 16-bit lanes, < 128) as two activation-type values.
+__device__ __forceinline__ u32 q2act(u32 v) {
+    u32 r;
+#if ACT_BF16
+    asm("{fma.rn.bf16x2 %0, %1, %2, %3;}" : "=r"(r) : "r"(v | MAGIC2), "r"(ONE2), "r"(NEG_MAGIC2));
+#else
+    asm("{fma.rn.f16x2 %0, %1, %2, %3;}" : "=r"(r) : "r"(v | MAGIC2), "r"(ONE2), "r"(NEG_MAGIC2));
+#endif
+    return r;
+}
+// d = a (16 x 16, row-major) * b (16 x 8) + c, in f32: the m16n8k16 fragments (lane g = lane >> 2, t = lane & 3:
+// a0 = A[g][2t..2t+2], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..2t+2][g],
+// b1 = B[2t+8..][g]; d0, d1 = D[g][2t], D[g][2t+1]; d2, d3 = D[g+8][2t], D[g+8][2t+1]).
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
+    asm volatile("{mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};}"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+// d·sc and dmin·m of the 8 sub-blocks of a q4_K header (words: d|dmin, then the 12 packed scale bytes), the
+// 6-bit values unpacked four at a time (sc/m 0..4 in the low 6 bits of words 1 and 2; sc/m 4..8 in the nibbles
+// of word 3 with their top bits in the top bits of words 1 and 2), made f32 by the prmt trick.
+__device__ __forceinline__ void q4k_factors(uint4 hd, float* ds, float* dm) {
+    const float d = h2f((u16)(hd.x & 0xffffu)), dmin = h2f((u16)(hd.x >> 16));
+    float v[16];
+    bytes_to_f32(hd.y & 0x3f3f3f3fu, 0.f, v);
+    bytes_to_f32((hd.w & 0x0f0f0f0fu) | (((hd.y >> 6) & 0x03030303u) << 4), 0.f, v + 4);
+    bytes_to_f32(hd.z & 0x3f3f3f3fu, 0.f, v + 8);
+    bytes_to_f32(((hd.w >> 4) & 0x0f0f0f0fu) | (((hd.z >> 6) & 0x03030303u) << 4), 0.f, v + 12);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { ds[j] = d * v[j]; dm[j] = dmin * v[8 + j]; }
+}
+
+// Decode GEMV over q4_K rows on the tensor cores: a block of 4 warps takes 16 rows (the mma's M), warp w the
+// super-blocks w, w + 4, …; the tokens are the mma's N (8, zero past m). Lane (g, t) holds rows g and g + 8 and
+// bytes 8t..8t+8 of each 32-byte nibble chunk c: elements 64c + 8t.. (low nibbles, sub-block 2c) and
+// 64c + 32 + 8t.. (high nibbles, sub-block 2c + 1), 4 per k-step. Within a k-step the lane's k slots
+// (2t, 2t+1, 2t+8, 2t+9) are elements (0, 2, 1, 3) of its four, which the nibble masks give without moving
+// bytes; the activations are permuted to match. Per sub-block: two mmas for Σ x·q, two with an all-ones A for
+// Σ x (in the same fragment layout as the products), then d·sc·Σ x·q − dmin·m·Σ x per row and token. The 4
+// warps' sums meet in shared memory.
 template <int MT>
 __device__ __forceinline__ void gemv_q4k(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                          int n, int k, int m, int accumulate) {
-    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
-    const int lane = threadIdx.x & 31, t = (lane & 7) >> 1, h = lane & 1;
-    if (row0 >= n) return;
+    __shared__ float part[4][32][4];
+    // 16 rows a block (cuda::TC_GEMV_ROWS), launched with 128 threads.
+    const int row0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nb = k >> 8;
-    const u8* wr[QROWS];
+    const u8* wa = w + (u64)min(row0 + g, n - 1) * nb * 144;
+    const u8* wb = w + (u64)min(row0 + g + 8, n - 1) * nb * 144;
+    // This lane's token for the B fragment (its activations), or none.
+    const act_t* xg = g < m ? x + (u64)g * k + 8 * t : nullptr;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = warp; b < nb; b += 4) {
+        const uint4 ha = *(const uint4*)(wa + (u64)b * 144), hb = *(const uint4*)(wb + (u64)b * 144);
+        uint2 qa[4], qb[4], xw[8][2];
 #pragma unroll
-    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * 144;
-    float acc[MT][QROWS];
-#pragma unroll
-    for (int tt = 0; tt < MT; ++tt)
-#pragma unroll
-        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
-    for (int b = lane >> 3; b < nb; b += 4) {
-        uint4 hd[QROWS], qv[QROWS];
-#pragma unroll
-        for (int r = 0; r < QROWS; ++r) {
-            const u8* blk = wr[r] + (u64)b * 144;
-            hd[r] = *(const uint4*)blk;
-            qv[r] = *(const uint4*)(blk + 16 + 32 * t + 16 * h);
+        for (int c = 0; c < 4; ++c) {
+            qa[c] = *(const uint2*)(wa + (u64)b * 144 + 16 + 32 * c + 8 * t);
+            qb[c] = *(const uint2*)(wb + (u64)b * 144 + 16 + 32 * c + 8 * t);
         }
-        // Per row: d*sc and dmin*m of the lane's two sub-blocks (2t: a, 2t+1: b).
-        float dsa[QROWS], dma[QROWS], dsb[QROWS], dmb[QROWS];
+        // Activations of sub-block s = 2c + h, k-steps e = 0, 1: 4 values each at 256b + 64c + 32h + 8t + 4e.
 #pragma unroll
-        for (int r = 0; r < QROWS; ++r) {
-            const u32 s0 = hd[r].y, s1 = hd[r].z, s2 = hd[r].w;
-            const u32 scw = t < 2 ? s0 & 0x3f3f3f3fu : (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
-            const u32 mw = t < 2 ? s1 & 0x3f3f3f3fu : ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
-            const int sh = 16 * (t & 1);
-            const float d = h2f((u16)(hd[r].x & 0xffffu)), dmin = h2f((u16)(hd[r].x >> 16));
-            dsa[r] = d * (float)((scw >> sh) & 0xffu);
-            dsb[r] = d * (float)((scw >> (sh + 8)) & 0xffu);
-            dma[r] = dmin * (float)((mw >> sh) & 0xffu);
-            dmb[r] = dmin * (float)((mw >> (sh + 8)) & 0xffu);
-        }
+        for (int s = 0; s < 8; ++s)
 #pragma unroll
-        for (int tt = 0; tt < MT; ++tt) {
-            if (tt < m) {
-                // 16 activations of each sub-block: 32-byte aligned (k is a multiple of 256).
-                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 64 * t + 16 * h;
-                const uint4 a0 = *(const uint4*)xt, a1 = *(const uint4*)(xt + 8);
-                const uint4 c0 = *(const uint4*)(xt + 32), c1 = *(const uint4*)(xt + 40);
-                const u32 xa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const u32 xc[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                float xl[16], xh[16], sl = 0.f, shs = 0.f;
+            for (int e = 0; e < 2; ++e) xw[s][e] = xg ? *(const uint2*)(xg + QK_K * (u64)b + 32 * s + 4 * e) : make_uint2(0, 0);
+        float dsa[8], dma[8], dsb[8], dmb[8];
+        q4k_factors(ha, dsa, dma);
+        q4k_factors(hb, dsb, dmb);
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    xl[j] = ACT_LOAD((u16)(xa[j >> 1] >> (16 * (j & 1))));
-                    xh[j] = ACT_LOAD((u16)(xc[j >> 1] >> (16 * (j & 1))));
-                    sl += xl[j];
-                    shs += xh[j];
-                }
+        for (int s = 0; s < 8; ++s) {
+            const int c = s >> 1, sh = 4 * (s & 1);
+            float dot[4], sum[4];
 #pragma unroll
-                for (int r = 0; r < QROWS; ++r) {
-                    const u32 qw[4] = {qv[r].x, qv[r].y, qv[r].z, qv[r].w};
-                    float lo = 0.f, hi = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        float wl[4], wh[4];
-                        bytes_to_f32(qw[i] & 0x0f0f0f0fu, 0.f, wl);
-                        bytes_to_f32((qw[i] >> 4) & 0x0f0f0f0fu, 0.f, wh);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            lo = fmaf(xl[4 * i + j], wl[j], lo);
-                            hi = fmaf(xh[4 * i + j], wh[j], hi);
-                        }
-                    }
-                    acc[tt][r] += (dsa[r] * lo - dma[r] * sl) + (dsb[r] * hi - dmb[r] * shs);
-                }
+            for (int e = 0; e < 2; ++e) {
+                const u32 va = (e ? qa[c].y : qa[c].x) >> sh, vb = (e ? qb[c].y : qb[c].x) >> sh;
+                // Slots (2t, 2t+1) take elements 0 and 2 of the four, (2t+8, 2t+9) elements 1 and 3.
+                const u32 b0 = __byte_perm(xw[s][e].x, xw[s][e].y, 0x5410), b1 = __byte_perm(xw[s][e].x, xw[s][e].y, 0x7632);
+                mma16816(dot, q2act(va & 0x000f000fu), q2act(vb & 0x000f000fu), q2act((va >> 8) & 0x000f000fu),
+                         q2act((vb >> 8) & 0x000f000fu), b0, b1, e ? dot : zero);
+                mma16816(sum, ONE2, ONE2, ONE2, ONE2, b0, b1, e ? sum : zero);
+            }
+            acc[0] = fmaf(dsa[s], dot[0], fmaf(-dma[s], sum[0], acc[0]));
+            acc[2] = fmaf(dsb[s], dot[2], fmaf(-dmb[s], sum[2], acc[2]));
+            if (MT > 1) {
+                acc[1] = fmaf(dsa[s], dot[1], fmaf(-dma[s], sum[1], acc[1]));
+                acc[3] = fmaf(dsb[s], dot[3], fmaf(-dmb[s], sum[3], acc[3]));
             }
         }
     }
 #pragma unroll
-    for (int tt = 0; tt < MT; ++tt) {
-        if (tt < m) {
+    for (int i = 0; i < 4; ++i) part[warp][lane][i] = acc[i];
+    __syncthreads();
+    if (warp == 0) {
 #pragma unroll
-            for (int r = 0; r < QROWS; ++r) {
-                const float s = warp_sum(acc[tt][r]);
-                if (lane == 0 && row0 + r < n) {
-                    float* o = y + (u64)tt * n + row0 + r;
-                    *o = accumulate ? *o + s : s;
-                }
+        for (int i = 0; i < 4; ++i) {
+            // Element i of the lane's D fragment: row g (+8 for i >= 2), token 2t (+1 for odd i).
+            const int row = row0 + g + 8 * (i >> 1), tok = 2 * t + (i & 1);
+            if (tok < m && row < n) {
+                const float v = (part[0][lane][i] + part[1][lane][i]) + (part[2][lane][i] + part[3][lane][i]);
+                float* o = y + (u64)tok * n + row;
+                *o = accumulate ? *o + v : v;
             }
         }
     }
@@ -755,4 +781,154 @@ extern "C" __global__ void embed_q4_k(const u8* __restrict__ table, const u32* _
 extern "C" __global__ void embed_q6_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 210;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = kval<1>(row, i);
+}
+
+// ---- q2_K (84 bytes: 16 scale/min bytes, sc low nibble and m high nibble per 16 elements; 64 bytes of 2-bit
+// quants; f16 d at 80, dmin at 82; value = d*sc*q - dmin*m) and q3_K (110 bytes: 32 bytes of high-bit mask, 64
+// bytes of low 2 bits, 12 bytes of 6-bit scales, f16 d at 108; value = d*(sc - 32)*(q - 4), q = low bits + 4
+// where the mask bit is set). Element e = 128n + 32j + l (half n, quarter j, lane l < 32) takes bits 2j..2j+2
+// of quant byte 32n + l and, for q3_K, bit 4n + j of mask byte l; its group of 16 is e >> 4.
+__device__ __forceinline__ int q3k_scale(const u8* __restrict__ s, int g) {
+    const int low = g < 8 ? s[g] & 15 : s[g - 8] >> 4;
+    return low | (((s[8 + (g & 3)] >> (2 * (g >> 2))) & 3) << 4);
+}
+
+// Element i of a row of q2_K / q3_K super-blocks, dequantised as ggml's dequantize_row_q2_K / _q3_K (f32
+// products in the reference's order, unfused).
+template <int Q3> __device__ __forceinline__ float k23val(const u8* __restrict__ row, u64 i) {
+    const int e = (int)(i & (QK_K - 1)), n = e >> 7, j = (e >> 5) & 3, l = e & 31;
+    if (Q3) {
+        const u8* blk = row + (i >> 8) * 110;
+        const int q = ((blk[32 + 32 * n + l] >> (2 * j)) & 3) - (((blk[l] >> (4 * n + j)) & 1) ? 0 : 4);
+        const float dl = __fmul_rn(h2f(*(const u16*)(blk + 108)), (float)(q3k_scale(blk + 96, e >> 4) - 32));
+        return __fmul_rn(dl, (float)q);
+    }
+    const u8* blk = row + (i >> 8) * 84;
+    const int sc = blk[e >> 4], q = (blk[16 + 32 * n + l] >> (2 * j)) & 3;
+    const float dl = __fmul_rn(h2f(*(const u16*)(blk + 80)), (float)(sc & 15));
+    const float ml = __fmul_rn(h2f(*(const u16*)(blk + 82)), (float)(sc >> 4));
+    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+
+// Decode GEMV over q2_K / q3_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 2 super-blocks of
+// every row. Lane l takes super-block l >> 4 of the step, half n = (l >> 3) & 1 and quant bytes 32n + 4i..+4
+// (i = l & 7): 16 weights, 4 of each quarter j (elements 128n + 32j + 4i..+4, group 8n + 2j + (i >> 2)), and for
+// q3_K mask bytes 4i..4i+4. q3_K super-blocks are 2-byte aligned only, so its loads are 2-byte ones.
+template <int Q3, int MT>
+__device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
+                                         int n, int k, int m, int accumulate) {
+    const int row0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * QROWS;
+    const int lane = threadIdx.x & 31, h = (lane >> 3) & 1, i4 = 4 * (lane & 7);
+    if (row0 >= n) return;
+    const int nb = k >> 8, bb = Q3 ? 110 : 84;
+    const u8* wr[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * bb;
+    float acc[MT][QROWS];
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) acc[tt][r] = 0.f;
+    for (int b = lane >> 4; b < nb; b += 2) {
+        u32 qw[QROWS], hw[QROWS];
+        float ds[QROWS][4], dm[QROWS][4];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) {
+            const u8* blk = wr[r] + (u64)b * bb;
+            const u16* q = (const u16*)(blk + (Q3 ? 32 : 16) + 32 * h + i4);
+            qw[r] = (u32)q[0] | ((u32)q[1] << 16);
+            if (Q3) {
+                const u16* hm = (const u16*)(blk + i4);
+                hw[r] = (u32)hm[0] | ((u32)hm[1] << 16);
+                const float d = h2f(*(const u16*)(blk + 108));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) { ds[r][j] = d * (float)(q3k_scale(blk + 96, 8 * h + 2 * j + (i4 >> 4)) - 32); dm[r][j] = 0.f; }
+            } else {
+                hw[r] = 0;
+                const float d = h2f(*(const u16*)(blk + 80)), dmin = h2f(*(const u16*)(blk + 82));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int sc = blk[8 * h + 2 * j + (i4 >> 4)];
+                    ds[r][j] = d * (float)(sc & 15);
+                    dm[r][j] = dmin * (float)(sc >> 4);
+                }
+            }
+        }
+#pragma unroll
+        for (int tt = 0; tt < MT; ++tt) {
+            if (tt < m) {
+                const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + i4;
+                float xf[4][4], xs[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint2 xw = *(const uint2*)(xt + 32 * j);
+                    xf[j][0] = ACT_LOAD((u16)(xw.x & 0xffffu));
+                    xf[j][1] = ACT_LOAD((u16)(xw.x >> 16));
+                    xf[j][2] = ACT_LOAD((u16)(xw.y & 0xffffu));
+                    xf[j][3] = ACT_LOAD((u16)(xw.y >> 16));
+                    xs[j] = (xf[j][0] + xf[j][1]) + (xf[j][2] + xf[j][3]);
+                }
+#pragma unroll
+                for (int r = 0; r < QROWS; ++r) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        // Quarter j's 4 quants as bytes: low bits, plus 4 where q3_K's mask bit is set.
+                        u32 v = (qw[r] >> (2 * j)) & 0x03030303u;
+                        if (Q3) v |= ((hw[r] >> (4 * h + j)) & 0x01010101u) << 2;
+                        float wv[4];
+                        bytes_to_f32(v, Q3 ? 4.f : 0.f, wv);
+                        float p = 0.f;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) p = fmaf(xf[j][e], wv[e], p);
+                        s = fmaf(ds[r][j], p, s);
+                        if (!Q3) s = fmaf(-dm[r][j], xs[j], s);
+                    }
+                    acc[tt][r] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < MT; ++tt) {
+        if (tt < m) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                const float s = warp_sum(acc[tt][r]);
+                if (lane == 0 && row0 + r < n) {
+                    float* o = y + (u64)tt * n + row0 + r;
+                    *o = accumulate ? *o + s : s;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_q2_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<0, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q2_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<0, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv_q3_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<1, QMAX_T>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void gemv1_q3_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
+    gemv_k23<1, 1>(w, x, y, n, k, m, acc);
+}
+extern "C" __global__ void dequant_q2_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(k23val<0>(w, i));
+}
+extern "C" __global__ void dequant_q3_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ACT_STORE(k23val<1>(w, i));
+}
+extern "C" __global__ void embed_q2_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 84;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<0>(row, i);
+}
+extern "C" __global__ void embed_q3_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
+    const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 110;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<1>(row, i);
 }

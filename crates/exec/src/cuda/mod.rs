@@ -34,6 +34,8 @@ pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
 /// Rows one warp of the quantised GEMV kernels computes (`QROWS` in kernels.cu): they share each activation
 /// load and conversion.
 const GEMV_ROWS_PER_WARP: usize = 4;
+/// Rows one block of four warps of the tensor-core GEMV (q4_k) computes: the M of its mma.
+const TC_GEMV_ROWS: usize = 16;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -125,6 +127,14 @@ pub struct Kernels {
     dequant_q6_k: CudaFunction,
     embed_q4_k: CudaFunction,
     embed_q6_k: CudaFunction,
+    gemv_q2_k: CudaFunction,
+    gemv_q3_k: CudaFunction,
+    gemv1_q2_k: CudaFunction,
+    gemv1_q3_k: CudaFunction,
+    dequant_q2_k: CudaFunction,
+    dequant_q3_k: CudaFunction,
+    embed_q2_k: CudaFunction,
+    embed_q3_k: CudaFunction,
 }
 
 impl Kernels {
@@ -492,6 +502,14 @@ impl Gpu {
             dequant_q6_k: f("dequant_q6_k")?,
             embed_q4_k: f("embed_q4_k")?,
             embed_q6_k: f("embed_q6_k")?,
+            gemv_q2_k: f("gemv_q2_k")?,
+            gemv_q3_k: f("gemv_q3_k")?,
+            gemv1_q2_k: f("gemv1_q2_k")?,
+            gemv1_q3_k: f("gemv1_q3_k")?,
+            dequant_q2_k: f("dequant_q2_k")?,
+            dequant_q3_k: f("dequant_q3_k")?,
+            embed_q2_k: f("embed_q2_k")?,
+            embed_q3_k: f("embed_q3_k")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -604,10 +622,19 @@ impl Gpu {
                 (QFormat::Q6K, 1) => &kn.gemv1_q6_k,
                 (QFormat::Q4K, _) => &kn.gemv_q4_k,
                 (QFormat::Q6K, _) => &kn.gemv_q6_k,
+                (QFormat::Q2K, 1) => &kn.gemv1_q2_k,
+                (QFormat::Q3K, 1) => &kn.gemv1_q3_k,
+                (QFormat::Q2K, _) => &kn.gemv_q2_k,
+                (QFormat::Q3K, _) => &kn.gemv_q3_k,
             };
             let (n32, k32, m32, acc) = (n as i32, k as i32, m as i32, i32::from(accumulate));
-            // Four warps per block, GEMV_ROWS_PER_WARP rows each.
-            let cfg = threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128);
+            let cfg = if fmt == QFormat::Q4K {
+                // Tensor-core kernel: a block of four warps per TC_GEMV_ROWS rows.
+                threads_for(n.div_ceil(TC_GEMV_ROWS) as u64 * 128, 128)
+            } else {
+                // Four warps per block, GEMV_ROWS_PER_WARP rows each.
+                threads_for(n.div_ceil(GEMV_ROWS_PER_WARP) as u64 * 32, 128)
+            };
             // SAFETY: argument types match the kernel; the kernel reads n rows of whole blocks of w (a warp's
             // rows past n re-read row n − 1; q4_k's 16-byte loads need 16-byte aligned rows, which tensors are:
             // `weights::TENSOR_ALIGN_BYTES` in units, `layout::REGION_ALIGN_BYTES` in the arena) and m rows of k
@@ -638,6 +665,8 @@ impl Gpu {
             QFormat::Q4_0 => &kn.dequant_q4_0,
             QFormat::Q4K => &kn.dequant_q4_k,
             QFormat::Q6K => &kn.dequant_q6_k,
+            QFormat::Q2K => &kn.dequant_q2_k,
+            QFormat::Q3K => &kn.dequant_q3_k,
         };
         let mut r0 = 0;
         while r0 < n {
@@ -707,6 +736,8 @@ impl Gpu {
             Some(QFormat::Q4_0) => &k.embed_q4_0,
             Some(QFormat::Q4K) => &k.embed_q4_k,
             Some(QFormat::Q6K) => &k.embed_q6_k,
+            Some(QFormat::Q2K) => &k.embed_q2_k,
+            Some(QFormat::Q3K) => &k.embed_q3_k,
         };
         // SAFETY: argument types match the kernel signature; sizes per the caller.
         unsafe { self.compute.launch_builder(f).arg(&table).arg(&ids).arg(&h).arg(&hidden).launch(cfg) }
