@@ -1104,10 +1104,12 @@ impl<'a> Exec<'a> {
         self.pump()
     }
 
-    fn ensure_host(&mut self, lay: &PhaseLayout, m: usize) -> Result<()> {
+    /// Brings the residual stream to the host for CPU work on `pool`, whose workers poll meanwhile.
+    fn ensure_host(&mut self, lay: &PhaseLayout, m: usize, pool: &CpuPool) -> Result<()> {
         if !self.h_on_dev {
             return Ok(());
         }
+        let _warm = pool.keep_warm();
         let g = self.gpu.as_ref().expect("h is on the GPU only with a GPU");
         let n = m * self.d.hidden * 4;
         let t = self.tl.now_ns();
@@ -1173,7 +1175,7 @@ impl<'a> Exec<'a> {
                 }
                 (UnitKind::Embd, true) => self.gpu_embed(lay, step, tokens)?,
                 (UnitKind::Attn(off), false) => {
-                    self.ensure_host(lay, m)?;
+                    self.ensure_host(lay, m, pool)?;
                     let UnitId::Attn { layer } = step.unit else { unreachable!("attention unit") };
                     let t = self.tl.now_ns();
                     cpu::attn_block(
@@ -1189,7 +1191,7 @@ impl<'a> Exec<'a> {
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
                 (UnitKind::Ffn(off), false) => {
-                    self.ensure_host(lay, m)?;
+                    self.ensure_host(lay, m, pool)?;
                     let t = self.tl.now_ns();
                     cpu::ffn_block(pool, self.d, uw.buf.as_slice(), &off, self.h_host.f32s_mut(), m);
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
@@ -1211,7 +1213,7 @@ impl<'a> Exec<'a> {
                     result = Some(if on_gpu {
                         self.gpu_output(lay, step, m, logit_rows)?
                     } else {
-                        self.ensure_host(lay, m)?;
+                        self.ensure_host(lay, m, pool)?;
                         let t = self.tl.now_ns();
                         let h = &self.h_host.f32s()[(m - logit_rows) * self.d.hidden..m * self.d.hidden];
                         let lg = cpu::output_block(pool, self.d, uw.buf.as_slice(), &off, h);
@@ -1274,7 +1276,9 @@ impl<'a> Exec<'a> {
             // The host rewrites the MoE staging buffer below: the previous layer's uploads must be done.
             g.gpu.sync_event(&g.moe_uploaded)?;
         }
-        // 1. Router: normed input and logits, on the router's side; the logits come to the host.
+        // 1. Router: normed input and logits, on the router's side; the logits come to the host. The CPU
+        // experts' workers poll from the routing sync until their work starts.
+        let mut warm = None;
         let xn: Vec<f32>;
         let logits: Vec<f32>;
         let xn_on_dev;
@@ -1325,6 +1329,7 @@ impl<'a> Exec<'a> {
             }
             let g = self.gpu.as_ref().expect("gpu");
             let t = self.tl.now_ns();
+            warm = has_cpu_experts.then(|| pool.keep_warm());
             g.gpu.sync(Stream::Compute)?;
             self.tl.host(format!("sync: blk.{layer} routing to host"), Track::Host, t);
             let buf = self.moe_io.buf.as_slice();
@@ -1341,7 +1346,7 @@ impl<'a> Exec<'a> {
             };
             xn_on_dev = true;
         } else {
-            self.ensure_host(lay, m)?;
+            self.ensure_host(lay, m, pool)?;
             let t = self.tl.now_ns();
             let ru = self.w.unit(step.unit).expect("router unit");
             (xn, logits) = cpu::router_block(pool, d, e_n, ru.buf.as_slice(), &roff, self.h_host.f32s(), m);
@@ -1422,6 +1427,7 @@ impl<'a> Exec<'a> {
                 })
                 .collect();
             let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
+            drop(warm);
             let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
                 let mut part = vec![0f32; m * hd];

@@ -12,6 +12,9 @@ pub mod simd;
 
 use pipeshard_core::model::{FfnKind, NormKind};
 use rayon::prelude::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::{ExecError, Result};
 use crate::host::Elem;
@@ -121,6 +124,25 @@ impl CpuPool {
         self.pool.install(f)
     }
 
+    /// Wakes every worker and keeps it polling until the returned guard is dropped (or [`WARM_MAX`] has
+    /// passed), so that CPU work the host hands over after a GPU wait starts at once. Idle rayon workers sleep
+    /// within tens of µs, and waking them one by one as parallel work fans out costs what the profiler's
+    /// back-to-back samples never pay (llama.cpp's worker threads poll between graph nodes for the same
+    /// reason).
+    #[must_use = "the workers stop polling when the guard is dropped"]
+    pub fn keep_warm(&self) -> WarmGuard {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        self.pool.spawn_broadcast(move |_| {
+            let t0 = Instant::now();
+            while !flag.load(Ordering::Acquire) && t0.elapsed() < WARM_MAX {
+                // Yield so that the host thread (one more thread than cores) still gets a core.
+                std::thread::yield_now();
+            }
+        });
+        WarmGuard { stop }
+    }
+
     /// Runs `work` on the pool while the calling thread runs `host` (which may block, e.g. on a GPU ring
     /// slot), and returns both results once both are done.
     pub fn alongside<W: Send, H>(&self, work: impl FnOnce() -> W + Send, host: impl FnOnce() -> H) -> (W, H) {
@@ -130,6 +152,21 @@ impl CpuPool {
             host()
         });
         (done.expect("the scope waits for its spawned work"), h)
+    }
+}
+
+/// How long [`CpuPool::keep_warm`]'s workers poll at most.
+pub const WARM_MAX: Duration = Duration::from_millis(2);
+
+/// Stops the polling [`CpuPool::keep_warm`] started, when dropped.
+#[derive(Debug)]
+pub struct WarmGuard {
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for WarmGuard {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
     }
 }
 
@@ -855,6 +892,34 @@ mod tests {
             }
         }
         y
+    }
+
+    /// Work handed over once a warm guard is dropped runs on the pool's threads, alongside the host thread's,
+    /// and both results come back.
+    #[test]
+    fn warm_workers_take_the_work_handed_over() {
+        let pool = CpuPool::new(4).unwrap();
+        let xs: Vec<u64> = (0..100_000).collect();
+        for _ in 0..3 {
+            let warm = pool.keep_warm();
+            drop(warm);
+            let ids = std::sync::Mutex::new(std::collections::HashSet::new());
+            let (sum, host) = pool.alongside(
+                || {
+                    pool.install(|| {
+                        xs.par_chunks(1000)
+                            .map(|c| {
+                                ids.lock().unwrap().insert(rayon::current_thread_index());
+                                c.iter().sum::<u64>()
+                            })
+                            .sum::<u64>()
+                    })
+                },
+                || 7,
+            );
+            assert_eq!((sum, host), (xs.iter().sum(), 7));
+            assert!(ids.lock().unwrap().iter().all(Option::is_some), "pool threads ran the work");
+        }
     }
 
     #[test]
