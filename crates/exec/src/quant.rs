@@ -418,16 +418,16 @@ fn quantize_q4_k_block(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// The first of `x`'s elements of the largest magnitude, and that magnitude ((0, 0) when every element is 0):
+/// the `max` and `amax` ggml's K-quant searches start from.
+fn signed_max(x: &[f32]) -> (f32, f32) {
+    x.iter().fold((0f32, 0f32), |(max, amax), &xi| if xi.abs() > amax { (xi, xi.abs()) } else { (max, amax) })
+}
+
 /// ggml's `make_qx_quants` with `rmse_type` 1 and no importance weights: the signed scale of `x ≈ scale·(l −
 /// nmax)`, `l` in 0..2·nmax, searched over 19 trial scales by least squares weighted by `x²`.
 fn make_qx_quants(x: &[f32], nmax: i32, l: &mut [u8]) -> f32 {
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &xi in x {
-        if xi.abs() > amax {
-            amax = xi.abs();
-            max = xi;
-        }
-    }
+    let (max, amax) = signed_max(x);
     if amax < 1e-15 {
         // GROUP_MAX_EPS: an all-zero group.
         l.fill(0);
@@ -605,13 +605,7 @@ fn quantize_q2_k_block(x: &[f32], out: &mut [u8]) {
 /// `−nmax / max` and then up to 5 passes that move single quants while the `x²`-weighted fit improves; `l`
 /// receives `l + nmax`.
 fn make_q3_quants(x: &[f32], nmax: i32, l: &mut [u8]) -> f32 {
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &xi in x {
-        if xi.abs() > amax {
-            amax = xi.abs();
-            max = xi;
-        }
-    }
+    let (max, amax) = signed_max(x);
     if amax < 1e-15 {
         // GROUP_MAX_EPS: an all-zero group.
         l.fill(0);
@@ -662,14 +656,10 @@ fn make_q3_quants(x: &[f32], nmax: i32, l: &mut [u8]) -> f32 {
 fn quantize_q3_k_block(x: &[f32], out: &mut [u8]) {
     let mut l = [0u8; K_BLOCK_ELEMS];
     let mut scales = [0f32; 16];
-    let (mut max_scale, mut amax) = (0f32, 0f32);
     for (j, s) in scales.iter_mut().enumerate() {
         *s = make_q3_quants(&x[16 * j..16 * j + 16], 4, &mut l[16 * j..16 * j + 16]);
-        if s.abs() > amax {
-            amax = s.abs();
-            max_scale = *s;
-        }
     }
+    let (max_scale, _) = signed_max(&scales);
     out.fill(0);
     if max_scale != 0.0 {
         let iscale = -32.0 / max_scale;

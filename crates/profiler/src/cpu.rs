@@ -262,15 +262,7 @@ fn grid(mode: Mode) -> Grid {
             .into_iter()
             .chain(cat.experts.iter().map(|s| (s.n, s.k)))
             .collect(),
-            dtypes: vec![
-                DType::Bf16,
-                DType::Q8_0,
-                DType::Q4_0,
-                DType::Q4K,
-                DType::Q6K,
-                DType::Q2K,
-                DType::Q3K,
-            ],
+            dtypes: shapes::with_quantised(&[DType::Bf16]),
             tokens: vec![1, 4, 16, 64],
             // 1024 for the default ubatch: validation run12's CPU FFN prefill of 1008-token chunks took 33% more
             // CPU time than the 256-token rows predicted.

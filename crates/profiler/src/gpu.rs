@@ -47,16 +47,7 @@ fn grid(mode: Mode) -> Grid {
         Mode::Full => Grid {
             copy_sizes: pow2(16, 30, 2),
             tokens: pow2(0, 12, 1),
-            dtypes: vec![
-                DType::Bf16,
-                DType::F16,
-                DType::Q8_0,
-                DType::Q4_0,
-                DType::Q4K,
-                DType::Q6K,
-                DType::Q2K,
-                DType::Q3K,
-            ],
+            dtypes: shapes::with_quantised(&[DType::Bf16, DType::F16]),
             attn_ctx: pow2(10, 17, 1),
             // The workloads' KV format; a 128K prefill chunk takes ~1-2 s with exec's kernel, so one format.
             kv_dtypes: vec![DType::F16],

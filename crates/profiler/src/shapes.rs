@@ -5,7 +5,9 @@
 use std::collections::BTreeSet;
 
 use pipeshard_core::catalog;
+use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::{Inventory, Role};
+use pipeshard_exec::quant::QFormat;
 
 /// A matrix `n × k` (output features × input features) and the catalog tensors that have it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -78,6 +80,12 @@ pub fn from_catalog() -> Shapes {
         hidden: hidden.into_iter().collect(),
         ffn: ffn.into_iter().collect(),
     }
+}
+
+/// `plain` formats followed by every block-quantised format the executor runs (the full grids' weight formats).
+#[must_use]
+pub fn with_quantised(plain: &[DType]) -> Vec<DType> {
+    plain.iter().copied().chain(QFormat::ALL.map(QFormat::dtype)).collect()
 }
 
 #[cfg(test)]
