@@ -3,9 +3,11 @@
 //! State: per task its unmet dependencies and status; per exclusive lane (GPU stream, CPU pool, H2D engine,
 //! D2H engine) a FIFO of its tasks in creation order and what runs now; the ring slots and who holds them; the
 //! number of copies in flight. Events are one enum, [`Event`], handled in one `match` (`Engine::handle`)
-//! that pushes follow-up events. A `Dispatch` event (the highest rank, so it runs after every completion at the
-//! same nanosecond) starts whatever can start: copies first, since a copy starting changes the rate of the
-//! computes that start with it, then computes, then hand-offs.
+//! that pushes follow-up events. After every event of an instant, a dispatch starts whatever can start: copies
+//! first, since a copy starting changes the rate of the computes that start with it, then computes, then
+//! hand-offs. The dispatch is not queued: it is the instant's last step (as an event it would rank after
+//! every other), so the loop runs it once the queue holds nothing more at that time — half the queue's
+//! traffic, as every completion asked for one.
 //!
 //! Shared memory bandwidth: a compute runs at its `duration_ns` rate while no H2D/D2H copy is in flight and at
 //! its `duration_under_dma_ns` rate while one is. When the number of copies in flight changes between zero
@@ -26,8 +28,6 @@ pub enum Event {
     HandoffDone { task: u32 },
     /// A compute finished, unless a rate change has since rescheduled it (a newer `generation`).
     ComputeDone { task: u32, generation: u32 },
-    /// Start whatever can start now.
-    Dispatch,
 }
 
 impl Ranked for Event {
@@ -36,7 +36,6 @@ impl Ranked for Event {
             Event::CopyDone { .. } => 0,
             Event::HandoffDone { .. } => 1,
             Event::ComputeDone { .. } => 2,
-            Event::Dispatch => 3,
         }
     }
 }
@@ -169,12 +168,13 @@ struct Engine<'g> {
     running: [Option<Running>; 2],
     copies_in_flight: u32,
     slots_in_use: u32,
+    /// The instant whose dispatch is due (after its last event).
     dispatch_at: Option<u64>,
     max_slots_in_use: u32,
 }
 
 impl Engine<'_> {
-    /// Handles one event at `now`, pushing follow-ups onto `q`.
+    /// Handles one event at `now`, pushing follow-ups onto `q`; a completion makes the instant's dispatch due.
     fn handle(&mut self, now: u64, event: Event, q: &mut EventQueue<Event>) {
         match event {
             Event::CopyDone { task } => {
@@ -198,16 +198,8 @@ impl Engine<'_> {
                     _ => return,
                 }
             }
-            Event::Dispatch => {
-                self.dispatch_at = None;
-                self.dispatch(now, q);
-                return;
-            }
         }
-        if self.dispatch_at != Some(now) {
-            self.dispatch_at = Some(now);
-            q.push(now, Event::Dispatch);
-        }
+        self.dispatch_at = Some(now);
     }
 
     fn finish(&mut self, now: u64, task: u32) {
@@ -405,14 +397,26 @@ pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSumm
         dispatch_at: Some(0),
         max_slots_in_use: 0,
     };
-    q.push(0, Event::Dispatch);
     let mut now = 0;
-    while let Some((t, ev)) = q.pop() {
+    loop {
+        // Every event at the due dispatch's instant comes first (the queue holds none earlier).
+        let (t, event) = match e.dispatch_at {
+            Some(d) if q.peek_time_ns().is_none_or(|t| t > d) => (d, None),
+            _ => match q.pop() {
+                Some((t, ev)) => (t, Some(ev)),
+                None => break,
+            },
+        };
         now = t;
         if audit {
             e.ws.event_times_ns.push(t);
         }
-        e.handle(t, ev, &mut q);
+        if let Some(ev) = event {
+            e.handle(t, ev, &mut q);
+        } else {
+            e.dispatch_at = None;
+            e.dispatch(t, &mut q);
+        }
     }
     for (lane, h) in e.head.iter().enumerate() {
         assert_eq!(

@@ -84,6 +84,12 @@ impl<E: Ranked> EventQueue<E> {
         self.heap.pop().map(|e| (e.time_ns, e.event))
     }
 
+    /// The time of the earliest event, if any.
+    #[must_use]
+    pub fn peek_time_ns(&self) -> Option<u64> {
+        self.heap.peek().map(|e| e.time_ns)
+    }
+
     /// Empties the queue and restarts the insertion sequence: it then orders events exactly as a new one.
     pub fn clear(&mut self) {
         self.heap.clear();
@@ -128,6 +134,7 @@ mod tests {
         q.push(5, Ev(1, "t5 r1"));
         q.push(5, Ev(2, "t5 r2 third"));
         assert_eq!(q.len(), 7);
+        assert_eq!(q.peek_time_ns(), Some(3), "the earliest time, whatever was pushed last");
         let order: Vec<(u64, &str)> = std::iter::from_fn(|| q.pop()).map(|(t, e)| (t, e.1)).collect();
         assert_eq!(
             order,
@@ -142,6 +149,7 @@ mod tests {
             ]
         );
         assert!(q.is_empty());
+        assert_eq!(q.peek_time_ns(), None);
     }
 
     #[test]
