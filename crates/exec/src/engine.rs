@@ -1414,6 +1414,8 @@ impl<'a> Exec<'a> {
         };
         // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
         // experts; the CPU experts' sum joins the residual stream where it is.
+        // The workers stop polling here whether or not CPU experts were picked.
+        drop(warm);
         if cpu_experts.is_empty() {
             enqueue_gpu_experts(self)?;
         } else {
@@ -1427,7 +1429,6 @@ impl<'a> Exec<'a> {
                 })
                 .collect();
             let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
-            drop(warm);
             let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
                 let mut part = vec![0f32; m * hd];
