@@ -27,7 +27,10 @@ use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{ExecError, LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, runtime_overhead_bytes};
+use pipeshard_exec::{
+    ExecError, LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, page_table_bytes_per_locked_gib,
+    runtime_overhead_bytes,
+};
 use pipeshard_planner::PlannerOptions;
 
 use crate::args::{format_bytes, load_profile, parse_bytes, parse_tokens};
@@ -134,7 +137,11 @@ pub(crate) fn with_measured_overhead(
     let kv = Elem::from_dtype(workload.kv_dtype).unwrap_or(Elem::F16);
     let prefill_tokens = workload.ubatch.min(workload.prompt_tokens) as usize;
     let overhead = runtime_overhead_bytes(gpu, &dims, kv, prefill_tokens, workload.batch as usize)?;
-    Ok(Profile { runtime_overhead_bytes: overhead, ..profile.clone() })
+    Ok(Profile {
+        runtime_overhead_bytes: overhead,
+        page_table_bytes_per_locked_gib: page_table_bytes_per_locked_gib(gpu)?,
+        ..profile.clone()
+    })
 }
 
 fn spec_for(args: &RunArgs, model: &str) -> anyhow::Result<ModelSpec> {
@@ -310,11 +317,14 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         if let Some(g) = &gpu {
             let measured = with_measured_overhead(g, &spec, &workload, &profile)?;
             eprintln!(
-                "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve); profile {} assumed {}",
+                "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve) + {} bytes per GiB of \
+                 page-locked weights; profile {} assumed {} + {}",
                 measured.runtime_overhead_bytes,
                 LAZY_LOAD_RESERVE_BYTES,
+                measured.page_table_bytes_per_locked_gib,
                 args.profile,
-                profile.runtime_overhead_bytes
+                profile.runtime_overhead_bytes,
+                profile.page_table_bytes_per_locked_gib
             );
             profile = measured;
         }
@@ -393,9 +403,16 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
     };
     let reference = if args.check {
         let threads = args.threads.unwrap_or(8);
-        let big = weights.total_bytes()
-            + workload.kv_bytes_per_layer(&spec) * u64::from(spec.text.n_layers)
-            + (8 << 30);
+        // Unconstrained means the whole device: a fixed headroom over weights + KV undercounted the runtime
+        // overhead and prefill scratch of large MoE models (qwen3-30b-a3b bf16 peaked 87 MB over it).
+        let big = match &gpu {
+            Some(g) => g.mem_info()?.1,
+            None => {
+                weights.total_bytes()
+                    + workload.kv_bytes_per_layer(&spec) * u64::from(spec.text.n_layers)
+                    + (8 << 30)
+            }
+        };
         let plan = pipeshard_exec::testing::manual_plan(&spec, workload, big, 0, 0, threads, |_, _| {
             Placement::Pinned
         });

@@ -17,8 +17,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
+use crate::inventory::Inventory;
 use crate::profile::{OpRow, Profile, Provenance};
-use crate::workload::{Op, OpClass, OpKind};
+use crate::workload::{Op, OpClass, OpKind, Workload};
 
 /// Where an op runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -75,10 +76,23 @@ pub trait CostModel: Send + Sync {
     }
     /// VRAM held by the runtime before any weight.
     fn runtime_overhead_bytes(&self) -> u64;
+    /// VRAM the driver takes to map `locked_bytes` of page-locked host memory for the GPU.
+    fn locked_host_vram_bytes(&self, _locked_bytes: u64) -> u64 {
+        0
+    }
     /// Default CPU threads of the machine.
     fn cpu_threads(&self) -> u32;
     /// Host DRAM bandwidth (GB/s) at `threads`, alone or while DMA runs.
     fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64;
+}
+
+/// VRAM the runtime holds when running `inv` under `workload`: its own overhead plus the GPU's mapping of the
+/// weights' page-locked host copies (none when the workload copies from pageable memory, as llama.cpp does
+/// from its mmap of the model file).
+#[must_use]
+pub fn workload_overhead_bytes(cost: &dyn CostModel, inv: &Inventory, workload: &Workload) -> u64 {
+    let locked_bytes = if workload.host_pageable { 0 } else { inv.total_bytes() };
+    cost.runtime_overhead_bytes() + cost.locked_host_vram_bytes(locked_bytes)
 }
 
 /// One measured row as an efficiency sample: (log n·k, log tokens, efficiency alone, efficiency under DMA).
@@ -424,6 +438,11 @@ impl CostModel for TableCostModel {
         self.profile.runtime_overhead_bytes
     }
 
+    fn locked_host_vram_bytes(&self, locked_bytes: u64) -> u64 {
+        (u128::from(locked_bytes) * u128::from(self.profile.page_table_bytes_per_locked_gib))
+            .div_ceil(1 << 30) as u64
+    }
+
     fn cpu_threads(&self) -> u32 {
         self.profile.machine.cpu_threads
     }
@@ -465,6 +484,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn locked_weights_add_their_page_tables_to_the_overhead_unless_copies_are_pageable() {
+        let mut profile = reference::derived("cli3").unwrap();
+        profile.page_table_bytes_per_locked_gib = 2 << 20;
+        let m = TableCostModel::new(&profile);
+        let spec = catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16);
+        let inv = Inventory::new(&spec);
+        let mut w = Workload::single(1000, 4096, 32, 1024);
+        let base = profile.runtime_overhead_bytes;
+        // 61 GB of bf16 weights locked: 1/512 of them, as the H200 measured (119.3 MB).
+        let tables = workload_overhead_bytes(&m, &inv, &w) - base;
+        assert_eq!(tables, inv.total_bytes().div_ceil(512));
+        assert!((119_000_000..120_000_000).contains(&tables), "{tables}");
+        w.host_pageable = true;
+        assert_eq!(workload_overhead_bytes(&m, &inv, &w), base);
+        assert_eq!(workload_overhead_bytes(&model(), &inv, &Workload::single(1000, 4096, 32, 1024)), base);
     }
 
     #[test]

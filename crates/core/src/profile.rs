@@ -193,6 +193,11 @@ pub struct Profile {
     pub cpu_expert_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
+    /// VRAM the driver takes to map page-locked host memory into the GPU's address space, per GiB locked:
+    /// the executor page-locks every weight buffer, so a model's host copy costs VRAM too (2 MiB per GiB,
+    /// 8 bytes per 4 KiB page, on the H200: 120 MB for qwen3-30b-a3b in bf16). 0 where not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub page_table_bytes_per_locked_gib: u64,
     /// Scalar measurements beside the tables (schema 2; empty for derived profiles).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub measurements: Vec<Measurement>,

@@ -462,6 +462,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         expert_ids_on_device: true,
         cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         runtime_overhead_bytes: 500 * MIB,
+        // Not in the published figures (llama.cpp copies from its pageable mmap of the model file).
+        page_table_bytes_per_locked_gib: 0,
         measurements: Vec::new(),
         notes: Vec::new(),
     })

@@ -382,6 +382,25 @@ pub fn runtime_overhead_bytes(
     Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
 }
 
+/// VRAM the driver takes per GiB of page-locked host memory (its mapping for the GPU), measured once per
+/// process by locking a 2 GiB probe buffer; a model's weights are locked whole, so this is part of its runtime
+/// overhead ([`pipeshard_core::profile::Profile::page_table_bytes_per_locked_gib`]).
+pub fn page_table_bytes_per_locked_gib(gpu: &Gpu) -> Result<u64> {
+    const PROBE_BYTES: u64 = 2 << 30;
+    static MEASURED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    if let Some(&v) = MEASURED.get() {
+        return Ok(v);
+    }
+    let probe = HostBuf::try_zeroed(PROBE_BYTES as usize, "the page-lock probe")?;
+    gpu.sync_all()?;
+    let (before, _) = gpu.mem_info()?;
+    // SAFETY: `probe` outlives the guard, which is dropped first; it is registered once.
+    let reg = unsafe { gpu.register(&probe)? };
+    let (after, _) = gpu.mem_info()?;
+    drop(reg);
+    Ok(*MEASURED.get_or_init(|| before.saturating_sub(after) * (1 << 30) / PROBE_BYTES))
+}
+
 /// Which weight buffers to page-lock, given each one's (bytes, streamed in some phase) and the limit: streamed
 /// units first (they cross PCIe every pass), then the rest, each in order while it fits under the limit.
 fn page_lock_choice(units: &[(u64, bool)], limit_bytes: Option<u64>) -> Vec<bool> {
@@ -602,42 +621,8 @@ impl<'a> Exec<'a> {
     fn open_gpu(&self, gpu: &'a Gpu, plan: &Plan, m_prefill: usize) -> Result<GpuSide<'a>> {
         let d = self.d;
         let k = gpu.kernels(KernelKey { act: d.mat, kv: self.kv.seq.elem, head_dim: d.head_dim })?;
-        let (free0, total) = gpu.mem_info()?;
-        let seqs = self.kv.seqs;
-        // Logits come from one row of a prefill chunk and from every sequence of a decode step.
-        let head_on_gpu = |p: &PhasePlan| p.placement(UnitId::Output).is_some_and(|pl| pl != Placement::Cpu);
-        let output_rows: Vec<usize> = [(head_on_gpu(&plan.prefill), 1), (head_on_gpu(&plan.decode), seqs)]
-            .iter()
-            .filter_map(|&(on, rows)| on.then_some(rows))
-            .collect();
-        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill, seqs, &output_rows)?);
-        let (free, _) = gpu.mem_info()?;
-        let min_free = min_free.min(free);
-        let overhead = total - free;
-        let budget = plan.budget_bytes;
-        let reserve = LAZY_LOAD_RESERVE_BYTES;
-        if overhead + reserve >= budget {
-            return Err(ExecError::OverBudget {
-                phase: PhaseKind::Prefill,
-                line: "runtime overhead + lazy-load reserve".into(),
-                needed_bytes: overhead + reserve,
-                available_bytes: budget,
-                over_bytes: overhead + reserve - budget,
-                budget_bytes: budget,
-                overhead_bytes: overhead,
-                detail: "the CUDA context, cuBLAS and kernels alone exceed the budget".into(),
-            });
-        }
-        let arena_bytes = budget - overhead - reserve;
-        // Check both layouts before taking the arena.
-        layout_plan(
-            self.w,
-            plan,
-            self.kv,
-            m_prefill,
-            Arena { bytes: arena_bytes as usize, budget_bytes: budget, overhead_bytes: overhead },
-        )?;
-        let arena = gpu.alloc(arena_bytes as usize)?;
+        // Page-lock before the VRAM is read for the arena: the driver's mapping of locked host memory takes
+        // VRAM (1/512 of the locked bytes on the H200), which then counts in the runtime overhead.
         let mut regs = Vec::new();
         // Staging buffers first: small, and the host reads them right after asynchronous copies.
         for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf, &self.attn_io]) {
@@ -684,6 +669,42 @@ impl<'a> Exec<'a> {
             )
         });
         let pageable = (pageable_bytes, warning);
+        let (free0, total) = gpu.mem_info()?;
+        let seqs = self.kv.seqs;
+        // Logits come from one row of a prefill chunk and from every sequence of a decode step.
+        let head_on_gpu = |p: &PhasePlan| p.placement(UnitId::Output).is_some_and(|pl| pl != Placement::Cpu);
+        let output_rows: Vec<usize> = [(head_on_gpu(&plan.prefill), 1), (head_on_gpu(&plan.decode), seqs)]
+            .iter()
+            .filter_map(|&(on, rows)| on.then_some(rows))
+            .collect();
+        let min_free = free0.min(warm_up(gpu, &k, d, m_prefill, seqs, &output_rows)?);
+        let (free, _) = gpu.mem_info()?;
+        let min_free = min_free.min(free);
+        let overhead = total - free;
+        let budget = plan.budget_bytes;
+        let reserve = LAZY_LOAD_RESERVE_BYTES;
+        if overhead + reserve >= budget {
+            return Err(ExecError::OverBudget {
+                phase: PhaseKind::Prefill,
+                line: "runtime overhead + lazy-load reserve".into(),
+                needed_bytes: overhead + reserve,
+                available_bytes: budget,
+                over_bytes: overhead + reserve - budget,
+                budget_bytes: budget,
+                overhead_bytes: overhead,
+                detail: "the CUDA context, cuBLAS and kernels alone exceed the budget".into(),
+            });
+        }
+        let arena_bytes = budget - overhead - reserve;
+        // Check both layouts before taking the arena.
+        layout_plan(
+            self.w,
+            plan,
+            self.kv,
+            m_prefill,
+            Arena { bytes: arena_bytes as usize, budget_bytes: budget, overhead_bytes: overhead },
+        )?;
+        let arena = gpu.alloc(arena_bytes as usize)?;
         let kv_wb = (0..d.n_layers).map(|_| gpu.event(false)).collect::<Result<Vec<_>>>()?;
         let t0 = gpu.event(true)?;
         let mark = gpu.event(false)?;

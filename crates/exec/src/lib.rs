@@ -87,5 +87,8 @@ pub mod seqs;
 pub mod testing;
 pub mod weights;
 
-pub use engine::{LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, VramReport, run, runtime_overhead_bytes};
+pub use engine::{
+    LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, VramReport, page_table_bytes_per_locked_gib, run,
+    runtime_overhead_bytes,
+};
 pub use error::{ExecError, Result};

@@ -444,7 +444,7 @@ impl Estimator {
             kv_prompt_bytes: kv_tok * w.prompt_tokens * w.batch,
             h2d_ns_per_byte: cost.h2d_ns(GIB, true) as f64 / GIB as f64,
             dram_bytes_per_ns: cost.dram_gbps(threads, false),
-            runtime_overhead_bytes: cost.runtime_overhead_bytes(),
+            runtime_overhead_bytes: pipeshard_core::cost::workload_overhead_bytes(cost, inv, w),
             cpu_threads: threads,
             gen_tokens: w.gen_tokens,
             unit_bytes,

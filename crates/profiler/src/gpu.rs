@@ -302,6 +302,7 @@ pub fn measure_all(
     let nemo = catalog::get("nemo-8b").expect("catalog model").with_uniform_weights(DType::Bf16);
     let runtime_overhead_bytes =
         pipeshard_exec::runtime_overhead_bytes(&gpu, &Dims::new(&nemo)?, Elem::F16, g.prefill_chunk, 1)?;
+    let page_table_bytes_per_locked_gib = pipeshard_exec::page_table_bytes_per_locked_gib(&gpu)?;
     let (_, vram_total) = gpu.mem_info()?;
     let b = Bench { gpu: &gpu, rule, ev0: gpu.event(true)?, ev1: gpu.event(true)? };
 
@@ -842,6 +843,7 @@ pub fn measure_all(
         expert_ids_on_device: false,
         cpu_expert_ns: 0,
         runtime_overhead_bytes,
+        page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
         notes: Vec::new(),
     })

@@ -600,7 +600,11 @@ impl<'a> Simulator<'a> {
         let mut v = VramBreakdown {
             streaming_slots_bytes: u64::from(max_slots) * pp.slot_bytes,
             scratch_bytes: scratch,
-            runtime_overhead_bytes: self.cost.runtime_overhead_bytes(),
+            runtime_overhead_bytes: pipeshard_core::cost::workload_overhead_bytes(
+                self.cost,
+                &self.inv,
+                &self.plan.workload,
+            ),
             ..VramBreakdown::default()
         };
         for up in pp.placements.iter().filter(|u| u.placement == Placement::Pinned) {
