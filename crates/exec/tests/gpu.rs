@@ -620,7 +620,8 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
 
 /// A one-token decode step runs q|k|v (and gate|up) as one GEMM over the matrices' concatenated rows: its
 /// outputs must equal the separate GEMMs' for bf16 (cuBLAS) and a quantised format (the GEMV kernel), at
-/// nemo-8b's attention shapes.
+/// nemo-8b's attention shapes, up to the order of f32 additions (cuBLAS splits k differently for 6144 rows
+/// than for 1024: 3.2e-6 on the H200).
 #[test]
 fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
     use pipeshard_exec::cuda::{KernelKey, Stream};
@@ -687,6 +688,6 @@ fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
             one == sep
         );
         assert!(one.iter().chain(&sep).all(|v| v.is_finite()), "{quant:?}: an output was not written");
-        assert!(err < 1e-6, "{quant:?}: rel err {err}");
+        assert!(err < 1e-5, "{quant:?}: rel err {err}");
     }
 }
