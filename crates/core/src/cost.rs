@@ -74,6 +74,11 @@ pub trait CostModel: Send + Sync {
     fn expert_ids_on_device(&self) -> bool {
         false
     }
+    /// Whether GPU units run a one-token step's q|k|v and gate|up as one GEMM each
+    /// ([`crate::workload::fuse_one_token_projections`]).
+    fn one_token_projections_fused(&self) -> bool {
+        false
+    }
     /// VRAM held by the runtime before any weight.
     fn runtime_overhead_bytes(&self) -> u64;
     /// VRAM the driver takes to map `locked_bytes` of page-locked host memory for the GPU.
@@ -432,6 +437,10 @@ impl CostModel for TableCostModel {
 
     fn expert_ids_on_device(&self) -> bool {
         self.profile.expert_ids_on_device
+    }
+
+    fn one_token_projections_fused(&self) -> bool {
+        self.profile.one_token_projections_fused
     }
 
     fn runtime_overhead_bytes(&self) -> u64 {

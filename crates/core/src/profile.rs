@@ -186,6 +186,11 @@ pub struct Profile {
     /// executor routes on the host (false, the default); the derived profiles of the paper's systems say true.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expert_ids_on_device: bool,
+    /// Whether the runtime computes a one-token step's q|k|v, and gate|up, as one GEMM each over the
+    /// matrices' back-to-back rows (our executor, measured profiles: true), rather than one GEMM a matrix
+    /// (llama.cpp, the derived profiles: false, the default). See [`crate::workload::fuse_one_token_projections`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub one_token_projections_fused: bool,
     /// Fixed CPU cost of one touched routed expert, beyond its bytes: ggml's `mul_mat_id` runs each touched
     /// expert as a small product of its own (rows split over the threads, a barrier after), which the matmul
     /// rows of large shapes do not show. Derived profiles fit it; measured ones time whole expert blocks.

@@ -460,6 +460,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
         // The paper's runtime is llama.cpp, whose CUDA expert kernels take the expert ids on the device.
         expert_ids_on_device: true,
+        // llama.cpp runs one GEMM a matrix.
+        one_token_projections_fused: false,
         cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         runtime_overhead_bytes: 500 * MIB,
         // Not in the published figures (llama.cpp copies from its pageable mmap of the model file).

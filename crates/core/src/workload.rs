@@ -603,6 +603,32 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
     out
 }
 
+/// Merges the matmuls that a runtime with [`crate::profile::Profile::one_token_projections_fused`] runs as one
+/// GEMM: in a one-token step, adjacent matmuls of one attention or FFN unit with the same inner size and
+/// format (q|k|v, gate|up, stored back to back) for which `fused(unit)` holds (the executor fuses on the GPU
+/// only). The merged op reads the input once.
+pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> bool) {
+    let fusable = |o: &Op| o.tokens == 1 && matches!(o.unit, UnitId::Attn { .. } | UnitId::Ffn { .. });
+    ops.dedup_by(|next, prev| {
+        let (OpKind::MatMul { n, k }, OpKind::MatMul { n: n2, k: k2 }) = (prev.kind, next.kind) else {
+            return false;
+        };
+        let merge = k == k2
+            && prev.unit == next.unit
+            && prev.dtype == next.dtype
+            && fusable(prev)
+            && fusable(next)
+            && fused(prev.unit);
+        if merge {
+            prev.kind = OpKind::MatMul { n: n + n2, k };
+            prev.flops += next.flops;
+            prev.weight_bytes += next.weight_bytes;
+            prev.act_bytes += next.act_bytes - ACT_BYTES * k as f64;
+        }
+        merge
+    });
+}
+
 /// Peak bytes of activations and temporaries a phase needs on the device that runs it (ggml keeps f32
 /// hidden states; the largest live set is the residual stream, the normed input, the FFN intermediates, the
 /// attention temporaries and the logits). Equals [`scratch_parts`]`(…).total()`.
@@ -759,6 +785,43 @@ mod tests {
         let embd_row = inv.unit_bytes(UnitId::TokenEmbd) as f64 / 128_256.0;
         let expect = (inv.total_bytes() - inv.unit_bytes(UnitId::TokenEmbd)) as f64 + embd_row;
         assert!((weights - expect).abs() / expect < 1e-9);
+    }
+
+    #[test]
+    fn one_token_projections_fuse_into_qkv_and_gate_up() {
+        let spec = catalog::get("nemo-8b").unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(128, 1024, 16, 128);
+        let matmuls = |ops: &[Op], unit: UnitId| -> Vec<u64> {
+            ops.iter()
+                .filter(|o| o.unit == unit)
+                .filter_map(|o| match o.kind {
+                    OpKind::MatMul { n, .. } => Some(n),
+                    _ => None,
+                })
+                .collect()
+        };
+        let decode = ops(&spec, &inv, &w, w.decode_step(0));
+        let mut fused = decode.clone();
+        fuse_one_token_projections(&mut fused, |u| u != UnitId::Attn { layer: 1 });
+        let (attn, ffn) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 });
+        assert_eq!(matmuls(&decode, attn), [4096, 1024, 1024, 4096]);
+        assert_eq!(matmuls(&fused, attn), [6144, 4096]);
+        assert_eq!(matmuls(&fused, ffn), [2 * 11520, 4096]);
+        // Units the runtime does not fuse keep their matmuls.
+        assert_eq!(matmuls(&fused, UnitId::Attn { layer: 1 }), [4096, 1024, 1024, 4096]);
+        assert_eq!(decode.len() - fused.len(), 2 * 40 - 2 + 40);
+        let sum = |ops: &[Op], f: fn(&Op) -> f64| ops.iter().map(f).sum::<f64>();
+        assert!((sum(&decode, |o| o.flops) - sum(&fused, |o| o.flops)).abs() < 1.0);
+        assert!((sum(&decode, |o| o.weight_bytes) - sum(&fused, |o| o.weight_bytes)).abs() < 1.0);
+        // The input is read once: 2 fewer 4096-wide rows per fused attention, 1 fewer per FFN.
+        let saved = sum(&decode, |o| o.act_bytes) - sum(&fused, |o| o.act_bytes);
+        assert!((saved - (2.0 * 39.0 + 40.0) * 4096.0 * ACT_BYTES).abs() < 1.0, "{saved}");
+        // Steps of more tokens keep one GEMM a matrix.
+        let prefill = ops(&spec, &inv, &w, w.prefill_chunks()[0]);
+        let mut unfused = prefill.clone();
+        fuse_one_token_projections(&mut unfused, |_| true);
+        assert_eq!(unfused.len(), prefill.len());
     }
 
     #[test]

@@ -504,6 +504,16 @@ fn offloaded_attention(
     Ok(start)
 }
 
+/// Whether one GEMM can compute a one-token step's matrices `(unit offset, rows)` together: they lie back to
+/// back in the unit, so their rows form one matrix, and one token's outputs come out back to back. Small
+/// decode GEMMs sit on cuBLAS's latency floor (a 1024×4096 bf16 GEMV took as long as a 4096×4096 one,
+/// results/exec/bounds/run2/gemv.md), so one GEMM over q|k|v or gate|up takes less than their sum. Steps of
+/// more tokens keep one GEMM each: their output rows would interleave the matrices.
+fn one_gemm_rows(d: &Dims, m: usize, mats: &[(usize, usize)]) -> bool {
+    let row_bytes = d.quant.map_or(d.hidden * d.mat.size_bytes(), |f| f.row_bytes(d.hidden));
+    m == 1 && mats.windows(2).all(|p| p[0].0 + p[0].1 * row_bytes == p[1].0)
+}
+
 /// Runs `plan` for `w` with `opts`: on `gpu` where the plan places units on the GPU (an error if it does and
 /// `gpu` is `None`), on the CPU elsewhere.
 pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) -> Result<RunOutput> {
@@ -1668,6 +1678,17 @@ impl<'a> Exec<'a> {
         let mut start = g.span_start(Stream::Compute)?;
         match uw.kind {
             UnitKind::Attn(o) => {
+                // Op offload's attention reads k and v from their own scratch regions.
+                let qkv = step.kv != Some(KvLoc::Host)
+                    && one_gemm_rows(d, m, &[(o.q, d.q_dim), (o.k, d.kv_dim), (o.v, d.kv_dim)]);
+                // One GEMM writes q|k|v back to back from q's scratch; q, k and v each fit in their own region,
+                // so the three together fit from q's start (scratch_layout).
+                let qa = at(sc.q);
+                let (ka, va) = if qkv {
+                    (qa + (d.q_dim * 4) as u64, qa + ((d.q_dim + d.kv_dim) * 4) as u64)
+                } else {
+                    (at(sc.k), at(sc.v))
+                };
                 // SAFETY: every pointer is inside the arena: weights at wb with the unit's layout (offsets from the
                 // inventory shapes), scratch buffers sized by scratch_layout for ≤ scratch.tokens ≥ m tokens, and the
                 // layer's [K|V] of whole.bytes() at kv_base holding every row of every sequence (seqs::SeqKv).
@@ -1683,62 +1704,30 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.matmul(
-                        k,
-                        d.quant,
-                        wb + o.q as u64,
-                        at(sc.xb),
-                        at(sc.q),
-                        m,
-                        d.q_dim,
-                        d.hidden,
-                        false,
-                    )?;
-                    gpu.matmul(
-                        k,
-                        d.quant,
-                        wb + o.k as u64,
-                        at(sc.xb),
-                        at(sc.k),
-                        m,
-                        d.kv_dim,
-                        d.hidden,
-                        false,
-                    )?;
-                    gpu.matmul(
-                        k,
-                        d.quant,
-                        wb + o.v as u64,
-                        at(sc.xb),
-                        at(sc.v),
-                        m,
-                        d.kv_dim,
-                        d.hidden,
-                        false,
-                    )?;
+                    if qkv {
+                        let n = d.q_dim + 2 * d.kv_dim;
+                        gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), qa, m, n, d.hidden, false)?;
+                    } else {
+                        for (w_off, y, n) in [(o.q, qa, d.q_dim), (o.k, ka, d.kv_dim), (o.v, va, d.kv_dim)] {
+                            gpu.matmul(k, d.quant, wb + w_off as u64, at(sc.xb), y, m, n, d.hidden, false)?;
+                        }
+                    }
                     for (b, x, dim) in
-                        [(o.q_bias, sc.q, d.q_dim), (o.k_bias, sc.k, d.kv_dim), (o.v_bias, sc.v, d.kv_dim)]
+                        [(o.q_bias, qa, d.q_dim), (o.k_bias, ka, d.kv_dim), (o.v_bias, va, d.kv_dim)]
                     {
                         if let Some(b) = b {
-                            gpu.add_bias(k, at(x), wb + b as u64, dim, m * dim)?;
+                            gpu.add_bias(k, x, wb + b as u64, dim, m * dim)?;
                         }
                     }
                     if let Some(qn) = o.q_norm {
-                        gpu.rmsnorm_rows(k, at(sc.q), wb + qn as u64, m * d.n_heads, d.head_dim, d.norm_eps)?;
+                        gpu.rmsnorm_rows(k, qa, wb + qn as u64, m * d.n_heads, d.head_dim, d.norm_eps)?;
                     }
                     if let Some(kn) = o.k_norm {
-                        gpu.rmsnorm_rows(
-                            k,
-                            at(sc.k),
-                            wb + kn as u64,
-                            m * d.n_kv_heads,
-                            d.head_dim,
-                            d.norm_eps,
-                        )?;
+                        gpu.rmsnorm_rows(k, ka, wb + kn as u64, m * d.n_kv_heads, d.head_dim, d.norm_eps)?;
                     }
                     let pos = pass_at.positions();
-                    gpu.rope(k, at(sc.q), at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
-                    gpu.rope(k, at(sc.k), at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    gpu.rope(k, qa, at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    gpu.rope(k, ka, at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
                 }
                 if step.kv == Some(KvLoc::Host) {
                     let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };
@@ -1766,10 +1755,10 @@ impl<'a> Exec<'a> {
                     // SAFETY: as above; every row the store and the attention touch is one of the cache's
                     // seqs × ctx rows (seqs::SeqKv).
                     unsafe {
-                        gpu.store_kv(k, at(sc.k), at(sc.v), kv_base, kv_base + half, d.kv_dim, rows, m)?;
+                        gpu.store_kv(k, ka, va, kv_base, kv_base + half, d.kv_dim, rows, m)?;
                         gpu.attention(
                             k,
-                            at(sc.q),
+                            qa,
                             kb,
                             kb + half,
                             at(sc.xb),
@@ -1790,6 +1779,9 @@ impl<'a> Exec<'a> {
                 }
             }
             UnitKind::Ffn(o) => {
+                // One GEMM writes gate|up back to back from up's scratch, which has room for both (the gate's
+                // region follows it).
+                let gate_up = o.gate.filter(|&gw| one_gemm_rows(d, m, &[(gw, d.ffn), (o.up, d.ffn)]));
                 // SAFETY: as above; up/gate/act hold m·ffn elements.
                 unsafe {
                     gpu.norm_act(
@@ -1803,35 +1795,31 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    gpu.matmul(
-                        k,
-                        d.quant,
-                        wb + o.up as u64,
-                        at(sc.xb),
-                        at(sc.up),
-                        m,
-                        d.ffn,
-                        d.hidden,
-                        false,
-                    )?;
-                    let gate = match o.gate {
-                        Some(gw) => {
+                    let (gate, up) = if let Some(gw) = gate_up {
+                        let ga = at(sc.up);
+                        gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
+                        (Some(ga), ga + (d.ffn * 4) as u64)
+                    } else {
+                        let mm = |w_off: usize, y: usize| {
                             gpu.matmul(
                                 k,
                                 d.quant,
-                                wb + gw as u64,
+                                wb + w_off as u64,
                                 at(sc.xb),
-                                at(sc.gate),
+                                at(y),
                                 m,
                                 d.ffn,
                                 d.hidden,
                                 false,
-                            )?;
-                            Some(at(sc.gate))
+                            )
+                        };
+                        mm(o.up, sc.up)?;
+                        if let Some(gw) = o.gate {
+                            mm(gw, sc.gate)?;
                         }
-                        None => None,
+                        (o.gate.map(|_| at(sc.gate)), at(sc.up))
                     };
-                    gpu.ffn_act(k, gate, at(sc.up), at(sc.act), m * d.ffn)?;
+                    gpu.ffn_act(k, gate, up, at(sc.act), m * d.ffn)?;
                     gpu.matmul(
                         k,
                         d.quant,

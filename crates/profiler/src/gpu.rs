@@ -841,6 +841,8 @@ pub fn measure_all(
         host_sync_ns: sync.median.round() as u64,
         // The executor reads the routing on the host before any GPU expert runs.
         expert_ids_on_device: false,
+        // exec's one-token steps run q|k|v and gate|up as one GEMM each.
+        one_token_projections_fused: true,
         cpu_expert_ns: 0,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,

@@ -776,7 +776,14 @@ pub(crate) fn build_with(
         // A repeated phase (the decode warm-up pair) reuses the previous step's op list.
         let ops = match step.checked_sub(1) {
             Some(k) if phases[k] == phase => all_ops[all_ops.len() - op_counts[k]..].to_vec(),
-            _ => workload::ops(ctx.spec, ctx.inv, ctx.workload, phase),
+            _ => {
+                let mut ops = workload::ops(ctx.spec, ctx.inv, ctx.workload, phase);
+                if ctx.cost.one_token_projections_fused() {
+                    // The executor fuses on the GPU only (pinned or streamed units).
+                    workload::fuse_one_token_projections(&mut ops, |u| view.placement(u) != Placement::Cpu);
+                }
+                ops
+            }
         };
         op_counts.push(ops.len());
         let base = all_ops.len();
