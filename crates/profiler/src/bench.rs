@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use half::bf16;
 use pipeshard_exec::cpu::simd::Isa;
-use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, matmul, matmul_quant, quant_tasks_per_thread};
+use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, TASKS_PER_THREAD, matmul, matmul_quant};
 use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::quant::QFormat;
@@ -115,7 +115,7 @@ struct CpuCase {
 
 /// Every format with this machine's kernels first; then q8_0 and q4_0 with 4 rows a register block and
 /// without software prefetch, q4_0 prefetching further into L2, q4_k and q6_k without prefetch, every quantised
-/// format with the task count per thread it does not take by default; where the bf16 kernels run, q4_0 with
+/// format with 4 tasks per thread instead of 16; where the bf16 kernels run, q4_0 with
 /// the f32 AVX-512 kernel and the K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
@@ -137,10 +137,9 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
             Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
         ));
     }
-    // Every quantised format with the task count it does not take by default (see `quant_tasks_per_thread`).
+    // Every quantised format with the 4 tasks per thread of the other matmuls (see `QUANT_TASKS_PER_THREAD`).
     for q in QFormat::ALL {
-        let other = if quant_tasks_per_thread(q) == 16 { 4 } else { 16 };
-        v.push((Fmt::Quant(q), Variant { tasks_per_thread: Some(other), ..Variant::default() }));
+        v.push((Fmt::Quant(q), Variant { tasks_per_thread: Some(TASKS_PER_THREAD), ..Variant::default() }));
     }
     if pool.isa() == Isa::Avx512Bf16 {
         for f in [
@@ -268,12 +267,12 @@ pub fn gemv_bandwidth(
         let gbps = w.len() as f64 / t.median / 1e9;
         let kernel = match fmt {
             Fmt::Bf16 => format!("exec cpu matmul ({:?}, {} threads)", pool.isa(), pool.threads()),
-            Fmt::Quant(q) => {
+            Fmt::Quant(_) => {
                 format!(
                     "exec cpu matmul ({:?}, {} threads × {} tasks, {} rows a block, {})",
                     pool.isa(),
                     pool.threads(),
-                    pool.tasks_per_thread(q),
+                    pool.quant_tasks_per_thread(),
                     pool.gemv_rows(),
                     pool.prefetch()
                 )

@@ -40,7 +40,7 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
 }
 
 /// The 16 six-bit scales (0..64, before the offset 32) of a q3_k super-block's 12 packed bytes, as
-/// [`crate::quant::q3_k_scales`] reads them one by one, four at a time in 32-bit words: scales 0..4 and 4..8
+/// `quant::q3_k_scales` reads them one by one, four at a time in 32-bit words: scales 0..4 and 4..8
 /// have their low 4 bits in the low nibbles of bytes 0..4 and 4..8, scales 8..12 and 12..16 in the high ones;
 /// bytes 8..12 hold the top 2 bits of scales j, 4 + j, 8 + j, 12 + j at bits 0, 2, 4, 6 of byte 8 + j.
 #[inline]
@@ -586,7 +586,7 @@ mod x86 {
     /// alike), so that the `vdpbf16ps` of a chunk has group 2c in its even lanes and 2c + 1 in its odd ones: the
     /// two groups' `d·sc` are then one 64-bit broadcast from memory, and the scaling one FMA. A half's quant
     /// bytes are widened and put in order `P` once for its 4 chunks; fields 0 and 1 index their tables
-    /// unshifted (a table per field position, [`field_table`]), fields 2 and 3 after one shift by 4. q3_k adds
+    /// unshifted (a table per field position, `field_table`), fields 2 and 3 after one shift by 4. q3_k adds
     /// each chunk's mask bit next to its field with a shift and a bit-select. q2_k's mins `Σ_g dmin·m_g·Σx_g`
     /// are one FMA a row and super-block against the 16 group sums, which each token's activations give once
     /// for all rows of the block.
