@@ -8,11 +8,11 @@
 //! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
 //! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants of q4_k and q6_k become bf16 by table lookups (`vpermw` on nibbles for q4_k;
-//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
-//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
-//! with AVX2+FMA (AVX-512 ones without BF16 included), and q2_k/q3_k everywhere, widen the quants to f32 and
-//! use FMAs.
+//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k, on 2-bit fields for
+//! q2_k and on those with the mask bit for q3_k; `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of
+//! `q − 32`), exact as small integers, and `vdpbf16ps` multiplies them with the activations (bf16 values
+//! already, so exact too). Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
+//! quants to f32 and use FMAs.
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
