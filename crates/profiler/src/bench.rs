@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use half::bf16;
 use pipeshard_exec::cpu::simd::Isa;
-use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, matmul, matmul_quant};
+use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, TASKS_PER_THREAD, matmul, matmul_quant};
 use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
 use pipeshard_exec::host::Elem;
 use pipeshard_exec::quant::QFormat;
@@ -114,9 +114,9 @@ struct CpuCase {
 }
 
 /// Every format with this machine's kernels first; then q8_0 and q4_0 with 4 rows a register block and
-/// without software prefetch, q4_0 prefetching further into L2, q4_0 and the K-quants with more tasks per
-/// thread, the K-quants without prefetch; where the bf16 kernels run, q4_0 with the f32 AVX-512 kernel and the
-/// K-quants with the f32 AVX2 ones.
+/// without software prefetch, q4_0 prefetching further into L2, q4_k and q6_k without prefetch, every quantised
+/// format with 4 tasks per thread instead of 16; where the bf16 kernels run, q4_0 with
+/// the f32 AVX-512 kernel and the K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
     let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
@@ -131,16 +131,24 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
         q4,
         Variant { prefetch: Some(Prefetch { bytes: 4096, level: CacheLevel::L2 }), ..Variant::default() },
     ));
-    v.push((q4, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
     for f in [Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
         v.push((
             f,
             Variant { prefetch: Some(Prefetch { bytes: 0, level: CacheLevel::L1 }), ..Variant::default() },
         ));
-        v.push((f, Variant { tasks_per_thread: Some(16), ..Variant::default() }));
+    }
+    // Every quantised format with the 4 tasks per thread of the other matmuls (see `QUANT_TASKS_PER_THREAD`).
+    for q in QFormat::ALL {
+        v.push((Fmt::Quant(q), Variant { tasks_per_thread: Some(TASKS_PER_THREAD), ..Variant::default() }));
     }
     if pool.isa() == Isa::Avx512Bf16 {
-        for f in [q4, Fmt::Quant(QFormat::Q4K), Fmt::Quant(QFormat::Q6K)] {
+        for f in [
+            q4,
+            Fmt::Quant(QFormat::Q4K),
+            Fmt::Quant(QFormat::Q6K),
+            Fmt::Quant(QFormat::Q2K),
+            Fmt::Quant(QFormat::Q3K),
+        ] {
             v.push((f, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
         }
     }
@@ -234,14 +242,18 @@ pub fn gemv_bandwidth(
     drop(words);
     let dram_gbps = cfg.cpu_weight_bytes as f64 / dram.median / 1e9;
     progress.tick(&format!("DRAM read, {} threads: {dram_gbps:.1} GB/s", pool.threads()))?;
-    // One random matrix per format, shared by the variants that read it (and by the GPU).
+    // One random matrix per format, shared by the variants that read it (and by the GPU), all made before the
+    // first is timed: a format's first GEMV right after its matrix was made measured ~10 % slow.
     let mut matrices: Vec<(Fmt, Vec<u8>)> = Vec::new();
+    for case in &cases {
+        if !matrices.iter().any(|(f, _)| *f == case.fmt) {
+            matrices
+                .push((case.fmt, random_matrix(case.fmt, cfg.cpu_weight_bytes / case.fmt.row_bytes(k), k)));
+        }
+    }
     for case in &cases {
         let (fmt, pool) = (case.fmt, &case.pool);
         let n = cfg.cpu_weight_bytes / fmt.row_bytes(k);
-        if !matrices.iter().any(|(f, _)| *f == fmt) {
-            matrices.push((fmt, random_matrix(fmt, n, k)));
-        }
         let w = &matrices.iter().find(|(f, _)| *f == fmt).expect("generated above").1;
         let mut y = vec![0f32; n];
         let t = sample(cfg.rule, || -> Result<f64> {
@@ -260,7 +272,7 @@ pub fn gemv_bandwidth(
                     "exec cpu matmul ({:?}, {} threads × {} tasks, {} rows a block, {})",
                     pool.isa(),
                     pool.threads(),
-                    pool.tasks_per_thread(),
+                    pool.quant_tasks_per_thread(),
                     pool.gemv_rows(),
                     pool.prefetch()
                 )
@@ -269,7 +281,7 @@ pub fn gemv_bandwidth(
         rows.push(BenchRow {
             device: "cpu".into(),
             format: fmt.name().into(),
-            kernel,
+            kernel: kernel.clone(),
             rows: n,
             cols: k,
             weight_bytes: w.len() as u64,
@@ -279,7 +291,7 @@ pub fn gemv_bandwidth(
             bound_gbps: dram_gbps,
             max_rel_err: check(fmt, w, &x, &y, k),
         });
-        progress.tick(&format!("{} ({:?}, {}): {gbps:.1} GB/s", fmt.name(), pool.isa(), pool.prefetch()))?;
+        progress.tick(&format!("{} ({kernel}): {gbps:.1} GB/s", fmt.name()))?;
     }
     if let Some(gpu) = gpu {
         rows.extend(gpu_rows(cfg, gpu, &x, &matrices, progress)?);
@@ -473,7 +485,12 @@ mod tests {
         assert_eq!(formats[..9], ["bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "q3_k", "q8_0", "q8_0"]);
         assert!(rows[1].kernel.contains("8 rows a block, prefetch 1024 B to L1"), "{}", rows[1].kernel);
         assert!(rows[7].kernel.contains("4 rows a block") && rows[8].kernel.contains("no prefetch"));
-        assert!(rows.iter().any(|r| r.kernel.contains("16 tasks")));
+        for q in QFormat::ALL {
+            for tasks in ["× 4 tasks", "× 16 tasks"] {
+                let name = Fmt::Quant(q).name();
+                assert!(rows.iter().any(|r| r.format == name && r.kernel.contains(tasks)), "{name} {tasks}");
+            }
+        }
         for r in &rows {
             assert!(r.gbps > 0.0 && r.bound_gbps > 0.0, "{r:?}");
             assert!(r.max_rel_err < 1e-4, "{r:?}");

@@ -8,14 +8,16 @@
 //! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
 //! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants of q4_k and q6_k become bf16 by table lookups (`vpermw` on nibbles for q4_k;
-//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
-//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
-//! with AVX2+FMA (AVX-512 ones without BF16 included), and q2_k/q3_k everywhere, widen the quants to f32 and
-//! use FMAs.
+//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k, on 2-bit fields for
+//! q2_k and on those with the mask bit for q3_k; `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of
+//! `q − 32`), exact as small integers, and `vdpbf16ps` multiplies them with the activations (bf16 values
+//! already, so exact too). Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
+//! quants to f32 and use FMAs.
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_k23_avx2, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16};
+pub use x86::{
+    dot_k23_avx2, dot_k23_avx512bf16, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16,
+};
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
 /// `m[0..8]`, as ggml's `get_scale_min_k4` reads them one by one), unpacked four at a time in 32-bit words:
@@ -37,6 +39,26 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
     out
 }
 
+/// The 16 six-bit scales (0..64, before the offset 32) of a q3_k super-block's 12 packed bytes, as
+/// `quant::q3_k_scales` reads them one by one, four at a time in 32-bit words: scales 0..4 and 4..8
+/// have their low 4 bits in the low nibbles of bytes 0..4 and 4..8, scales 8..12 and 12..16 in the high ones;
+/// bytes 8..12 hold the top 2 bits of scales j, 4 + j, 8 + j, 12 + j at bits 0, 2, 4, 6 of byte 8 + j.
+#[inline]
+#[must_use]
+pub fn q3_k_scales_words(packed: [u8; 12]) -> [u8; 16] {
+    let word = |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
+    let (s0, s1, s2) = (word(0), word(4), word(8));
+    let (lo, hi) = (0x0f0f_0f0f, 0x0303_0303);
+    let mut out = [0u8; 16];
+    for (i, (low, shift)) in
+        [(s0 & lo, 0), (s1 & lo, 2), ((s0 >> 4) & lo, 4), ((s1 >> 4) & lo, 6)].into_iter().enumerate()
+    {
+        let w = low | (((s2 >> shift) & hi) << 4);
+        out[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
@@ -50,15 +72,17 @@ mod x86 {
         _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
         _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
         _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
-        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512,
-        _mm512_mask_blend_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
-        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set1_epi16,
-        _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_slli_epi16,
-        _mm512_srli_epi16, _mm512_storeu_ps,
+        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_mask_blend_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set_epi16,
+        _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_pd, _mm512_set1_ps, _mm512_setr_epi32,
+        _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_f32x4, _mm512_shuffle_ps,
+        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_storeu_ps, _mm512_sub_epi32,
+        _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
-    use super::q4_k_scales_mins;
+    use super::{q3_k_scales_words, q4_k_scales_mins};
 
     const Q4K_BYTES: usize = 144;
     const Q2K_BYTES: usize = 84;
@@ -387,29 +411,27 @@ mod x86 {
         }
     }
 
-    /// bf16 bit patterns of `i − off` for `i` in 0..32 (as a `vpermw` / `vpermt2w` table of 32 entries).
-    const fn bf16_table(off: i32) -> [u16; 32] {
+    /// bf16 bit patterns of `((i >> shift) & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the
+    /// low 5 bits of an index) that picks one field of the index and ignores its other bits, so a field needs no
+    /// mask (or shift, when it lies at `shift`); also one half of a `vpermt2w` table with `mask` 31.
+    const fn field_table(shift: u32, mask: u32, off: i32) -> [u16; 32] {
         let mut t = [0u16; 32];
         let mut i = 0;
         while i < 32 {
-            t[i] = (((i as i32 - off) as f32).to_bits() >> 16) as u16;
+            t[i] = (((((i as u32) >> shift) & mask) as i32 - off) as f32).to_bits().wrapping_shr(16) as u16;
             i += 1;
         }
         t
     }
-    /// Nibble values 0..15, twice: `vpermw` reads 5 index bits, so a byte's bit 4 does not matter.
-    const Q4K_BF16: [u16; 32] = {
-        let mut t = bf16_table(0);
-        let mut i = 16;
-        while i < 32 {
-            t[i] = t[i - 16];
-            i += 1;
-        }
-        t
-    };
+    /// Nibble values 0..15.
+    const Q4K_BF16: [u16; 32] = field_table(0, 15, 0);
+    /// q2_k's 2-bit quants at bits 0..2 and at bits 2..4 of the index.
+    const Q2K_BF16: [[u16; 32]; 2] = [field_table(0, 3, 0), field_table(2, 3, 0)];
+    /// q3_k's `q − 4` for the 3-bit `q` at bits 0..3 and at bits 2..5 (two low bits, then the mask bit).
+    const Q3K_BF16: [[u16; 32]; 2] = [field_table(0, 7, 4), field_table(2, 7, 4)];
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
-    const Q6K_BF16_LO: [u16; 32] = bf16_table(32);
-    const Q6K_BF16_HI: [u16; 32] = bf16_table(0);
+    const Q6K_BF16_LO: [u16; 32] = field_table(0, 31, 32);
+    const Q6K_BF16_HI: [u16; 32] = field_table(0, 31, 0);
 
     /// The activations `x[t·ldx + at..at + 32]` of each token as bf16 (the second operand of
     /// `vcvtne2ps2bf16` fills the low half, so element order is kept).
@@ -540,6 +562,175 @@ mod x86 {
         }
     }
 
+    /// The 16 half-vector sums of 8 vectors, in order: lane 2i + h is the sum of lanes 8h..8h + 8 of `s[i]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn half_sums16(s: &[__m512; 8]) -> __m512 {
+        // Pairs of vectors: 128-bit lane l of q[i] holds 4 partial sums of half-vector 4i + l.
+        let q: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (s[2 * i], s[2 * i + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xdd>(a, b))
+        });
+        // In each 128-bit lane l: the sums of q[0..4]'s 4 partials, that is half-vectors l, 4 + l, 8 + l, 12 + l.
+        let u = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(q[0], q[1]), _mm512_shuffle_ps::<0xee>(q[0], q[1]));
+        let v = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(q[2], q[3]), _mm512_shuffle_ps::<0xee>(q[2], q[3]));
+        let g = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(u, v), _mm512_shuffle_ps::<0xdd>(u, v));
+        // Lane 4l + e holds half-vector 4e + l.
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g)
+    }
+
+    /// q2_k (`Q3` false) or q3_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    ///
+    /// A chunk is 32 elements, groups 2c and 2c + 1 (bytes 0..16 and 16..32 of its half's quants, field c mod 4),
+    /// taken in the lane order `P` (pairs of bytes from each half in turn, for the quants and the activations
+    /// alike), so that the `vdpbf16ps` of a chunk has group 2c in its even lanes and 2c + 1 in its odd ones: the
+    /// two groups' `d·sc` are then one 64-bit broadcast from memory, and the scaling one FMA. A half's quant
+    /// bytes are widened and put in order `P` once for its 4 chunks; fields 0 and 1 index their tables
+    /// unshifted (a table per field position, `field_table`), fields 2 and 3 after one shift by 4. q3_k adds
+    /// each chunk's mask bit next to its field with a shift and a bit-select. q2_k's mins `Σ_g dmin·m_g·Σx_g`
+    /// are one FMA a row and super-block against the 16 group sums, which each token's activations give once
+    /// for all rows of the block.
+    ///
+    /// The activations stay bf16 instead of being quantised to 8 bits for integer (VNNI) dot products as ggml
+    /// does with q8_K: products of bf16 activations and small-integer quants are exact, so the result stays
+    /// dequantise-then-f32 up to the order of additions, and at ~4 vector instructions per 32 weights and row
+    /// (q3_k ~6) against ~16 for the f32 AVX2 kernel, the loop keeps up with DRAM.
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx512bf16`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn dot_k23_avx512bf16<const R: usize, const T: usize, const Q3: bool>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        let (bb, quants_at) = if Q3 { (Q3K_BYTES, 32) } else { (Q2K_BYTES, 16) };
+        let tables = if Q3 { &Q3K_BF16 } else { &Q2K_BF16 };
+        // SAFETY: each table is 64 bytes.
+        let table = tables.map(|t| unsafe { _mm512_loadu_si512(t.as_ptr().cast::<__m512i>()) });
+        // Lane 4m + e takes element 2m + e of the chunk for e < 2, else 16 + 2m + e − 2.
+        let order = _mm512_set_epi16(
+            31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8, 23, 22, 7, 6, 21, 20, 5, 4, 19, 18,
+            3, 2, 17, 16, 1, 0,
+        );
+        // q3_k: the field's bits from the quants, the rest (the mask bit at 2 or 4) from the mask bytes.
+        let field = [_mm512_set1_epi16(0x03), _mm512_set1_epi16(0x0c)];
+        let f16s = f16_to_f32_table().as_ptr();
+        // SAFETY: __m512i and __m512bh are both 512 bits of plain data; 0x3f80 is bf16 1.0.
+        let ones: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 256 {
+            // Per token: the 8 chunks' activations in order `P`, and q2_k's 16 group sums.
+            let mut xp = [[ones; 8]; T];
+            let mut group_sums = [_mm512_setzero_ps(); T];
+            for (t, (xt, gs)) in xp.iter_mut().zip(&mut group_sums).enumerate() {
+                let mut pair_sums = [_mm512_setzero_ps(); 8];
+                for (c, (v, ps)) in xt.iter_mut().zip(&mut pair_sums).enumerate() {
+                    // SAFETY: elements 256b + 32c .. + 32 of token t exist.
+                    let xb = unsafe { load_x_bf16(x, t * ldx + 256 * b + 32 * c).0 };
+                    if !Q3 {
+                        *ps = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, ones);
+                    }
+                    // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                    *v = unsafe {
+                        std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(
+                            order,
+                            std::mem::transmute::<__m512bh, __m512i>(xb),
+                        ))
+                    };
+                }
+                if !Q3 {
+                    *gs = half_sums16(&pair_sums);
+                }
+            }
+            // Per row: d·sc of the 16 groups (two a chunk, broadcast from memory; stored for all rows first, so
+            // that no load waits for its store), and q2_k's mins.
+            let mut ds = [[0f32; 16]; R];
+            for (r, (row, dr)) in acc.iter_mut().zip(&mut ds).enumerate() {
+                // SAFETY: super-block b of row r exists.
+                let p = unsafe { w.add(r * ws + b * bb) };
+                prefetch_block(p, bb, pf);
+                // SAFETY: the f16 table has an entry for every 16-bit pattern; the f16 lies in the block.
+                let f16_at = |at: usize| unsafe {
+                    _mm512_set1_ps(*f16s.add(usize::from(p.add(at).cast::<u16>().read_unaligned())))
+                };
+                // SAFETY: the scale bytes, and dr's 16 f32.
+                unsafe {
+                    let v = if Q3 {
+                        let sc = q3_k_scales_words(p.add(96).cast::<[u8; 12]>().read_unaligned());
+                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(sc.as_ptr().cast::<__m128i>()));
+                        _mm512_mul_ps(
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))),
+                            f16_at(108),
+                        )
+                    } else {
+                        let sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
+                        let mins = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sm)), f16_at(82));
+                        for (a, gs) in row.iter_mut().zip(&group_sums) {
+                            *a = _mm512_fnmadd_ps(mins, *gs, *a);
+                        }
+                        _mm512_mul_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(0x0f))),
+                            f16_at(80),
+                        )
+                    };
+                    _mm512_storeu_ps(dr.as_mut_ptr(), v);
+                }
+            }
+            // Row by row, so that a row's quants and mask bits stay in registers across its 8 chunks.
+            for (r, (row, ds)) in acc.iter_mut().zip(&ds).enumerate() {
+                // SAFETY: super-block b of row r exists.
+                let p = unsafe { w.add(r * ws + b * bb) };
+                // q3_k's mask bytes in order `P`, shifted so that chunk 0's bit sits at bit 2 (`he`) and chunk
+                // 1's at bit 4 (`ho`).
+                let (mut he, mut ho) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                if Q3 {
+                    // SAFETY: the 32 mask bytes.
+                    let hm = _mm512_permutexvar_epi16(
+                        order,
+                        _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) }),
+                    );
+                    (he, ho) = (_mm512_slli_epi16::<2>(hm), _mm512_slli_epi16::<3>(hm));
+                }
+                for n in 0..2 {
+                    // The half's quant bytes in order `P` (fields 0, 1), and shifted by 4 (fields 2, 3).
+                    // SAFETY: the half's 32 quant bytes.
+                    let v = unsafe { _mm256_loadu_si256(p.add(quants_at + 32 * n).cast::<__m256i>()) };
+                    let q0 = _mm512_permutexvar_epi16(order, _mm512_cvtepu8_epi16(v));
+                    let q = [q0, _mm512_srli_epi16::<4>(q0)];
+                    for j in 0..4 {
+                        let c = 4 * n + j;
+                        let mut idx = q[j / 2];
+                        if Q3 {
+                            let h = if j % 2 == 0 { &mut he } else { &mut ho };
+                            idx = _mm512_ternarylogic_epi32::<0xca>(field[j % 2], idx, *h);
+                            *h = _mm512_srli_epi16::<2>(*h);
+                        }
+                        // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                        let wv: __m512bh =
+                            unsafe { std::mem::transmute(_mm512_permutexvar_epi16(idx, table[j % 2])) };
+                        // SAFETY: 2c + 1 < 16, inside ds.
+                        let scale = _mm512_castpd_ps(_mm512_set1_pd(unsafe {
+                            ds.as_ptr().add(2 * c).cast::<f64>().read_unaligned()
+                        }));
+                        for (a, xt) in row.iter_mut().zip(&xp) {
+                            *a = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xt[c], wv), scale, *a);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+
     /// q6_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
     ///
     /// # Safety
@@ -660,7 +851,90 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use crate::quant::{QFormat, q4_k_scale_min};
+    use super::super::qdot::{CacheLevel, Prefetch, dot_block};
+    use super::super::simd::{Isa, detect};
+    use crate::quant::{QFormat, q3_k_scales, q4_k_scale_min};
+
+    /// Bytes from a 64-bit LCG (every bit pattern, deterministic).
+    fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (s >> 56) as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn q3_k_scales_unpack_as_the_reference_reads_them() {
+        for packed in random_bytes(64 * 12, 3).chunks_exact(12).chain([[0u8; 12].as_slice(), &[0xff; 12]]) {
+            assert_eq!(super::q3_k_scales_words(packed.try_into().unwrap()), q3_k_scales(packed));
+        }
+    }
+
+    /// `R` rows × `T` tokens of `fmt` through `dot_block` with `isa`, against dequantise-then-f64: the error
+    /// may be that of f32 additions, relative to `Σ |x·w|` (the mins may cancel the rest).
+    fn check_dot<const R: usize, const T: usize>(isa: Isa, fmt: QFormat, w: &[u8], x: &[f32], k: usize) {
+        let rb = fmt.row_bytes(k);
+        let deq = fmt.dequantize(&w[..R * rb]);
+        let mut got = [[0f32; T]; R];
+        let pf = Prefetch { bytes: 256, level: CacheLevel::L1 };
+        // SAFETY: w holds R rows of rb bytes, x holds T rows of k; `isa` is this machine's or weaker.
+        unsafe { dot_block::<R, T>(isa, fmt, pf, x.as_ptr(), k, w.as_ptr(), rb, k, &mut got) };
+        for (r, row) in got.iter().enumerate() {
+            for (t, &g) in row.iter().enumerate() {
+                let terms = x[t * k..(t + 1) * k].iter().zip(&deq[r * k..(r + 1) * k]);
+                let (want, scale) = terms.fold((0f64, 0f64), |(s, a), (&xi, &wi)| {
+                    let p = f64::from(xi) * f64::from(wi);
+                    (s + p, a + p.abs())
+                });
+                assert!(
+                    (f64::from(g) - want).abs() <= 1e-5 * scale + 1e-30,
+                    "{isa:?} {fmt:?} {R}x{T} row {r} token {t}: {g} vs {want} (Σ|x·w| {scale})"
+                );
+            }
+        }
+    }
+
+    /// Every ISA path (AVX512_BF16, AVX-512 and AVX2 where present, plain Rust) on random q2_k and q3_k
+    /// super-blocks: random quants, scales and mask bits, with `d` and `dmin` drawn from edge values (zero,
+    /// subnormal, ±65504, negative), some blocks with all scale bytes zero (q3_k: every scale −32), and some
+    /// q2_k blocks with every min at 15.
+    #[test]
+    fn k23_dot_products_agree_on_every_isa_with_edge_blocks() {
+        let edges = [0.0f32, 6.0e-8, 1.0, -0.37, 65504.0, -65504.0, 3.1e-3];
+        let k = 1024;
+        let x: Vec<f32> = random_bytes(4 * k * 2, 7)
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_f32(f32::from(i16::from_le_bytes([b[0], b[1]])) / 16384.0).to_f32())
+            .collect();
+        let isas = detect().and_weaker();
+        assert!(isas.contains(&Isa::Portable));
+        for (fmt, bb, d_at) in [(QFormat::Q2K, 84, 80), (QFormat::Q3K, 110, 108)] {
+            let mut w = random_bytes(8 * k / 256 * bb, bb as u64);
+            for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
+                let d = half::f16::from_f32(edges[i % edges.len()]).to_le_bytes();
+                blk[d_at..d_at + 2].copy_from_slice(&d);
+                if fmt == QFormat::Q2K {
+                    let dmin = half::f16::from_f32(edges[(i * 3 + 1) % edges.len()]).to_le_bytes();
+                    blk[82..84].copy_from_slice(&dmin);
+                }
+                match (fmt, i % 5) {
+                    (QFormat::Q2K, 1) => blk[..16].fill(0),
+                    (QFormat::Q2K, 2) => blk[..16].iter_mut().for_each(|s| *s |= 0xf0),
+                    (QFormat::Q3K, 1) => blk[96..108].fill(0),
+                    _ => {}
+                }
+            }
+            for &isa in &isas {
+                check_dot::<8, 1>(isa, fmt, &w, &x, k);
+                check_dot::<4, 4>(isa, fmt, &w, &x, k);
+                check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], &x, k);
+                check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], &x, k);
+            }
+        }
+    }
 
     #[test]
     fn q4_k_scales_unpack_as_the_reference_reads_them() {

@@ -31,7 +31,9 @@ pub struct CpuPool {
     threads: usize,
     isa: Isa,
     prefetch: Prefetch,
-    tasks_per_thread: usize,
+    /// Tasks per thread a matmul's rows are cut into; `None`: [`TASKS_PER_THREAD`], or for quantised rows
+    /// [`QUANT_TASKS_PER_THREAD`].
+    tasks_per_thread: Option<usize>,
     gemv_rows: usize,
 }
 
@@ -49,7 +51,7 @@ impl CpuPool {
             threads,
             isa: simd::detect(),
             prefetch: QUANT_PREFETCH,
-            tasks_per_thread: TASKS_PER_THREAD,
+            tasks_per_thread: None,
             gemv_rows: QUANT_GEMV_ROWS,
         })
     }
@@ -80,13 +82,13 @@ impl CpuPool {
     /// The same pool with a matmul's rows cut into `tasks` tasks per thread (at least 1), to compare.
     #[must_use]
     pub fn with_tasks_per_thread(self, tasks: usize) -> CpuPool {
-        CpuPool { tasks_per_thread: tasks.max(1), ..self }
+        CpuPool { tasks_per_thread: Some(tasks.max(1)), ..self }
     }
 
-    /// Tasks per thread a matmul's rows are cut into.
+    /// Tasks per thread a quantised matmul's rows are cut into.
     #[must_use]
-    pub fn tasks_per_thread(&self) -> usize {
-        self.tasks_per_thread
+    pub fn quant_tasks_per_thread(&self) -> usize {
+        self.tasks_per_thread.unwrap_or(QUANT_TASKS_PER_THREAD)
     }
 
     /// The same pool with a quantised GEMV (up to 3 tokens) taking `rows` rows (4 or 8) per register block, to
@@ -178,6 +180,14 @@ pub const QUANT_PREFETCH: Prefetch = Prefetch { bytes: 1024, level: CacheLevel::
 /// GEMV; more of them even out the threads' finishing times.
 pub const TASKS_PER_THREAD: usize = 4;
 
+/// Tasks per thread a quantised matmul's rows are cut into. Its kernels are near a core's compute limit, so
+/// the threads finish a GEMV at different times, and more, shorter tasks even that out. Measured on the H200
+/// machine's Xeon (16 threads, `exec bench`, 512 MB matrices; GB/s with 16 against 4 tasks): run-q2 q8_0
+/// 131.8 / 103.3, q4_0 88.9 / 75.5, q4_k 81.8 / 67.3, q6_k 83.6 / 69.0, q2_k 50.4 / 43.9, q3_k 55.9 / 46.7;
+/// run-q1 q4_0 91.6 / 73.7–83.3, q4_k 87.4 / 69.8–75.0, q6_k 84.2 / 87.4 (the one loss, within the ±15 % the
+/// same case varies between runs) (results/exec/bounds).
+pub const QUANT_TASKS_PER_THREAD: usize = 16;
+
 /// Rows per register block of a quantised GEMV (up to 3 tokens): each is its own stream through memory, and
 /// they share each activation load and conversion. Measured on the H200 machine's Xeon (16 threads, `exec
 /// bench`, results/exec/quant run 6): 8 rows against 4, q8_0 112.4 against 104.5 GB/s, q4_0 71.8 against 69.6.
@@ -204,6 +214,8 @@ trait RowFormat: Copy + Send + Sync {
     const SPREAD_ROWS: bool;
     /// Bytes of one row of `k` elements.
     fn row_bytes(self, k: usize) -> usize;
+    /// Tasks per thread a matmul's rows are cut into, unless the pool says otherwise.
+    fn tasks_per_thread(self) -> usize;
     /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
     /// rows unless `SPREAD_ROWS`); quantised kernels prefetch ahead of every block they read as `pf` says.
     ///
@@ -226,6 +238,9 @@ impl RowFormat for Elem {
     const SPREAD_ROWS: bool = false;
     fn row_bytes(self, k: usize) -> usize {
         k * self.size_bytes()
+    }
+    fn tasks_per_thread(self) -> usize {
+        TASKS_PER_THREAD
     }
     unsafe fn dot<const R: usize, const T: usize>(
         self,
@@ -251,6 +266,9 @@ impl RowFormat for QFormat {
     const SPREAD_ROWS: bool = true;
     fn row_bytes(self, k: usize) -> usize {
         QFormat::row_bytes(self, k)
+    }
+    fn tasks_per_thread(self) -> usize {
+        QUANT_TASKS_PER_THREAD
     }
     unsafe fn dot<const R: usize, const T: usize>(
         self,
@@ -360,7 +378,8 @@ fn tiled<F: RowFormat>(
         "matmul operand sizes"
     );
     // `tasks_per_thread` tasks per thread at most, 32 rows at least.
-    let rows_per_task = n.div_ceil(pool.tasks_per_thread * pool.threads).next_multiple_of(4).max(32);
+    let tasks_per_thread = pool.tasks_per_thread.unwrap_or_else(|| fmt.tasks_per_thread());
+    let rows_per_task = n.div_ceil(tasks_per_thread * pool.threads).next_multiple_of(4).max(32);
     let (isa, pf, gemv_rows) = (pool.isa, pool.prefetch, pool.gemv_rows);
     let out = SharedOut(y.as_mut_ptr());
     let wp = w.as_ptr() as usize;

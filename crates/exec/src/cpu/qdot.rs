@@ -108,13 +108,23 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
             super::kdot::dot_q6_k_avx2::<R, T>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512Bf16, QFormat::Q2K) => unsafe {
+            super::kdot::dot_k23_avx512bf16::<R, T, false>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512Bf16, QFormat::Q3K) => unsafe {
+            super::kdot::dot_k23_avx512bf16::<R, T, true>(pf, x, ldx, w, ws, k, out);
+        },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; every x86 ISA above Portable has AVX2+FMA+F16C.
-        (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q2K) => unsafe {
+        (Isa::Avx2 | Isa::Avx512, QFormat::Q2K) => unsafe {
             super::kdot::dot_k23_avx2::<R, T, false>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16, QFormat::Q3K) => unsafe {
+        (Isa::Avx2 | Isa::Avx512, QFormat::Q3K) => unsafe {
             super::kdot::dot_k23_avx2::<R, T, true>(pf, x, ldx, w, ws, k, out);
         },
         _ => {
