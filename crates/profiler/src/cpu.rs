@@ -98,6 +98,35 @@ fn random_vec(len_bytes: usize, elem: Elem, seed: u64) -> Vec<u8> {
     v
 }
 
+/// Copies of an operand laid end to end, handed out in turn, so that every timed call reads its operand from
+/// DRAM as a decode step does (the rest of the model passes through the caches in between), not from the
+/// last-level cache the previous sample left it in. A 64 MB batched-decode KV cache timed in place ran 1.7×
+/// faster per byte than a 256 MB one (profiles/h200.json at f1e6ea0: 16 sequences × 1K vs 4K keys), and the
+/// executor's CPU attention ran ~1.5× its row.
+struct Rotation {
+    wall: Vec<u8>,
+    next: usize,
+}
+
+impl Rotation {
+    /// Random bytes of `elem` over `max(rotation_bytes, largest operand)`.
+    fn new(rotation_bytes: usize, largest_bytes: usize, elem: Elem, seed: u64) -> Rotation {
+        Rotation { wall: random_vec(rotation_bytes.max(largest_bytes), elem, seed), next: 0 }
+    }
+
+    /// The wall as laid out by the caller (quantised blocks).
+    fn of(wall: Vec<u8>) -> Rotation {
+        Rotation { wall, next: 0 }
+    }
+
+    /// The next copy of an operand of `bytes` (at most the largest operand given to `new`).
+    fn take(&mut self, bytes: usize) -> &[u8] {
+        let copies = (self.wall.len() / bytes.max(1)).max(1);
+        self.next = (self.next + 1) % copies;
+        &self.wall[self.next * bytes..(self.next + 1) * bytes]
+    }
+}
+
 fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     random_vec(n * 4, Elem::F32, seed)
         .chunks_exact(4)
@@ -398,9 +427,9 @@ pub fn measure(
         let elem = if quant.is_some() { Elem::Bf16 } else { Elem::from_dtype(dtype).expect("f16/bf16") };
         let row_bytes = |k: u64| quant.map_or(2 * k as usize, |q| q.row_bytes(k as usize));
         let max_w = g.matmul.iter().map(|&(n, k)| n as usize * row_bytes(k)).max().unwrap_or(0);
-        let wall = match quant {
-            Some(q) => random_blocks(q, g.rotation_bytes.max(max_w), 2),
-            None => random_vec(g.rotation_bytes.max(max_w), elem, 2),
+        let mut wall = match quant {
+            Some(q) => Rotation::of(random_blocks(q, g.rotation_bytes.max(max_w), 2)),
+            None => Rotation::new(g.rotation_bytes, max_w, elem, 2),
         };
         let max_k = g.matmul.iter().map(|s| s.1).max().unwrap_or(1) as usize;
         let max_n = g.matmul.iter().map(|s| s.0).max().unwrap_or(1) as usize;
@@ -414,13 +443,10 @@ pub fn measure(
             .chain(g.prefill_tokens.iter().map(|&m| (m, std::slice::from_ref(most))));
         for &(n, k) in g.matmul.iter().filter(|s| fits(dtype, s.1)) {
             let wbytes = n as usize * row_bytes(k);
-            let copies = (wall.len() / wbytes).max(1);
             for (m, pools) in runs.clone() {
                 for pool in pools {
-                    let mut i = 0;
                     let mut run = || -> Result<f64> {
-                        i = (i + 1) % copies;
-                        let w = &wall[i * wbytes..(i + 1) * wbytes];
+                        let w = wall.take(wbytes);
                         let (k, n) = (k as usize, n as usize);
                         let t0 = Instant::now();
                         match quant {
@@ -456,15 +482,15 @@ pub fn measure(
         let d = dims_for(h, 1024, Elem::Bf16);
         let ctx_max = *g.attn_ctx.iter().max().unwrap_or(&1);
         let lay_max = KvLayout { ctx: ctx_max, kv_dim: d.kv_dim, elem: kv_elem };
-        let kv = random_vec(lay_max.bytes(), kv_elem, 4);
+        let mut kv = Rotation::new(g.rotation_bytes, lay_max.bytes(), kv_elem, 4);
         let q = random_f32(d.q_dim, 5);
         let mut out = vec![0f32; d.q_dim];
         for &ctx in &g.attn_ctx {
             // The cache of `ctx` tokens: K then V, each `ctx × kv_dim`.
             let lay = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
-            let cache = &kv[..lay.bytes()];
             for pool in &pools {
                 let mut run = || -> Result<f64> {
+                    let cache = kv.take(lay.bytes());
                     let t0 = Instant::now();
                     kernels::attention(pool, &d, &q, cache, lay, 1, ctx - 1, Elem::Bf16, &mut out);
                     Ok(secs_ns(t0))
@@ -556,10 +582,11 @@ pub fn measure(
             // counts a chunk's keys.
             let pos0 = ctx - m / 2;
             let lay = KvLayout { ctx: pos0 + m, kv_dim: d.kv_dim, elem: kv_elem };
-            let cache = random_vec(lay.bytes(), kv_elem, 9);
+            let mut kv = Rotation::new(g.rotation_bytes, lay.bytes(), kv_elem, 9);
             let mut run = || -> Result<f64> {
+                let cache = kv.take(lay.bytes());
                 let t0 = Instant::now();
-                kernels::attention(most, &d, &q, &cache, lay, m, pos0, Elem::Bf16, &mut out);
+                kernels::attention(most, &d, &q, cache, lay, m, pos0, Elem::Bf16, &mut out);
                 Ok(secs_ns(t0))
             };
             rows.push(attention_row(
@@ -591,12 +618,13 @@ pub fn measure(
             for &ctx in &g.attn_prefill_ctx {
                 let seq = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
                 let cache = SeqKv { seq, seqs: r, unified: false, prompt: ctx - 1 };
-                let kv = random_vec(cache.whole().bytes(), kv_elem, 13);
+                let mut kv = Rotation::new(g.rotation_bytes, cache.whole().bytes(), kv_elem, 13);
                 let pass = Pass::Decode { pos: ctx - 1 };
                 let keys = |t: usize| cache.keys(pass, t);
                 let mut run = || -> Result<f64> {
+                    let kv = kv.take(cache.whole().bytes());
                     let t0 = Instant::now();
-                    kernels::attention_rows(most, &d, &q, &kv, cache.whole(), r, &keys, Elem::Bf16, &mut out);
+                    kernels::attention_rows(most, &d, &q, kv, cache.whole(), r, &keys, Elem::Bf16, &mut out);
                     Ok(secs_ns(t0))
                 };
                 let stats = both(rule, dma, &mut run)?;
