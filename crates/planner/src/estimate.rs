@@ -43,7 +43,9 @@ use pipeshard_core::cost::{CostModel, OpContext};
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, Prediction, UnitPlacement, VramBreakdown};
-use pipeshard_core::workload::{ACT_BYTES, Op, OpClass, OpKind, Phase, Workload, ops, scratch_bytes};
+use pipeshard_core::workload::{
+    ACT_BYTES, Op, OpClass, OpKind, Phase, Workload, fuse_one_token_projections, ops, scratch_bytes,
+};
 
 /// llama.cpp's CUDA backend offloads a CPU-resident matmul to the GPU only for batches of at least this many
 /// tokens (`ggml_backend_cuda_offload_op`).
@@ -403,6 +405,14 @@ impl OpTimes<'_> {
     }
 }
 
+/// Which side's time an op is charged to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Both,
+    Gpu,
+    Cpu,
+}
+
 fn is_matmul(op: &Op) -> bool {
     matches!(op.kind.class(), OpClass::MatMul | OpClass::Router | OpClass::Experts)
 }
@@ -751,14 +761,27 @@ impl Ctx<'_> {
     }
 
     /// Adds `count` runs of `op` to the units it belongs to (an experts op is shared by the layer's experts).
-    fn charge(&self, units: &mut [UnitCost], times: &mut OpTimes<'_>, op: &Op, count: f64, offload: bool) {
+    fn charge(
+        &self,
+        units: &mut [UnitCost],
+        times: &mut OpTimes<'_>,
+        op: &Op,
+        count: f64,
+        offload: bool,
+        side: Side,
+    ) {
         let (gpu, cpu) = times.of(op);
         let offloaded = if offload && is_matmul(op) { gpu } else { cpu };
+        let (on_gpu, on_cpu) = (side != Side::Cpu, side != Side::Gpu);
         let add = |u: &mut UnitCost, share: f64| {
-            u.gpu_ns += count * gpu * share;
-            u.cpu_ns += count * cpu * share;
-            u.offload_ns += count * offloaded * share;
-            u.cpu_dram_bytes += count * op.bytes() * share;
+            if on_gpu {
+                u.gpu_ns += count * gpu * share;
+            }
+            if on_cpu {
+                u.cpu_ns += count * cpu * share;
+                u.offload_ns += count * offloaded * share;
+                u.cpu_dram_bytes += count * op.bytes() * share;
+            }
         };
         if let OpKind::Experts { .. } = op.kind {
             let layer = op.unit.layer().expect("experts ops belong to a layer") as usize;
@@ -837,7 +860,7 @@ impl Ctx<'_> {
             }
             stage.iter_mut().zip(shape_stage).for_each(|(s, b)| *s = (*s).max(b));
             for op in step_ops.iter().filter(|o| o.kind.class() != OpClass::Attention) {
-                self.charge(&mut units, times, op, count as f64, offload);
+                self.charge(&mut units, times, op, count as f64, offload, Side::Both);
             }
             if offload {
                 self.charge_offload_copies(&mut units, &step_ops, count as f64);
@@ -884,8 +907,22 @@ impl Ctx<'_> {
     fn decode_costs(&self, times: &mut OpTimes<'_>) -> PhaseCosts {
         let mut units = self.empty();
         let step = self.w.decode_step(self.w.gen_tokens / 2);
-        for op in &ops(self.spec, self.inv, self.w, step) {
-            self.charge(&mut units, times, op, 1.0, false);
+        let plain = ops(self.spec, self.inv, self.w, step);
+        if self.cost.one_token_projections_fused() {
+            // The runtime fuses one-token q|k|v and gate|up on the GPU only, as the simulator prices it: a
+            // unit's GPU time comes from the fused ops, its CPU time from the plain ones.
+            let mut fused = plain.clone();
+            fuse_one_token_projections(&mut fused, |_| true);
+            for op in &plain {
+                self.charge(&mut units, times, op, 1.0, false, Side::Cpu);
+            }
+            for op in &fused {
+                self.charge(&mut units, times, op, 1.0, false, Side::Gpu);
+            }
+        } else {
+            for op in &plain {
+                self.charge(&mut units, times, op, 1.0, false, Side::Both);
+            }
         }
         let last = self.w.decode_step(self.w.gen_tokens.saturating_sub(1));
         PhaseCosts {
@@ -913,6 +950,33 @@ mod tests {
         let cost = TableCostModel::new(&reference::derived("cli3").unwrap());
         let est = Estimator::new(&spec, &inv, &w, &cost);
         (spec, inv, w, est)
+    }
+
+    #[test]
+    fn fused_one_token_projections_cut_gpu_time_only() {
+        let spec = catalog::get("nemo-8b").unwrap().truncated(2).unwrap();
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(128, 1024, 16, 128);
+        let mut profile = reference::derived("cli3").unwrap();
+        let plain = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));
+        profile.one_token_projections_fused = true;
+        let fused = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));
+        for unit in [UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 1 }] {
+            let pos = inv.position(unit).unwrap();
+            let (p, f) =
+                (&plain.costs(PhaseKind::Decode).units[pos], &fused.costs(PhaseKind::Decode).units[pos]);
+            // One launch and one read of the input fewer per merged GEMM; the CPU keeps one GEMM a matrix.
+            assert!(f.gpu_ns < p.gpu_ns, "{unit}: {} vs {}", f.gpu_ns, p.gpu_ns);
+            assert_eq!(
+                [f.cpu_ns.to_bits(), f.cpu_dram_bytes.to_bits()],
+                [p.cpu_ns.to_bits(), p.cpu_dram_bytes.to_bits()],
+                "{unit}"
+            );
+            // Prefill chunks are never fused.
+            let (pp, fp) =
+                (&plain.costs(PhaseKind::Prefill).units[pos], &fused.costs(PhaseKind::Prefill).units[pos]);
+            assert_eq!(pp.gpu_ns.to_bits(), fp.gpu_ns.to_bits(), "{unit}");
+        }
     }
 
     #[test]
