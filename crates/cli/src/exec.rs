@@ -281,6 +281,12 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
     let gpu = match probe() {
         Ok(_) => Some(Gpu::new().context("opening the CUDA device")?),
         Err(reason) => {
+            if args.check {
+                bail!(
+                    "--check runs the whole model pinned in VRAM as its reference, which needs a CUDA device \
+                     ({reason}); run without --check"
+                );
+            }
             eprintln!("no CUDA device ({reason}): only all-CPU plans can run");
             None
         }
@@ -401,18 +407,12 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         Some(_) => Some(format!("{CSV_HEADER}\n")),
         None => None,
     };
-    let reference = if args.check {
+    // `--check` without a GPU stopped at the probe above.
+    let reference = if let (true, Some(g)) = (args.check, &gpu) {
         let threads = args.threads.unwrap_or(8);
-        // Unconstrained means the whole device: a fixed headroom over weights + KV undercounted the runtime
-        // overhead and prefill scratch of large MoE models (qwen3-30b-a3b bf16 peaked 87 MB over it).
-        let big = match &gpu {
-            Some(g) => g.mem_info()?.1,
-            None => {
-                weights.total_bytes()
-                    + workload.kv_bytes_per_layer(&spec) * u64::from(spec.text.n_layers)
-                    + (8 << 30)
-            }
-        };
+        // Unconstrained means the whole device (a fixed headroom over weights + KV left the page tables of
+        // qwen3-30b-a3b's 61 GB of locked bf16 weights out: 87 MB over).
+        let big = g.mem_info()?.1;
         let plan = pipeshard_exec::testing::manual_plan(&spec, workload, big, 0, 0, threads, |_, _| {
             Placement::Pinned
         });
@@ -691,6 +691,19 @@ mod tests {
         assert!(text.lines().nth(1).unwrap().contains(",ok,"), "{text}");
         assert_eq!(files(), ["cells.csv", "model", "plan.json"]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--check`'s all-pinned reference needs a GPU: without one it stops before any weight is made.
+    #[test]
+    fn check_without_a_gpu_says_it_needs_one() {
+        static CALM: AtomicBool = AtomicBool::new(false);
+        if pipeshard_exec::cuda::probe().is_ok() {
+            eprintln!("skipped: a CUDA device is present");
+            return;
+        }
+        let line = "--model nemo-8b --check --prompt-tokens 4 --gen 2 --ctx 16 --ubatch 4 --budget 1G";
+        let e = run_cells(&run_args(line), &CALM).unwrap_err().to_string();
+        assert!(e.contains("--check") && e.contains("needs a CUDA device"), "{e}");
     }
 
     /// Each warning is printed once however many cells raise it.
