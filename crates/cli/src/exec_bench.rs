@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use pipeshard_core::dtype::DType;
 use pipeshard_exec::cuda::{Gpu, probe};
+use pipeshard_exec::quant::QFormat;
 use pipeshard_profiler::bench::{BenchConfig, BenchRow, gemv_bandwidth};
 use pipeshard_profiler::machine::cpu_model;
 use pipeshard_profiler::stats::Rule;
@@ -37,6 +39,10 @@ pub struct BenchArgs {
     /// Measure the CPU only, even where a GPU is present.
     #[arg(long)]
     cpu_only: bool,
+    /// Quantised formats to measure besides bf16, comma-separated (`q4_0,q4_k`; `none` for bf16 alone, as
+    /// `--bounds` needs); default: every one.
+    #[arg(long)]
+    formats: Option<String>,
     /// Write `gemv.csv` and `gemv.md` (and with `--bounds`, `bounds.csv` and `bounds.md`) into this folder.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -99,6 +105,22 @@ fn table(rows: &[BenchRow]) -> String {
     s
 }
 
+/// `--formats`: quantised formats by name, or `none`.
+fn quant_formats(list: &str) -> anyhow::Result<Vec<QFormat>> {
+    if list == "none" {
+        return Ok(Vec::new());
+    }
+    list.split(',')
+        .filter(|f| *f != "bf16")
+        .map(|f| {
+            let d: DType = f.parse().map_err(|e| anyhow::anyhow!("--formats {f}: {e}"))?;
+            QFormat::from_dtype(d).with_context(|| {
+                format!("--formats {f}: not a quantised format the bench measures (q8_0, q4_0, q4_k, q6_k, q2_k, q3_k)")
+            })
+        })
+        .collect()
+}
+
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.cols == 0 || !args.cols.is_multiple_of(256) {
         anyhow::bail!("--cols {}: must be a positive multiple of 256 (the q4_k/q6_k super-block)", args.cols);
@@ -124,6 +146,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         gpu_weight_bytes: usize::try_from(parse_bytes(&args.gpu_bytes)?).context("--gpu-bytes")?,
         cols: args.cols,
         rule: Rule { min_samples: 5, max_samples: 15, target_spread: 0.03, budget: Duration::from_secs(2) },
+        quant_formats: args.formats.as_deref().map(quant_formats).transpose()?,
     };
     if args.bounds && gpu.is_none() {
         anyhow::bail!(
@@ -253,4 +276,20 @@ fn write_bounds(
         .with_context(|| format!("writing {}/bounds.csv", dir.display()))?;
     eprintln!("wrote {}/bounds.md and bounds.csv", dir.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_lists_name_quantised_formats_and_refuse_others() {
+        assert_eq!(quant_formats("q4_0,q4_k").unwrap(), [QFormat::Q4_0, QFormat::Q4K]);
+        assert!(quant_formats("none").unwrap().is_empty());
+        assert!(quant_formats("bf16").unwrap().is_empty());
+        let e = quant_formats("q4_0,f16").unwrap_err().to_string();
+        assert!(e.contains("--formats f16") && e.contains("not a quantised format"), "{e}");
+        let e = quant_formats("q5_z").unwrap_err().to_string();
+        assert!(e.contains("--formats q5_z"), "{e}");
+    }
 }

@@ -21,7 +21,7 @@ use crate::stats::{Rule, sample};
 use crate::{Progress, Result};
 
 /// What to measure.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BenchConfig {
     /// CPU threads.
     pub threads: usize,
@@ -33,6 +33,22 @@ pub struct BenchConfig {
     pub cols: usize,
     /// Sampling rule.
     pub rule: Rule,
+    /// Quantised formats to measure besides bf16 (`None`: every one). bf16 always runs: the bounds and the
+    /// prefill rows take it as their reference.
+    pub quant_formats: Option<Vec<QFormat>>,
+}
+
+impl BenchConfig {
+    /// The formats this bench measures, bf16 first.
+    fn formats(&self) -> Vec<Fmt> {
+        Fmt::ALL
+            .into_iter()
+            .filter(|f| match (f, &self.quant_formats) {
+                (Fmt::Quant(q), Some(only)) => only.contains(q),
+                _ => true,
+            })
+            .collect()
+    }
 }
 
 /// One measured GEMV.
@@ -119,7 +135,8 @@ struct CpuCase {
 /// the f32 AVX-512 kernel and the K-quants with the f32 AVX2 ones.
 fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
     let (q8, q4) = (Fmt::Quant(QFormat::Q8_0), Fmt::Quant(QFormat::Q4_0));
-    let mut v: Vec<(Fmt, Variant)> = Fmt::ALL.into_iter().map(|f| (f, Variant::default())).collect();
+    let formats = cfg.formats();
+    let mut v: Vec<(Fmt, Variant)> = formats.iter().map(|&f| (f, Variant::default())).collect();
     for f in [q8, q4] {
         v.push((f, Variant { gemv_rows: Some(4), ..Variant::default() }));
         v.push((
@@ -152,6 +169,7 @@ fn cpu_cases(cfg: &BenchConfig, pool: &CpuPool) -> Result<Vec<CpuCase>> {
             v.push((f, Variant { isa: Some(Isa::Avx512), ..Variant::default() }));
         }
     }
+    v.retain(|(f, _)| formats.contains(f));
     v.into_iter()
         .map(|(fmt, var)| {
             let mut pool = match var.isa {
@@ -310,7 +328,8 @@ fn gpu_rows(
     const REPS: usize = 20;
     let k = cfg.cols;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
-    progress.section("GPU: device copy, then GEMV per format", 1 + Fmt::ALL.len() as u64);
+    let formats = cfg.formats();
+    progress.section("GPU: device copy, then GEMV per format", 1 + formats.len() as u64);
     let (start, end) = (gpu.event(true)?, gpu.event(true)?);
     // Times `REPS` launches of `f` on the compute stream; seconds per launch.
     let timed = |f: &dyn Fn() -> pipeshard_exec::Result<()>| -> Result<f64> {
@@ -335,7 +354,7 @@ fn gpu_rows(
     }
     let xd = gpu.alloc(xb.len())?;
     let mut rows = Vec::new();
-    for fmt in Fmt::ALL {
+    for &fmt in &formats {
         let n = bytes / fmt.row_bytes(k);
         let generated;
         let w = if let Some((_, w)) =
@@ -408,7 +427,8 @@ fn gpu_prefill_rows(
     progress: &dyn Progress,
 ) -> Result<Vec<BenchRow>> {
     let (m, n) = (PREFILL_TOKENS, PREFILL_ROWS);
-    progress.section("GPU: prefill GEMM per format", Fmt::ALL.len() as u64);
+    let formats = cfg.formats();
+    progress.section("GPU: prefill GEMM per format", formats.len() as u64);
     // bf16 is the largest format.
     let (wd, xd, yd) = (gpu.alloc(n * k * 2)?, gpu.alloc(m * k * 2)?, gpu.alloc(m * n * 4)?);
     let xb: Vec<u8> = (0..m * k)
@@ -416,7 +436,7 @@ fn gpu_prefill_rows(
         .collect();
     let flops = 2.0 * (m * n * k) as f64;
     let mut rows: Vec<BenchRow> = Vec::new();
-    for fmt in Fmt::ALL {
+    for fmt in formats {
         let w = random_matrix(fmt, n, k);
         let quant = match fmt {
             Fmt::Bf16 => None,
@@ -478,6 +498,7 @@ mod tests {
                 target_spread: 1.0,
                 budget: Duration::from_millis(50),
             },
+            quant_formats: None,
         };
         let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
         // Every format with the default kernels, then the quantised variants.
@@ -501,5 +522,27 @@ mod tests {
         let n: Vec<usize> = rows[..7].iter().map(|r| r.rows).collect();
         assert!(n[5] > n[6] && n[6] > n[2], "{n:?}");
         assert!(n[2] == n[3] && n[3] > n[4] && n[4] > n[1] && n[1] > n[0], "{n:?}");
+    }
+
+    #[test]
+    fn a_format_list_keeps_bf16_and_the_listed_formats_variants() {
+        let cfg = BenchConfig {
+            threads: 2,
+            cpu_weight_bytes: 1 << 20,
+            gpu_weight_bytes: 0,
+            cols: 1024,
+            rule: Rule {
+                min_samples: 1,
+                max_samples: 1,
+                target_spread: 1.0,
+                budget: Duration::from_millis(10),
+            },
+            quant_formats: Some(vec![QFormat::Q4K]),
+        };
+        let rows = gemv_bandwidth(&cfg, None, &Quiet).unwrap();
+        let mut formats: Vec<&str> = rows.iter().map(|r| r.format.as_str()).collect();
+        formats.dedup();
+        assert_eq!(formats, ["bf16", "q4_k"]);
+        assert!(rows.iter().filter(|r| r.format == "q4_k").count() >= 3, "default, no prefetch, 4 tasks");
     }
 }
