@@ -27,6 +27,18 @@ use pipeshard_exec::{ExecError, RunOptions, RunOutput, run};
 
 type Rule = fn(PhaseKind, UnitId) -> Placement;
 
+/// The device and its name, or `None` after saying the test skipped (the workspace builds and tests without
+/// CUDA).
+fn device() -> Option<(String, Gpu)> {
+    match probe() {
+        Ok(name) => Some((name, Gpu::new().unwrap())),
+        Err(reason) => {
+            eprintln!("skipped: no CUDA device: {reason}");
+            None
+        }
+    }
+}
+
 fn layer_of(u: UnitId) -> u32 {
     u.layer().unwrap_or(0)
 }
@@ -294,14 +306,7 @@ fn export_for_hf(
 
 #[test]
 fn placement_mixes_match_all_cpu_on_the_gpu() {
-    let name = match probe() {
-        Ok(n) => n,
-        Err(reason) => {
-            eprintln!("skipped: no CUDA device: {reason}");
-            return;
-        }
-    };
-    let gpu = Gpu::new().unwrap();
+    let Some((name, gpu)) = device() else { return };
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
     let mut log = std::io::stderr();
     writeln!(log, "device: {name}").unwrap();
@@ -376,11 +381,7 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
 
 #[test]
 fn plans_over_the_budget_fail_before_running() {
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
+    let Some((_, gpu)) = device() else { return };
     let spec = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
     let w = ModelWeights::random(&spec, 1).unwrap();
     // 2 layers + embedding + head pinned, about 2.9 GiB. The plan's lines leave the runtime overhead out, so it
@@ -401,11 +402,7 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::quant::QFormat;
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
+    let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let pool = CpuPool::new(4).unwrap();
     // 37 rows: the last warp of the GEMV has one row; 3 blocks a row: fewer than a warp step's 8 (of q4_0 and
@@ -460,11 +457,7 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
 /// included), give every sequence the logits of its own single-sequence all-CPU run, within the budget.
 #[test]
 fn batched_decode_matches_independent_runs_on_the_gpu() {
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
+    let Some((_, gpu)) = device() else { return };
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
     let pick = |mixes: &'static [(&'static str, u32, bool, Rule)], names: &[&str]| {
         mixes.iter().copied().filter(|m| names.contains(&m.0)).collect::<Vec<_>>()
@@ -536,11 +529,7 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::seqs::{Pass, SeqKv};
     use pipeshard_exec::weights::Dims;
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
+    let Some((_, gpu)) = device() else { return };
     let pool = CpuPool::new(4).unwrap();
     let value = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0 - 1.0;
     for spec in [catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16), tiny_qwen3_spec()]
@@ -627,11 +616,7 @@ fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::quant::QFormat;
-    if let Err(reason) = probe() {
-        eprintln!("skipped: no CUDA device: {reason}");
-        return;
-    }
-    let gpu = Gpu::new().unwrap();
+    let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let (k, parts) = (4096usize, [4096usize, 1024, 1024]);
     let n: usize = parts.iter().sum();
