@@ -478,11 +478,29 @@ pub fn measure(
     let steps = g.heads.len() * g.attn_ctx.len() * pools.len();
     progress.section("CPU decode attention (exec kernel) by threads", steps as u64);
     let kv_elem = Elem::F16;
+    let m = g.attn_prefill_queries;
+    // One wall of random KV serves every attention row below: its values do not matter, only that each sample
+    // reads its cache cold. It holds the largest cache of the three kinds.
+    let kv_largest = g
+        .heads
+        .iter()
+        .map(|&h| {
+            let kv_dim = dims_for(h, 1024, Elem::Bf16).kv_dim;
+            let lay = |ctx| KvLayout { ctx, kv_dim, elem: kv_elem };
+            let decode = g.attn_ctx.iter().map(|&c| lay(c).bytes());
+            let prefill = g.attn_prefill_ctx.iter().map(|&c| lay(c - m / 2 + m).bytes());
+            let batched = g.attn_prefill_ctx.iter().flat_map(|&c| {
+                g.decode_seqs.iter().map(move |&r| {
+                    SeqKv { seq: lay(c), seqs: r, unified: false, prompt: c - 1 }.whole().bytes()
+                })
+            });
+            decode.chain(prefill).chain(batched).max().unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0);
+    let mut kv = Rotation::new(g.rotation_bytes, kv_largest, kv_elem, 4);
     for &h in &g.heads {
         let d = dims_for(h, 1024, Elem::Bf16);
-        let ctx_max = *g.attn_ctx.iter().max().unwrap_or(&1);
-        let lay_max = KvLayout { ctx: ctx_max, kv_dim: d.kv_dim, elem: kv_elem };
-        let mut kv = Rotation::new(g.rotation_bytes, lay_max.bytes(), kv_elem, 4);
         let q = random_f32(d.q_dim, 5);
         let mut out = vec![0f32; d.q_dim];
         for &ctx in &g.attn_ctx {
@@ -570,7 +588,6 @@ pub fn measure(
     }
 
     // Prefill attention: a chunk of queries over the cache before them and each other (causal).
-    let m = g.attn_prefill_queries;
     let steps = g.heads.len() * g.attn_prefill_ctx.len();
     progress.section("CPU prefill attention (exec kernel), most threads", steps as u64);
     for &h in &g.heads {
@@ -582,7 +599,6 @@ pub fn measure(
             // counts a chunk's keys.
             let pos0 = ctx - m / 2;
             let lay = KvLayout { ctx: pos0 + m, kv_dim: d.kv_dim, elem: kv_elem };
-            let mut kv = Rotation::new(g.rotation_bytes, lay.bytes(), kv_elem, 9);
             let mut run = || -> Result<f64> {
                 let cache = kv.take(lay.bytes());
                 let t0 = Instant::now();
@@ -618,7 +634,6 @@ pub fn measure(
             for &ctx in &g.attn_prefill_ctx {
                 let seq = KvLayout { ctx, kv_dim: d.kv_dim, elem: kv_elem };
                 let cache = SeqKv { seq, seqs: r, unified: false, prompt: ctx - 1 };
-                let mut kv = Rotation::new(g.rotation_bytes, cache.whole().bytes(), kv_elem, 13);
                 let pass = Pass::Decode { pos: ctx - 1 };
                 let keys = |t: usize| cache.keys(pass, t);
                 let mut run = || -> Result<f64> {
