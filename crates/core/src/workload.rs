@@ -606,24 +606,28 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
 /// Merges the matmuls that a runtime with [`crate::profile::Profile::one_token_projections_fused`] runs as one
 /// GEMM: in a one-token step, adjacent matmuls of one attention or FFN unit with the same inner size and
 /// format (q|k|v, gate|up, stored back to back) for which `fused(unit)` holds (the executor fuses on the GPU
-/// only). The merged op reads the input once.
+/// only). The merged op reads the input once. The RoPE of q and of k, back to back in the merged output, merge
+/// into one launch too.
 pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> bool) {
     let fusable = |o: &Op| o.tokens == 1 && matches!(o.unit, UnitId::Attn { .. } | UnitId::Ffn { .. });
     ops.dedup_by(|next, prev| {
-        let (OpKind::MatMul { n, k }, OpKind::MatMul { n: n2, k: k2 }) = (prev.kind, next.kind) else {
-            return false;
+        let (kind, shared_input_bytes) = match (prev.kind, next.kind) {
+            (OpKind::MatMul { n, k }, OpKind::MatMul { n: n2, k: k2 }) if k == k2 => {
+                (OpKind::MatMul { n: n + n2, k }, ACT_BYTES * k as f64)
+            }
+            (OpKind::Rope, OpKind::Rope) => (OpKind::Rope, 0.0),
+            _ => return false,
         };
-        let merge = k == k2
-            && prev.unit == next.unit
+        let merge = prev.unit == next.unit
             && prev.dtype == next.dtype
             && fusable(prev)
             && fusable(next)
             && fused(prev.unit);
         if merge {
-            prev.kind = OpKind::MatMul { n: n + n2, k };
+            prev.kind = kind;
             prev.flops += next.flops;
             prev.weight_bytes += next.weight_bytes;
-            prev.act_bytes += next.act_bytes - ACT_BYTES * k as f64;
+            prev.act_bytes += next.act_bytes - shared_input_bytes;
         }
         merge
     });
@@ -810,7 +814,15 @@ mod tests {
         assert_eq!(matmuls(&fused, ffn), [2 * 11520, 4096]);
         // Units the runtime does not fuse keep their matmuls.
         assert_eq!(matmuls(&fused, UnitId::Attn { layer: 1 }), [4096, 1024, 1024, 4096]);
-        assert_eq!(decode.len() - fused.len(), 2 * 40 - 2 + 40);
+        // q|k|v and one RoPE launch per fused attention, gate|up per FFN.
+        let ropes = |ops: &[Op], unit: UnitId| {
+            ops.iter().filter(|o| o.unit == unit && o.kind == OpKind::Rope).count()
+        };
+        assert_eq!(
+            (ropes(&decode, attn), ropes(&fused, attn), ropes(&fused, UnitId::Attn { layer: 1 })),
+            (2, 1, 2)
+        );
+        assert_eq!(decode.len() - fused.len(), 3 * 39 + 40);
         let sum = |ops: &[Op], f: fn(&Op) -> f64| ops.iter().map(f).sum::<f64>();
         assert!((sum(&decode, |o| o.flops) - sum(&fused, |o| o.flops)).abs() < 1.0);
         assert!((sum(&decode, |o| o.weight_bytes) - sum(&fused, |o| o.weight_bytes)).abs() < 1.0);

@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::metrics::{Metrics, Resource};
+use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
 use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
@@ -312,8 +313,6 @@ struct Exec<'a> {
     h_on_dev: bool,
 }
 
-/// Runs the GEMM shapes of a model once so cuBLAS loads its kernels, for `m_prefill` and `m_decode` tokens;
-/// returns the lowest device free memory seen.
 /// Runs every GEMM shape a run will launch once, so that cuBLAS's first call of a shape (its heuristics, and
 /// loading the kernel it picks: 3–4 ms each on the H200 for the output head and the accumulating projections)
 /// falls before the timed run, as a warm-up run of llama.cpp's would; the simulator prices steady-state kernels.
@@ -342,22 +341,26 @@ fn warm_up(
             (d.hidden, moe.expert_ffn, false),
         ]);
     }
-    let head = if output_rows.is_empty() { 0 } else { d.vocab * d.hidden };
-    let max_w = shapes.iter().map(|(n, k, _)| n * k).max().unwrap_or(0).max(head) * 2;
-    let max_k = d.hidden.max(d.q_dim).max(d.ffn);
-    let m_max = m_prefill.max(m_decode);
-    let max_rows = output_rows.iter().copied().max().unwrap_or(0);
-    let wb = gpu.alloc(max_w)?;
-    let xb = gpu.alloc(m_max * max_k * 2)?;
-    let yb = gpu.alloc((m_max * max_k).max(max_rows * d.vocab) * 4)?;
     // Experts see every token count up to the chunk: warm every power of two too.
     let mut counts = vec![m_prefill, 1, m_decode];
     if d.moe.is_some() {
         counts.extend((1..).map(|p| 1usize << p).take_while(|&m| m < m_prefill));
     }
-    let head_shapes = output_rows.iter().map(|&m| (m, d.vocab, d.hidden, false));
-    let calls = counts.iter().flat_map(|&m| shapes.iter().map(move |&(n, k, acc)| (m, n, k, acc)));
-    for (m, n, kd, acc) in calls.chain(head_shapes) {
+    // (m, n, k, accumulate)
+    let mut calls: Vec<_> =
+        counts.iter().flat_map(|&m| shapes.iter().map(move |&(n, k, acc)| (m, n, k, acc))).collect();
+    // One-token steps run q|k|v and gate|up as one GEMM each (`one_gemm_rows`); their first calls had cost
+    // step 0 of nemo-8b 8.4 ms (results/exec/bounds/README.md).
+    calls.push((1, d.q_dim + 2 * d.kv_dim, d.hidden, false));
+    if d.ffn_kind == FfnKind::SwiGlu {
+        calls.push((1, 2 * d.ffn, d.hidden, false));
+    }
+    calls.extend(output_rows.iter().map(|&m| (m, d.vocab, d.hidden, false)));
+    let max_of = |f: fn(&(usize, usize, usize, bool)) -> usize| calls.iter().map(f).max().unwrap_or(0);
+    let wb = gpu.alloc(max_of(|c| c.1 * c.2) * 2)?;
+    let xb = gpu.alloc(max_of(|c| c.0 * c.2) * 2)?;
+    let yb = gpu.alloc(max_of(|c| c.0 * c.1) * 4)?;
+    for &(m, n, kd, acc) in &calls {
         // SAFETY: wb holds n·k, xb m·k and yb m·n elements (sized by the maxima above); contents do not matter.
         unsafe { gpu.matmul(kn, d.quant, wb.ptr(), xb.ptr(), yb.ptr(), m, n, kd, acc)? };
     }
@@ -1726,8 +1729,14 @@ impl<'a> Exec<'a> {
                         gpu.rmsnorm_rows(k, ka, wb + kn as u64, m * d.n_kv_heads, d.head_dim, d.norm_eps)?;
                     }
                     let pos = pass_at.positions();
-                    gpu.rope(k, qa, at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
-                    gpu.rope(k, ka, at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    if qkv {
+                        // One token's q and k heads lie back to back: one launch rotates both.
+                        let heads = d.n_heads + d.n_kv_heads;
+                        gpu.rope(k, qa, at(sc.inv_freq), m, heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    } else {
+                        gpu.rope(k, qa, at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                        gpu.rope(k, ka, at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    }
                 }
                 if step.kv == Some(KvLoc::Host) {
                     let UnitId::Attn { layer } = step.unit else { unreachable!("KV belongs to attention") };

@@ -112,6 +112,12 @@ impl Dims {
         if t.moe.is_some() && t.ffn_kind != FfnKind::SwiGlu {
             return Err(unsupported("MoE experts without SwiGLU", "experts are SwiGLU (Qwen3-MoE)"));
         }
+        if t.hidden > crate::cuda::NORM_MAX_DIM as u64 {
+            return Err(unsupported(
+                &format!("a residual width of {}", t.hidden),
+                &format!("the GPU norm kernel takes rows of up to {} elements", crate::cuda::NORM_MAX_DIM),
+            ));
+        }
         if spec.vision.is_some() {
             return Err(unsupported("a vision tower", "run the text decoder of a dense LLM"));
         }

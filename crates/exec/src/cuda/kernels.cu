@@ -77,23 +77,40 @@ extern "C" __global__ void embed(const act_t* __restrict__ table, const u32* __r
 }
 
 // out[r, :] = norm(x[r, :]) * w (+ b), rounded to the activation type. layer_norm: 0 RMSNorm, 1 LayerNorm.
+// One block per row; each thread keeps its NORM_PER elements of x and of w (strided by blockDim.x, so loads
+// coalesce) in registers and issues all their loads before the reduction: a loop over the row, one dependent
+// load per pass, then a second pass for w, had taken 7 us a 4096-row on the H200. The launcher checks
+// dim <= NORM_PER * blockDim.x.
+#define NORM_PER 16
 extern "C" __global__ void norm_act(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                                     act_t* __restrict__ out, int dim, float eps, int layer_norm) {
     const float* xr = x + (u64)blockIdx.x * dim;
     act_t* o = out + (u64)blockIdx.x * dim;
+    float v[NORM_PER], wv[NORM_PER];
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < dim ? xr[i] : 0.f;
+        wv[j] = i < dim ? w[i] : 0.f;
+    }
+    float mean = 0.f;
     if (layer_norm) {
         float s = 0.f;
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
-        const float mean = block_sum(s) / dim;
-        float v = 0.f;
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float d = xr[i] - mean; v += d * d; }
-        const float inv = 1.f / sqrtf(block_sum(v) / dim + eps);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = ACT_STORE((xr[i] - mean) * inv * w[i] + (b ? b[i] : 0.f));
-    } else {
-        float s = 0.f;
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
-        const float inv = 1.f / sqrtf(block_sum(s) / dim + eps);
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = ACT_STORE(xr[i] * inv * w[i]);
+#pragma unroll
+        for (int j = 0; j < NORM_PER; ++j) s += v[j];
+        mean = block_sum(s) / dim;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const float d = threadIdx.x + j * blockDim.x < dim ? v[j] - mean : 0.f;
+        ss += d * d;
+    }
+    const float inv = 1.f / sqrtf(block_sum(ss) / dim + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < dim) o[i] = ACT_STORE((v[j] - mean) * inv * wv[j] + (b ? b[i] : 0.f));
     }
 }
 
@@ -147,6 +164,39 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 #define D HEAD_DIM
 #define PER (HEAD_DIM / 32)
 #define ATTN_WARPS 4
+
+// The PER cache elements a lane owns (contiguous, aligned to their size: the launcher checks the cache pointers)
+// as f32, read with one vector load instead of PER scalar ones: scalar 2-byte loads had held decode attention
+// at ~0.8 TB/s of KV on the H200.
+__device__ __forceinline__ void load_kv_lane(const kv_t* p, float* out) {
+    const int bytes = PER * (int)sizeof(kv_t);
+    if (bytes < 4) {
+#pragma unroll
+        for (int r = 0; r < PER; ++r) out[r] = KV_LOAD(p[r]);
+        return;
+    }
+    u32 wd[bytes >= 4 ? bytes / 4 : 1];
+    if (bytes >= 16) {
+#pragma unroll
+        for (int c = 0; c < bytes / 16; ++c) {
+            const uint4 q4 = reinterpret_cast<const uint4*>(p)[c];
+            wd[4 * c] = q4.x; wd[4 * c + 1] = q4.y; wd[4 * c + 2] = q4.z; wd[4 * c + 3] = q4.w;
+        }
+    } else if (bytes == 8) {
+        const uint2 q2 = *reinterpret_cast<const uint2*>(p);
+        wd[0] = q2.x; wd[1] = q2.y;
+    } else {
+        wd[0] = *reinterpret_cast<const u32*>(p);
+    }
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+#if KV_KIND == 0
+        out[r] = __uint_as_float(wd[r]);
+#else
+        out[r] = KV_LOAD((u16)(wd[r / 2] >> (16 * (r & 1))));
+#endif
+    }
+}
 
 // Folds the partial dot products of 2·OFF keys across lanes that differ in bit OFF: each lane keeps the half of
 // the keys its bit selects and adds its partner's partials of them. After OFF = 16, 8, 4, 2, 1, part[0] of lane
@@ -204,9 +254,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
         for (int jj = 0; jj < 32; ++jj) {
             float d = 0.f;
             if (jj < cnt) {
-                const kv_t* kr = kc + (u64)(base + jj) * kv_dim;
+                float kr[PER];
+                load_kv_lane(kc + (u64)(base + jj) * kv_dim, kr);
 #pragma unroll
-                for (int r = 0; r < PER; ++r) d += qr[r] * KV_LOAD(kr[r]);
+                for (int r = 0; r < PER; ++r) d += qr[r] * kr[r];
             }
             part[jj] = d;
         }
@@ -232,9 +283,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
 #pragma unroll 8
         for (int jj = 0; jj < cnt; ++jj) {
             const float pj = __shfl_sync(FULL, p, jj);
-            const kv_t* vr = vc + (u64)(base + jj) * kv_dim;
+            float vr[PER];
+            load_kv_lane(vc + (u64)(base + jj) * kv_dim, vr);
 #pragma unroll
-            for (int r = 0; r < PER; ++r) acc[r] += pj * KV_LOAD(vr[r]);
+            for (int r = 0; r < PER; ++r) acc[r] += pj * vr[r];
         }
         mx = new_m;
     }

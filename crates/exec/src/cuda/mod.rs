@@ -241,6 +241,9 @@ impl Drop for Gpu {
     }
 }
 
+/// The widest row `norm_act` takes: 16 elements a thread in registers, 1024 threads.
+pub const NORM_MAX_DIM: usize = 16 * 1024;
+
 fn threads_for(n: u64, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(u64::from(block)).max(1) as u32, 1, 1),
@@ -761,8 +764,14 @@ impl Gpu {
         eps: f32,
         layer_norm: bool,
     ) -> Result<()> {
+        // The kernel keeps NORM_PER (16) elements a thread in registers; weights.rs refuses wider models.
+        if dim > NORM_MAX_DIM {
+            return Err(ExecError::Input(format!("norm_act: rows of {dim} elements exceed {NORM_MAX_DIM}")));
+        }
+        let threads: u32 = if dim <= NORM_MAX_DIM / 2 { 512 } else { 1024 };
         let (dim, ln) = (dim as i32, i32::from(layer_norm));
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as documented.
         unsafe {
             self.compute
@@ -928,6 +937,12 @@ impl Gpu {
         scale: f32,
         n_splits: usize,
     ) -> Result<()> {
+        // The kernel reads each lane's head_dim/32 cache elements with one vector load (at most 16 bytes).
+        if !kc.is_multiple_of(16) || !vc.is_multiple_of(16) {
+            return Err(ExecError::Input(format!(
+                "attention: KV cache pointers {kc:#x}/{vc:#x} are not 16-byte aligned"
+            )));
+        }
         let n_keys_max = keys.pos0 + (m - 1) * keys.pos_step + 1;
         let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
         let warps = (m * n_heads * n_splits) as u64;
