@@ -103,6 +103,10 @@ pub struct RunArgs {
     /// Machine profile the planners cost with: a JSON path, `profiles/NAME.json`, or cli1/cli2/cli3.
     #[arg(long, default_value = "cli3")]
     profile: String,
+    /// Page-lock at most this many bytes of weights (`0`, `8G`), streamed units first; the rest stays pageable
+    /// and its copies run at pageable speed. Default: every weight is page-locked.
+    #[arg(long)]
+    page_lock_limit: Option<String>,
     /// Seed of the random weights and prompt.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -308,6 +312,11 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
     };
     let spec = spec_for(args, &model_name)?;
     let prompt_tokens = parse_tokens(&args.prompt_tokens)?;
+    let pinned_limit_bytes = args
+        .page_lock_limit
+        .as_deref()
+        .map(|s| parse_bytes(s).with_context(|| format!("--page-lock-limit {s}")))
+        .transpose()?;
     let workload = Workload::single(
         prompt_tokens,
         parse_tokens(&args.ctx)?,
@@ -469,8 +478,8 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             gen_tokens: args.gen_tokens as usize,
             force_tokens: reference.as_ref().map(|r| r.tokens[..args.gen_tokens as usize].to_vec()),
             keep_logits: reference.is_some(),
+            pinned_limit_bytes,
             interrupt: Some(interrupt),
-            ..RunOptions::default()
         };
         let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
         let (status, out) = match result {

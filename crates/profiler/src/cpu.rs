@@ -163,6 +163,17 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
     }
 }
 
+/// GB/s of one read of `words` (well above the last-level cache) by `pool`'s threads, one contiguous chunk
+/// each: the host DRAM read bandwidth of a profile, and the host check between validation cells.
+#[must_use]
+pub fn dram_read_gbps(pool: &CpuPool, words: &[u64]) -> f64 {
+    let chunk = words.len().div_ceil(pool.threads());
+    let t0 = Instant::now();
+    let s = pool.install(|| words.par_chunks(chunk).map(read_sum).reduce(|| 0, u64::wrapping_add));
+    std::hint::black_box(s);
+    (words.len() * 8) as f64 / secs_ns(t0)
+}
+
 /// The sum of a slice read as u64 words (the DRAM read kernel): 64-byte AVX-512 loads where available, as
 /// exec's matmul uses, so that DRAM bandwidth is the CPU kernels' real ceiling; eight plain lanes otherwise.
 pub(crate) fn read_sum(words: &[u64]) -> u64 {
@@ -392,16 +403,9 @@ pub fn measure(
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let bytes = (words.len() * 8) as f64;
     let mut dram = Vec::new();
     for pool in &pools {
-        let chunk = words.len().div_ceil(pool.threads());
-        let mut read = || -> Result<f64> {
-            let t0 = Instant::now();
-            let s = pool.install(|| words.par_chunks(chunk).map(read_sum).reduce(|| 0, u64::wrapping_add));
-            std::hint::black_box(s);
-            Ok(bytes / secs_ns(t0))
-        };
+        let mut read = || -> Result<f64> { Ok(dram_read_gbps(pool, &words)) };
         let (alone, under) = both(rule, dma, &mut read)?;
         dram.push(DramPoint {
             threads: pool.threads() as u32,

@@ -232,6 +232,25 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
         commit: cfg.commit.clone(),
         date: cfg.date.clone(),
     };
+    // The GPU machine's host is shared; a disturbed stretch slowed CPU rows by up to 1.7× in one run
+    // (results/validation/README.md, run21). A second DRAM read at the end shows whether the host held still.
+    let end_gbps = {
+        let pool = pipeshard_exec::cpu::CpuPool::new(cpu_threads as usize)?;
+        let words = vec![1u64; 32 << 20];
+        (0..3).map(|_| cpu::dram_read_gbps(&pool, &words)).fold(0.0, f64::max)
+    };
+    figures.add(
+        &format!("host DRAM read at the end of the run ({cpu_threads} threads, 256 MiB, best of 3)"),
+        "GB/s",
+        Stat { median: end_gbps, spread: 0.0, samples: 3 },
+    );
+    let start_gbps = profile.dram_gbps(cpu_threads, false);
+    if (end_gbps / start_gbps - 1.0).abs() > 0.1 {
+        notes.push(format!(
+            "the host read DRAM at {start_gbps:.1} GB/s at the start and {end_gbps:.1} at the end: it was \
+             disturbed during the run, so CPU rows may be off; measure again"
+        ));
+    }
     figures.add(
         "profiler wall time",
         "s",
