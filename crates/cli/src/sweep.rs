@@ -22,7 +22,7 @@ use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan, PlanInvalid};
 use pipeshard_core::profile::Profile;
 use pipeshard_planner::{PlanError, PlannerOptions};
-use pipeshard_sim::{SimOptions, Simulation, Simulator};
+use pipeshard_sim::{Runtime, SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -129,7 +129,11 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
         },
     };
     let t1 = Instant::now();
-    let sim = match Simulator::with_inventory(spec, inv, &plan, cost).map(|s| s.run(&SimOptions::default())) {
+    // `pshard` stands for the paper's system: its plans run on the artifact's runtime.
+    let runtime = if cell.planner == "pshard" { Runtime::Artifact } else { Runtime::Ours };
+    let sim = match Simulator::with_inventory(spec, inv, &plan, cost)
+        .map(|s| s.with_runtime(runtime).run(&SimOptions::default()))
+    {
         Ok(s) => s,
         Err(e) => {
             return failed(Status::Error, format!("simulating the {} plan: {e}", cell.planner), plan_ms);

@@ -309,6 +309,7 @@ pub(crate) struct BuildCtx<'a> {
     pub kv_token_bytes: u64,
     /// Bytes of one routed expert, per layer (0 for dense layers).
     pub expert_bytes: &'a [u64],
+    pub runtime: crate::Runtime,
 }
 
 /// The identity of an op's cost: everything a cost model may read, except the unit.
@@ -608,7 +609,11 @@ impl Builder<'_> {
         }
         if counts[1] > 0 {
             // Touched streamed experts (expected), one ring item per expert's worth, each computed on arrival.
-            let expected = f64::from(counts[1]) * touched / f64::from(n_experts);
+            // The artifact's runtime copies every streamed expert, touched or not; the copies keep the same
+            // order after the routing, which prefill (where every expert is touched) is calibrated with.
+            let whole = self.ctx.runtime == crate::Runtime::Artifact;
+            let copied = if whole { 1.0 } else { touched / f64::from(n_experts) };
+            let expected = f64::from(counts[1]) * copied;
             let parts = (expected.ceil() as u32).clamp(1, counts[1]);
             let bytes = (expected * expert_bytes as f64 / f64::from(parts)).ceil() as u64;
             let sop = scaled(op, share(counts[1]) / f64::from(parts));

@@ -40,8 +40,8 @@
 //!   Decode steps run the ring across step boundaries, as the executor does.
 //! - **MoE.** A layer's routed experts are split by how many of them the plan pins, streams or leaves on the
 //!   CPU; each side does the expected share (count × touched / E) of the work. Streamed experts are copied
-//!   only if touched (expected bytes), once the router has run. The GPU and CPU shares run concurrently and
-//!   join before the residual add.
+//!   only if touched (expected bytes), once the router has run; under [`Runtime::Artifact`] (the paper's
+//!   runtime) all of them. The GPU and CPU shares run concurrently and join before the residual add.
 //! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
 //!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
 //!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each
@@ -74,4 +74,4 @@ pub mod vision;
 pub use engine::{SlotUse, StepOutcome};
 pub use graph::{Lane, StepGraph};
 pub use queue::EventQueue;
-pub use simulator::{SimError, SimOptions, Simulation, Simulator};
+pub use simulator::{Runtime, SimError, SimOptions, Simulation, Simulator};

@@ -160,7 +160,20 @@ pub struct Simulator<'a> {
     expert_bytes: Vec<u64>,
     kv_layer_bytes: u64,
     kv_token_bytes: u64,
+    runtime: Runtime,
     audit: bool,
+}
+
+/// Whose runtime executes the plan: ours (the executor in pipeshard-exec) or the paper's artifact (its llama.cpp
+/// fork), which differs where a plan streams routed experts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// Ours: a layer's streamed experts are copied once routed, only those its tokens touch.
+    #[default]
+    Ours,
+    /// The artifact's: a streamed split's weights are prefetched as whole tensors, so a layer's streamed
+    /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4).
+    Artifact,
 }
 
 impl std::fmt::Debug for Simulator<'_> {
@@ -316,8 +329,16 @@ impl<'a> Simulator<'a> {
             inv,
             views,
             expert_bytes,
+            runtime: Runtime::Ours,
             audit: false,
         })
+    }
+
+    /// Simulates the plan as `runtime` executes it.
+    #[must_use]
+    pub fn with_runtime(mut self, runtime: Runtime) -> Simulator<'a> {
+        self.runtime = runtime;
+        self
     }
 
     /// Records the time of every event in each [`StepOutcome`] (for tests of the engine).
@@ -348,6 +369,7 @@ impl<'a> Simulator<'a> {
             kv_layer_bytes: self.kv_layer_bytes,
             kv_token_bytes: self.kv_token_bytes,
             expert_bytes: &self.expert_bytes,
+            runtime: self.runtime,
         }
     }
 
