@@ -861,7 +861,9 @@ pub(crate) fn build_with(
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
                             let copies = ctx.workload.kv_copies(phase);
-                            let d = copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
+                            // The host's gathering of the cells, then the copies, all ahead of the attention.
+                            let d = ctx.runtime.kv_gather_ns(ctx.workload, phase)
+                                + copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
                                 (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))

@@ -23,7 +23,7 @@ use pipeshard_core::metrics::{Metrics, Resource};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, PlanInvalid, VramBreakdown};
 use pipeshard_core::trace::Trace;
-use pipeshard_core::workload::{self, Phase, WorkloadError};
+use pipeshard_core::workload::{self, Phase, Workload, WorkloadError};
 
 use crate::engine::{self, StepOutcome};
 use crate::graph::{self, BuildCtx, Lane, LayerView, PhaseView, StepGraph, TaskKind};
@@ -172,8 +172,29 @@ pub enum Runtime {
     #[default]
     Ours,
     /// The artifact's: a streamed split's weights are prefetched as whole tensors, so a layer's streamed
-    /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4).
+    /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4). Before a streamed
+    /// layer's KV upload from a unified cache, the host collects the cells of each sequence by walking the
+    /// cache's set of used cells once per sequence (`get_cells_for_seq`, then a sort): R × used cells visits
+    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests.
     Artifact,
+}
+
+impl Runtime {
+    /// Host time per visited cell of the artifact's per-sequence cell walk, picoseconds: a replica of its
+    /// bookkeeping (`scripts/artifact-kv-walk.cpp`) took 5.6, 3.7 and 3.4 ns per visit at 4, 16 and 64
+    /// sequences of 953 cells on the development machine (13 ms per layer upload at 64).
+    pub const CELL_VISIT_PS: u64 = 3_400;
+
+    /// Host time this runtime spends gathering the cells of a streamed layer's KV upload in `phase`.
+    #[must_use]
+    pub fn kv_gather_ns(self, w: &Workload, phase: Phase) -> u64 {
+        match phase {
+            Phase::Decode { batch, ctx } if self == Runtime::Artifact && w.kv_unified => {
+                batch * batch * ctx * Runtime::CELL_VISIT_PS / 1000
+            }
+            _ => 0,
+        }
+    }
 }
 
 impl std::fmt::Debug for Simulator<'_> {

@@ -166,3 +166,27 @@ fn the_artifacts_runtime_streams_every_expert_ours_the_touched() {
     assert_eq!(h2d_bytes(Runtime::Ours), 2 * 8 * expert_bytes);
     assert_eq!(h2d_bytes(Runtime::Artifact), 2 * 128 * expert_bytes);
 }
+
+/// The artifact's runtime gathers the cells of a streamed layer's unified KV on the host, one walk over the
+/// used cells per sequence, before the upload: R² × context visits per layer, nothing with per-sequence KV or
+/// on our runtime. Every streamed layer's upload is longer by exactly that.
+#[test]
+fn the_artifacts_unified_kv_upload_walks_the_cells_once_per_sequence() {
+    use pipeshard_sim::Runtime;
+    let cost = FixedCost::plain(0.001, 1.0);
+    let spec = small("qwen3-30b-a3b", 3);
+    for unified in [false, true] {
+        let w = Workload::single(300, 512, 8, 256).batched(16, unified);
+        let phase = w.decode_step(3);
+        let gather_ns = Runtime::Artifact.kv_gather_ns(&w, phase);
+        let p = plan(&spec, &w, SHAPE, &streamed_attention);
+        let h2d = |runtime: Runtime| {
+            let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+            sim.step(PhaseKind::Decode, phase).total_busy_ns()[1]
+        };
+        assert_eq!(Runtime::Ours.kv_gather_ns(&w, phase), 0);
+        assert_eq!(h2d(Runtime::Artifact) - h2d(Runtime::Ours), 3 * gather_ns, "unified {unified}");
+        // 16 walks over 16 × 304 cells at 3.4 ns.
+        assert_eq!(gather_ns, if unified { 16 * 16 * 304 * 34 / 10 } else { 0 }, "unified {unified}");
+    }
+}
