@@ -48,6 +48,9 @@ pub enum Status {
 pub struct CellRun {
     pub plan: Plan,
     pub sim: Simulation,
+    /// The same plan on our runtime, when `sim` ran it on the artifact's (a `pshard` plan): our planners' plans
+    /// run on ours, so they are compared with this.
+    pub sim_on_ours: Option<Simulation>,
     /// Weight bytes pinned / streamed / on the CPU, per phase.
     pub weights_by_placement: [[u64; 3]; 2],
 }
@@ -129,22 +132,26 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
         },
     };
     let t1 = Instant::now();
-    // `pshard` stands for the paper's system: its plans run on the artifact's runtime.
-    let runtime = if cell.planner == "pshard" { Runtime::Artifact } else { Runtime::Ours };
-    let sim = match Simulator::with_inventory(spec, inv, &plan, cost)
-        .map(|s| s.with_runtime(runtime).run(&SimOptions::default()))
-    {
+    // `pshard` stands for the paper's system: its plans run on the artifact's runtime; `ngl` on stock llama.cpp.
+    let runtime = match cell.planner.as_str() {
+        "pshard" => Runtime::Artifact,
+        "ngl" => Runtime::Stock,
+        _ => Runtime::Ours,
+    };
+    let simulator = match Simulator::with_inventory(spec, inv, &plan, cost) {
         Ok(s) => s,
         Err(e) => {
             return failed(Status::Error, format!("simulating the {} plan: {e}", cell.planner), plan_ms);
         }
     };
+    let sim_on_ours = (runtime == Runtime::Artifact).then(|| simulator.run(&SimOptions::default()));
+    let sim = simulator.with_runtime(runtime).run(&SimOptions::default());
     let weights = [weights_by_placement(inv, &plan.prefill), weights_by_placement(inv, &plan.decode)];
     CellResult {
         cell: cell.clone(),
         status: Status::Ok,
         reason: String::new(),
-        run: Some(Box::new(CellRun { plan, sim, weights_by_placement: weights })),
+        run: Some(Box::new(CellRun { plan, sim, sim_on_ours, weights_by_placement: weights })),
         plan_ms,
         sim_ms: t1.elapsed().as_secs_f64() * 1e3,
     }

@@ -25,8 +25,11 @@
 //! - **Integer nanoseconds, deterministic.** No wall clock, no hash-map iteration, no randomness: the same plan
 //!   gives the same bytes of output on every run.
 //! - **What runs where.** `Pinned` and `Streamed` units compute on the GPU, `Cpu` units on the CPU pool (one op
-//!   at a time on all the plan's threads, as ggml does). A GPU op takes its device time or one kernel launch,
-//!   whichever is longer (the host issues the next launch while the device runs). Every change of
+//!   at a time on all the plan's threads, as ggml does). A GPU op takes its device time or its kernels' launches,
+//!   whichever is longer (the host issues the next launch while the device runs): one kernel an op on our
+//!   runtime, llama.cpp's count on the paper's ([`Runtime::launches`]), which replays a CUDA graph, each
+//!   kernel at the profile's replay cost, when a one-token step is one GPU split
+//!   ([`Runtime::replays_graphs`]). Every change of
 //!   device costs a host sync plus the copy of the activations (token ids at the start of a step, sampled
 //!   tokens at its end); hand-offs hold no copy engine (ours and the paper's runtime issue them on the compute
 //!   stream, beside the prefetch stream).

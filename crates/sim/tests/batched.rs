@@ -150,7 +150,8 @@ fn the_artifacts_runtime_streams_every_expert_ours_the_touched() {
     use pipeshard_sim::Runtime;
     let cost = FixedCost::plain(0.001, 1.0);
     let spec = small("qwen3-30b-a3b", 2);
-    let w = Workload { requests: Requests::Identical, ..Workload::single(300, 512, 4, 256).batched(64, true) };
+    let w =
+        Workload { requests: Requests::Identical, ..Workload::single(300, 512, 4, 256).batched(64, true) };
     let streamed_experts = |u: UnitId| match u {
         UnitId::Expert { .. } => Placement::Streamed,
         _ => Placement::Pinned,
