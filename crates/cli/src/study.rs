@@ -29,7 +29,7 @@ use pipeshard_core::plan::Placement;
 use pipeshard_core::workload::expected_touched_experts;
 use pipeshard_planner::Planner;
 use pipeshard_planner::pshard::{Pshard, Strategy};
-use pipeshard_sim::{SimOptions, Simulator};
+use pipeshard_sim::{SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -72,7 +72,7 @@ struct CrossoverRow {
     streaming_speedup: Option<f64>,
     /// Share of the expert bytes `ilp`'s decode plan leaves off the GPU that it streams (the rest on the CPU).
     ilp_streamed_share: Option<f64>,
-    /// Aggregate decode TPS of `ilp` and `pshard` (free choice).
+    /// Aggregate decode TPS of `ilp` and `pshard` (free choice; pshard's plan on our runtime, as ilp's runs).
     ilp_tps: Option<f64>,
     pshard_tps: Option<f64>,
     /// End-to-end latency of a request (prefill of all requests, then the decode steps) of `ilp` and `pshard`:
@@ -85,6 +85,11 @@ fn cell_of<'r>(results: &'r [CellResult], budget: u64, batch: u64, planner: &str
     results.iter().find(|r| {
         r.cell.budget_bytes == budget && r.cell.batch == batch && r.cell.planner == planner && r.run.is_some()
     })
+}
+
+/// A cell's simulation on our runtime (a `pshard` plan also ran there): where the planners are compared.
+fn sim_on_ours(r: Option<&CellResult>) -> Option<&Simulation> {
+    r.and_then(|r| r.run.as_deref()).map(|x| x.sim_on_ours.as_ref().unwrap_or(&x.sim))
 }
 
 /// Aggregate decode TPS of one forced `pshard` template on a cell, and whether its decode plan leaves any
@@ -155,9 +160,8 @@ pub fn run(a: &BatchStudyArgs, command: &str) -> anyhow::Result<()> {
                 (w[1] + w[2] > 0).then(|| w[1] as f64 / (w[1] + w[2]) as f64)
             });
             let ps = cell_of(&results, c.budget_bytes, c.batch, "pshard");
-            let tps = |r: Option<&CellResult>| r.and_then(|r| r.run.as_deref()).map(|x| x.sim.metrics.tps);
-            let e2el =
-                |r: Option<&CellResult>| r.and_then(|r| r.run.as_deref()).map(|x| x.sim.metrics.e2el_ms());
+            let tps = |r: Option<&CellResult>| sim_on_ours(r).map(|s| s.metrics.tps);
+            let e2el = |r: Option<&CellResult>| sim_on_ours(r).map(|s| s.metrics.e2el_ms());
             CrossoverRow {
                 vram_budget_bytes: c.budget_bytes,
                 batch: c.batch,

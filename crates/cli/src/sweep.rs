@@ -20,9 +20,9 @@ use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan, PlanInvalid};
-use pipeshard_core::profile::Profile;
+use pipeshard_core::profile::{self, Profile};
 use pipeshard_planner::{PlanError, PlannerOptions};
-use pipeshard_sim::{SimOptions, Simulation, Simulator};
+use pipeshard_sim::{Runtime, SimOptions, Simulation, Simulator};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -48,6 +48,9 @@ pub enum Status {
 pub struct CellRun {
     pub plan: Plan,
     pub sim: Simulation,
+    /// The same plan on our runtime, when `sim` ran it on the artifact's (a `pshard` plan): our planners' plans
+    /// run on ours, so they are compared with this.
+    pub sim_on_ours: Option<Simulation>,
     /// Weight bytes pinned / streamed / on the CPU, per phase.
     pub weights_by_placement: [[u64; 3]; 2],
 }
@@ -129,18 +132,28 @@ pub fn run_cell(cell: &Cell, spec: &ModelSpec, inv: &Inventory, cost: &TableCost
         },
     };
     let t1 = Instant::now();
-    let sim = match Simulator::with_inventory(spec, inv, &plan, cost).map(|s| s.run(&SimOptions::default())) {
+    // On the paper's machines (derived profiles) `pshard` stands for the paper's system, its plans running on the
+    // artifact's runtime, and `ngl` on stock llama.cpp; on a measured machine every plan runs on our executor.
+    let paper_machine = matches!(cost.profile().provenance, profile::Provenance::Derived { .. });
+    let runtime = match cell.planner.as_str() {
+        "pshard" if paper_machine => Runtime::Artifact,
+        "ngl" if paper_machine => Runtime::Stock,
+        _ => Runtime::Ours,
+    };
+    let simulator = match Simulator::with_inventory(spec, inv, &plan, cost) {
         Ok(s) => s,
         Err(e) => {
             return failed(Status::Error, format!("simulating the {} plan: {e}", cell.planner), plan_ms);
         }
     };
+    let sim_on_ours = (runtime == Runtime::Artifact).then(|| simulator.run(&SimOptions::default()));
+    let sim = simulator.with_runtime(runtime).run(&SimOptions::default());
     let weights = [weights_by_placement(inv, &plan.prefill), weights_by_placement(inv, &plan.decode)];
     CellResult {
         cell: cell.clone(),
         status: Status::Ok,
         reason: String::new(),
-        run: Some(Box::new(CellRun { plan, sim, weights_by_placement: weights })),
+        run: Some(Box::new(CellRun { plan, sim, sim_on_ours, weights_by_placement: weights })),
         plan_ms,
         sim_ms: t1.elapsed().as_secs_f64() * 1e3,
     }
@@ -653,6 +666,40 @@ mod tests {
         assert!(line.contains(&format!("{speedup:.2}/")), "{line}");
         let md = render(Format::Md, "sweep_summary", &rows, String::new).unwrap();
         assert_eq!(md.lines().count(), 2 + rows.len());
+    }
+
+    /// On a paper machine (a derived profile) `pshard`'s plan runs on the artifact's runtime and, for the
+    /// planner comparisons, on ours; `ngl`'s on stock llama.cpp's. On a measured machine every plan runs on ours.
+    #[test]
+    fn each_planner_runs_on_its_machines_runtime() {
+        let f = toml::from_str(
+            "models = [\"qwen3-30b-a3b@2L\"]\nctx = [\"1K\"]\nbudgets = [\"8G\"]\nplanners = [\"pshard\", \"ngl\"]",
+        )
+        .unwrap();
+        let e = Experiment::from_file(f, "s").unwrap();
+        let specs = e.specs().unwrap();
+        let h200 = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/h200.json");
+        for (profile, paper) in [("cli3", true), (h200, false)] {
+            let cost = TableCostModel::new(&load_profile(profile).unwrap());
+            for r in run_cells(&e.cells(), &specs, &cost, false) {
+                let run = r.run.as_deref().expect("planned");
+                let step_ns = |runtime: Runtime| {
+                    let sim = Simulator::new(&specs[&r.cell.model], &run.plan, &cost).unwrap();
+                    sim.with_runtime(runtime).run(&SimOptions::default()).metrics.decode_step_ns
+                };
+                let expected = match r.cell.planner.as_str() {
+                    "pshard" if paper => Runtime::Artifact,
+                    "ngl" if paper => Runtime::Stock,
+                    _ => Runtime::Ours,
+                };
+                assert_eq!(run.sim.metrics.decode_step_ns, step_ns(expected), "{profile} {}", r.cell.planner);
+                if expected != Runtime::Ours {
+                    assert_ne!(step_ns(expected), step_ns(Runtime::Ours), "{}", r.cell.planner);
+                }
+                let on_ours = run.sim_on_ours.as_ref().map(|s| s.metrics.decode_step_ns);
+                assert_eq!(on_ours, (expected == Runtime::Artifact).then(|| step_ns(Runtime::Ours)));
+            }
+        }
     }
 
     #[test]

@@ -68,6 +68,10 @@ pub trait CostModel: Send + Sync {
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64;
     /// One kernel launch.
     fn launch_ns(&self) -> u64;
+    /// One kernel replayed from a CUDA graph.
+    fn graph_kernel_ns(&self) -> u64 {
+        self.launch_ns()
+    }
     /// One host↔device synchronisation.
     fn host_sync_ns(&self) -> u64;
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
@@ -429,6 +433,10 @@ impl CostModel for TableCostModel {
 
     fn launch_ns(&self) -> u64 {
         self.profile.launch_ns
+    }
+
+    fn graph_kernel_ns(&self) -> u64 {
+        if self.profile.graph_kernel_ns == 0 { self.profile.launch_ns } else { self.profile.graph_kernel_ns }
     }
 
     fn host_sync_ns(&self) -> u64 {

@@ -179,6 +179,11 @@ pub struct Profile {
     pub cpu: DeviceProfile,
     /// Cost of one kernel launch on the GPU stream.
     pub launch_ns: u64,
+    /// Cost of one kernel replayed from a CUDA graph (llama.cpp's runtimes replay a decode step's kernels when
+    /// the whole step is one GPU split of one token): the device's per-kernel floor, with no host launch.
+    /// 0 (measured profiles: our executor launches eagerly) reads as [`Profile::launch_ns`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub graph_kernel_ns: u64,
     /// Cost of a host↔device synchronisation (event wait + wake-up) at a CPU↔GPU hand-off.
     pub host_sync_ns: u64,
     /// Whether the runtime's GPU expert kernels read the routing (expert ids) on the device, as llama.cpp's CUDA

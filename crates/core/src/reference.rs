@@ -144,6 +144,10 @@ pub struct Efficiencies {
     /// dense `mul_mat` takes the tiled GEMM). Older fits read as 1 (the dense rate).
     #[serde(default = "one")]
     pub cpu_expert_gemm: f64,
+    /// One kernel of a decode step replayed from a CUDA graph (llama.cpp, when the whole step is one GPU
+    /// split), microseconds: the device's per-kernel floor. Older fits read as the 3 µs assumed.
+    #[serde(default = "three")]
+    pub graph_kernel_us: f64,
 }
 
 fn one() -> f64 {
@@ -154,6 +158,10 @@ fn four() -> f64 {
     4.0
 }
 
+fn three() -> f64 {
+    3.0
+}
+
 fn pageable_default() -> f64 {
     0.3
 }
@@ -161,7 +169,7 @@ fn pageable_default() -> f64 {
 impl Efficiencies {
     /// Names and values, in a fixed order (what calibration varies).
     #[must_use]
-    pub fn values(&self) -> [(&'static str, f64); 16] {
+    pub fn values(&self) -> [(&'static str, f64); 17] {
         [
             ("gpu_gemv_bw", self.gpu_gemv_bw),
             ("gpu_gemm_flops", self.gpu_gemm_flops),
@@ -179,6 +187,7 @@ impl Efficiencies {
             ("cpu_expert_us", self.cpu_expert_us),
             ("pcie_pageable", self.pcie_pageable),
             ("cpu_expert_gemm", self.cpu_expert_gemm),
+            ("graph_kernel_us", self.graph_kernel_us),
         ]
     }
 
@@ -201,20 +210,22 @@ impl Efficiencies {
             12 => &mut self.cpu_attn_materialized,
             13 => &mut self.cpu_expert_us,
             14 => &mut self.pcie_pageable,
-            _ => &mut self.cpu_expert_gemm,
+            15 => &mut self.cpu_expert_gemm,
+            _ => &mut self.graph_kernel_us,
         };
         *field = v;
         self
     }
 
     /// Allowed range of the `i`-th parameter: fractions in (0, 1], the hand-off in 1–500 µs, a launch in 1–50 µs,
-    /// a CPU expert's fixed cost in 0.5–500 µs.
+    /// a CPU expert's fixed cost in 0.5–500 µs, a replayed kernel in 0.5–50 µs.
     #[must_use]
     pub fn range(i: usize) -> (f64, f64) {
         match i {
             7 => (1.0, 500.0),
             11 => (1.0, 50.0),
             13 => (0.5, 500.0),
+            16 => (0.5, 50.0),
             _ => (0.05, 1.0),
         }
     }
@@ -239,6 +250,7 @@ pub const DEFAULT_EFFICIENCIES: Efficiencies = Efficiencies {
     cpu_expert_us: 1.0,
     pcie_pageable: 0.3,
     cpu_expert_gemm: 1.0,
+    graph_kernel_us: 3.0,
 };
 
 /// Names of the derived systems.
@@ -406,7 +418,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 "{}: op rows assume GPU GEMV at {:.0}% of memory bandwidth and GEMM at {:.0}% of tensor peak; \
                  CPU GEMV at {:.0}% of achievable DRAM ({:.0}% of theoretical) and GEMM at {:.0}% of {} cores × 32 FLOP/cycle × 3.5 GHz; \
                  DRAM keeps {:.0}% under DMA; pinned copies at {:.0}% of the measured PCIe figure, pageable at {:.0}%; \
-                 a CPU↔GPU hand-off costs {:.1} µs and a kernel launch {:.1} µs; flash attention at {:.0}% of its \
+                 a CPU↔GPU hand-off costs {:.1} µs, a kernel launch {:.1} µs and a kernel replayed from a CUDA graph \
+                 {:.1} µs; flash attention at {:.0}% of its \
                  roofline on the GPU in decode, {:.0}% in prefill, {:.0}% on the CPU in decode (at the roofline in \
                  prefill), {:.0}% on the CPU without flash attention in decode (KV re-read per query head); a CPU \
                  routed expert costs {:.1} µs beyond its bytes and computes at {:.0}% of the CPU GEMM rate; GPU \
@@ -423,6 +436,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
                 e.pcie_pageable * 100.0,
                 e.host_sync_us,
                 e.launch_us,
+                e.graph_kernel_us,
                 e.gpu_attn * 100.0,
                 e.gpu_attn_prefill * 100.0,
                 e.cpu_attn * 100.0,
@@ -457,6 +471,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             dma_slowdown: 1.0 / e.dram_under_dma,
         },
         launch_ns: (e.launch_us * 1e3).round() as u64,
+        graph_kernel_ns: (e.graph_kernel_us * 1e3).round() as u64,
         host_sync_ns: (e.host_sync_us * 1e3).round() as u64,
         // The paper's runtime is llama.cpp, whose CUDA expert kernels take the expert ids on the device.
         expert_ids_on_device: true,

@@ -838,6 +838,8 @@ pub fn measure_all(
         },
         cpu: host.device,
         launch_ns: launch.median.round() as u64,
+        // The executor launches every kernel; it replays no CUDA graph.
+        graph_kernel_ns: 0,
         host_sync_ns: sync.median.round() as u64,
         // The executor reads the routing on the host before any GPU expert runs.
         expert_ids_on_device: false,

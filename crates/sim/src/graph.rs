@@ -244,9 +244,17 @@ pub(crate) struct PhaseView {
     pub slot_bytes: u64,
     pub op_offload: bool,
     pub cpu_threads: u32,
+    /// Every text unit but the token embedding is pinned.
+    pub all_pinned_but_embd: bool,
 }
 
 impl PhaseView {
+    /// Whether a step is one GPU split after the token embedding: every text unit but the embedding pinned, no
+    /// op offload. (Stock llama.cpp and the artifact always gather the embedding on the CPU.)
+    pub fn one_gpu_split(&self) -> bool {
+        !self.op_offload && self.all_pinned_but_embd
+    }
+
     /// Whether any op of the phase can run on the GPU (else it needs no GPU scratch).
     pub fn uses_gpu(&self) -> bool {
         self.token_embd.on_gpu()
@@ -309,6 +317,7 @@ pub(crate) struct BuildCtx<'a> {
     pub kv_token_bytes: u64,
     /// Bytes of one routed expert, per layer (0 for dense layers).
     pub expert_bytes: &'a [u64],
+    pub runtime: crate::Runtime,
 }
 
 /// The identity of an op's cost: everything a cost model may read, except the unit.
@@ -398,6 +407,8 @@ struct Builder<'a> {
     offload_peak_bytes: u64,
     /// The unit op offload last staged and its bytes staged so far.
     staged_unit: Option<(UnitId, u64)>,
+    /// The current step's kernels replay from a CUDA graph (no host launch each).
+    graphed: bool,
 }
 
 impl Builder<'_> {
@@ -457,9 +468,23 @@ impl Builder<'_> {
     }
 
     fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
+        self.compute_launching(op_index, share, op, dev, deps, self.ctx.runtime.launches(op))
+    }
+
+    /// [`Self::compute`] issuing `launches` kernels on the GPU.
+    fn compute_launching(
+        &mut self,
+        op_index: usize,
+        share: OpShare,
+        op: &Op,
+        dev: Device,
+        deps: &[u32],
+        launches: u32,
+    ) -> u32 {
         let cost = self.ctx.cost;
+        let per_kernel_ns = if self.graphed { cost.graph_kernel_ns() } else { cost.launch_ns() };
         let (lane, ctx, launch) = match dev {
-            Device::Gpu => (Lane::Gpu, OpContext::gpu(), cost.launch_ns()),
+            Device::Gpu => (Lane::Gpu, OpContext::gpu(), per_kernel_ns * u64::from(launches)),
             Device::Cpu => (Lane::Cpu, OpContext::cpu(self.view.cpu_threads), 0),
         };
         let key = CostKey::new(op, dev);
@@ -587,6 +612,8 @@ impl Builder<'_> {
         let counts = self.view.layers[layer as usize].experts;
         let expert_bytes = self.ctx.expert_bytes[layer as usize];
         let share = |count: u32| f64::from(count) / f64::from(n_experts);
+        // A share's kernels are the whole op's (a share scales `touched`, not the experts each token uses).
+        let launches = self.ctx.runtime.launches(op);
         let mut last_gpu = None;
         // A runtime whose kernels take the expert ids on the device (llama.cpp's CUDA `mul_mat_id`) runs pinned
         // experts right after a GPU router.
@@ -598,17 +625,22 @@ impl Builder<'_> {
         if counts[0] > 0 {
             let deps = Deps::from(on_device.or(routed));
             let sop = scaled(op, share(counts[0]));
-            last_gpu = Some(self.compute(
+            last_gpu = Some(self.compute_launching(
                 i,
                 OpShare::Experts(Placement::Pinned),
                 &sop,
                 Device::Gpu,
                 deps.as_slice(),
+                launches,
             ));
         }
         if counts[1] > 0 {
             // Touched streamed experts (expected), one ring item per expert's worth, each computed on arrival.
-            let expected = f64::from(counts[1]) * touched / f64::from(n_experts);
+            // The artifact's runtime copies every streamed expert, touched or not; the copies keep the same
+            // order after the routing, which prefill (where every expert is touched) is calibrated with.
+            let whole = self.ctx.runtime == crate::Runtime::Artifact;
+            let copied = if whole { 1.0 } else { touched / f64::from(n_experts) };
+            let expected = f64::from(counts[1]) * copied;
             let parts = (expected.ceil() as u32).clamp(1, counts[1]);
             let bytes = (expected * expert_bytes as f64 / f64::from(parts)).ceil() as u64;
             let sop = scaled(op, share(counts[1]) / f64::from(parts));
@@ -616,12 +648,13 @@ impl Builder<'_> {
                 let item = self.item(StreamKey::Experts { layer, part }, bytes, routed);
                 let mut deps = Deps::from(routed);
                 deps.push(self.items[item as usize].copy);
-                let t = self.compute(
+                let t = self.compute_launching(
                     i,
                     OpShare::Experts(Placement::Streamed),
                     &sop,
                     Device::Gpu,
                     deps.as_slice(),
+                    launches.div_ceil(parts),
                 );
                 self.read(t, item);
                 last_gpu = Some(t);
@@ -636,7 +669,14 @@ impl Builder<'_> {
                 let copy = self.offload_copy(i, experts_key, u64::from(counts[2]) * expert_bytes, router);
                 let mut deps = Deps::from(routed);
                 deps.push(copy);
-                self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Gpu, deps.as_slice())
+                self.compute_launching(
+                    i,
+                    OpShare::Experts(Placement::Cpu),
+                    &sop,
+                    Device::Gpu,
+                    deps.as_slice(),
+                    launches,
+                )
             } else {
                 let deps = Deps::from(self.on(router, Device::Cpu));
                 self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Cpu, deps.as_slice())
@@ -766,6 +806,7 @@ pub(crate) fn build_with(
         last_writeback: vec![NONE; ctx.spec.text.n_layers as usize],
         offload_peak_bytes: 0,
         staged_unit: None,
+        graphed: false,
     };
     let mut all_ops: Vec<Op> = cleared(vecs.ops);
     let mut op_counts: Vec<usize> = Vec::with_capacity(phases.len());
@@ -789,6 +830,7 @@ pub(crate) fn build_with(
         let base = all_ops.len();
         b.step = step as u32;
         b.phase = phase;
+        b.graphed = ctx.runtime.replays_graphs() && phase.tokens() == 1 && view.one_gpu_split();
         b.tasks.reserve(ops.len() * 3 / 2);
         b.deps.reserve(ops.len() * 2);
         b.handoff_after.reserve(ops.len() * 3 / 2);
@@ -856,7 +898,9 @@ pub(crate) fn build_with(
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
                             let copies = ctx.workload.kv_copies(phase);
-                            let d = copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
+                            // The host's gathering of the cells, then the copies, all ahead of the attention.
+                            let d = ctx.runtime.kv_gather_ns(ctx.workload, phase)
+                                + copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
                                 (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))

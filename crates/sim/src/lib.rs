@@ -25,8 +25,11 @@
 //! - **Integer nanoseconds, deterministic.** No wall clock, no hash-map iteration, no randomness: the same plan
 //!   gives the same bytes of output on every run.
 //! - **What runs where.** `Pinned` and `Streamed` units compute on the GPU, `Cpu` units on the CPU pool (one op
-//!   at a time on all the plan's threads, as ggml does). A GPU op takes its device time or one kernel launch,
-//!   whichever is longer (the host issues the next launch while the device runs). Every change of
+//!   at a time on all the plan's threads, as ggml does). A GPU op takes its device time or its kernels' launches,
+//!   whichever is longer (the host issues the next launch while the device runs): one kernel an op on our
+//!   runtime, llama.cpp's count on the paper's ([`Runtime::launches`]), which replays a CUDA graph, each
+//!   kernel at the profile's replay cost, when a one-token step is one GPU split
+//!   ([`Runtime::replays_graphs`]). Every change of
 //!   device costs a host sync plus the copy of the activations (token ids at the start of a step, sampled
 //!   tokens at its end); hand-offs hold no copy engine (ours and the paper's runtime issue them on the compute
 //!   stream, beside the prefetch stream).
@@ -40,8 +43,8 @@
 //!   Decode steps run the ring across step boundaries, as the executor does.
 //! - **MoE.** A layer's routed experts are split by how many of them the plan pins, streams or leaves on the
 //!   CPU; each side does the expected share (count × touched / E) of the work. Streamed experts are copied
-//!   only if touched (expected bytes), once the router has run. The GPU and CPU shares run concurrently and
-//!   join before the residual add.
+//!   only if touched (expected bytes), once the router has run; under [`Runtime::Artifact`] (the paper's
+//!   runtime) all of them. The GPU and CPU shares run concurrently and join before the residual add.
 //! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
 //!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
 //!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each
@@ -74,4 +77,4 @@ pub mod vision;
 pub use engine::{SlotUse, StepOutcome};
 pub use graph::{Lane, StepGraph};
 pub use queue::EventQueue;
-pub use simulator::{SimError, SimOptions, Simulation, Simulator};
+pub use simulator::{Runtime, SimError, SimOptions, Simulation, Simulator};

@@ -23,7 +23,7 @@ use pipeshard_core::metrics::{Metrics, Resource};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, PlanInvalid, VramBreakdown};
 use pipeshard_core::trace::Trace;
-use pipeshard_core::workload::{self, Phase, WorkloadError};
+use pipeshard_core::workload::{self, Op, OpKind, Phase, Workload, WorkloadError};
 
 use crate::engine::{self, StepOutcome};
 use crate::graph::{self, BuildCtx, Lane, LayerView, PhaseView, StepGraph, TaskKind};
@@ -160,7 +160,75 @@ pub struct Simulator<'a> {
     expert_bytes: Vec<u64>,
     kv_layer_bytes: u64,
     kv_token_bytes: u64,
+    runtime: Runtime,
     audit: bool,
+}
+
+/// Whose runtime executes the plan: ours (the executor in pipeshard-exec) or the paper's artifact (its llama.cpp
+/// fork), which differs where a plan streams routed experts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// Ours: a layer's streamed experts are copied once routed, only those its tokens touch.
+    #[default]
+    Ours,
+    /// Stock llama.cpp (the paper's `-ngl` baseline): its GPU kernels as [`Runtime::launches`] counts them.
+    Stock,
+    /// The artifact's: a streamed split's weights are prefetched as whole tensors, so a layer's streamed
+    /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4). Before a streamed
+    /// layer's KV upload from a unified cache, the host collects the cells of each sequence by walking the
+    /// cache's set of used cells once per sequence (`get_cells_for_seq`, then a sort): R × used cells visits
+    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests.
+    Artifact,
+}
+
+impl Runtime {
+    /// Host time per visited cell of the artifact's per-sequence cell walk, picoseconds: a replica of its
+    /// bookkeeping (`scripts/artifact-kv-walk.cpp`) took 5.6, 3.7 and 3.4 ns per visit at 4, 16 and 64
+    /// sequences of 953 cells on the development machine (13 ms per layer upload at 64).
+    pub const CELL_VISIT_PS: u64 = 3_400;
+
+    /// Kernels the runtime launches for `op` on the GPU. Ours: one per op. llama.cpp (stock and the artifact):
+    /// a K and a V store, and for a MoE layer the router's softmax, top-k, weight gather and renormalisation
+    /// beside its matmul, and the experts' three `mul_mat_id`, the GLU, the weighting and one add per further
+    /// expert used to sum them (`build_moe_ffn`).
+    #[must_use]
+    pub fn launches(self, op: &Op) -> u32 {
+        if self == Runtime::Ours {
+            return 1;
+        }
+        match op.kind {
+            OpKind::KvStore => 2,
+            OpKind::Router { .. } => 6,
+            OpKind::Experts { touched, tokens_per_touched, .. } => {
+                let top_k = (touched * tokens_per_touched / op.tokens.max(1) as f64).round() as u32;
+                4 + top_k.max(1)
+            }
+            _ => 1,
+        }
+    }
+
+    /// Whether the runtime replays a step's kernels from a CUDA graph when the step allows it (one token, one
+    /// GPU split: every text unit but the token embedding pinned): llama.cpp's CUDA backend does (stock, and the
+    /// artifact's single-plan mode); a step of several tokens disables it (its batched adds and `mul_mat_id`),
+    /// and so do several GPU splits a step (each split's graph replaces the last until the backend gives up).
+    /// Stock llama.cpp with layers on the CPU decodes as if it launched every kernel too: the baseline's runs
+    /// take 23.9 ms a token at `-ngl 44` against 6.2 ms at `-ngl 49` (qwen3-30b-a3b, 1K), far more than its
+    /// four CPU layers and CPU output head cost.
+    #[must_use]
+    pub fn replays_graphs(self) -> bool {
+        self != Runtime::Ours
+    }
+
+    /// Host time this runtime spends gathering the cells of a streamed layer's KV upload in `phase`.
+    #[must_use]
+    pub fn kv_gather_ns(self, w: &Workload, phase: Phase) -> u64 {
+        match phase {
+            Phase::Decode { batch, ctx } if self == Runtime::Artifact && w.kv_unified => {
+                batch * batch * ctx * Runtime::CELL_VISIT_PS / 1000
+            }
+            _ => 0,
+        }
+    }
 }
 
 impl std::fmt::Debug for Simulator<'_> {
@@ -197,6 +265,16 @@ fn view_of(spec: &ModelSpec, pp: &PhasePlan, default_threads: u32) -> PhaseView 
         slot_bytes: pp.slot_bytes,
         op_offload: pp.op_offload,
         cpu_threads: if pp.cpu_threads == 0 { default_threads } else { pp.cpu_threads },
+        all_pinned_but_embd: pp.placements.iter().all(|up| {
+            up.placement == Placement::Pinned
+                || matches!(
+                    up.unit,
+                    UnitId::TokenEmbd
+                        | UnitId::VisionPatchEmbd
+                        | UnitId::VisionBlock { .. }
+                        | UnitId::VisionMerger
+                )
+        }),
     };
     for up in &pp.placements {
         let p = up.placement;
@@ -316,8 +394,16 @@ impl<'a> Simulator<'a> {
             inv,
             views,
             expert_bytes,
+            runtime: Runtime::Ours,
             audit: false,
         })
+    }
+
+    /// Simulates the plan as `runtime` executes it.
+    #[must_use]
+    pub fn with_runtime(mut self, runtime: Runtime) -> Simulator<'a> {
+        self.runtime = runtime;
+        self
     }
 
     /// Records the time of every event in each [`StepOutcome`] (for tests of the engine).
@@ -348,6 +434,7 @@ impl<'a> Simulator<'a> {
             kv_layer_bytes: self.kv_layer_bytes,
             kv_token_bytes: self.kv_token_bytes,
             expert_bytes: &self.expert_bytes,
+            runtime: self.runtime,
         }
     }
 

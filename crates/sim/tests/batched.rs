@@ -140,3 +140,54 @@ fn op_offload_in_decode_from_32_sequences() {
         assert_eq!(computes_on_cpu, !offloads, "R = {r}: offloaded ops leave the CPU no compute");
     }
 }
+
+/// Streamed experts under each runtime: ours copies the experts a step's tokens touch, the artifact's copies
+/// every streamed expert whatever the routing. With identical requests a decode step of 64 touches one
+/// token's top-8, so ours moves 8 experts per layer and the artifact all 128 (attention and KV pinned).
+#[test]
+fn the_artifacts_runtime_streams_every_expert_ours_the_touched() {
+    use pipeshard_core::workload::Requests;
+    use pipeshard_sim::Runtime;
+    let cost = FixedCost::plain(0.001, 1.0);
+    let spec = small("qwen3-30b-a3b", 2);
+    let w =
+        Workload { requests: Requests::Identical, ..Workload::single(300, 512, 4, 256).batched(64, true) };
+    let streamed_experts = |u: UnitId| match u {
+        UnitId::Expert { .. } => Placement::Streamed,
+        _ => Placement::Pinned,
+    };
+    let p = plan(&spec, &w, SHAPE, &streamed_experts);
+    let inv = pipeshard_core::inventory::Inventory::new(&spec);
+    let expert_bytes = inv.unit_bytes(UnitId::Expert { layer: 0, expert: 0 });
+    let h2d_bytes = |runtime: Runtime| {
+        let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+        let g = sim.step(PhaseKind::Decode, w.decode_step(1)).graph;
+        g.tasks.iter().filter(|t| matches!(t.kind, TaskKind::Stream { .. })).map(|t| t.bytes).sum::<u64>()
+    };
+    assert_eq!(h2d_bytes(Runtime::Ours), 2 * 8 * expert_bytes);
+    assert_eq!(h2d_bytes(Runtime::Artifact), 2 * 128 * expert_bytes);
+}
+
+/// The artifact's runtime gathers the cells of a streamed layer's unified KV on the host, one walk over the
+/// used cells per sequence, before the upload: R² × context visits per layer, nothing with per-sequence KV or
+/// on our runtime. Every streamed layer's upload is longer by exactly that.
+#[test]
+fn the_artifacts_unified_kv_upload_walks_the_cells_once_per_sequence() {
+    use pipeshard_sim::Runtime;
+    let cost = FixedCost::plain(0.001, 1.0);
+    let spec = small("qwen3-30b-a3b", 3);
+    for unified in [false, true] {
+        let w = Workload::single(300, 512, 8, 256).batched(16, unified);
+        let phase = w.decode_step(3);
+        let gather_ns = Runtime::Artifact.kv_gather_ns(&w, phase);
+        let p = plan(&spec, &w, SHAPE, &streamed_attention);
+        let h2d = |runtime: Runtime| {
+            let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+            sim.step(PhaseKind::Decode, phase).total_busy_ns()[1]
+        };
+        assert_eq!(Runtime::Ours.kv_gather_ns(&w, phase), 0);
+        assert_eq!(h2d(Runtime::Artifact) - h2d(Runtime::Ours), 3 * gather_ns, "unified {unified}");
+        // 16 walks over 16 × 304 cells at 3.4 ns.
+        assert_eq!(gather_ns, if unified { 16 * 16 * 304 * 34 / 10 } else { 0 }, "unified {unified}");
+    }
+}

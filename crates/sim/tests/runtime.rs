@@ -1,0 +1,100 @@
+//! What the runtime that executes a plan changes: kernels launched per op and CUDA-graph replay.
+
+mod common;
+
+use common::{FixedCost, PhaseShape, plan, small};
+use pipeshard_core::cost::{CostModel, OpContext};
+use pipeshard_core::inventory::UnitId;
+use pipeshard_core::plan::{PhaseKind, Placement};
+use pipeshard_core::workload::{Op, Workload};
+use pipeshard_sim::{Runtime, Simulator};
+
+/// Free ops and copies: a GPU op costs its kernels' launches (or replays) alone.
+struct LaunchCost {
+    inner: FixedCost,
+    graph_kernel_ns: u64,
+}
+
+impl CostModel for LaunchCost {
+    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        self.inner.op_ns(op, ctx)
+    }
+    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {
+        self.inner.roofline_ns(op, ctx)
+    }
+    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        self.inner.h2d_ns(bytes, pinned)
+    }
+    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        self.inner.d2h_ns(bytes, pinned)
+    }
+    fn launch_ns(&self) -> u64 {
+        self.inner.launch_ns
+    }
+    fn graph_kernel_ns(&self) -> u64 {
+        self.graph_kernel_ns
+    }
+    fn host_sync_ns(&self) -> u64 {
+        0
+    }
+    fn runtime_overhead_bytes(&self) -> u64 {
+        0
+    }
+    fn cpu_threads(&self) -> u32 {
+        8
+    }
+    fn dram_gbps(&self, _threads: u32, _under_dma: bool) -> f64 {
+        100.0
+    }
+}
+
+const LAUNCH_NS: u64 = 1_000;
+const GRAPH_NS: u64 = 300;
+const SHAPE: PhaseShape = PhaseShape { pipeline_depth: 2, op_offload: false, cpu_threads: 8 };
+
+fn cost() -> LaunchCost {
+    LaunchCost {
+        inner: FixedCost { launch_ns: LAUNCH_NS, ..FixedCost::plain(0.0, 1.0) },
+        graph_kernel_ns: GRAPH_NS,
+    }
+}
+
+/// GPU busy time of one decode step of `batch` sequences of a 2-layer qwen3-30b-a3b placed by `place`.
+fn gpu_busy_ns(runtime: Runtime, batch: u64, place: &dyn Fn(UnitId) -> Placement) -> u64 {
+    let spec = small("qwen3-30b-a3b", 2);
+    let w = Workload::single(100, 256, 4, 128).batched(batch, true);
+    let p = plan(&spec, &w, SHAPE, place);
+    let cost = cost();
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    sim.step(PhaseKind::Decode, w.decode_step(1)).total_busy_ns()[0]
+}
+
+/// llama.cpp launches a layer's K and V stores apart (+1), the router's softmax, top-k, weight gather and
+/// renormalisation beside its matmul (+5), and three `mul_mat_id`, the GLU, the weighting and 7 adds for the
+/// experts (+11): 17 kernels a MoE layer more than ours. A step of 4 tokens replays no graph.
+#[test]
+fn llama_cpp_launches_seventeen_more_kernels_a_moe_layer() {
+    let pinned = |_: UnitId| Placement::Pinned;
+    let ours = gpu_busy_ns(Runtime::Ours, 4, &pinned);
+    for runtime in [Runtime::Stock, Runtime::Artifact] {
+        assert_eq!(gpu_busy_ns(runtime, 4, &pinned) - ours, 2 * 17 * LAUNCH_NS, "{runtime:?}");
+    }
+}
+
+/// A one-token step that is one GPU split replays llama.cpp's CUDA graph: every kernel at the replay cost
+/// instead of a launch. A CPU unit (a second split) or a second token launches again; ours always launches.
+#[test]
+fn one_gpu_split_of_one_token_replays_a_cuda_graph() {
+    let pinned = |_: UnitId| Placement::Pinned;
+    let launched = gpu_busy_ns(Runtime::Stock, 4, &pinned);
+    let kernels = launched / LAUNCH_NS;
+    assert_eq!(launched % LAUNCH_NS, 0);
+    assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &pinned), kernels * GRAPH_NS);
+    assert_eq!(gpu_busy_ns(Runtime::Artifact, 1, &pinned), kernels * GRAPH_NS);
+    assert_eq!(gpu_busy_ns(Runtime::Ours, 1, &pinned) % LAUNCH_NS, 0, "ours launches");
+    // The token embedding on the CPU keeps the rest one split; the output head there does not.
+    let embd_cpu = |u: UnitId| if u == UnitId::TokenEmbd { Placement::Cpu } else { Placement::Pinned };
+    assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &embd_cpu), (kernels - 1) * GRAPH_NS);
+    let head_cpu = |u: UnitId| if u == UnitId::Output { Placement::Cpu } else { Placement::Pinned };
+    assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &head_cpu) % LAUNCH_NS, 0, "two splits launch");
+}
