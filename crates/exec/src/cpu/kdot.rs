@@ -716,7 +716,8 @@ mod x86 {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        let (bb, quants_at, len) = if Q3 { (Q3K_BYTES, 32, 128) } else { (Q2K_BYTES, 16, 144) };
+        let (bb, quants_at) = if Q3 { (Q3K_BYTES, 32) } else { (Q2K_BYTES, 16) };
+        let len = k23_packed_len(Q3);
         // SAFETY: each index and table is 64 bytes.
         let load = |p: *const u8| unsafe { _mm512_loadu_si512(p.cast::<__m512i>()) };
         let order = K23_QUANT_ORDER.map(|o| load(o.as_ptr()));
@@ -785,7 +786,12 @@ mod x86 {
                     _mm512_storeu_ps(dr.as_mut_ptr(), v);
                 }
             }
-            for (r, (row, ds)) in acc.iter_mut().zip(&ds).enumerate() {
+            // Opaque to the optimiser, so that the scales below stay 128-bit broadcasts from memory (load ports)
+            // instead of becoming shuffles of the stored vectors (LLVM's choice otherwise): 4 more shuffles a row
+            // and super-block on the Xeon's one 512-bit shuffle port, which the lookups fill. No different on the
+            // 2-core EPYC (Zen 5), where it was measured.
+            let ds = std::hint::black_box(&ds);
+            for (r, (row, ds)) in acc.iter_mut().zip(ds).enumerate() {
                 // SAFETY: super-block b of row r exists: its 64 quant bytes, and q3_k's 32 mask bytes.
                 let (q, h) = unsafe {
                     let p = w.add(r * ws + b * bb);
@@ -796,26 +802,29 @@ mod x86 {
                     };
                     (_mm512_loadu_si512(p.add(quants_at).cast::<__m512i>()), h)
                 };
-                // Per quarter and token: lane u's Σ x·q over both halves (groups g(u) of the quarter).
-                let mut sums = [[_mm512_setzero_ps(); T]; 4];
-                for (v, o) in order.iter().enumerate() {
-                    let wv = _mm512_permutex2var_epi8(q, *o, h);
-                    let (i01, i23) = if Q3 {
+                // Per half v: the indices of quarters 0, 1 and of quarters 2, 3.
+                let idx = order.map(|o| {
+                    let wv = _mm512_permutex2var_epi8(q, o, h);
+                    if Q3 {
                         let hb = _mm512_srlv_epi16(wv, mask_shift);
-                        (
+                        [
                             _mm512_ternarylogic_epi32::<0xca>(low4, wv, hb),
                             _mm512_ternarylogic_epi32::<0xca>(
                                 low4,
                                 _mm512_srli_epi16::<4>(wv),
                                 _mm512_srli_epi16::<2>(hb),
                             ),
-                        )
+                        ]
                     } else {
-                        (wv, _mm512_srli_epi16::<4>(wv))
-                    };
-                    for (j, sj) in sums.iter_mut().enumerate() {
-                        let qv = lookup(if j < 2 { i01 } else { i23 }, &tables[j % 2]);
-                        for (t, s) in sj.iter_mut().enumerate() {
+                        [wv, _mm512_srli_epi16::<4>(wv)]
+                    }
+                });
+                for j in 0..4 {
+                    // Per token: lane u's Σ x·q over both halves (groups g(u) of quarter j).
+                    let mut sums = [_mm512_setzero_ps(); T];
+                    for (v, iv) in idx.iter().enumerate() {
+                        let qv = lookup(iv[j / 2], &tables[j % 2]);
+                        for (t, s) in sums.iter_mut().enumerate() {
                             // SAFETY: vector 2j + v of super-block b of token t (packed: 64 bytes).
                             let xv: __m512bh = unsafe {
                                 std::mem::transmute(_mm512_loadu_si512(
@@ -825,12 +834,10 @@ mod x86 {
                             *s = _mm512_dpbf16_ps(*s, xv, qv);
                         }
                     }
-                }
-                for (j, sj) in sums.iter().enumerate() {
                     // SAFETY: 4j + 4 ≤ 16, inside ds.
                     let scale = _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(ds.as_ptr().add(4 * j)) });
-                    for (a, s) in row.iter_mut().zip(sj) {
-                        *a = _mm512_fmadd_ps(*s, scale, *a);
+                    for (a, s) in row.iter_mut().zip(sums) {
+                        *a = _mm512_fmadd_ps(s, scale, *a);
                     }
                 }
             }
