@@ -626,9 +626,9 @@ mod x86 {
 
     /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_k23_avx512bf16`] into `out`
     /// ([`k23_packed_len`] slots a super-block, stride `k / 256 ×` that a token). Vector `2j + v` of a super-block
-    /// holds quarter `j`'s elements in the order of [`K23_QUANT_ORDER`]: 32-bit lane `u = 4r + L` (`L = 2n + h`) the
+    /// holds quarter `j`'s elements in the order of `K23_QUANT_ORDER`: 32-bit lane `u = 4r + L` (`L = 2n + h`) the
     /// bf16 of elements `128n + 32j + 16h + 8v + 2r + {0, 1}`. q2_k's group sums `Σx` (of the bf16 values) follow,
-    /// group `g(u)` in lane `u` as [`K23_GROUP_ORDER`] has them.
+    /// group `g(u)` in lane `u` as `K23_GROUP_ORDER` has them.
     ///
     /// # Safety
     /// `x` holds `m × k` f32 and `out` `m × k / 256 × k23_packed_len(Q3)`; `k` is a multiple of 256.
@@ -648,7 +648,8 @@ mod x86 {
                     for v in 0..2 {
                         // Pieces L = 0..4 (8 elements each) at 128n + 16h + 32j + 8v.
                         let at = 32 * j + 8 * v;
-                        // SAFETY: the pieces lie in the super-block; the vector's 64 bytes in its slots.
+                        // SAFETY: the pieces lie in the super-block, the vector's 64 bytes in its slots;
+                        // __m512bh and __m512i are both 512 bits of plain data.
                         let wv = unsafe {
                             let pair = |o: usize| {
                                 _mm512_castpd_ps(_mm512_insertf64x4::<1>(
@@ -671,10 +672,10 @@ mod x86 {
                 }
                 if !Q3 {
                     // Lane u = 4j + L: the sum of sums[j]'s four 128-bit lanes' element L.
-                    let pair = |a: __m512, b: __m512| {
+                    let fold = |a: __m512, b: __m512| {
                         _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xee>(a, b))
                     };
-                    let (s01, s23) = (pair(sums[0], sums[1]), pair(sums[2], sums[3]));
+                    let (s01, s23) = (fold(sums[0], sums[1]), fold(sums[2], sums[3]));
                     let g = _mm512_add_ps(
                         _mm512_shuffle_f32x4::<0x88>(s01, s23),
                         _mm512_shuffle_f32x4::<0xdd>(s01, s23),
