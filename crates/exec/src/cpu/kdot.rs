@@ -8,15 +8,17 @@
 //! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
 //! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k, on 2-bit fields for
-//! q2_k and on those with the mask bit for q3_k; `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of
-//! `q − 32`), exact as small integers, and `vdpbf16ps` multiplies them with the activations (bf16 values
-//! already, so exact too). Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
+//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k and on 2-bit fields
+//! for q2_k; `vpermt2w` on those with the mask bits for q3_k, and on the 6-bit values for q6_k, a 64-entry
+//! table of `q − 32`), exact as small integers, and `vdpbf16ps` multiplies them with the activations (bf16
+//! values already, so exact too). q2_k and q3_k take their activations packed once per matmul
+//! ([`pack_k23_avx512bf16`]). Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
 //! quants to f32 and use FMAs.
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
     dot_k23_avx2, dot_k23_avx512bf16, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16,
+    k23_packed_len, pack_k23_avx512bf16,
 };
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
@@ -64,21 +66,23 @@ pub fn q3_k_scales_words(packed: [u8; 12]) -> [u8; 16] {
 mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
-        _mm_loadu_si128, _mm_prefetch, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256, _mm256_castpd_ps,
-        _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
-        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
-        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
-        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
-        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
-        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
-        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
-        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps,
-        _mm512_loadu_si512, _mm512_mask_blend_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
-        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_set_epi16,
-        _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_pd, _mm512_set1_ps, _mm512_setr_epi32,
-        _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_f32x4, _mm512_shuffle_ps,
-        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_storeu_ps, _mm512_sub_epi32,
-        _mm512_ternarylogic_epi32,
+        _mm_loadu_ps, _mm_loadu_si128, _mm_prefetch, _mm_setr_epi16, _mm_srli_si128, _mm256_add_ps,
+        _mm256_and_si256, _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32,
+        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps,
+        _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
+        _mm256_or_si256, _mm256_permute2f128_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
+        _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_f32x4, _mm512_broadcast_i32x4, _mm512_castpd_ps,
+        _mm512_castps_pd, _mm512_castps256_ps512, _mm512_castps512_ps256, _mm512_castsi128_si512,
+        _mm512_castsi256_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
+        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+        _mm512_fnmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_ps,
+        _mm512_maskz_permutexvar_epi8, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi8,
+        _mm512_permutex2var_epi16, _mm512_permutexvar_epi16, _mm512_permutexvar_epi32, _mm512_permutexvar_ps,
+        _mm512_reduce_add_ps, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32,
+        _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_f32x4, _mm512_slli_epi16,
+        _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi16, _mm512_storeu_ps, _mm512_storeu_si512,
+        _mm512_sub_epi32, _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
@@ -411,6 +415,11 @@ mod x86 {
         }
     }
 
+    /// bf16 bit pattern of the small integer `v` (exact).
+    const fn bf16_int(v: i32) -> u16 {
+        ((v as f32).to_bits() >> 16) as u16
+    }
+
     /// bf16 bit patterns of `((i >> shift) & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the
     /// low 5 bits of an index) that picks one field of the index and ignores its other bits, so a field needs no
     /// mask (or shift, when it lies at `shift`); also one half of a `vpermt2w` table with `mask` 31.
@@ -418,7 +427,7 @@ mod x86 {
         let mut t = [0u16; 32];
         let mut i = 0;
         while i < 32 {
-            t[i] = (((((i as u32) >> shift) & mask) as i32 - off) as f32).to_bits().wrapping_shr(16) as u16;
+            t[i] = bf16_int((((i as u32) >> shift) & mask) as i32 - off);
             i += 1;
         }
         t
@@ -427,8 +436,6 @@ mod x86 {
     const Q4K_BF16: [u16; 32] = field_table(0, 15, 0);
     /// q2_k's 2-bit quants at bits 0..2 and at bits 2..4 of the index.
     const Q2K_BF16: [[u16; 32]; 2] = [field_table(0, 3, 0), field_table(2, 3, 0)];
-    /// q3_k's `q − 4` for the 3-bit `q` at bits 0..3 and at bits 2..5 (two low bits, then the mask bit).
-    const Q3K_BF16: [[u16; 32]; 2] = [field_table(0, 7, 4), field_table(2, 7, 4)];
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
     const Q6K_BF16_LO: [u16; 32] = field_table(0, 31, 32);
     const Q6K_BF16_HI: [u16; 32] = field_table(0, 31, 0);
@@ -562,43 +569,145 @@ mod x86 {
         }
     }
 
-    /// The 16 half-vector sums of 8 vectors, in order: lane 2i + h is the sum of lanes 8h..8h + 8 of `s[i]`.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn half_sums16(s: &[__m512; 8]) -> __m512 {
-        // Pairs of vectors: 128-bit lane l of q[i] holds 4 partial sums of half-vector 4i + l.
-        let q: [__m512; 4] = std::array::from_fn(|i| {
-            let (a, b) = (s[2 * i], s[2 * i + 1]);
-            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xdd>(a, b))
-        });
-        // In each 128-bit lane l: the sums of q[0..4]'s 4 partials, that is half-vectors l, 4 + l, 8 + l, 12 + l.
-        let u = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(q[0], q[1]), _mm512_shuffle_ps::<0xee>(q[0], q[1]));
-        let v = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(q[2], q[3]), _mm512_shuffle_ps::<0xee>(q[2], q[3]));
-        let g = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(u, v), _mm512_shuffle_ps::<0xdd>(u, v));
-        // Lane 4l + e holds half-vector 4e + l.
-        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g)
+    /// The packed activations of one q2_k/q3_k super-block, in f32 slots: 8 vectors of 32 bf16 (vector 2j + v,
+    /// see [`pack_k23_avx512bf16`]), then, for q2_k, the 16 group sums in order `u`.
+    #[must_use]
+    pub const fn k23_packed_len(q3: bool) -> usize {
+        if q3 { 128 } else { 144 }
     }
 
-    /// q2_k (`Q3` false) or q3_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    /// For each half `v` of a quarter: the `vpermt2b` index that makes word `w = 8r + 2L + e` of the chunk from
+    /// quant byte `16L + 8v + 2r + e` (low byte) and mask byte `(16L + 8v + 2r + e) mod 32` (high byte; the
+    /// second source, zero for q2_k). 128-bit row `L = 2n + h` of the 64 quant bytes holds half `n`, lanes
+    /// `16h..16h + 16`, so 32-bit lane `u = 4r + L` gets two elements of one group per quarter.
+    const K23_QUANT_ORDER: [[u8; 64]; 2] = {
+        let mut t = [[0u8; 64]; 2];
+        let mut v = 0;
+        while v < 2 {
+            let mut w = 0;
+            while w < 32 {
+                let b = 16 * ((w / 2) % 4) + 8 * v + 2 * (w / 8) + w % 2;
+                t[v][2 * w] = b as u8;
+                t[v][2 * w + 1] = (64 + b % 32) as u8;
+                w += 1;
+            }
+            v += 1;
+        }
+        t
+    };
+
+    /// `vpermb` index that puts group byte `g(u) = 2j + [0, 1, 8, 9][L]` in the low byte of 32-bit lane
+    /// `u = 4j + L` (the other bytes are zeroed by the mask `0x1111…`): the groups in the order of
+    /// [`K23_QUANT_ORDER`]'s lanes, quarter by quarter.
+    const K23_GROUP_ORDER: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut u = 0;
+        while u < 16 {
+            t[4 * u] = (2 * (u / 4) + [0, 1, 8, 9][u % 4]) as u8;
+            u += 1;
+        }
+        t
+    };
+
+    /// q3_k's `q − 4` as a 64-entry `vpermt2w` table (halves 0..32 and 32..64): two low bits at `shift`, the mask
+    /// bit at `hbit`.
+    const fn q3_k_table(shift: u32, hbit: u32) -> [[u16; 32]; 2] {
+        let mut t = [[0u16; 32]; 2];
+        let mut i = 0u32;
+        while i < 64 {
+            let q = ((i >> shift) & 3) + 4 * ((i >> hbit) & 1);
+            t[(i / 32) as usize][(i % 32) as usize] = bf16_int(q as i32 - 4);
+            i += 1;
+        }
+        t
+    }
+    /// q3_k's quarters 0 and 2 (low bits at 0, mask bit at 4) and 1 and 3 (low bits at 2, mask bit at 5).
+    const Q3K_BF16: [[[u16; 32]; 2]; 2] = [q3_k_table(0, 4), q3_k_table(2, 5)];
+
+    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_k23_avx512bf16`] into `out`
+    /// ([`k23_packed_len`] slots a super-block, stride `k / 256 ×` that a token). Vector `2j + v` of a super-block
+    /// holds quarter `j`'s elements in the order of `K23_QUANT_ORDER`: 32-bit lane `u = 4r + L` (`L = 2n + h`) the
+    /// bf16 of elements `128n + 32j + 16h + 8v + 2r + {0, 1}`. q2_k's group sums `Σx` (of the bf16 values) follow,
+    /// group `g(u)` in lane `u` as `K23_GROUP_ORDER` has them.
     ///
-    /// A chunk is 32 elements, groups 2c and 2c + 1 (bytes 0..16 and 16..32 of its half's quants, field c mod 4),
-    /// taken in the lane order `P` (pairs of bytes from each half in turn, for the quants and the activations
-    /// alike), so that the `vdpbf16ps` of a chunk has group 2c in its even lanes and 2c + 1 in its odd ones: the
-    /// two groups' `d·sc` are then one 64-bit broadcast from memory, and the scaling one FMA. A half's quant
-    /// bytes are widened and put in order `P` once for its 4 chunks; fields 0 and 1 index their tables
-    /// unshifted (a table per field position, `field_table`), fields 2 and 3 after one shift by 4. q3_k adds
-    /// each chunk's mask bit next to its field with a shift and a bit-select. q2_k's mins `Σ_g dmin·m_g·Σx_g`
-    /// are one FMA a row and super-block against the 16 group sums, which each token's activations give once
-    /// for all rows of the block.
+    /// # Safety
+    /// `x` holds `m × k` f32 and `out` `m × k / 256 × k23_packed_len(Q3)`; `k` is a multiple of 256.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn pack_k23_avx512bf16<const Q3: bool>(x: *const f32, m: usize, k: usize, out: *mut f32) {
+        let len = k23_packed_len(Q3);
+        // Lane u = 4r + L takes pair r of piece L (whose 4 pairs fill 128-bit lane L after the conversion).
+        let transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        // SAFETY: __m512i and __m512bh are both 512 bits of plain data; 0x3f80 is bf16 1.0.
+        let ones: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
+        for t in 0..m {
+            for b in 0..k / 256 {
+                // SAFETY: super-block b of token t lies in x and its packed slots in out (the sizes documented).
+                let (xb, ob) = unsafe { (x.add(t * k + 256 * b), out.add((t * k / 256 + b) * len)) };
+                let mut sums = [_mm512_setzero_ps(); 4];
+                for (j, s) in sums.iter_mut().enumerate() {
+                    for v in 0..2 {
+                        // Pieces L = 0..4 (8 elements each) at 128n + 16h + 32j + 8v.
+                        let at = 32 * j + 8 * v;
+                        // SAFETY: the pieces lie in the super-block, the vector's 64 bytes in its slots;
+                        // __m512bh and __m512i are both 512 bits of plain data.
+                        let wv = unsafe {
+                            let pair = |o: usize| {
+                                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                                    _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(xb.add(o)))),
+                                    _mm256_castps_pd(_mm256_loadu_ps(xb.add(o + 16))),
+                                ))
+                            };
+                            let bf = _mm512_cvtne2ps_pbh(pair(at + 128), pair(at));
+                            let wv = _mm512_permutexvar_epi32(
+                                transpose,
+                                std::mem::transmute::<__m512bh, __m512i>(bf),
+                            );
+                            _mm512_storeu_si512(ob.add(16 * (2 * j + v)).cast::<__m512i>(), wv);
+                            std::mem::transmute::<__m512i, __m512bh>(wv)
+                        };
+                        if !Q3 {
+                            *s = _mm512_dpbf16_ps(*s, wv, ones);
+                        }
+                    }
+                }
+                if !Q3 {
+                    // Lane u = 4j + L: the sum of sums[j]'s four 128-bit lanes' element L.
+                    let fold = |a: __m512, b: __m512| {
+                        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xee>(a, b))
+                    };
+                    let (s01, s23) = (fold(sums[0], sums[1]), fold(sums[2], sums[3]));
+                    let g = _mm512_add_ps(
+                        _mm512_shuffle_f32x4::<0x88>(s01, s23),
+                        _mm512_shuffle_f32x4::<0xdd>(s01, s23),
+                    );
+                    // SAFETY: the 16 slots after the vectors.
+                    unsafe { _mm512_storeu_ps(ob.add(128), g) };
+                }
+            }
+        }
+    }
+
+    /// q2_k (`Q3` false) or q3_k with AVX512_BF16 and VBMI, on activations packed by [`pack_k23_avx512bf16`]; see
+    /// `qdot::dot_block` and the module documentation.
+    ///
+    /// Per row and half `v` of the quarters, one `vpermt2b` puts the 32 quant bytes (with q3_k's mask bytes as
+    /// the words' high bytes) in the packed order, so each 32-bit lane of a `vdpbf16ps` sums two elements of one
+    /// group and every quarter's two chunks add into one accumulator. Quarters 0 and 1 index their tables
+    /// with the word as is (a table per field position), 2 and 3 after a shift by 4; q3_k first moves each
+    /// word's two mask bits next to them (a shift per word by `4 + 4n`, and a bit-select). Per row and
+    /// super-block the 4 quarter sums are scaled by `d·sc` of their lanes' groups (four 128-bit broadcasts from
+    /// memory) — 4 FMAs where the chunk-by-chunk kernel had 8 — and q2_k's mins `Σ_g dmin·m_g·Σx_g` are one FMA
+    /// against the packed group sums. The activations' bf16 conversion, their order and the group sums are
+    /// made once per matmul, not once per register block.
     ///
     /// The activations stay bf16 instead of being quantised to 8 bits for integer (VNNI) dot products as ggml
     /// does with q8_K: products of bf16 activations and small-integer quants are exact, so the result stays
-    /// dequantise-then-f32 up to the order of additions, and at ~4 vector instructions per 32 weights and row
-    /// (q3_k ~6) against ~16 for the f32 AVX2 kernel, the loop keeps up with DRAM.
+    /// dequantise-then-f32 up to the order of additions.
     ///
     /// # Safety
-    /// As [`dot_q4_k_avx512bf16`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+    /// As [`dot_q4_k_avx512bf16`], with AVX512_VBMI present and `x`, `ldx` as [`pack_k23_avx512bf16`] made
+    /// them (`ldx` in f32 slots).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn dot_k23_avx512bf16<const R: usize, const T: usize, const Q3: bool>(
         pf: Prefetch,
         x: *const f32,
@@ -609,46 +718,35 @@ mod x86 {
         out: &mut [[f32; T]; R],
     ) {
         let (bb, quants_at) = if Q3 { (Q3K_BYTES, 32) } else { (Q2K_BYTES, 16) };
-        let tables = if Q3 { &Q3K_BF16 } else { &Q2K_BF16 };
-        // SAFETY: each table is 64 bytes.
-        let table = tables.map(|t| unsafe { _mm512_loadu_si512(t.as_ptr().cast::<__m512i>()) });
-        // Lane 4m + e takes element 2m + e of the chunk for e < 2, else 16 + 2m + e − 2.
-        let order = _mm512_set_epi16(
-            31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8, 23, 22, 7, 6, 21, 20, 5, 4, 19, 18,
-            3, 2, 17, 16, 1, 0,
-        );
-        // q3_k: the field's bits from the quants, the rest (the mask bit at 2 or 4) from the mask bytes.
-        let field = [_mm512_set1_epi16(0x03), _mm512_set1_epi16(0x0c)];
+        let len = k23_packed_len(Q3);
+        // SAFETY: each index and table is 64 bytes.
+        let load = |p: *const u8| unsafe { _mm512_loadu_si512(p.cast::<__m512i>()) };
+        let order = K23_QUANT_ORDER.map(|o| load(o.as_ptr()));
+        let group_order = load(K23_GROUP_ORDER.as_ptr());
+        let tables = if Q3 {
+            Q3K_BF16.map(|t| t.map(|h| load(h.as_ptr().cast())))
+        } else {
+            Q2K_BF16.map(|h| [load(h.as_ptr().cast()); 2])
+        };
+        // A quarter's bf16 quants from its index (q3_k: 6 bits, two tables; q2_k: 5 bits).
+        let lookup = |idx: __m512i, t: &[__m512i; 2]| -> __m512bh {
+            let v = if Q3 {
+                _mm512_permutex2var_epi16(t[0], idx, t[1])
+            } else {
+                _mm512_permutexvar_epi16(idx, t[0])
+            };
+            // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+            unsafe { std::mem::transmute(v) }
+        };
+        // q3_k: per word (lane u = 4r + L, half n = L / 2), the shift that brings mask bits 4n, 4n + 1 of the high
+        // byte to bits 4, 5.
+        let mask_shift = _mm512_broadcast_i32x4(_mm_setr_epi16(4, 4, 4, 4, 8, 8, 8, 8));
+        let low4 = _mm512_set1_epi16(0x0f);
         let f16s = f16_to_f32_table().as_ptr();
-        // SAFETY: __m512i and __m512bh are both 512 bits of plain data; 0x3f80 is bf16 1.0.
-        let ones: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
-            // Per token: the 8 chunks' activations in order `P`, and q2_k's 16 group sums.
-            let mut xp = [[ones; 8]; T];
-            let mut group_sums = [_mm512_setzero_ps(); T];
-            for (t, (xt, gs)) in xp.iter_mut().zip(&mut group_sums).enumerate() {
-                let mut pair_sums = [_mm512_setzero_ps(); 8];
-                for (c, (v, ps)) in xt.iter_mut().zip(&mut pair_sums).enumerate() {
-                    // SAFETY: elements 256b + 32c .. + 32 of token t exist.
-                    let xb = unsafe { load_x_bf16(x, t * ldx + 256 * b + 32 * c).0 };
-                    if !Q3 {
-                        *ps = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, ones);
-                    }
-                    // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                    *v = unsafe {
-                        std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(
-                            order,
-                            std::mem::transmute::<__m512bh, __m512i>(xb),
-                        ))
-                    };
-                }
-                if !Q3 {
-                    *gs = half_sums16(&pair_sums);
-                }
-            }
-            // Per row: d·sc of the 16 groups (two a chunk, broadcast from memory; stored for all rows first, so
-            // that no load waits for its store), and q2_k's mins.
+            // Per row: d·sc of the 16 groups in order u (stored for all rows first, so that no load waits for its
+            // store), and q2_k's mins.
             let mut ds = [[0f32; 16]; R];
             for (r, (row, dr)) in acc.iter_mut().zip(&mut ds).enumerate() {
                 // SAFETY: super-block b of row r exists.
@@ -658,20 +756,28 @@ mod x86 {
                 let f16_at = |at: usize| unsafe {
                     _mm512_set1_ps(*f16s.add(usize::from(p.add(at).cast::<u16>().read_unaligned())))
                 };
-                // SAFETY: the scale bytes, and dr's 16 f32.
+                // SAFETY: the scale bytes, the packed group sums of every token, and dr's 16 f32.
                 unsafe {
-                    let v = if Q3 {
+                    let bytes = if Q3 {
                         let sc = q3_k_scales_words(p.add(96).cast::<[u8; 12]>().read_unaligned());
-                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(sc.as_ptr().cast::<__m128i>()));
+                        _mm_loadu_si128(sc.as_ptr().cast::<__m128i>())
+                    } else {
+                        _mm_loadu_si128(p.cast::<__m128i>())
+                    };
+                    let sm = _mm512_maskz_permutexvar_epi8(
+                        0x1111_1111_1111_1111,
+                        group_order,
+                        _mm512_castsi128_si512(bytes),
+                    );
+                    let v = if Q3 {
                         _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(sm, _mm512_set1_epi32(32))),
                             f16_at(108),
                         )
                     } else {
-                        let sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
                         let mins = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sm)), f16_at(82));
-                        for (a, gs) in row.iter_mut().zip(&group_sums) {
-                            *a = _mm512_fnmadd_ps(mins, *gs, *a);
+                        for (t, a) in row.iter_mut().enumerate() {
+                            *a = _mm512_fnmadd_ps(mins, _mm512_loadu_ps(x.add(t * ldx + b * len + 128)), *a);
                         }
                         _mm512_mul_ps(
                             _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(0x0f))),
@@ -681,45 +787,58 @@ mod x86 {
                     _mm512_storeu_ps(dr.as_mut_ptr(), v);
                 }
             }
-            // Row by row, so that a row's quants and mask bits stay in registers across its 8 chunks.
-            for (r, (row, ds)) in acc.iter_mut().zip(&ds).enumerate() {
-                // SAFETY: super-block b of row r exists.
-                let p = unsafe { w.add(r * ws + b * bb) };
-                // q3_k's mask bytes in order `P`, shifted so that chunk 0's bit sits at bit 2 (`he`) and chunk
-                // 1's at bit 4 (`ho`).
-                let (mut he, mut ho) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                if Q3 {
-                    // SAFETY: the 32 mask bytes.
-                    let hm = _mm512_permutexvar_epi16(
-                        order,
-                        _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) }),
-                    );
-                    (he, ho) = (_mm512_slli_epi16::<2>(hm), _mm512_slli_epi16::<3>(hm));
-                }
-                for n in 0..2 {
-                    // The half's quant bytes in order `P` (fields 0, 1), and shifted by 4 (fields 2, 3).
-                    // SAFETY: the half's 32 quant bytes.
-                    let v = unsafe { _mm256_loadu_si256(p.add(quants_at + 32 * n).cast::<__m256i>()) };
-                    let q0 = _mm512_permutexvar_epi16(order, _mm512_cvtepu8_epi16(v));
-                    let q = [q0, _mm512_srli_epi16::<4>(q0)];
-                    for j in 0..4 {
-                        let c = 4 * n + j;
-                        let mut idx = q[j / 2];
-                        if Q3 {
-                            let h = if j % 2 == 0 { &mut he } else { &mut ho };
-                            idx = _mm512_ternarylogic_epi32::<0xca>(field[j % 2], idx, *h);
-                            *h = _mm512_srli_epi16::<2>(*h);
+            // Opaque to the optimiser, so that the scales below stay 128-bit broadcasts from memory (load ports)
+            // instead of becoming shuffles of the stored vectors (LLVM's choice otherwise): 4 more shuffles a row
+            // and super-block on the Xeon's one 512-bit shuffle port, which the lookups fill. No different on the
+            // 2-core EPYC (Zen 5), where it was measured.
+            let ds = std::hint::black_box(&ds);
+            for (r, (row, ds)) in acc.iter_mut().zip(ds).enumerate() {
+                // SAFETY: super-block b of row r exists: its 64 quant bytes, and q3_k's 32 mask bytes.
+                let (q, h) = unsafe {
+                    let p = w.add(r * ws + b * bb);
+                    let h = if Q3 {
+                        _mm512_castsi256_si512(_mm256_loadu_si256(p.cast::<__m256i>()))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    (_mm512_loadu_si512(p.add(quants_at).cast::<__m512i>()), h)
+                };
+                // Per half v: the indices of quarters 0, 1 and of quarters 2, 3.
+                let idx = order.map(|o| {
+                    let wv = _mm512_permutex2var_epi8(q, o, h);
+                    if Q3 {
+                        let hb = _mm512_srlv_epi16(wv, mask_shift);
+                        [
+                            _mm512_ternarylogic_epi32::<0xca>(low4, wv, hb),
+                            _mm512_ternarylogic_epi32::<0xca>(
+                                low4,
+                                _mm512_srli_epi16::<4>(wv),
+                                _mm512_srli_epi16::<2>(hb),
+                            ),
+                        ]
+                    } else {
+                        [wv, _mm512_srli_epi16::<4>(wv)]
+                    }
+                });
+                for j in 0..4 {
+                    // Per token: lane u's Σ x·q over both halves (groups g(u) of quarter j).
+                    let mut sums = [_mm512_setzero_ps(); T];
+                    for (v, iv) in idx.iter().enumerate() {
+                        let qv = lookup(iv[j / 2], &tables[j % 2]);
+                        for (t, s) in sums.iter_mut().enumerate() {
+                            // SAFETY: vector 2j + v of super-block b of token t (packed: 64 bytes).
+                            let xv: __m512bh = unsafe {
+                                std::mem::transmute(_mm512_loadu_si512(
+                                    x.add(t * ldx + b * len + 16 * (2 * j + v)).cast::<__m512i>(),
+                                ))
+                            };
+                            *s = _mm512_dpbf16_ps(*s, xv, qv);
                         }
-                        // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                        let wv: __m512bh =
-                            unsafe { std::mem::transmute(_mm512_permutexvar_epi16(idx, table[j % 2])) };
-                        // SAFETY: 2c + 1 < 16, inside ds.
-                        let scale = _mm512_castpd_ps(_mm512_set1_pd(unsafe {
-                            ds.as_ptr().add(2 * c).cast::<f64>().read_unaligned()
-                        }));
-                        for (a, xt) in row.iter_mut().zip(&xp) {
-                            *a = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xt[c], wv), scale, *a);
-                        }
+                    }
+                    // SAFETY: 4j + 4 ≤ 16, inside ds.
+                    let scale = _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(ds.as_ptr().add(4 * j)) });
+                    for (a, s) in row.iter_mut().zip(sums) {
+                        *a = _mm512_fmadd_ps(s, scale, *a);
                     }
                 }
             }
@@ -851,7 +970,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::qdot::{CacheLevel, Prefetch, dot_block};
+    use super::super::qdot::{CacheLevel, Prefetch, dot_block, pack_x};
     use super::super::simd::{Isa, detect};
     use crate::quant::{QFormat, q3_k_scales, q4_k_scale_min};
 
@@ -880,8 +999,11 @@ mod tests {
         let deq = fmt.dequantize(&w[..R * rb]);
         let mut got = [[0f32; T]; R];
         let pf = Prefetch { bytes: 256, level: CacheLevel::L1 };
-        // SAFETY: w holds R rows of rb bytes, x holds T rows of k; `isa` is this machine's or weaker.
-        unsafe { dot_block::<R, T>(isa, fmt, pf, x.as_ptr(), k, w.as_ptr(), rb, k, &mut got) };
+        let packed = pack_x(isa, fmt, x, T, k);
+        let (xp, ldx) = packed.as_ref().map_or((x.as_ptr(), k), |(p, ld)| (p.as_ptr(), *ld));
+        // SAFETY: w holds R rows of rb bytes, x holds T rows of k (or pack_x's rows); `isa` is this machine's or
+        // weaker.
+        unsafe { dot_block::<R, T>(isa, fmt, pf, xp, ldx, w.as_ptr(), rb, k, &mut got) };
         for (r, row) in got.iter().enumerate() {
             for (t, &g) in row.iter().enumerate() {
                 let terms = x[t * k..(t + 1) * k].iter().zip(&deq[r * k..(r + 1) * k]);
@@ -932,6 +1054,68 @@ mod tests {
                 check_dot::<4, 4>(isa, fmt, &w, &x, k);
                 check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], &x, k);
                 check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], &x, k);
+            }
+        }
+    }
+
+    /// The packed activations of the q2_k/q3_k AVX512_BF16 kernel: every element's bf16 once, at the place the
+    /// layout documented on `pack_k23_avx512bf16` gives it, and q2_k's group sums; no packing on weaker ISAs.
+    #[test]
+    fn k23_packed_activations_hold_every_element_in_lane_order_and_the_group_sums() {
+        let (m, k) = (3, 512);
+        let x: Vec<f32> = random_bytes(m * k * 4, 11)
+            .chunks_exact(4)
+            .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / f32::from(1 + u16::from(b[2] >> 3)))
+            .collect();
+        for fmt in [QFormat::Q2K, QFormat::Q3K] {
+            for isa in detect().and_weaker() {
+                let packed = pack_x(isa, fmt, &x, m, k);
+                if isa < Isa::Avx512Bf16 {
+                    assert!(packed.is_none(), "{isa:?} {fmt:?} reads the f32 rows");
+                    continue;
+                }
+                let (p, ld) = packed.expect("the AVX512_BF16 kernel packs q2_k and q3_k activations");
+                let per_block = if fmt == QFormat::Q2K { 144 } else { 128 };
+                assert_eq!((ld, p.len()), (k / 256 * per_block, m * ld));
+                for t in 0..m {
+                    for b in 0..k / 256 {
+                        let slots = &p[t * ld + b * per_block..][..per_block];
+                        let xb = &x[t * k + 256 * b..][..256];
+                        let mut seen = [false; 256];
+                        for (jv, vector) in slots[..128].chunks_exact(16).enumerate() {
+                            let (j, v) = (jv / 2, jv % 2);
+                            for (u, slot) in vector.iter().enumerate() {
+                                let (r, l) = (u / 4, u % 4);
+                                let bits = slot.to_bits();
+                                for (e, half) in [bits & 0xffff, bits >> 16].into_iter().enumerate() {
+                                    let at = 128 * (l / 2) + 32 * j + 16 * (l % 2) + 8 * v + 2 * r + e;
+                                    assert_eq!(
+                                        half,
+                                        u32::from(half::bf16::from_f32(xb[at]).to_bits()),
+                                        "{at}"
+                                    );
+                                    seen[at] = true;
+                                }
+                            }
+                        }
+                        assert!(seen.iter().all(|&s| s));
+                        if fmt == QFormat::Q2K {
+                            for (u, &sum) in slots[128..].iter().enumerate() {
+                                let g = 2 * (u / 4) + [0, 1, 8, 9][u % 4];
+                                let want: f64 = xb[16 * g..16 * g + 16]
+                                    .iter()
+                                    .map(|&v| f64::from(half::bf16::from_f32(v)))
+                                    .sum();
+                                let scale: f64 =
+                                    xb[16 * g..16 * g + 16].iter().map(|v| f64::from(v.abs())).sum();
+                                assert!(
+                                    (f64::from(sum) - want).abs() <= 1e-6 * scale,
+                                    "group {g}: {sum} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
             }
         }
     }

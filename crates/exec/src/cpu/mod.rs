@@ -216,11 +216,15 @@ trait RowFormat: Copy + Send + Sync {
     fn row_bytes(self, k: usize) -> usize;
     /// Tasks per thread a matmul's rows are cut into, unless the pool says otherwise.
     fn tasks_per_thread(self) -> usize;
+    /// The `m` activation rows (of `k`) as `dot` reads them on `isa`, and their stride, where that is not
+    /// the rows themselves (see [`qdot::pack_x`]).
+    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)>;
     /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
     /// rows unless `SPREAD_ROWS`); quantised kernels prefetch ahead of every block they read as `pf` says.
     ///
     /// # Safety
-    /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each; `isa` was detected.
+    /// `w` holds `R` rows, `x` holds `T` rows of stride `ldx` with at least `k` f32s each, or of what `pack_x`
+    /// made; `isa` was detected.
     unsafe fn dot<const R: usize, const T: usize>(
         self,
         isa: Isa,
@@ -241,6 +245,9 @@ impl RowFormat for Elem {
     }
     fn tasks_per_thread(self) -> usize {
         TASKS_PER_THREAD
+    }
+    fn pack_x(self, _isa: Isa, _x: &[f32], _m: usize, _k: usize) -> Option<(Vec<f32>, usize)> {
+        None
     }
     unsafe fn dot<const R: usize, const T: usize>(
         self,
@@ -269,6 +276,9 @@ impl RowFormat for QFormat {
     }
     fn tasks_per_thread(self) -> usize {
         QUANT_TASKS_PER_THREAD
+    }
+    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
+        qdot::pack_x(isa, self, x, m, k)
     }
     unsafe fn dot<const R: usize, const T: usize>(
         self,
@@ -383,7 +393,8 @@ fn tiled<F: RowFormat>(
     let (isa, pf, gemv_rows) = (pool.isa, pool.prefetch, pool.gemv_rows);
     let out = SharedOut(y.as_mut_ptr());
     let wp = w.as_ptr() as usize;
-    let xp = x.as_ptr() as usize;
+    let packed = fmt.pack_x(isa, x, m, k);
+    let (xp, ldx) = packed.as_ref().map_or((x.as_ptr() as usize, k), |(p, ld)| (p.as_ptr() as usize, *ld));
     let tasks = n.div_ceil(rows_per_task);
     pool.install(|| {
         (0..tasks).into_par_iter().for_each(|task| {
@@ -413,13 +424,13 @@ fn tiled<F: RowFormat>(
                     // SAFETY: rows r, r + lane, … (`rows` of them, all < r1) of w and tokens t..t+tb of x exist
                     // (checked sizes above).
                     unsafe {
-                        let xr = xp.add(t * k);
+                        let xr = xp.add(t * ldx);
                         let wr = wp.add(r * rb);
                         let ws = lane * rb;
                         match (rows, tb) {
                             (4, 4) => {
                                 let mut o = [[0f32; 4]; 4];
-                                fmt.dot::<4, 4>(isa, pf, xr, k, wr, ws, k, &mut o);
+                                fmt.dot::<4, 4>(isa, pf, xr, ldx, wr, ws, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     for (ti, &v) in row.iter().enumerate() {
                                         store(t + ti, r + ri * lane, v);
@@ -428,28 +439,28 @@ fn tiled<F: RowFormat>(
                             }
                             (8, _) => {
                                 let mut o = [[0f32; 1]; 8];
-                                fmt.dot::<8, 1>(isa, pf, xr, k, wr, ws, k, &mut o);
+                                fmt.dot::<8, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     store(t, r + ri * lane, row[0]);
                                 }
                             }
                             (4, _) => {
                                 let mut o = [[0f32; 1]; 4];
-                                fmt.dot::<4, 1>(isa, pf, xr, k, wr, ws, k, &mut o);
+                                fmt.dot::<4, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
                                 for (ri, row) in o.iter().enumerate() {
                                     store(t, r + ri * lane, row[0]);
                                 }
                             }
                             (_, 4) => {
                                 let mut o = [[0f32; 4]; 1];
-                                fmt.dot::<1, 4>(isa, pf, xr, k, wr, rb, k, &mut o);
+                                fmt.dot::<1, 4>(isa, pf, xr, ldx, wr, rb, k, &mut o);
                                 for (ti, &v) in o[0].iter().enumerate() {
                                     store(t + ti, r, v);
                                 }
                             }
                             _ => {
                                 let mut o = [[0f32; 1]; 1];
-                                fmt.dot::<1, 1>(isa, pf, xr, k, wr, rb, k, &mut o);
+                                fmt.dot::<1, 1>(isa, pf, xr, ldx, wr, rb, k, &mut o);
                                 store(t, r, o[0][0]);
                             }
                         }

@@ -43,12 +43,39 @@ impl std::fmt::Display for Prefetch {
     }
 }
 
+/// The activations as [`dot_block`] reads them for `fmt` on `isa`, made once per matmul: `m` rows of `k` f32
+/// (`k` whole blocks) packed, and the packed rows' stride in f32 slots; `None` where the kernel reads the f32
+/// rows themselves. The q2_k/q3_k AVX512_BF16 kernel takes its activations as bf16 in its lane order, with
+/// q2_k's group sums (`kdot::pack_k23_avx512bf16`), so that no register block of rows converts them again.
+#[must_use]
+pub fn pack_x(isa: Isa, fmt: QFormat, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Bf16 && matches!(fmt, QFormat::Q2K | QFormat::Q3K) {
+        assert!(x.len() >= m * k && k.is_multiple_of(256), "{m} rows of {k} activations");
+        let q3 = fmt == QFormat::Q3K;
+        let ld = k / 256 * super::kdot::k23_packed_len(q3);
+        let mut out = vec![0f32; m * ld];
+        // SAFETY: sizes checked above; Avx512Bf16 is only returned by `detect` when present.
+        unsafe {
+            if q3 {
+                super::kdot::pack_k23_avx512bf16::<true>(x.as_ptr(), m, k, out.as_mut_ptr());
+            } else {
+                super::kdot::pack_k23_avx512bf16::<false>(x.as_ptr(), m, k, out.as_mut_ptr());
+            }
+        }
+        return Some((out, ld));
+    }
+    let _ = (isa, fmt, x, m, k);
+    None
+}
+
 /// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (rows of `k` elements in `fmt`, `ws` bytes
-/// apart from `w`) and `T` activation rows (stride `ldx`).
+/// apart from `w`) and `T` activation rows (stride `ldx`): the f32 rows, or what [`pack_x`] made of them for
+/// `isa` and `fmt` (then `ldx` is its stride).
 ///
 /// # Safety
-/// `k` is a multiple of `fmt.block_elems()`, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R` and `x` at least `(T − 1) × ldx + k` f32s;
-/// the ISA was detected.
+/// `k` is a multiple of `fmt.block_elems()`, `w + r·ws` holds a row of `fmt.row_bytes(k)` bytes for every `r < R`
+/// and `x` at least `(T − 1) × ldx + k` f32s (or the packed rows); the ISA was detected.
 #[inline]
 pub unsafe fn dot_block<const R: usize, const T: usize>(
     isa: Isa,

@@ -16,7 +16,8 @@ pub enum Isa {
     Avx2,
     /// AVX-512F (16 lanes).
     Avx512,
-    /// AVX-512F with BW and BF16: as `Avx512`, and q4_0 blocks go through bf16 dot products.
+    /// AVX-512F with BW, BF16 and VBMI: as `Avx512`, and quantised blocks go through bf16 dot products (VBMI's
+    /// byte permutes order q2_k/q3_k quants; every CPU with AVX512_BF16 but Cooper Lake has it).
     Avx512Bf16,
 }
 
@@ -40,6 +41,7 @@ pub fn detect() -> Isa {
             // PIPESHARD_CPU_NO_BF16 keeps the f32 block kernels (to compare, or should the bf16 path misbehave).
             if is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512bf16")
+                && is_x86_feature_detected!("avx512vbmi")
                 && std::env::var_os("PIPESHARD_CPU_NO_BF16").is_none()
             {
                 return Isa::Avx512Bf16;
