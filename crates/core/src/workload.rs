@@ -663,12 +663,12 @@ impl ScratchParts {
     }
 }
 
-/// The terms of the scratch a phase needs (see [`scratch_bytes`]).
-/// Key splits of a GPU attention over a cache of `ctx` keys (flash decoding), as the executor launches it and
-/// as scratch is sized for it: steps of up to 8 query tokens split the keys into chunks of at least 64 (at
-/// most 64 chunks), so that a decode step runs enough warps (one per query, head and split) to hide the
-/// latency of its key loads; a decode step of more sequences splits until about 4096 warps run; a prefill
-/// chunk of more tokens has warps enough and does not split.
+/// Key splits of a GPU attention over a cache of `ctx` keys (flash decoding), as scratch is sized for it:
+/// steps of up to 8 query tokens split the keys into chunks of at least 64 (at most 64 chunks), so that a
+/// decode step runs enough warps (one per query, head and split) to hide the latency of its key loads; a
+/// decode step of more sequences splits until about 4096 warps run; a prefill chunk of more tokens has warps
+/// enough and does not split. The executor launches at most one split per 32 keys the step reads, so a short
+/// prompt in a long context runs no empty splits.
 #[must_use]
 pub fn attention_key_splits(ctx: u64, tokens: u64, decode: bool, q_heads: u32) -> u64 {
     let by_keys = ctx.div_ceil(64).clamp(1, 64);
@@ -681,6 +681,7 @@ pub fn attention_key_splits(ctx: u64, tokens: u64, decode: bool, q_heads: u32) -
     }
 }
 
+/// The terms of the scratch a phase needs (see [`scratch_bytes`]).
 #[must_use]
 pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchParts {
     let t = &spec.text;

@@ -519,7 +519,8 @@ fn batched_decode_matches_independent_runs_on_the_gpu() {
 
 /// The attention kernel against the CPU's, over the shapes that stress its tiling: grouped-query layouts (8
 /// and 4 query heads per KV head, head_dim 128 and 64), one-sequence decode at contexts that leave a partial
-/// tile and a partial split (1 to 4096 keys, up to 64 key splits), a causal prefill chunk, and a unified
+/// tile and a partial split (1 to 4096 keys, up to 64 key splits, fewer than the scratch holds when few keys
+/// are filled), a causal prefill chunk, and a unified
 /// cache's masked scan of 4 sequences.
 #[test]
 fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
@@ -541,6 +542,8 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
             (1, 1, false, Pass::Decode { pos: 0 }),
             (33, 1, false, Pass::Decode { pos: 32 }),
             (1000, 1, false, Pass::Decode { pos: 999 }),
+            // A short prompt in a long context: 5 of the scratch's 16 splits run.
+            (1024, 1, false, Pass::Decode { pos: 143 }),
             (4096, 1, false, Pass::Decode { pos: 4095 }),
             (300, 1, false, Pass::Prefill { seq: 0, pos0: 260, tokens: 37 }),
             (200, 4, true, Pass::Decode { pos: 150 }),
