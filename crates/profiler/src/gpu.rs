@@ -48,7 +48,16 @@ fn grid(mode: Mode) -> Grid {
             copy_sizes: pow2(16, 30, 2),
             tokens: pow2(0, 12, 1),
             dtypes: shapes::with_quantised(&[DType::Bf16, DType::F16]),
-            attn_ctx: pow2(10, 17, 1),
+            // Powers of two and 1.5× between them from 3K: the cost model takes a row's efficiency from the
+            // nearest measured key count, and attention slows past the L2 (nemo-8b's 1024-token prefill chunks
+            // read their K/V at one rate to ~6K keys and slower above, run22): with only 4K and 8K rows, 5.6K
+            // keys were priced at the 8K row's rate, 37 % slow.
+            attn_ctx: {
+                let mut c = pow2(10, 17, 1);
+                c.extend(pow2(10, 15, 1).iter().map(|&k| 3 * k));
+                c.sort_unstable();
+                c
+            },
             // The workloads' KV format; a 128K prefill chunk takes ~1-2 s with exec's kernel, so one format.
             kv_dtypes: vec![DType::F16],
             elementwise_tokens: pow2(0, 12, 2),
