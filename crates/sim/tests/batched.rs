@@ -3,49 +3,13 @@
 mod common;
 
 use common::{FixedCost, PhaseShape, cli3, plan, small};
-use pipeshard_core::cost::{CostModel, Device, OpContext};
+use pipeshard_core::cost::Device;
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::{Op, Workload};
+use pipeshard_core::workload::Workload;
 use pipeshard_sim::graph::TaskKind;
 use pipeshard_sim::{SimOptions, Simulator};
-
-/// [`FixedCost`] whose copies also pay a fixed latency each, as real copies do.
-struct LatencyCost {
-    inner: FixedCost,
-    copy_latency_ns: u64,
-}
-
-impl CostModel for LatencyCost {
-    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        self.inner.op_ns(op, ctx)
-    }
-    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        self.inner.roofline_ns(op, ctx)
-    }
-    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
-        if bytes == 0 { 0 } else { self.copy_latency_ns + self.inner.h2d_ns(bytes, pinned) }
-    }
-    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
-        self.h2d_ns(bytes, pinned)
-    }
-    fn launch_ns(&self) -> u64 {
-        self.inner.launch_ns()
-    }
-    fn host_sync_ns(&self) -> u64 {
-        self.inner.host_sync_ns()
-    }
-    fn runtime_overhead_bytes(&self) -> u64 {
-        0
-    }
-    fn cpu_threads(&self) -> u32 {
-        self.inner.cpu_threads()
-    }
-    fn dram_gbps(&self, threads: u32, under_dma: bool) -> f64 {
-        self.inner.dram_gbps(threads, under_dma)
-    }
-}
 
 const SHAPE: PhaseShape = PhaseShape { pipeline_depth: 2, op_offload: false, cpu_threads: 8 };
 
@@ -63,7 +27,7 @@ fn streamed_attention(u: UnitId) -> Placement {
 #[test]
 fn per_sequence_kv_pays_one_copy_latency_per_sequence() {
     let latency = 5_000;
-    let cost = LatencyCost { inner: FixedCost::plain(0.001, 1.0), copy_latency_ns: latency };
+    let cost = FixedCost { copy_latency_ns: latency, ..FixedCost::plain(0.001, 1.0) };
     let spec = small("qwen3-30b-a3b", 3);
     for r in [1u64, 4, 16] {
         let per_seq = Workload::single(300, 512, 8, 256).batched(r, false);

@@ -3,60 +3,18 @@
 mod common;
 
 use common::{FixedCost, PhaseShape, plan, small};
-use pipeshard_core::cost::{CostModel, OpContext};
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::{Op, Workload};
+use pipeshard_core::workload::Workload;
 use pipeshard_sim::{Runtime, Simulator};
-
-/// Free ops and copies: a GPU op costs its kernels' launches (or replays) alone.
-struct LaunchCost {
-    inner: FixedCost,
-    graph_kernel_ns: u64,
-}
-
-impl CostModel for LaunchCost {
-    fn op_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        self.inner.op_ns(op, ctx)
-    }
-    fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64 {
-        self.inner.roofline_ns(op, ctx)
-    }
-    fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
-        self.inner.h2d_ns(bytes, pinned)
-    }
-    fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
-        self.inner.d2h_ns(bytes, pinned)
-    }
-    fn launch_ns(&self) -> u64 {
-        self.inner.launch_ns
-    }
-    fn graph_kernel_ns(&self) -> u64 {
-        self.graph_kernel_ns
-    }
-    fn host_sync_ns(&self) -> u64 {
-        0
-    }
-    fn runtime_overhead_bytes(&self) -> u64 {
-        0
-    }
-    fn cpu_threads(&self) -> u32 {
-        8
-    }
-    fn dram_gbps(&self, _threads: u32, _under_dma: bool) -> f64 {
-        100.0
-    }
-}
 
 const LAUNCH_NS: u64 = 1_000;
 const GRAPH_NS: u64 = 300;
 const SHAPE: PhaseShape = PhaseShape { pipeline_depth: 2, op_offload: false, cpu_threads: 8 };
 
-fn cost() -> LaunchCost {
-    LaunchCost {
-        inner: FixedCost { launch_ns: LAUNCH_NS, ..FixedCost::plain(0.0, 1.0) },
-        graph_kernel_ns: GRAPH_NS,
-    }
+/// Free ops and copies: a GPU op costs its kernels' launches (or replays) alone.
+fn cost() -> FixedCost {
+    FixedCost { launch_ns: LAUNCH_NS, graph_kernel_ns: GRAPH_NS, ..FixedCost::plain(0.0, 1.0) }
 }
 
 /// GPU busy time of one decode step of `batch` sequences of a 2-layer qwen3-30b-a3b placed by `place`.

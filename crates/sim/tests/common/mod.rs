@@ -11,15 +11,18 @@ use pipeshard_core::plan::{
 use pipeshard_core::workload::{self, Op, OpKind, Workload};
 
 /// A cost model with round numbers: GPU ops take `gpu_ns_per_byte` per weight byte (KV ignored), CPU ops
-/// `cpu_ns_per_byte`, weightless ops `weightless_ns`; copies move `pcie_bytes_per_ns`; optional launch, sync
-/// and DMA slowdown.
+/// `cpu_ns_per_byte`, weightless ops `weightless_ns`; copies move `pcie_bytes_per_ns` after `copy_latency_ns`
+/// each; optional launch (and graph replay), sync and DMA slowdown.
 #[derive(Debug, Clone)]
 pub struct FixedCost {
     pub gpu_ns_per_byte: f64,
     pub cpu_ns_per_byte: f64,
     pub weightless_ns: u64,
     pub pcie_bytes_per_ns: f64,
+    pub copy_latency_ns: u64,
     pub launch_ns: u64,
+    /// One kernel replayed from a CUDA graph; 0: a launch.
+    pub graph_kernel_ns: u64,
     pub host_sync_ns: u64,
     pub dma_slowdown: f64,
     /// GPU experts read the routing on the device (llama.cpp) rather than after a host round trip.
@@ -34,7 +37,9 @@ impl FixedCost {
             cpu_ns_per_byte: 10.0 * gpu_ns_per_byte,
             weightless_ns: 0,
             pcie_bytes_per_ns,
+            copy_latency_ns: 0,
             launch_ns: 0,
+            graph_kernel_ns: 0,
             host_sync_ns: 0,
             dma_slowdown: 1.0,
             expert_ids_on_device: false,
@@ -58,13 +63,20 @@ impl CostModel for FixedCost {
         self.op_ns(op, ctx)
     }
     fn h2d_ns(&self, bytes: u64, _pinned: bool) -> u64 {
-        (bytes as f64 / self.pcie_bytes_per_ns).round() as u64
+        if bytes == 0 {
+            0
+        } else {
+            self.copy_latency_ns + (bytes as f64 / self.pcie_bytes_per_ns).round() as u64
+        }
     }
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
         self.h2d_ns(bytes, pinned)
     }
     fn launch_ns(&self) -> u64 {
         self.launch_ns
+    }
+    fn graph_kernel_ns(&self) -> u64 {
+        if self.graph_kernel_ns == 0 { self.launch_ns } else { self.graph_kernel_ns }
     }
     fn host_sync_ns(&self) -> u64 {
         self.host_sync_ns
