@@ -645,14 +645,17 @@ pub fn sweep(
 mod tests {
     use super::*;
 
+    /// An experiment named `s` from a TOML file's text.
+    fn experiment(toml_text: &str) -> Experiment {
+        Experiment::from_file(toml::from_str(toml_text).unwrap(), "s").unwrap()
+    }
+
     /// The summary's rows and its table say the same: one row per model × context × non-baseline planner.
     #[test]
     fn summary_rows_and_table_agree() {
-        let f = toml::from_str(
+        let e = experiment(
             "models = [\"nemo-4b@2L\"]\nctx = [\"1K\", \"4K\"]\nbudgets = [\"1G\", \"2G\"]\nplanners = [\"ngl\", \"greedy\", \"ilp\"]",
-        )
-        .unwrap();
-        let e = Experiment::from_file(f, "s").unwrap();
+        );
         let cost = TableCostModel::new(&load_profile("cli3").unwrap());
         let results = run_cells(&e.cells(), &e.specs().unwrap(), &cost, false);
         let rows = summary_rows(&e, &results);
@@ -672,11 +675,9 @@ mod tests {
     /// planner comparisons, on ours; `ngl`'s on stock llama.cpp's. On a measured machine every plan runs on ours.
     #[test]
     fn each_planner_runs_on_its_machines_runtime() {
-        let f = toml::from_str(
+        let e = experiment(
             "models = [\"qwen3-30b-a3b@2L\"]\nctx = [\"1K\"]\nbudgets = [\"8G\"]\nplanners = [\"pshard\", \"ngl\"]",
-        )
-        .unwrap();
-        let e = Experiment::from_file(f, "s").unwrap();
+        );
         let specs = e.specs().unwrap();
         let h200 = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/h200.json");
         for (profile, paper) in [("cli3", true), (h200, false)] {
