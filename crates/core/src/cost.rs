@@ -4,7 +4,7 @@
 //! allocation. For an op it computes the roofline time on the device (FLOPs at peak vs bytes at memory
 //! bandwidth; CPU rates at the thread count asked for) and divides by an *efficiency* — the fraction of the
 //! roofline the measured rows achieved — interpolated log-linearly in tokens between rows of the same op family
-//! and format, taken from the rows nearest in shape. Efficiencies are capped at 1, so a prediction is never
+//! and format, then log-linearly in shape (n·k) between the measured shapes either side. Efficiencies are capped at 1, so a prediction is never
 //! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1), except
 //! that a block-quantised format a measured profile has no rows of borrows the bf16 rows' efficiency
 //! ([`TableCostModel::borrows_bf16`]).
@@ -271,8 +271,11 @@ impl TableCostModel {
             && !self.families.iter().any(|f| f.device == device && f.dtype == dtype)
     }
 
-    /// Efficiency for `op`: the rows of the nearest measured shape, interpolated in log tokens. Points are
-    /// sorted by (shape, tokens), so the nearest shape's rows are one contiguous run.
+    /// Efficiency for `op`: the rows of the measured shapes on either side of its own (in log n·k), each
+    /// interpolated in log tokens, then interpolated between the two in log n·k; the nearest shape's alone
+    /// outside the measured range. Points are sorted by (shape, tokens), so each shape's rows are one
+    /// contiguous run. Taking the nearest shape alone had priced nemo-8b's prefill attention at 5.6K keys at
+    /// the 7.9K-key row's rate, past the L2, 37 % slow (results/validation/2026-12-01-nvidia-h200, run22).
     fn efficiency(&self, op: &Op, ctx: OpContext) -> f64 {
         let Some(fam) = self.family(op, ctx) else { return 1.0 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
@@ -282,25 +285,22 @@ impl TableCostModel {
             _ => op.tokens.max(1) as f64,
         };
         let x = tokens.ln();
-        // The nearest shape among those measured nearest in tokens: attention rows time one-token decode and
-        // prefill chunks at different key counts, and a chunk's efficiency must not come from a decode row whose
-        // key count happens to be closer.
         let shape = shape_log(op);
-        let mut best: Option<((f64, f64), &[Point])> = None;
+        // Each shape's run with how far its token range is from `x`: attention rows time one-token decode and
+        // prefill chunks at different key counts, and a chunk's efficiency must not come from a decode row whose
+        // key count happens to be closer, so only the runs nearest in tokens take part.
+        let mut runs: Vec<(f64, &[Point])> = Vec::new();
         let mut rest = fam.points.as_slice();
         while let Some(first) = rest.first() {
             let len = rest.partition_point(|p| p.0 <= first.0);
             let (run, tail) = rest.split_at(len);
-            let (lo, hi) = (run[0].1, run[len - 1].1);
-            let key = ((lo - x).max(x - hi).max(0.0), (first.0 - shape).abs());
-            if best.is_none_or(|(b, _)| key.0.total_cmp(&b.0).then(key.1.total_cmp(&b.1)).is_lt()) {
-                best = Some((key, run));
-            }
+            runs.push(((run[0].1 - x).max(x - run[len - 1].1).max(0.0), run));
             rest = tail;
         }
-        let run = best.expect("families have at least one point").1;
+        let gap = runs.iter().map(|r| r.0).fold(f64::INFINITY, f64::min);
+        let near: Vec<&[Point]> = runs.iter().filter(|r| r.0 <= gap).map(|r| r.1).collect();
         let pick = |p: &Point| if ctx.under_dma { p.3.unwrap_or(p.2) } else { p.2 };
-        let eff = match run.iter().position(|p| p.1 >= x) {
+        let at_tokens = |run: &[Point]| match run.iter().position(|p| p.1 >= x) {
             Some(0) => pick(&run[0]),
             Some(i) => {
                 let (a, b) = (&run[i - 1], &run[i]);
@@ -308,6 +308,16 @@ impl TableCostModel {
                 pick(a) + f * (pick(b) - pick(a))
             }
             None => pick(&run[run.len() - 1]),
+        };
+        // `near` is sorted by shape: the last run at or below `shape` and the first above it.
+        let above = near.partition_point(|r| r[0].0 <= shape);
+        let eff = match (above.checked_sub(1).map(|i| near[i]), near.get(above).copied()) {
+            (Some(lo), Some(hi)) => {
+                let f = (shape - lo[0].0) / (hi[0].0 - lo[0].0);
+                at_tokens(lo) + f * (at_tokens(hi) - at_tokens(lo))
+            }
+            (Some(only), None) | (None, Some(only)) => at_tokens(only),
+            (None, None) => unreachable!("families have at least one point"),
         };
         eff.clamp(1e-6, 1.0)
     }
@@ -760,6 +770,29 @@ mod tests {
         let want = 2.7e6 * (op.tokens * keys) as f64 / (512.0 * 1792.0);
         let got = m.op_ns(&op, OpContext::gpu()) as f64;
         assert!((got / want - 1.0).abs() < 0.02, "{keys} keys × {} tokens: {got} ns, want {want}", op.tokens);
+    }
+
+    /// Between two measured key counts an op's efficiency is interpolated in log n·k, not taken from the
+    /// nearer row: past the L2 the 7936-key row runs at half the rate per query-key pair.
+    #[test]
+    fn attention_between_measured_key_counts_interpolates_their_efficiency() {
+        let mut p = h200_without_attention();
+        p.gpu.ops.extend([
+            attention_row(3840, 512, 4_400_000, Some(8)),
+            attention_row(7936, 512, 2 * 4_400_000 * 7936 / 3840, Some(8)),
+        ]);
+        let m = TableCostModel::new(&p);
+        // The sixth 1024-token chunk of an 8176-token prompt: 5632 keys on average, nearer 7936 in log n·k.
+        let w = Workload::single(8176, 8192, 8, 1024);
+        let op = attention_op("llama-3.1-8b", &w, w.prefill_chunks()[5]);
+        let OpKind::Attention { keys, .. } = op.kind else { unreachable!() };
+        let per_pair_ns = m.op_ns(&op, OpContext::gpu()) as f64 / (op.tokens * keys) as f64;
+        let (fast, slow) = (4.4e6 / (512.0 * 3840.0), 2.0 * 4.4e6 / (512.0 * 3840.0));
+        // Efficiency (∝ 1 / time per pair) moves linearly in log keys from one row's to the other's.
+        let f = (keys as f64 / 3840.0).ln() / (7936.0_f64 / 3840.0).ln();
+        let want = 1.0 / (1.0 / fast + f * (1.0 / slow - 1.0 / fast));
+        assert!((per_pair_ns / want - 1.0).abs() < 0.02, "{keys} keys: {per_pair_ns} ns a pair, want {want}");
+        assert!(per_pair_ns < 0.8 * slow, "not the nearer row's rate: {per_pair_ns} against {slow}");
     }
 
     #[test]
