@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::dtype::DType;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
 use pipeshard_sim::{SimOptions, Simulation, Simulator};
@@ -33,6 +34,10 @@ pub struct RunArgs {
     /// `qwen3-30b-a3b@2L`, `models/q4.gguf@4L` (default: the plan's model).
     #[arg(long, required_unless_present = "plan")]
     model: Option<String>,
+    /// Store every matrix in this format (`bf16`, `q4_0`, `q4_k`, …), as `exec run --weights` and the
+    /// experiments' `weights` do.
+    #[arg(long)]
+    weights: Option<String>,
     /// Context the KV cache is allocated for (tokens; `16K` = 16384).
     #[arg(long, default_value = "16K")]
     ctx: String,
@@ -42,7 +47,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "ilp", value_parser = clap::builder::PossibleValuesParser::new(pipeshard_planner::NAMES))]
     planner: String,
     /// Simulate this plan (JSON, as `pipeshard plan` writes it) instead of running a planner.
-    #[arg(long, conflicts_with_all = ["model", "ctx", "budget", "planner", "ubatch", "gen_tokens", "batch", "prompt"])]
+    #[arg(long, conflicts_with_all = ["model", "weights", "ctx", "budget", "planner", "ubatch", "gen_tokens", "batch", "prompt"])]
     plan: Option<PathBuf>,
     #[arg(long, default_value = "1024")]
     ubatch: String,
@@ -161,6 +166,20 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
     }
 }
 
+/// `model` resolved, with every matrix in the `weights` format if given.
+fn model_with_weights(
+    model: &str,
+    weights: Option<&str>,
+) -> anyhow::Result<pipeshard_core::model::ModelSpec> {
+    let spec = resolve_model(model)?;
+    Ok(match weights {
+        Some(w) => {
+            spec.with_uniform_weights(w.parse::<DType>().map_err(|e| anyhow::anyhow!("--weights {w}: {e}"))?)
+        }
+        None => spec,
+    })
+}
+
 fn run_one(a: &RunArgs) -> anyhow::Result<()> {
     let profile = load_profile(&a.profile)?;
     let cost = TableCostModel::new(&profile);
@@ -170,7 +189,7 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
         (resolve_model(&plan.model)?, plan)
     } else {
         let model = a.model.as_deref().expect("clap requires --model without --plan");
-        let spec = resolve_model(model)?;
+        let spec = model_with_weights(model, a.weights.as_deref())?;
         let ctx = parse_tokens(&a.ctx)?;
         let prompt = match &a.prompt {
             Some(p) => parse_tokens(p)?,
@@ -457,6 +476,18 @@ mod tests {
             notes: vec!["built by hand for the snapshot".into()],
         };
         (spec, plan)
+    }
+
+    #[test]
+    fn weights_set_every_matrix_format() {
+        let q4 = model_with_weights("qwen3-30b-a3b@2L", Some("q4_0")).unwrap();
+        let bf16 = model_with_weights("qwen3-30b-a3b@2L", Some("bf16")).unwrap();
+        assert_eq!((q4.weights.attn_q, q4.weights.ffn_down), (DType::Q4_0, DType::Q4_0));
+        // 4.5 bits a weight against 16.
+        let bytes = |s| Inventory::new(s).units.iter().map(|u| u.weight_bytes).sum::<u64>() as f64;
+        assert!((bytes(&q4) / bytes(&bf16) - 4.5 / 16.0).abs() < 0.02);
+        let err = model_with_weights("nemo-4b", Some("q9")).unwrap_err().to_string();
+        assert!(err.contains("--weights q9"), "{err}");
     }
 
     #[test]
