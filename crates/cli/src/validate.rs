@@ -8,8 +8,12 @@
 //!   `calibration` is false on every row because nothing is fitted to these cells;
 //! - `summary.md`: median and p90 of |error| per metric, overall, per planner and per model kind;
 //! - `scatter.png`: predicted against measured, log axes, the y = x line;
-//! - `worst-N.json`: the simulator's and the executor's traces of the worst cells in one Perfetto file;
+//! - `worst-N.json`: the simulator's and the executor's traces of the worst cells in one Perfetto file
+//!   (`traces/cell-N.json` for every cell with `--all-traces`);
 //! - `provenance.json`.
+//!
+//! Around each run a host check reads DRAM with the profile's threads; a cell run while the shared host read
+//! under 90 % of the profile's figure runs once more (`host_dram_gbps`, `attempts` in `cells.csv`).
 //!
 //! Measured VRAM is what the executor carved from its arena in the larger phase, plus the runtime overhead it
 //! measured, plus what the driver loaded lazily past both during the run (the arena itself is allocated
@@ -63,6 +67,10 @@ pub struct ValidateArgs {
     /// How many of the worst cells get their traces written side by side.
     #[arg(long, default_value_t = 3)]
     worst: usize,
+    /// Also write every validated cell's traces side by side, `traces/cell-N.json` for row N of `cells.csv`
+    /// (≈ 0.2 MB a cell): what a later look at any cell needs, without another device run.
+    #[arg(long)]
+    all_traces: bool,
     /// Run nothing: summarise and plot the `cells.csv` files of earlier runs into `--out` (for a grid measured
     /// in several device sessions).
     #[arg(long, num_args = 1..)]
@@ -713,22 +721,33 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     }
     scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
 
+    // The simulator's trace of a cell's plan (with the overhead measured for it) beside the executor's.
+    let write_traces = |o: &Outcome, file: &Path| -> anyhow::Result<()> {
+        let (plan, measured) = o.run.as_ref().expect("a cell that ran");
+        let mut prof = profile.clone();
+        prof.runtime_overhead_bytes = o.runtime_overhead_bytes;
+        let cost = TableCostModel::new(&prof);
+        let predicted = Simulator::new(&specs[&o.cell.model], plan, &cost)?
+            .run(&SimOptions { trace: true, ..SimOptions::default() })
+            .trace
+            .unwrap_or_default();
+        std::fs::write(file, side_by_side(&predicted, measured).to_json())
+            .with_context(|| format!("writing {}", file.display()))
+    };
+    if a.all_traces {
+        let traces = dir.join("traces");
+        std::fs::create_dir_all(&traces).with_context(|| format!("creating {}", traces.display()))?;
+        for (i, o) in outcomes.iter().enumerate().filter(|(_, o)| o.run.is_some() && o.pred.is_some()) {
+            write_traces(o, &traces.join(format!("cell-{}.json", i + 1)))?;
+        }
+    }
     let mut ranked: Vec<&Outcome> = outcomes.iter().filter(|o| o.run.is_some() && o.pred.is_some()).collect();
     ranked.sort_by(|x, y| y.worst_error().total_cmp(&x.worst_error()));
     md.push_str("\n## Worst cells (largest TTFT or TPS error)\n\n");
     for (k, o) in ranked.iter().take(a.worst).enumerate() {
-        let (plan, measured) = o.run.as_ref().expect("filtered");
-        let mut prof = profile.clone();
-        prof.runtime_overhead_bytes = o.runtime_overhead_bytes;
-        let cost = TableCostModel::new(&prof);
-        let spec = &specs[&o.cell.model];
-        let predicted = Simulator::new(spec, plan, &cost)?
-            .run(&SimOptions { trace: true, ..SimOptions::default() })
-            .trace
-            .unwrap_or_default();
+        let plan = &o.run.as_ref().expect("filtered").0;
         let file = dir.join(format!("worst-{}.json", k + 1));
-        std::fs::write(&file, side_by_side(&predicted, measured).to_json())
-            .with_context(|| format!("writing {}", file.display()))?;
+        write_traces(o, &file)?;
         let (p, m) = (o.pred.expect("filtered"), o.meas.expect("filtered"));
         let _ = writeln!(
             md,
