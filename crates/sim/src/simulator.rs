@@ -187,6 +187,14 @@ impl Runtime {
     /// sequences of 953 cells on the development machine (13 ms per layer upload at 64).
     pub const CELL_VISIT_PS: u64 = 3_400;
 
+    /// Host time per (expert, token) pair of llama.cpp's routing sort before a several-token CUDA `mul_mat_id`,
+    /// picoseconds: a replica of its loop (`scripts/artifact-mmid-sort.cpp`) took 2.6–2.8 ns a pair at 4–1024
+    /// tokens and 128 experts on the development machine (0.36 ms a call at 1024 tokens).
+    pub const EXPERT_PAIR_PS: u64 = 2_750;
+
+    /// `mul_mat_id` calls of a routed-experts op: gate, up and down (`build_moe_ffn`).
+    const EXPERT_MATMULS: u64 = 3;
+
     /// Kernels the runtime launches for `op` on the GPU. Ours: one per op. llama.cpp (stock and the artifact):
     /// a K and a V store, and for a MoE layer the router's softmax, top-k, weight gather and renormalisation
     /// beside its matmul, and the experts' three `mul_mat_id`, the GLU, the weighting and one add per further
@@ -217,6 +225,23 @@ impl Runtime {
     #[must_use]
     pub fn replays_graphs(self) -> bool {
         self != Runtime::Ours
+    }
+
+    /// Host time llama.cpp (stock and the artifact) spends routing a GPU routed-experts op of several tokens:
+    /// for each of its `mul_mat_id` calls, the CUDA backend (b6097, `ggml_cuda_mul_mat_q` with ids, and its
+    /// fallback alike) copies the expert ids to the host and syncs, scans every token's used experts once per
+    /// expert to build the gather lists and expert bounds, copies them back and syncs again. The GPU idles
+    /// meanwhile (the host issues nothing), so it lengthens the op. One-token steps take the vector kernel,
+    /// which reads the ids on the device. Ours routes once per layer on the host (the hand-offs).
+    #[must_use]
+    pub fn expert_ids_host_ns(self, op: &Op, host_sync_ns: u64) -> u64 {
+        match op.kind {
+            OpKind::Experts { n_experts, .. } if self != Runtime::Ours && op.tokens > 1 => {
+                let sort_ns = u64::from(n_experts) * op.tokens * Runtime::EXPERT_PAIR_PS / 1000;
+                Runtime::EXPERT_MATMULS * (2 * host_sync_ns + sort_ns)
+            }
+            _ => 0,
+        }
     }
 
     /// Host time this runtime spends gathering the cells of a streamed layer's KV upload in `phase`.
