@@ -108,7 +108,7 @@ pub struct Task {
 /// What a ring item holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StreamKey {
-    /// A streamed unit's weights, or a streamed layer's KV (full allocated context, as the paper uploads it).
+    /// A streamed unit's weights, or a streamed layer's KV (as [`crate::Runtime::kv_upload_bytes`] sizes it).
     Unit(UnitId),
     /// Part `part` of the expected touched share of a layer's streamed experts (at most one expert's bytes).
     Experts { layer: u32, part: u32 },
@@ -912,15 +912,16 @@ pub(crate) fn build_with(
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
                             let copies = ctx.workload.kv_copies(phase);
+                            let bytes =
+                                ctx.runtime.kv_upload_bytes(ctx.kv_layer_bytes, ctx.kv_token_bytes, phase);
                             // The host's gathering of the cells, then the copies, all ahead of the attention.
                             let d = ctx.runtime.kv_gather_ns(ctx.workload, phase)
-                                + copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
+                                + copies * b.copy_ns(true, bytes / copies);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
-                                (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))
+                                (it, b.join_kv(it, bytes, d, after))
                             } else {
-                                let it =
-                                    b.item_taking(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, d, after);
+                                let it = b.item_taking(StreamKey::Unit(op.unit), bytes, d, after);
                                 (it, b.items[it as usize].copy)
                             }
                         }

@@ -177,7 +177,8 @@ pub enum Runtime {
     /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4). Before a streamed
     /// layer's KV upload from a unified cache, the host collects the cells of each sequence by walking the
     /// cache's set of used cells once per sequence (`get_cells_for_seq`, then a sort): R × used cells visits
-    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests.
+    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests. It uploads only the
+    /// used cells ([`Runtime::kv_upload_bytes`]).
     Artifact,
 }
 
@@ -241,6 +242,22 @@ impl Runtime {
                 Runtime::EXPERT_MATMULS * (2 * host_sync_ns + sort_ns)
             }
             _ => 0,
+        }
+    }
+
+    /// Bytes of a streamed layer's KV uploaded before its attention in `phase`, of `full_bytes` allocated
+    /// (every sequence's whole context) at `token_bytes` a cell. The artifact uploads the cells its sequences
+    /// use (`pipeline_upload_kv_cells_for_seqs`: `get_cells_for_seq`, the chunk's own new cells included), so a
+    /// long prompt's early chunks copy little; ours uploads the whole allocated cache.
+    #[must_use]
+    pub fn kv_upload_bytes(self, full_bytes: u64, token_bytes: u64, phase: Phase) -> u64 {
+        let used_cells = match phase {
+            Phase::Prefill { tokens, start_pos, .. } => start_pos + tokens,
+            Phase::Decode { batch, ctx } => batch * ctx,
+        };
+        match self {
+            Runtime::Artifact => full_bytes.min(used_cells * token_bytes),
+            Runtime::Ours | Runtime::Stock => full_bytes,
         }
     }
 

@@ -6,7 +6,7 @@ use common::{FixedCost, PhaseShape, plan, small};
 use pipeshard_core::cost::{CostModel, OpContext};
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::{Op, Workload};
+use pipeshard_core::workload::{Op, Phase, Workload};
 use pipeshard_sim::{Runtime, Simulator};
 
 /// Free ops and copies: a GPU op costs its kernels' launches (or replays) alone.
@@ -118,4 +118,33 @@ fn one_gpu_split_of_one_token_replays_a_cuda_graph() {
     assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &embd_cpu), (kernels - 1) * GRAPH_NS);
     let head_cpu = |u: UnitId| if u == UnitId::Output { Placement::Cpu } else { Placement::Pinned };
     assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &head_cpu) % LAUNCH_NS, 0, "two splits launch");
+}
+
+/// H2D busy time of one prefill chunk of 256 tokens at `start_pos` of a 4096-token context, a 2-layer nemo-8b
+/// whose attention and KV stream (copies at 1 byte/ns, everything else free).
+fn streamed_kv_upload_ns(runtime: Runtime, start_pos: u64) -> u64 {
+    let spec = small("nemo-8b", 2);
+    let w = Workload::single(4088, 4096, 8, 256);
+    let streamed = |u: UnitId| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+        _ => Placement::Pinned,
+    };
+    let p = plan(&spec, &w, SHAPE, &streamed);
+    let cost = FixedCost::plain(0.0, 1.0);
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    let phase = Phase::Prefill { tokens: 256, start_pos, last: false };
+    sim.step(PhaseKind::Prefill, phase).total_busy_ns()[1]
+}
+
+/// The artifact uploads a streamed layer's cells in use (the chunk's own included), so a prompt's first chunk
+/// copies 256 cells a layer and its last all 4096; ours copies the whole allocated cache every chunk.
+#[test]
+fn the_artifact_uploads_the_kv_cells_in_use() {
+    // nemo-8b: 8 KV heads × 128 × (K + V) × 2 bytes = 4 KiB a cell.
+    let cell = 4096;
+    let first = streamed_kv_upload_ns(Runtime::Artifact, 0);
+    let last = streamed_kv_upload_ns(Runtime::Artifact, 4096 - 256);
+    assert_eq!(last - first, 2 * (4096 - 256) * cell, "two layers, 3840 more cells each");
+    assert_eq!(streamed_kv_upload_ns(Runtime::Ours, 0), last, "ours: the whole cache from the start");
+    assert_eq!(streamed_kv_upload_ns(Runtime::Ours, 4096 - 256), last);
 }
