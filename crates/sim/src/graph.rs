@@ -108,7 +108,7 @@ pub struct Task {
 /// What a ring item holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StreamKey {
-    /// A streamed unit's weights, or a streamed layer's KV (full allocated context, as the paper uploads it).
+    /// A streamed unit's weights, or a streamed layer's KV (as [`crate::Runtime::kv_upload_bytes`] sizes it).
     Unit(UnitId),
     /// Part `part` of the expected touched share of a layer's streamed experts (at most one expert's bytes).
     Experts { layer: u32, part: u32 },
@@ -507,6 +507,13 @@ impl Builder<'_> {
         )
     }
 
+    /// Lengthens GPU task `task` by `ns` of host work the device waits for.
+    fn hold(&mut self, task: u32, ns: u64) {
+        let t = &mut self.tasks[task as usize];
+        t.duration_ns += ns;
+        t.duration_under_dma_ns += ns;
+    }
+
     /// A new ring item and its copy, which also waits for `after` (a layer's router, for its experts; the
     /// previous write-back, for a KV).
     fn item(&mut self, key: StreamKey, bytes: u64, after: Option<u32>) -> u32 {
@@ -622,6 +629,9 @@ impl Builder<'_> {
         let host_routed =
             counts[1] > 0 || (counts[2] > 0 && self.offloads(op)) || (counts[0] > 0 && on_device.is_none());
         let routed = if host_routed { self.routing(router) } else { None };
+        // The runtime's host-side routing sort, shared out over the GPU shares like the work.
+        let sort_ns = self.ctx.runtime.expert_ids_host_ns(op, self.ctx.cost.host_sync_ns()) as f64;
+        let held = |f: f64| (sort_ns * f).round() as u64;
         if counts[0] > 0 {
             let deps = Deps::from(on_device.or(routed));
             let sop = scaled(op, share(counts[0]));
@@ -633,6 +643,7 @@ impl Builder<'_> {
                 deps.as_slice(),
                 launches,
             ));
+            self.hold(last_gpu.expect("just built"), held(share(counts[0])));
         }
         if counts[1] > 0 {
             // Touched streamed experts (expected), one ring item per expert's worth, each computed on arrival.
@@ -656,6 +667,7 @@ impl Builder<'_> {
                     deps.as_slice(),
                     launches.div_ceil(parts),
                 );
+                self.hold(t, held(share(counts[1]) / f64::from(parts)));
                 self.read(t, item);
                 last_gpu = Some(t);
             }
@@ -669,14 +681,16 @@ impl Builder<'_> {
                 let copy = self.offload_copy(i, experts_key, u64::from(counts[2]) * expert_bytes, router);
                 let mut deps = Deps::from(routed);
                 deps.push(copy);
-                self.compute_launching(
+                let t = self.compute_launching(
                     i,
                     OpShare::Experts(Placement::Cpu),
                     &sop,
                     Device::Gpu,
                     deps.as_slice(),
                     launches,
-                )
+                );
+                self.hold(t, held(share(counts[2])));
+                t
             } else {
                 let deps = Deps::from(self.on(router, Device::Cpu));
                 self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Cpu, deps.as_slice())
@@ -898,15 +912,16 @@ pub(crate) fn build_with(
                             let after = (w != NONE).then_some(w);
                             let attn = segment_items.iter().find(|(u, ..)| *u == UnitId::Attn { layer });
                             let copies = ctx.workload.kv_copies(phase);
+                            let bytes =
+                                ctx.runtime.kv_upload_bytes(ctx.kv_layer_bytes, ctx.kv_token_bytes, phase);
                             // The host's gathering of the cells, then the copies, all ahead of the attention.
                             let d = ctx.runtime.kv_gather_ns(ctx.workload, phase)
-                                + copies * b.copy_ns(true, ctx.kv_layer_bytes / copies);
+                                + copies * b.copy_ns(true, bytes / copies);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
-                                (it, b.join_kv(it, ctx.kv_layer_bytes, d, after))
+                                (it, b.join_kv(it, bytes, d, after))
                             } else {
-                                let it =
-                                    b.item_taking(StreamKey::Unit(op.unit), ctx.kv_layer_bytes, d, after);
+                                let it = b.item_taking(StreamKey::Unit(op.unit), bytes, d, after);
                                 (it, b.items[it as usize].copy)
                             }
                         }

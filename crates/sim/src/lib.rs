@@ -38,13 +38,16 @@
 //!   attention with its streamed KV; one expert's worth of a layer's touched streamed experts). A copy starts
 //!   when its slot is released by the item `depth` earlier (all its readers done), and an op starts when its
 //!   own copy is done. Streamed KV is uploaded for the full allocated context before the attention that reads
-//!   it, as the paper does; after a GPU attention whose KV is mirrored on the host (streamed, or pinned in
-//!   prefill but not in decode) the new cells go back D2H, and the slot is not reused before they have.
+//!   it (on the artifact's runtime, only the cells in use: [`Runtime::kv_upload_bytes`]); after a GPU
+//!   attention whose KV is mirrored on the host (streamed, or pinned in prefill but not in decode) the new
+//!   cells go back D2H, and the slot is not reused before they have.
 //!   Decode steps run the ring across step boundaries, as the executor does.
 //! - **MoE.** A layer's routed experts are split by how many of them the plan pins, streams or leaves on the
 //!   CPU; each side does the expected share (count × touched / E) of the work. Streamed experts are copied
 //!   only if touched (expected bytes), once the router has run; under [`Runtime::Artifact`] (the paper's
-//!   runtime) all of them. The GPU and CPU shares run concurrently and join before the residual add.
+//!   runtime) all of them. The GPU and CPU shares run concurrently and join before the residual add. On
+//!   llama.cpp (stock and the artifact) a GPU experts op of several tokens also waits for the host to sort its
+//!   routing before each `mul_mat_id` ([`Runtime::expert_ids_host_ns`]).
 //! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
 //!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
 //!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each

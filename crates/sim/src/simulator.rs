@@ -177,7 +177,8 @@ pub enum Runtime {
     /// `*_exps` tensors cross PCIe with all their experts, touched or not (DIGEST §3.2, §3.4). Before a streamed
     /// layer's KV upload from a unified cache, the host collects the cells of each sequence by walking the
     /// cache's set of used cells once per sequence (`get_cells_for_seq`, then a sort): R × used cells visits
-    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests.
+    /// at [`Runtime::CELL_VISIT_PS`] each, which grows with R² and bites at 64 requests. It uploads only the
+    /// used cells ([`Runtime::kv_upload_bytes`]).
     Artifact,
 }
 
@@ -186,6 +187,14 @@ impl Runtime {
     /// bookkeeping (`scripts/artifact-kv-walk.cpp`) took 5.6, 3.7 and 3.4 ns per visit at 4, 16 and 64
     /// sequences of 953 cells on the development machine (13 ms per layer upload at 64).
     pub const CELL_VISIT_PS: u64 = 3_400;
+
+    /// Host time per (expert, token) pair of llama.cpp's routing sort before a several-token CUDA `mul_mat_id`,
+    /// picoseconds: a replica of its loop (`scripts/artifact-mmid-sort.cpp`) took 2.6–2.8 ns a pair at 4–1024
+    /// tokens and 128 experts on the development machine (0.36 ms a call at 1024 tokens).
+    pub const EXPERT_PAIR_PS: u64 = 2_750;
+
+    /// `mul_mat_id` calls of a routed-experts op: gate, up and down (`build_moe_ffn`).
+    const EXPERT_MATMULS: u64 = 3;
 
     /// Kernels the runtime launches for `op` on the GPU. Ours: one per op. llama.cpp (stock and the artifact):
     /// a K and a V store, and for a MoE layer the router's softmax, top-k, weight gather and renormalisation
@@ -217,6 +226,39 @@ impl Runtime {
     #[must_use]
     pub fn replays_graphs(self) -> bool {
         self != Runtime::Ours
+    }
+
+    /// Host time llama.cpp (stock and the artifact) spends routing a GPU routed-experts op of several tokens:
+    /// for each of its `mul_mat_id` calls, the CUDA backend (b6097, `ggml_cuda_mul_mat_q` with ids, and its
+    /// fallback alike) copies the expert ids to the host and syncs, scans every token's used experts once per
+    /// expert to build the gather lists and expert bounds, copies them back and syncs again. The GPU idles
+    /// meanwhile (the host issues nothing), so it lengthens the op. One-token steps take the vector kernel,
+    /// which reads the ids on the device. Ours routes once per layer on the host (the hand-offs).
+    #[must_use]
+    pub fn expert_ids_host_ns(self, op: &Op, host_sync_ns: u64) -> u64 {
+        match op.kind {
+            OpKind::Experts { n_experts, .. } if self != Runtime::Ours && op.tokens > 1 => {
+                let sort_ns = u64::from(n_experts) * op.tokens * Runtime::EXPERT_PAIR_PS / 1000;
+                Runtime::EXPERT_MATMULS * (2 * host_sync_ns + sort_ns)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Bytes of a streamed layer's KV uploaded before its attention in `phase`, of `full_bytes` allocated
+    /// (every sequence's whole context) at `token_bytes` a cell. The artifact uploads the cells its sequences
+    /// use (`pipeline_upload_kv_cells_for_seqs`: `get_cells_for_seq`, the chunk's own new cells included), so a
+    /// long prompt's early chunks copy little; ours uploads the whole allocated cache.
+    #[must_use]
+    pub fn kv_upload_bytes(self, full_bytes: u64, token_bytes: u64, phase: Phase) -> u64 {
+        let used_cells = match phase {
+            Phase::Prefill { tokens, start_pos, .. } => start_pos + tokens,
+            Phase::Decode { batch, ctx } => batch * ctx,
+        };
+        match self {
+            Runtime::Artifact => full_bytes.min(used_cells * token_bytes),
+            Runtime::Ours | Runtime::Stock => full_bytes,
+        }
     }
 
     /// Host time this runtime spends gathering the cells of a streamed layer's KV upload in `phase`.

@@ -5,7 +5,7 @@ mod common;
 use common::{FixedCost, PhaseShape, plan, small};
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::Workload;
+use pipeshard_core::workload::{Phase, Workload};
 use pipeshard_sim::{Runtime, Simulator};
 
 const LAUNCH_NS: u64 = 1_000;
@@ -27,6 +27,12 @@ fn gpu_busy_ns(runtime: Runtime, batch: u64, place: &dyn Fn(UnitId) -> Placement
     sim.step(PhaseKind::Decode, w.decode_step(1)).total_busy_ns()[0]
 }
 
+/// Host time llama.cpp's three `mul_mat_id` of the 2-layer model spend sorting the routing of `tokens`
+/// tokens over its 128 experts (this cost model's host syncs are free).
+fn routing_sort_ns(tokens: u64) -> u64 {
+    2 * 3 * 128 * tokens * Runtime::EXPERT_PAIR_PS / 1000
+}
+
 /// llama.cpp launches a layer's K and V stores apart (+1), the router's softmax, top-k, weight gather and
 /// renormalisation beside its matmul (+5), and three `mul_mat_id`, the GLU, the weighting and 7 adds for the
 /// experts (+11): 17 kernels a MoE layer more than ours. A step of 4 tokens replays no graph.
@@ -35,8 +41,23 @@ fn llama_cpp_launches_seventeen_more_kernels_a_moe_layer() {
     let pinned = |_: UnitId| Placement::Pinned;
     let ours = gpu_busy_ns(Runtime::Ours, 4, &pinned);
     for runtime in [Runtime::Stock, Runtime::Artifact] {
-        assert_eq!(gpu_busy_ns(runtime, 4, &pinned) - ours, 2 * 17 * LAUNCH_NS, "{runtime:?}");
+        let extra = gpu_busy_ns(runtime, 4, &pinned) - ours;
+        assert_eq!(extra, 2 * 17 * LAUNCH_NS + routing_sort_ns(4), "{runtime:?}");
     }
+}
+
+/// Several tokens' `mul_mat_id` in llama.cpp sorts the routing on the host first, once per expert and token,
+/// with the GPU idle: 16 tokens cost the GPU 12 tokens' worth of sorting more than 4. One token (the vector
+/// kernel reads the ids on the device) and our runtime sort nothing.
+#[test]
+fn llama_cpp_sorts_a_several_token_routing_on_the_host() {
+    let pinned = |_: UnitId| Placement::Pinned;
+    for runtime in [Runtime::Stock, Runtime::Artifact] {
+        let llama = |batch| gpu_busy_ns(runtime, batch, &pinned) - gpu_busy_ns(Runtime::Ours, batch, &pinned);
+        assert_eq!(llama(16) - llama(4), routing_sort_ns(12), "{runtime:?}");
+    }
+    assert_eq!(gpu_busy_ns(Runtime::Ours, 16, &pinned) % LAUNCH_NS, 0, "ours: launches only");
+    assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &pinned) % GRAPH_NS, 0, "one token: replayed kernels only");
 }
 
 /// A one-token step that is one GPU split replays llama.cpp's CUDA graph: every kernel at the replay cost
@@ -44,7 +65,7 @@ fn llama_cpp_launches_seventeen_more_kernels_a_moe_layer() {
 #[test]
 fn one_gpu_split_of_one_token_replays_a_cuda_graph() {
     let pinned = |_: UnitId| Placement::Pinned;
-    let launched = gpu_busy_ns(Runtime::Stock, 4, &pinned);
+    let launched = gpu_busy_ns(Runtime::Stock, 4, &pinned) - routing_sort_ns(4);
     let kernels = launched / LAUNCH_NS;
     assert_eq!(launched % LAUNCH_NS, 0);
     assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &pinned), kernels * GRAPH_NS);
@@ -55,4 +76,33 @@ fn one_gpu_split_of_one_token_replays_a_cuda_graph() {
     assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &embd_cpu), (kernels - 1) * GRAPH_NS);
     let head_cpu = |u: UnitId| if u == UnitId::Output { Placement::Cpu } else { Placement::Pinned };
     assert_eq!(gpu_busy_ns(Runtime::Stock, 1, &head_cpu) % LAUNCH_NS, 0, "two splits launch");
+}
+
+/// H2D busy time of one prefill chunk of 256 tokens at `start_pos` of a 4096-token context, a 2-layer nemo-8b
+/// whose attention and KV stream (copies at 1 byte/ns, everything else free).
+fn streamed_kv_upload_ns(runtime: Runtime, start_pos: u64) -> u64 {
+    let spec = small("nemo-8b", 2);
+    let w = Workload::single(4088, 4096, 8, 256);
+    let streamed = |u: UnitId| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+        _ => Placement::Pinned,
+    };
+    let p = plan(&spec, &w, SHAPE, &streamed);
+    let cost = FixedCost::plain(0.0, 1.0);
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    let phase = Phase::Prefill { tokens: 256, start_pos, last: false };
+    sim.step(PhaseKind::Prefill, phase).total_busy_ns()[1]
+}
+
+/// The artifact uploads a streamed layer's cells in use (the chunk's own included), so a prompt's first chunk
+/// copies 256 cells a layer and its last all 4096; ours copies the whole allocated cache every chunk.
+#[test]
+fn the_artifact_uploads_the_kv_cells_in_use() {
+    // nemo-8b: 8 KV heads × 128 × (K + V) × 2 bytes = 4 KiB a cell.
+    let cell = 4096;
+    let first = streamed_kv_upload_ns(Runtime::Artifact, 0);
+    let last = streamed_kv_upload_ns(Runtime::Artifact, 4096 - 256);
+    assert_eq!(last - first, 2 * (4096 - 256) * cell, "two layers, 3840 more cells each");
+    assert_eq!(streamed_kv_upload_ns(Runtime::Ours, 0), last, "ours: the whole cache from the start");
+    assert_eq!(streamed_kv_upload_ns(Runtime::Ours, 4096 - 256), last);
 }
