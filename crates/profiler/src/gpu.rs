@@ -705,7 +705,7 @@ pub fn measure_all(
     }
 
     // ---- Latencies and interference ----
-    progress.section("launch, host sync, copies vs compute", 6);
+    progress.section("launch, host sync, copies vs compute", 8);
     let launches = 1000;
     let s = b.events(Stream::Compute, &mut |_| {
         for _ in 0..launches {
@@ -783,6 +783,37 @@ pub fn measure_all(
         progress.tick(&format!("H2D during {label}s: {:.1} GB/s", s.median))?;
         h2d_under.push(s.median);
     }
+    // A pageable copy is the host copying into the driver's staging buffers: time it with the host idle and
+    // with every CPU thread reading DRAM, as `ngl`'s prefill copies run beside its CPU layers (the executor's
+    // pageable copies ran ≈ 18 % below this profile's curve there; results/validation/2026-12-01-nvidia-h200).
+    let pageable = vec![1u8; copy_bytes];
+    let mut pageable_h2d = || -> Result<f64> {
+        let t0 = Instant::now();
+        // SAFETY: copy_bytes of a live host buffer into `dev`, synchronised before the buffer is touched again.
+        unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pageable)? };
+        gpu.sync(Stream::H2d)?;
+        Ok(copy_bytes as f64 / t0.elapsed().as_nanos() as f64)
+    };
+    let idle = sample(rule, &mut pageable_h2d)?;
+    let readers = pipeshard_exec::cpu::CpuPool::new(*threads.iter().max().unwrap_or(&1) as usize)?;
+    let words = vec![1u64; 32 << 20];
+    let stop = AtomicBool::new(false);
+    let busy = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(cpu::dram_read_gbps(&readers, &words));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(3));
+        let r = sample(rule, &mut pageable_h2d);
+        stop.store(true, Ordering::Relaxed);
+        r
+    })?;
+    for (what, st) in [("host idle", idle), ("every CPU thread reading DRAM", busy)] {
+        figures.add(&format!("pageable H2D (256 MiB), {what}"), "GB/s", st);
+        progress.tick(&format!("pageable H2D, {what}: {:.1} GB/s", st.median))?;
+    }
+    drop((pageable, words));
     drop((wbuf, xbuf, ybuf, ew));
 
     // ---- Host sections, with H2D copies as the background load ----
