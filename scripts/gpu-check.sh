@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with the binaries scripts/build-gpu-bins.sh put in .bin/.
 # Writes logs and CSVs under $OUT (the device tool's output folder; /tmp/pipeshard-out elsewhere).
-#   PARTS="tests hf exec" (default all three); EXEC_ARGS overrides the exec runs' model list.
+#   PARTS="tests hf exec" (default); also "unit" (exec's unit tests: the AVX-512 kernels on this CPU), "profile"
+#   (profile measure into $OUT/h200.json), "validate" (the H200 grid with every cell's traces, against the
+#   profile just measured if there is one) and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
+#   EXEC_GEN and EXEC_TIMEOUT shape the exec part.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
 mkdir -p "$OUT"
@@ -13,6 +16,33 @@ if [[ $PARTS == *tests* ]]; then
   timeout 330 .bin/exec-gpu-tests --test-threads=1 --nocapture > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
   grep -E "^device|^[a-z].*\(|^(all-|stream|static|dynamic|per-layer|attn|switch|op off)|test result|panicked|refused|exit" "$OUT/gpu-tests.log" | cut -c1-150
+fi
+if [[ $PARTS == *unit* ]]; then
+  timeout 120 .bin/exec-unit-tests --test-threads="$(nproc)" > "$OUT/exec-unit-tests.log" 2>&1
+  echo "exec unit tests exit $?" >> "$OUT/exec-unit-tests.log"
+  grep -E "test result|panicked|FAILED|exit" "$OUT/exec-unit-tests.log"
+fi
+if [[ $PARTS == *profile* ]]; then
+  # ≈ 250 s on the H200 since session 10 (215 s was too little).
+  timeout 330 .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --out "$OUT/h200.json" > "$OUT/profile.log" 2>&1
+  echo "profile exit $?" >> "$OUT/profile.log"
+  grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
+fi
+if [[ $PARTS == *validate* ]]; then
+  profile=profiles/h200.json
+  [[ -s $OUT/h200.json ]] && profile=$OUT/h200.json
+  timeout ${VALIDATE_TIMEOUT:-420} .bin/pipeshard validate --experiment experiments/validate-h200.toml --profile "$profile" \
+    --worst 4 --all-traces --out "$OUT/validation" > "$OUT/validate.log" 2>&1
+  echo "validate exit $?" >> "$OUT/validate.log"
+  # Every cell's trace, compressed into one file (the device tool brings back 8 files at most).
+  (cd "$OUT/validation" && for d in */; do tar czf "${d%/}-traces.tgz" -C "$d" traces && rm -rf "$d/traces"; done)
+  tail -n 30 "$OUT/validate.log" | cut -c1-200
+fi
+if [[ $PARTS == *bounds* ]]; then
+  timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \
+    > "$OUT/bounds.log" 2>&1
+  echo "bounds exit $?" >> "$OUT/bounds.log"
+  grep -E "^\|" "$OUT/bounds.log" | cut -c1-200
 fi
 if [[ $PARTS == *hf* ]]; then
   PYTHONUNBUFFERED=1 timeout 150 python3 scripts/hf_compare.py /tmp/pipeshard-hf > "$OUT/hf-compare.log" 2>&1
