@@ -797,9 +797,10 @@ const HOST_OK_SHARE: f64 = 0.9;
 const HOST_ATTEMPTS: u32 = 2;
 
 /// The host's DRAM read with the profile's threads, right before and right after each cell's run. The GPU
-/// machine's host is shared: in run21 (results/validation/2026-12-01-nvidia-h200) the CPU-bound cells of a ~100 s stretch
-/// decoded up to 2× slower than in run20 and than the same cells re-run minutes later on a fresh lease, a
-/// disturbance no prediction can know of. Such a cell runs again, and cells.csv keeps what the host read.
+/// machine's host is shared: in run21 (results/validation/2026-12-01-nvidia-h200) the CPU-bound cells of a
+/// ~100 s stretch decoded up to 2× slower than in run20 and than the same cells re-run minutes later on a
+/// fresh lease, a disturbance no prediction can know of. Such a cell runs again, and cells.csv keeps what the
+/// host read.
 struct HostCheck {
     pool: CpuPool,
     words: Vec<u64>,

@@ -4,10 +4,10 @@
 //! allocation. For an op it computes the roofline time on the device (FLOPs at peak vs bytes at memory
 //! bandwidth; CPU rates at the thread count asked for) and divides by an *efficiency* — the fraction of the
 //! roofline the measured rows achieved — interpolated log-linearly in tokens between rows of the same op family
-//! and format, then log-linearly in shape (n·k) between the measured shapes either side. Efficiencies are capped at 1, so a prediction is never
-//! faster than the roofline bound; with no matching rows the roofline itself is used (efficiency 1), except
-//! that a block-quantised format a measured profile has no rows of borrows the bf16 rows' efficiency
-//! ([`TableCostModel::borrows_bf16`]).
+//! and format, then log-linearly in shape (n·k) between the measured shapes either side. Efficiencies are
+//! capped at 1, so a prediction is never faster than the roofline bound; with no matching rows the roofline
+//! itself is used (efficiency 1), except that a block-quantised format a measured profile has no rows of
+//! borrows the bf16 rows' efficiency ([`TableCostModel::borrows_bf16`]).
 //! A decode step of several sequences runs their queries side by side in one kernel, which a prefill chunk's
 //! rows do not time: it takes the `attention_decode` rows (or `attention_decode_unified` for a unified cache's
 //! masked scan), with the one-token attention rows as their one-sequence end, where the profile has them.

@@ -233,7 +233,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
         date: cfg.date.clone(),
     };
     // The GPU machine's host is shared; a disturbed stretch slowed CPU rows by up to 1.7× in one run
-    // (results/validation/2026-12-01-nvidia-h200, run21). A second DRAM read at the end shows whether the host held still.
+    // (results/validation/2026-12-01-nvidia-h200, run21). A second DRAM read at the end shows whether the
+    // host held still.
     let end_gbps = {
         let pool = pipeshard_exec::cpu::CpuPool::new(cpu_threads as usize)?;
         let words = vec![1u64; 32 << 20];
