@@ -38,7 +38,7 @@ use pipeshard_exec::cpu::CpuPool;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::ModelWeights;
-use pipeshard_profiler::cpu::dram_read_gbps;
+use pipeshard_profiler::cpu::DramProbe;
 use pipeshard_sim::{SimOptions, Simulator};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -803,7 +803,7 @@ const HOST_ATTEMPTS: u32 = 2;
 /// host read.
 struct HostCheck {
     pool: CpuPool,
-    words: Vec<u64>,
+    probe: DramProbe,
     expected_gbps: f64,
 }
 
@@ -812,15 +812,13 @@ impl HostCheck {
         let threads = profile.machine.cpu_threads;
         Ok(HostCheck {
             pool: CpuPool::new(threads as usize)?,
-            // 256 MiB, well above any last-level cache; written, so every page is backed.
-            words: vec![1; 32 << 20],
+            probe: DramProbe::default(),
             expected_gbps: profile.dram_gbps(threads, false),
         })
     }
 
-    /// The best of three reads: a short dip is noise, a disturbed host reads slowly every time.
     fn gbps(&self) -> f64 {
-        (0..3).map(|_| dram_read_gbps(&self.pool, &self.words)).fold(0.0, f64::max)
+        self.probe.gbps(&self.pool)
     }
 
     fn disturbed(&self, gbps: f64) -> bool {

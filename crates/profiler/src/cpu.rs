@@ -164,14 +164,42 @@ pub fn dims_for(h: HeadLayout, hidden: usize, mat: Elem) -> Dims {
 }
 
 /// GB/s of one read of `words` (well above the last-level cache) by `pool`'s threads, one contiguous chunk
-/// each: the host DRAM read bandwidth of a profile, and the host check between validation cells.
+/// each: the host DRAM read bandwidth of a profile, and [`DramProbe`]'s reads.
 #[must_use]
-pub fn dram_read_gbps(pool: &CpuPool, words: &[u64]) -> f64 {
+fn dram_read_gbps(pool: &CpuPool, words: &[u64]) -> f64 {
     let chunk = words.len().div_ceil(pool.threads());
     let t0 = Instant::now();
     let s = pool.install(|| words.par_chunks(chunk).map(read_sum).reduce(|| 0, u64::wrapping_add));
     std::hint::black_box(s);
     (words.len() * 8) as f64 / secs_ns(t0)
+}
+
+/// A quick check of the host's DRAM read: 256 MiB (well above any last-level cache; written, so every page is
+/// backed), read by a pool's threads. The GPU machine's host is shared, so the profiler and the validation
+/// check it around their measurements.
+#[derive(Debug)]
+pub struct DramProbe {
+    words: Vec<u64>,
+}
+
+impl Default for DramProbe {
+    fn default() -> DramProbe {
+        DramProbe { words: vec![1; 32 << 20] }
+    }
+}
+
+impl DramProbe {
+    /// One read's GB/s.
+    #[must_use]
+    pub fn read_gbps(&self, pool: &CpuPool) -> f64 {
+        dram_read_gbps(pool, &self.words)
+    }
+
+    /// The best of three reads: a short dip is noise, a disturbed host reads slowly every time.
+    #[must_use]
+    pub fn gbps(&self, pool: &CpuPool) -> f64 {
+        (0..3).map(|_| self.read_gbps(pool)).fold(0.0, f64::max)
+    }
 }
 
 /// The sum of a slice read as u64 words (the DRAM read kernel): 64-byte AVX-512 loads where available, as

@@ -796,12 +796,12 @@ pub fn measure_all(
     };
     let idle = sample(rule, &mut pageable_h2d)?;
     let readers = pipeshard_exec::cpu::CpuPool::new(*threads.iter().max().unwrap_or(&1) as usize)?;
-    let words = vec![1u64; 32 << 20];
+    let probe = cpu::DramProbe::default();
     let stop = AtomicBool::new(false);
     let busy = std::thread::scope(|sc| {
         sc.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
-                std::hint::black_box(cpu::dram_read_gbps(&readers, &words));
+                std::hint::black_box(probe.read_gbps(&readers));
             }
         });
         std::thread::sleep(Duration::from_millis(3));
@@ -813,7 +813,7 @@ pub fn measure_all(
         figures.add(&format!("pageable H2D (256 MiB), {what}"), "GB/s", st);
         progress.tick(&format!("pageable H2D, {what}: {:.1} GB/s", st.median))?;
     }
-    drop((pageable, words));
+    drop((pageable, probe));
     drop((wbuf, xbuf, ybuf, ew));
 
     // ---- Host sections, with H2D copies as the background load ----

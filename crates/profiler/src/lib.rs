@@ -237,8 +237,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     // host held still.
     let end_gbps = {
         let pool = pipeshard_exec::cpu::CpuPool::new(cpu_threads as usize)?;
-        let words = vec![1u64; 32 << 20];
-        (0..3).map(|_| cpu::dram_read_gbps(&pool, &words)).fold(0.0, f64::max)
+        cpu::DramProbe::default().gbps(&pool)
     };
     figures.add(
         &format!("host DRAM read at the end of the run ({cpu_threads} threads, 256 MiB, best of 3)"),
