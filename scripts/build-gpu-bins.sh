@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, the release binaries the GPU machine runs: the CLI and the exec GPU test
-# binary and exec's unit tests, copied into .bin/ (git-ignored; name it in the device tool's `carry`). Then, on the GPU machine:
+# binary and exec's unit tests, xz-compressed into .bin/ (git-ignored; name it in the device tool's `carry`). Then, on the GPU machine:
 #   bash scripts/gpu-check.sh          (tests + transformers comparison + exec runs, logs under $OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +15,7 @@ unit=$(cargo test --release -p pipeshard-exec --lib --no-run --message-format=js
   | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["kind"]==["lib"]][-1])')
 cp "$unit" .bin/exec-unit-tests
 strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests
+# Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
+xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests
 git rev-parse --short=12 HEAD > .bin/commit
 ls -la .bin

@@ -2,12 +2,14 @@
 # Runs on the GPU machine, from the repository root, with the binaries scripts/build-gpu-bins.sh put in .bin/.
 # Writes logs and CSVs under $OUT (the device tool's output folder; /tmp/pipeshard-out elsewhere).
 #   PARTS="tests hf exec" (default); also "unit" (exec's unit tests: the AVX-512 kernels on this CPU), "profile"
-#   (profile measure into $OUT/h200.json), "validate" (the H200 grid with every cell's traces, against the
-#   profile just measured if there is one) and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
+#   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
+#   sections of $GPU_FROM), "validate" (the H200 grid with every cell's traces, against the profile just
+#   measured if there is one) and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
 #   EXEC_GEN and EXEC_TIMEOUT shape the exec part.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
 mkdir -p "$OUT"
+for f in .bin/*.xz; do [[ -e $f ]] && xz -d -f "$f" && chmod +x "${f%.xz}"; done
 export PIPESHARD_COMMIT="$(cat .bin/commit 2>/dev/null || echo unknown)-dirty"
 PARTS=${PARTS:-"tests hf exec"}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt" 2>&1
@@ -27,6 +29,13 @@ if [[ $PARTS == *profile* ]]; then
   timeout 330 .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --out "$OUT/h200.json" > "$OUT/profile.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile.log"
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
+fi
+if [[ $PARTS == *cpusection* ]]; then
+  # The CPU section again, keeping the GPU and PCIe sections of $GPU_FROM (a profile whose host was disturbed).
+  timeout ${CPU_SECTION_TIMEOUT:-330} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --cpu-only --gpu-from "$GPU_FROM" \
+    --out "$OUT/h200.json" > "$OUT/profile-cpu.log" 2>&1
+  echo "profile exit $?" >> "$OUT/profile-cpu.log"
+  grep -E "^note|exit|wall time" "$OUT/profile-cpu.log" | cut -c1-200
 fi
 if [[ $PARTS == *validate* ]]; then
   profile=profiles/h200.json
