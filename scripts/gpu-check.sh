@@ -3,8 +3,9 @@
 # Writes logs and CSVs under $OUT (the device tool's output folder; /tmp/pipeshard-out elsewhere).
 #   PARTS="tests hf exec" (default); also "unit" (exec's unit tests: the AVX-512 kernels on this CPU), "profile"
 #   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
-#   sections of $GPU_FROM), "validate" (the H200 grid with every cell's traces, against the profile just
-#   measured if there is one) and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
+#   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
+#   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one)
+#   and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
 #   EXEC_GEN and EXEC_TIMEOUT shape the exec part.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
@@ -29,6 +30,14 @@ if [[ $PARTS == *profile* ]]; then
   timeout 330 .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --out "$OUT/h200.json" > "$OUT/profile.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile.log"
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
+fi
+if [[ $PARTS == *hostsection* ]]; then
+  # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM: the
+  # validation that follows then predicts with this lease's host (~2 min instead of ~5 for the whole profile).
+  timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
+    --gpu-from "$GPU_FROM" --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
+  echo "profile exit $?" >> "$OUT/profile-host.log"
+  grep -E "^note|exit|wall time" "$OUT/profile-host.log" | cut -c1-200
 fi
 if [[ $PARTS == *cpusection* ]]; then
   # The CPU section again, keeping the GPU and PCIe sections of $GPU_FROM (a profile whose host was disturbed).

@@ -43,7 +43,12 @@ pub enum ProfileCommand {
         /// Measure the CPU only (no GPU needed); the GPU and PCIe sections come from `--gpu-from`.
         #[arg(long, requires = "gpu_from")]
         cpu_only: bool,
-        /// The profile whose GPU and PCIe sections a `--cpu-only` run keeps.
+        /// Measure with the GPU everything the host shapes (PCIe, launch and sync, copies against compute, DRAM,
+        /// CPU rows) and keep the GPU op rows of `--gpu-from` (same GPU model): ~2 minutes instead of ~5, so
+        /// a validation can run right after it, before a shared host's figures drift.
+        #[arg(long, requires = "gpu_from", conflicts_with = "cpu_only")]
+        host_only: bool,
+        /// The profile whose GPU and PCIe sections a `--cpu-only` run keeps (`--host-only`: its GPU op rows).
         #[arg(long)]
         gpu_from: Option<PathBuf>,
         /// With `--cpu-only`: also measure the GPU's batched decode attention (R sequences in one step) and
@@ -163,6 +168,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             name,
             threads,
             cpu_only,
+            host_only,
             gpu_from,
             gpu_decode_attention,
             plot,
@@ -173,9 +179,9 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 })
                 .unwrap_or_else(|| "local".into());
             let out = out.unwrap_or_else(|| PathBuf::from(format!("profiles/{name}.json")));
-            let gpu_from = match (cpu_only, gpu_from) {
+            let gpu_from = match (cpu_only || host_only, gpu_from) {
                 (true, Some(p)) => Some(Profile::load(&p)?),
-                (false, Some(_)) => anyhow::bail!("--gpu-from only goes with --cpu-only"),
+                (false, Some(_)) => anyhow::bail!("--gpu-from only goes with --cpu-only or --host-only"),
                 _ => None,
             };
             let (commit, date, command) = crate::exec::provenance();
@@ -184,6 +190,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 name,
                 threads,
                 gpu_from,
+                host_only,
                 gpu_decode_attention,
                 command,
                 commit,

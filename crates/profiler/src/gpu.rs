@@ -10,7 +10,7 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
 use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cpu::KvLayout;
-use pipeshard_exec::cuda::{Event, ExpertIo, Gpu, KernelKey, Stream};
+use pipeshard_exec::cuda::{DevBuf, Event, ExpertIo, Gpu, KernelKey, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
@@ -294,10 +294,12 @@ fn decode_attention_rows(
     Ok(rows)
 }
 
-/// Measures everything with the device: returns the whole profile (machine facts filled by the caller).
+/// Measures everything with the device: returns the whole profile (machine facts filled by the caller). With
+/// `gpu_ops_from`, the GPU op rows are those instead of measured ones.
 pub fn measure_all(
     mode: Mode,
     threads: &[u32],
+    gpu_ops_from: Option<&[OpRow]>,
     figures: &mut Figures,
     notes: &mut Vec<String>,
     progress: &dyn Progress,
@@ -467,242 +469,26 @@ pub fn measure_all(
     let mut staging = HostBuf::zeroed(64 * MIB);
     // SAFETY: `staging` outlives the registration (dropped at the end of this function, after it).
     let _sreg = unsafe { gpu.register(&staging)? };
-    // The MoE scratch of one expert over up to max_m tokens; its token ids are 0..max_m, each picked once.
-    let (e_ffn, e_hidden) = cat.experts.iter().fold((1, 1), |(f, h), s| (f.max(s.n), h.max(s.k)));
-    let (e_ffn, e_hidden) = (e_ffn as usize, e_hidden as usize);
-    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * e_ffn, 4 * max_m * e_ffn]
-        .into_iter()
-        .chain([2 * max_m * e_ffn, 4 * max_m * e_hidden, 4 * max_m * e_hidden])
-        .map(|bytes| gpu.alloc(bytes))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    let ids: Vec<u8> = (0..max_m as u32).flat_map(u32::to_le_bytes).collect();
-    let weights: Vec<u8> = (0..max_m).flat_map(|_| 0.125f32.to_le_bytes()).collect();
-    // SAFETY: both buffers hold max_m 4-byte entries; the copies finish before the sources drop.
-    unsafe {
-        gpu.h2d(Stream::H2d, e_bufs[0].ptr(), &ids)?;
-        gpu.h2d(Stream::H2d, e_bufs[1].ptr(), &weights)?;
-    }
-    gpu.sync(Stream::H2d)?;
-    let expert_io = ExpertIo {
-        xn: xbuf.ptr(),
-        idx: e_bufs[0].ptr(),
-        wts: e_bufs[1].ptr(),
-        x: e_bufs[2].ptr(),
-        gate: e_bufs[3].ptr(),
-        up: e_bufs[4].ptr(),
-        act: e_bufs[5].ptr(),
-        y: e_bufs[6].ptr(),
-        h: e_bufs[7].ptr(),
+    // The H200 itself does not change between leases, its shared host does: a host-only run keeps another
+    // run's op rows and re-measures only what the host shapes (PCIe, launches, interference, DRAM, CPU).
+    let gpu_rows = match gpu_ops_from {
+        Some(rows) => rows.to_vec(),
+        None => measure_gpu_ops(
+            &gpu,
+            &b,
+            &g,
+            &cat,
+            &mut staging,
+            (&wbuf, &xbuf, &ybuf),
+            rot_bytes,
+            max_m,
+            notes,
+            progress,
+        )?,
     };
-    let mut gpu_rows: Vec<OpRow> = Vec::new();
-    // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
-    // are not whole blocks have no quantised rows.
-    let fits = |dtype: DType, n: u64, k: u64, experts: bool| {
-        let block = dtype.block_elems();
-        !dtype.is_quantized() || (k.is_multiple_of(block) && (!experts || n.is_multiple_of(block)))
-    };
-    let shapes: Vec<(&shapes::MatShape, bool)> =
-        cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
-    let steps = g
-        .dtypes
-        .iter()
-        .map(|&d| shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len())
-        .sum::<usize>();
-    progress.section(
-        "GPU GEMM/GEMV (exec cuBLAS and quantised kernels) over catalog shapes × tokens",
-        steps as u64,
-    );
-    for &dtype in &g.dtypes {
-        let quant = QFormat::from_dtype(dtype);
-        // Quantised matmuls take bf16 activations, as a quantised model's are.
-        let e = if quant.is_some() { Elem::Bf16 } else { elem(dtype) };
-        let kn = gpu.kernels(KernelKey { act: e, kv: Elem::F16, head_dim: 128 })?;
-        match quant {
-            // Random quants and f16 scales whose bit patterns are random too: a NaN scale costs a GPU no time.
-            Some(_) => upload_random(&gpu, &mut staging, Elem::F32, wbuf.ptr(), rot_bytes, 20)?,
-            None => upload_random(&gpu, &mut staging, e, wbuf.ptr(), rot_bytes, 20)?,
-        }
-        upload_random(&gpu, &mut staging, e, xbuf.ptr(), max_m * max_k * 2, 21)?;
-        for &(shape, experts) in shapes.iter().filter(|(s, x)| fits(dtype, s.n, s.k, *x)) {
-            let (n, k) = (shape.n as usize, shape.k as usize);
-            let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
-            let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
-            // An expert's gate, up and down lie together, as in exec's weights; each sample's matrices come from
-            // another slot so that none is read from L2.
-            let unit_bytes = if experts { 3 * wbytes } else { wbytes };
-            let copies = (rot_bytes / unit_bytes).max(1);
-            let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
-            for &m in &g.tokens {
-                let s = b.events(Stream::Compute, &mut |i| {
-                    let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
-                    // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
-                    // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
-                    // m distinct row ids.
-                    unsafe {
-                        if experts {
-                            // exec's whole per-expert sequence (six launches) over m tokens that all picked it.
-                            gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
-                        } else {
-                            gpu.matmul(&kn, quant, w, xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
-                        }
-                    }
-                    Ok(())
-                })?;
-                gpu_rows.push(OpRow {
-                    op: if experts { OpClass::Experts } else { OpClass::MatMul },
-                    dtype,
-                    n: n as u64,
-                    k: k as u64,
-                    tokens: m as u64,
-                    threads: 0,
-                    time_ns: s.median.ceil() as u64,
-                    time_ns_under_dma: None,
-                    spread: Some(s.spread),
-                    kv_heads: None,
-                });
-                let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
-                progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
-            }
-        }
-    }
-
-    // Attention: exec's kernel, prefill chunks and decode, over contexts and head layouts.
-    let heads = kernel_heads(&cat.heads);
-    let skipped: Vec<String> =
-        cat.heads.iter().filter(|h| !heads.contains(h)).map(|h| format!("{h:?}")).collect();
-    if !skipped.is_empty() {
-        notes.push(format!(
-            "attention layouts exec's kernel cannot run (head_dim not a multiple of 32 ≤ 256): {}",
-            skipped.join(", ")
-        ));
-    }
-    let ctx_max = *g.attn_ctx.iter().max().expect("contexts");
-    let steps = g.kv_dtypes.len() * heads.len() * g.attn_ctx.len() * 2;
-    progress
-        .section("GPU attention (exec kernel): prefill chunk and decode × context × layout", steps as u64);
-    let max_kv_dim = heads.iter().map(|h| h.kv_heads as usize * h.head_dim as usize).max().unwrap_or(1);
-    let max_q_dim = heads.iter().map(|h| h.q_heads as usize * h.head_dim as usize).max().unwrap_or(1);
-    let kv_half = ctx_max * max_kv_dim * 2;
-    let kvbuf = gpu.alloc(2 * kv_half)?;
-    let chunk = g.prefill_chunk;
-    let qbuf = gpu.alloc(chunk * max_q_dim * 4)?;
-    let obuf = gpu.alloc(chunk * max_q_dim * 2)?;
-    let part_o = gpu.alloc(64 * max_q_dim * 4)?;
-    let part_ml = gpu.alloc(64 * max_q_dim / 32 * 2 * 4 + 4096)?;
-    upload_random(&gpu, &mut staging, Elem::F32, qbuf.ptr(), chunk * max_q_dim * 4, 30)?;
-    for &kv_dtype in &g.kv_dtypes {
-        let kv_e = elem(kv_dtype);
-        upload_random(&gpu, &mut staging, kv_e, kvbuf.ptr(), 2 * kv_half, 31)?;
-        for &h in &heads {
-            let d = dims_for(h, 4096, Elem::Bf16);
-            let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: kv_e, head_dim: d.head_dim })?;
-            for &ctx in &g.attn_ctx {
-                for decode in [true, false] {
-                    let m = if decode { 1 } else { chunk.min(ctx) };
-                    let pos0 = ctx - m;
-                    let splits = scratch_layout(&d, m, 1, ctx, 0).attn_splits;
-                    let s = b.events(Stream::Compute, &mut |_| {
-                        // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
-                        // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
-                        unsafe {
-                            gpu.attention(
-                                &kn,
-                                qbuf.ptr(),
-                                kvbuf.ptr(),
-                                kvbuf.ptr() + kv_half as u64,
-                                obuf.ptr(),
-                                part_o.ptr(),
-                                part_ml.ptr(),
-                                m,
-                                GpuKeys::causal(pos0),
-                                d.n_heads,
-                                d.n_kv_heads,
-                                d.attn_scale(),
-                                splits,
-                            )
-                        }
-                        .map_err(Into::into)
-                    })?;
-                    let keys = if decode { ctx } else { pos0 + m.div_ceil(2) };
-                    gpu_rows.push(OpRow {
-                        op: OpClass::Attention,
-                        dtype: kv_dtype,
-                        n: d.q_dim as u64,
-                        k: keys as u64,
-                        tokens: m as u64,
-                        threads: 0,
-                        time_ns: s.median.ceil() as u64,
-                        time_ns_under_dma: None,
-                        spread: Some(s.spread),
-                        kv_heads: Some(h.kv_heads),
-                    });
-                    progress.tick(&format!(
-                        "{kv_dtype:?} {}q/{}kv×{} ctx {ctx} {}: {:.1} µs",
-                        h.q_heads,
-                        h.kv_heads,
-                        h.head_dim,
-                        if decode { "decode" } else { "prefill" },
-                        s.median / 1e3
-                    ))?;
-                }
-            }
-        }
-    }
-    drop((kvbuf, part_o, part_ml));
-    gpu_rows.extend(decode_attention_rows(&gpu, &b, &g, &heads, &mut staging, progress)?);
-
-    // Elementwise kernels.
-    let max_ffn = cat.ffn.iter().copied().max().unwrap_or(1) as usize;
-    let max_hidden = cat.hidden.iter().copied().max().unwrap_or(1) as usize;
-    let em = *g.elementwise_tokens.iter().max().expect("tokens");
-    let steps = g.elementwise_tokens.len() * (cat.hidden.len() * 2 + cat.ffn.len());
-    progress.section("GPU norm / RoPE / SwiGLU (exec kernels)", steps as u64);
-    let ew = gpu.alloc(em * max_ffn.max(max_hidden) * 4 * 3)?;
-    upload_random(&gpu, &mut staging, Elem::F32, ew.ptr(), em * max_ffn.max(max_hidden) * 4 * 3, 40)?;
-    let stride = (em * max_ffn.max(max_hidden) * 4) as u64;
+    // Two f32 elements for the launch and sync measurements.
+    let tiny = gpu.alloc(8)?;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
-    for &m in &g.elementwise_tokens {
-        for &hid in &cat.hidden {
-            let hid = hid as usize;
-            let s = b.events(Stream::Compute, &mut |_| {
-                // SAFETY: x holds m·hid f32 (region 0), w hid f32 (region 1), out m·hid activations (region 2).
-                unsafe {
-                    gpu.norm_act(
-                        &kn,
-                        ew.ptr(),
-                        ew.ptr() + stride,
-                        0,
-                        ew.ptr() + 2 * stride,
-                        m,
-                        hid,
-                        1e-5,
-                        false,
-                    )
-                }
-                .map_err(Into::into)
-            })?;
-            gpu_rows.push(gpu_elementwise(OpClass::Norm, hid as u64, m, s));
-            progress.tick(&format!("norm {hid} m={m}"))?;
-            let heads = (hid / 128).max(1);
-            let s = b.events(Stream::Compute, &mut |_| {
-                // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
-                unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, (1000, 1)) }
-                    .map_err(Into::into)
-            })?;
-            gpu_rows.push(gpu_elementwise(OpClass::Rope, (heads * 128) as u64, m, s));
-            progress.tick(&format!("rope {hid} m={m}"))?;
-        }
-        for &f in &cat.ffn {
-            let f = f as usize;
-            let s = b.events(Stream::Compute, &mut |_| {
-                // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
-                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
-                    .map_err(Into::into)
-            })?;
-            gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));
-            progress.tick(&format!("swiglu {f} m={m}"))?;
-        }
-    }
 
     // ---- Latencies and interference ----
     progress.section("launch, host sync, copies vs compute", 8);
@@ -710,7 +496,7 @@ pub fn measure_all(
     let s = b.events(Stream::Compute, &mut |_| {
         for _ in 0..launches {
             // SAFETY: one f32 element of x and b (regions 0 and 1).
-            unsafe { gpu.add_bias(&kn, ew.ptr(), ew.ptr() + stride, 1, 1)? };
+            unsafe { gpu.add_bias(&kn, tiny.ptr(), tiny.ptr() + 4, 1, 1)? };
         }
         Ok(())
     })?;
@@ -720,7 +506,7 @@ pub fn measure_all(
     let sync = sample(rule, || -> Result<f64> {
         let t0 = Instant::now();
         // SAFETY: as above.
-        unsafe { gpu.add_bias(&kn, ew.ptr(), ew.ptr() + stride, 1, 1)? };
+        unsafe { gpu.add_bias(&kn, tiny.ptr(), tiny.ptr() + 4, 1, 1)? };
         gpu.sync(Stream::Compute)?;
         Ok(t0.elapsed().as_nanos() as f64)
     })?;
@@ -814,7 +600,7 @@ pub fn measure_all(
         progress.tick(&format!("pageable H2D, {what}: {:.1} GB/s", st.median))?;
     }
     drop((pageable, probe));
-    drop((wbuf, xbuf, ybuf, ew));
+    drop((wbuf, xbuf, ybuf, tiny));
 
     // ---- Host sections, with H2D copies as the background load ----
     let host = cpu::measure(mode, threads, Some(&dma), figures, progress)?;
@@ -891,6 +677,261 @@ pub fn measure_all(
         measurements: Vec::new(),
         notes: Vec::new(),
     })
+}
+
+/// exec's GPU op rows: GEMM/GEMV and routed experts over the catalog shapes × tokens, attention (prefill chunks,
+/// decode, batched decode) over contexts and layouts, and the elementwise kernels. `wbuf` (`rot_bytes`), `xbuf`
+/// and `ybuf` are sized for the largest shape and token count (`max_m`).
+#[allow(clippy::too_many_arguments)]
+fn measure_gpu_ops(
+    gpu: &Gpu,
+    b: &Bench<'_>,
+    g: &Grid,
+    cat: &shapes::Shapes,
+    staging: &mut HostBuf,
+    (wbuf, xbuf, ybuf): (&DevBuf, &DevBuf, &DevBuf),
+    rot_bytes: usize,
+    max_m: usize,
+    notes: &mut Vec<String>,
+    progress: &dyn Progress,
+) -> Result<Vec<OpRow>> {
+    // The MoE scratch of one expert over up to max_m tokens; its token ids are 0..max_m, each picked once.
+    let (e_ffn, e_hidden) = cat.experts.iter().fold((1, 1), |(f, h), s| (f.max(s.n), h.max(s.k)));
+    let (e_ffn, e_hidden) = (e_ffn as usize, e_hidden as usize);
+    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * e_ffn, 4 * max_m * e_ffn]
+        .into_iter()
+        .chain([2 * max_m * e_ffn, 4 * max_m * e_hidden, 4 * max_m * e_hidden])
+        .map(|bytes| gpu.alloc(bytes))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let ids: Vec<u8> = (0..max_m as u32).flat_map(u32::to_le_bytes).collect();
+    let weights: Vec<u8> = (0..max_m).flat_map(|_| 0.125f32.to_le_bytes()).collect();
+    // SAFETY: both buffers hold max_m 4-byte entries; the copies finish before the sources drop.
+    unsafe {
+        gpu.h2d(Stream::H2d, e_bufs[0].ptr(), &ids)?;
+        gpu.h2d(Stream::H2d, e_bufs[1].ptr(), &weights)?;
+    }
+    gpu.sync(Stream::H2d)?;
+    let expert_io = ExpertIo {
+        xn: xbuf.ptr(),
+        idx: e_bufs[0].ptr(),
+        wts: e_bufs[1].ptr(),
+        x: e_bufs[2].ptr(),
+        gate: e_bufs[3].ptr(),
+        up: e_bufs[4].ptr(),
+        act: e_bufs[5].ptr(),
+        y: e_bufs[6].ptr(),
+        h: e_bufs[7].ptr(),
+    };
+    let mut gpu_rows: Vec<OpRow> = Vec::new();
+    // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
+    // are not whole blocks have no quantised rows.
+    let fits = |dtype: DType, n: u64, k: u64, experts: bool| {
+        let block = dtype.block_elems();
+        !dtype.is_quantized() || (k.is_multiple_of(block) && (!experts || n.is_multiple_of(block)))
+    };
+    let shapes: Vec<(&shapes::MatShape, bool)> =
+        cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
+    let steps = g
+        .dtypes
+        .iter()
+        .map(|&d| shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len())
+        .sum::<usize>();
+    progress.section(
+        "GPU GEMM/GEMV (exec cuBLAS and quantised kernels) over catalog shapes × tokens",
+        steps as u64,
+    );
+    for &dtype in &g.dtypes {
+        let quant = QFormat::from_dtype(dtype);
+        // Quantised matmuls take bf16 activations, as a quantised model's are.
+        let e = if quant.is_some() { Elem::Bf16 } else { elem(dtype) };
+        let kn = gpu.kernels(KernelKey { act: e, kv: Elem::F16, head_dim: 128 })?;
+        match quant {
+            // Random quants and f16 scales whose bit patterns are random too: a NaN scale costs a GPU no time.
+            Some(_) => upload_random(gpu, staging, Elem::F32, wbuf.ptr(), rot_bytes, 20)?,
+            None => upload_random(gpu, staging, e, wbuf.ptr(), rot_bytes, 20)?,
+        }
+        upload_random(gpu, staging, e, xbuf.ptr(), xbuf.bytes(), 21)?;
+        for &(shape, experts) in shapes.iter().filter(|(s, x)| fits(dtype, s.n, s.k, *x)) {
+            let (n, k) = (shape.n as usize, shape.k as usize);
+            let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
+            let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
+            // An expert's gate, up and down lie together, as in exec's weights; each sample's matrices come from
+            // another slot so that none is read from L2.
+            let unit_bytes = if experts { 3 * wbytes } else { wbytes };
+            let copies = (rot_bytes / unit_bytes).max(1);
+            let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
+            for &m in &g.tokens {
+                let s = b.events(Stream::Compute, &mut |i| {
+                    let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
+                    // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
+                    // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
+                    // m distinct row ids.
+                    unsafe {
+                        if experts {
+                            // exec's whole per-expert sequence (six launches) over m tokens that all picked it.
+                            gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
+                        } else {
+                            gpu.matmul(&kn, quant, w, xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                gpu_rows.push(OpRow {
+                    op: if experts { OpClass::Experts } else { OpClass::MatMul },
+                    dtype,
+                    n: n as u64,
+                    k: k as u64,
+                    tokens: m as u64,
+                    threads: 0,
+                    time_ns: s.median.ceil() as u64,
+                    time_ns_under_dma: None,
+                    spread: Some(s.spread),
+                    kv_heads: None,
+                });
+                let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
+                progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
+            }
+        }
+    }
+
+    // Attention: exec's kernel, prefill chunks and decode, over contexts and head layouts.
+    let heads = kernel_heads(&cat.heads);
+    let skipped: Vec<String> =
+        cat.heads.iter().filter(|h| !heads.contains(h)).map(|h| format!("{h:?}")).collect();
+    if !skipped.is_empty() {
+        notes.push(format!(
+            "attention layouts exec's kernel cannot run (head_dim not a multiple of 32 ≤ 256): {}",
+            skipped.join(", ")
+        ));
+    }
+    let ctx_max = *g.attn_ctx.iter().max().expect("contexts");
+    let steps = g.kv_dtypes.len() * heads.len() * g.attn_ctx.len() * 2;
+    progress
+        .section("GPU attention (exec kernel): prefill chunk and decode × context × layout", steps as u64);
+    let max_kv_dim = heads.iter().map(|h| h.kv_heads as usize * h.head_dim as usize).max().unwrap_or(1);
+    let max_q_dim = heads.iter().map(|h| h.q_heads as usize * h.head_dim as usize).max().unwrap_or(1);
+    let kv_half = ctx_max * max_kv_dim * 2;
+    let kvbuf = gpu.alloc(2 * kv_half)?;
+    let chunk = g.prefill_chunk;
+    let qbuf = gpu.alloc(chunk * max_q_dim * 4)?;
+    let obuf = gpu.alloc(chunk * max_q_dim * 2)?;
+    let part_o = gpu.alloc(64 * max_q_dim * 4)?;
+    let part_ml = gpu.alloc(64 * max_q_dim / 32 * 2 * 4 + 4096)?;
+    upload_random(gpu, staging, Elem::F32, qbuf.ptr(), chunk * max_q_dim * 4, 30)?;
+    for &kv_dtype in &g.kv_dtypes {
+        let kv_e = elem(kv_dtype);
+        upload_random(gpu, staging, kv_e, kvbuf.ptr(), 2 * kv_half, 31)?;
+        for &h in &heads {
+            let d = dims_for(h, 4096, Elem::Bf16);
+            let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: kv_e, head_dim: d.head_dim })?;
+            for &ctx in &g.attn_ctx {
+                for decode in [true, false] {
+                    let m = if decode { 1 } else { chunk.min(ctx) };
+                    let pos0 = ctx - m;
+                    let splits = scratch_layout(&d, m, 1, ctx, 0).attn_splits;
+                    let s = b.events(Stream::Compute, &mut |_| {
+                        // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
+                        // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
+                        unsafe {
+                            gpu.attention(
+                                &kn,
+                                qbuf.ptr(),
+                                kvbuf.ptr(),
+                                kvbuf.ptr() + kv_half as u64,
+                                obuf.ptr(),
+                                part_o.ptr(),
+                                part_ml.ptr(),
+                                m,
+                                GpuKeys::causal(pos0),
+                                d.n_heads,
+                                d.n_kv_heads,
+                                d.attn_scale(),
+                                splits,
+                            )
+                        }
+                        .map_err(Into::into)
+                    })?;
+                    let keys = if decode { ctx } else { pos0 + m.div_ceil(2) };
+                    gpu_rows.push(OpRow {
+                        op: OpClass::Attention,
+                        dtype: kv_dtype,
+                        n: d.q_dim as u64,
+                        k: keys as u64,
+                        tokens: m as u64,
+                        threads: 0,
+                        time_ns: s.median.ceil() as u64,
+                        time_ns_under_dma: None,
+                        spread: Some(s.spread),
+                        kv_heads: Some(h.kv_heads),
+                    });
+                    progress.tick(&format!(
+                        "{kv_dtype:?} {}q/{}kv×{} ctx {ctx} {}: {:.1} µs",
+                        h.q_heads,
+                        h.kv_heads,
+                        h.head_dim,
+                        if decode { "decode" } else { "prefill" },
+                        s.median / 1e3
+                    ))?;
+                }
+            }
+        }
+    }
+    drop((kvbuf, part_o, part_ml));
+    gpu_rows.extend(decode_attention_rows(gpu, b, g, &heads, staging, progress)?);
+
+    // Elementwise kernels.
+    let max_ffn = cat.ffn.iter().copied().max().unwrap_or(1) as usize;
+    let max_hidden = cat.hidden.iter().copied().max().unwrap_or(1) as usize;
+    let em = *g.elementwise_tokens.iter().max().expect("tokens");
+    let steps = g.elementwise_tokens.len() * (cat.hidden.len() * 2 + cat.ffn.len());
+    progress.section("GPU norm / RoPE / SwiGLU (exec kernels)", steps as u64);
+    let ew = gpu.alloc(em * max_ffn.max(max_hidden) * 4 * 3)?;
+    upload_random(gpu, staging, Elem::F32, ew.ptr(), em * max_ffn.max(max_hidden) * 4 * 3, 40)?;
+    let stride = (em * max_ffn.max(max_hidden) * 4) as u64;
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
+    for &m in &g.elementwise_tokens {
+        for &hid in &cat.hidden {
+            let hid = hid as usize;
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: x holds m·hid f32 (region 0), w hid f32 (region 1), out m·hid activations (region 2).
+                unsafe {
+                    gpu.norm_act(
+                        &kn,
+                        ew.ptr(),
+                        ew.ptr() + stride,
+                        0,
+                        ew.ptr() + 2 * stride,
+                        m,
+                        hid,
+                        1e-5,
+                        false,
+                    )
+                }
+                .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Norm, hid as u64, m, s));
+            progress.tick(&format!("norm {hid} m={m}"))?;
+            let heads = (hid / 128).max(1);
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
+                unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, (1000, 1)) }
+                    .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Rope, (heads * 128) as u64, m, s));
+            progress.tick(&format!("rope {hid} m={m}"))?;
+        }
+        for &f in &cat.ffn {
+            let f = f as usize;
+            let s = b.events(Stream::Compute, &mut |_| {
+                // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
+                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
+                    .map_err(Into::into)
+            })?;
+            gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));
+            progress.tick(&format!("swiglu {f} m={m}"))?;
+        }
+    }
+    Ok(gpu_rows)
 }
 
 /// Caps points so that the cost model's copy time, `latency + bytes / gbps(bytes)` with `gbps` linear in

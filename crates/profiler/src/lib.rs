@@ -100,8 +100,14 @@ pub struct Config {
     pub name: String,
     /// CPU thread counts to sweep; empty: powers of two up to the machine's threads, and the machine's threads.
     pub threads: Vec<u32>,
-    /// `None`: measure the GPU (an error without one). `Some(p)`: CPU only; GPU and PCIe sections from `p`.
+    /// `None`: measure the GPU (an error without one). `Some(p)`: CPU only; GPU and PCIe sections from `p`
+    /// (with `host_only`, only `p`'s GPU op rows).
     pub gpu_from: Option<Profile>,
+    /// With `gpu_from`: measure on this machine's GPU everything its host shapes (PCIe, launch and sync,
+    /// copies against compute, DRAM, CPU rows) and keep `gpu_from`'s GPU op rows (GEMM, attention,
+    /// elementwise), which a GPU of the same model reproduces while the shared host's figures drift
+    /// (results/validation/2026-12-01-nvidia-h200, run22–run24).
+    pub host_only: bool,
     /// With `gpu_from`: measure the GPU's batched decode attention here too and put its rows in place of the
     /// base profile's (a base measured before those rows existed, or on another machine).
     pub gpu_decode_attention: bool,
@@ -173,6 +179,16 @@ impl Figures {
     }
 }
 
+/// Where a base profile's figures came from, for the notes of a run that keeps some of them.
+fn provenance_line(p: &Provenance) -> String {
+    match p {
+        Provenance::Measured { command, commit, date } => {
+            format!("measured {date}, commit {commit}: `{command}`")
+        }
+        Provenance::Derived { .. } => "derived from published figures".into(),
+    }
+}
+
 /// Measures this machine.
 pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     let started = Instant::now();
@@ -194,11 +210,36 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     ];
     let cpu_threads = *threads.iter().max().expect("at least one thread count");
     let mut profile = match &cfg.gpu_from {
+        Some(base) if cfg.host_only => {
+            let p = gpu::measure_all(
+                cfg.mode,
+                &threads,
+                Some(&base.gpu.ops),
+                &mut figures,
+                &mut notes,
+                progress,
+            )?;
+            if !base.machine.gpu.starts_with(p.machine.gpu.split(',').next().unwrap_or_default()) {
+                return Err(ProfilerError::Input(format!(
+                    "--gpu-from profile `{}` was measured on {}, this GPU is {}: its op rows would not hold here; \
+                     measure the whole profile instead",
+                    base.machine.name, base.machine.gpu, p.machine.gpu
+                )));
+            }
+            notes.push(format!(
+                "host-only run: GPU op rows (GEMM, attention, elementwise) are those of the base profile `{}` ({}); \
+                 PCIe, launch, sync, interference, DRAM and CPU measured by this run",
+                base.machine.name,
+                provenance_line(&base.provenance)
+            ));
+            p
+        }
         Some(base) => {
             notes.push(format!(
-                "CPU-only run: GPU, PCIe, launch and host-sync figures are those of the base profile `{}`; DRAM and \
-                 CPU rows under DMA were not measured (no device) and equal the rows alone",
-                base.machine.name
+                "CPU-only run: GPU, PCIe, launch and host-sync figures are those of the base profile `{}` ({}); DRAM \
+                 and CPU rows under DMA were not measured (no device) and equal the rows alone",
+                base.machine.name,
+                provenance_line(&base.provenance)
             ));
             let cpu = cpu::measure(cfg.mode, &threads, None, &mut figures, progress)?;
             let mut p = base.clone();
@@ -215,7 +256,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
             p
         }
-        None => gpu::measure_all(cfg.mode, &threads, &mut figures, &mut notes, progress)?,
+        None => gpu::measure_all(cfg.mode, &threads, None, &mut figures, &mut notes, progress)?,
     };
     profile.schema_version = PROFILE_SCHEMA_VERSION;
     profile.machine = Machine {

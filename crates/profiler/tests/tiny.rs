@@ -24,6 +24,7 @@ fn tiny_config() -> Config {
         name: "ci".into(),
         threads: vec![1, 2],
         gpu_from: Some(reference::derived("cli3").unwrap()),
+        host_only: false,
         gpu_decode_attention: false,
         command: "test".into(),
         commit: "test".into(),
@@ -204,4 +205,19 @@ fn an_interrupt_stops_the_measurement() {
     let e = measure(&cfg, &progress).unwrap_err();
     assert!(matches!(e, pipeshard_profiler::ProfilerError::Interrupted), "{e}");
     assert_eq!(progress.0.get(), 3, "no step after the interrupt");
+}
+
+/// A host-only run measures PCIe and launches with the GPU: without one it says so and how to measure the CPU
+/// alone, rather than keeping the base profile's host figures. (On a machine with a GPU it would measure for
+/// minutes: skipped there.)
+#[test]
+fn a_host_only_run_needs_a_gpu() {
+    if pipeshard_exec::cuda::probe().is_ok() {
+        eprintln!("skipped: a GPU is present");
+        return;
+    }
+    let cfg = Config { host_only: true, ..tiny_config() };
+    let e = measure(&cfg, &Quiet).unwrap_err();
+    assert!(matches!(e, pipeshard_profiler::ProfilerError::NoGpu(_)), "{e}");
+    assert!(e.to_string().contains("--cpu-only --gpu-from"), "{e}");
 }
