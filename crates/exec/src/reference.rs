@@ -54,13 +54,15 @@ fn swiglu(g: &[f64], u: &[f64]) -> Vec<f64> {
 }
 
 /// An MoE layer: `h += Σ_top-k w_e · expert_e(norm(h))`, routing by softmax over the router logits.
-fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
+/// Adds the routed experts' outputs to `h`; returns how many distinct experts the tokens picked.
+fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) -> usize {
     let d = &w.dims;
     let moe = d.moe.expect("a router unit implies MoE dims");
     let ru = w.unit(UnitId::Router { layer }).expect("router unit");
     let UnitKind::Router(r) = ru.kind else { unreachable!("router unit kind") };
     let nw = read_vec(ru, r.norm_w, d.hidden, Elem::F32);
     let nb = r.norm_b.map(|o| read_vec(ru, o, d.hidden, Elem::F32));
+    let mut touched = vec![false; moe.n_experts];
     for x in h.iter_mut() {
         let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
         let logits = matvec(d, ru, r.gate_inp, moe.n_experts, d.hidden, &xn);
@@ -72,6 +74,7 @@ fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
         let picked = &order[..moe.top_k];
         let total: f64 = picked.iter().map(|&e| p[e]).sum();
         for &e in picked {
+            touched[e] = true;
             let eu = w.unit(UnitId::Expert { layer, expert: e as u32 }).expect("expert unit");
             let UnitKind::Expert(o) = eu.kind else { unreachable!("expert unit kind") };
             let g = matvec(d, eu, o.gate, moe.expert_ffn, d.hidden, &xn);
@@ -81,12 +84,25 @@ fn moe_layer(w: &ModelWeights, layer: u32, h: &mut [Vec<f64>]) {
             x.iter_mut().zip(y).for_each(|(x, y)| *x += weight * y);
         }
     }
+    touched.iter().filter(|&&t| t).count()
 }
 
 /// Logits (`vocab` values) after every position of `tokens`.
 #[must_use]
 pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
+    forward_f64(w, tokens).0
+}
+
+/// For a MoE model: how many distinct experts the tokens of `tokens` picked in each MoE layer.
+#[must_use]
+pub fn touched_experts_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<usize> {
+    forward_f64(w, tokens).1
+}
+
+/// Logits after every position, and the distinct experts picked in each MoE layer.
+fn forward_f64(w: &ModelWeights, tokens: &[u32]) -> (Vec<Vec<f64>>, Vec<usize>) {
     let d = &w.dims;
+    let mut touched = Vec::new();
     let n = tokens.len();
     let embd = w.unit(UnitId::TokenEmbd).expect("token embedding");
     let mut h: Vec<Vec<f64>> = tokens
@@ -152,7 +168,7 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
             h[t].iter_mut().zip(o).for_each(|(x, o)| *x += o);
         }
         if w.unit(UnitId::Router { layer: l as u32 }).is_some() {
-            moe_layer(w, l as u32, &mut h);
+            touched.push(moe_layer(w, l as u32, &mut h));
             continue;
         }
         let fu = w.unit(UnitId::Ffn { layer: l as u32 }).expect("ffn unit");
@@ -174,12 +190,14 @@ pub fn logits_f64(w: &ModelWeights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let UnitKind::Output(o) = ou.kind else { unreachable!("output unit kind") };
     let nw = read_vec(ou, o.norm_w, d.hidden, Elem::F32);
     let nb = o.norm_b.map(|off| read_vec(ou, off, d.hidden, Elem::F32));
-    h.iter()
+    let logits = h
+        .iter()
         .map(|x| {
             let xn = norm(d.norm, x, &nw, nb.as_deref(), f64::from(d.norm_eps));
             matvec(d, ou, o.head, d.vocab, d.hidden, &xn)
         })
-        .collect()
+        .collect();
+    (logits, touched)
 }
 
 /// ‖a − b‖ / ‖b‖.

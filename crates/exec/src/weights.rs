@@ -6,9 +6,14 @@
 //! [`Dims`] holds the architecture facts the kernels need and checks that the executor can run the spec.
 //! [`ModelWeights::random`] fills one page-aligned host buffer per placement unit, with the unit's tensors laid
 //! out back to back (16-byte aligned) in inventory order; a VRAM copy of a unit uses the same layout, so
-//! streaming a unit is one copy. Values are uniform with a standard deviation of 1/√(fan-in) for matrices, so
-//! the residual stream grows like √layers and stays in range in f16 and bf16; norm weights are 1 ± 0.2 and
-//! biases ± 0.1, so they matter. Each tensor's values depend only on (seed, tensor name, element index): the
+//! streaming a unit is one copy. Values are uniform with a standard deviation of 1/√(fan-in) for matrices;
+//! those that write into the residual stream (attention output, FFN and expert down) are scaled by
+//! 1/√(2·layers), as GPT-2 initialises them, so the stream stays in range in f16 and bf16 and each token's own
+//! embedding keeps dominating it. Unscaled, attention's averages over earlier tokens piled up a component
+//! common to every token, and a MoE router's picks collapsed: qwen3-30b-a3b@24L's prefill of 1008 tokens
+//! touched all 128 experts in layers 0–2 but 42–65 from layer 10 on, half the work a trained router's spread
+//! gives (results/validation/2026-12-01-nvidia-h200, run24 cell 74). Norm weights are 1 ± 0.2 and biases
+//! ± 0.1, so they matter. Each tensor's values depend only on (seed, tensor name, element index): the
 //! same spec and seed give the same bytes whatever the thread count.
 
 use std::collections::HashMap;
@@ -405,8 +410,8 @@ fn uniform(stream: u64, i: u64) -> f32 {
     ((bits >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// How a tensor's values are drawn: `center + half_width × U[-1, 1)`.
-fn init_of(name: &str, shape: &[usize]) -> (f32, f32) {
+/// How a tensor's values are drawn: `center + half_width × U[-1, 1)`, in a model of `layers` decoder layers.
+fn init_of(name: &str, shape: &[usize], layers: usize) -> (f32, f32) {
     let is_norm = name.contains("norm");
     if name.rsplit('.').next() == Some("bias") {
         (0.0, 0.1)
@@ -415,18 +420,21 @@ fn init_of(name: &str, shape: &[usize]) -> (f32, f32) {
     } else if name.starts_with("token_embd") {
         (0.0, 1.0)
     } else {
-        // Uniform on [-a, a] has std a/√3; std 1/√fan_in.
+        // Uniform on [-a, a] has std a/√3; std 1/√fan_in, over √(2·layers) for residual writers.
         let fan_in = *shape.last().expect("matrices have a row length") as f32;
-        (0.0, 3f32.sqrt() / fan_in.sqrt())
+        let writes_residual = name.contains(".attn_output.") || name.contains(".ffn_down");
+        let depth = if writes_residual { (2.0 * layers.max(1) as f32).sqrt() } else { 1.0 };
+        (0.0, 3f32.sqrt() / fan_in.sqrt() / depth)
     }
 }
 
-/// Fills `buf` with the rows of a quantised matrix `name` whose first element is `first_elem`: the f32 values
+/// Fills `buf` with the rows of a quantised matrix `t` whose first element is `first_elem`: the f32 values
 /// [`fill`] would draw, quantised row by row.
-fn fill_quant(buf: &mut [u8], q: QFormat, seed: u64, name: &str, shape: &[usize], first_elem: u64) {
+fn fill_quant(buf: &mut [u8], q: QFormat, seed: u64, t: &TensorSlot, layers: usize, first_elem: u64) {
     const ROWS: usize = 64;
+    let (name, shape) = (&t.name, &t.shape);
     let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(name);
-    let (center, half_width) = init_of(name, shape);
+    let (center, half_width) = init_of(name, shape, layers);
     let k = *shape.last().expect("matrices have a row length");
     buf.par_chunks_mut(ROWS * q.row_bytes(k)).enumerate().for_each(|(c, chunk)| {
         let mut row = vec![0f32; k];
@@ -440,22 +448,22 @@ fn fill_quant(buf: &mut [u8], q: QFormat, seed: u64, name: &str, shape: &[usize]
     });
 }
 
-/// Fills `out` with tensor slot `t`'s values drawn from `seed`.
-fn fill_random(out: &mut [u8], t: &TensorSlot, seed: u64) {
+/// Fills `out` with tensor slot `t`'s values drawn from `seed`, in a model of `layers` decoder layers.
+fn fill_random(out: &mut [u8], t: &TensorSlot, seed: u64, layers: usize) {
     let elems: usize = t.shape.iter().product();
     let first_elem = t.expert.map_or(0, |e| (e * elems) as u64);
     match t.quant {
-        Some(q) => fill_quant(out, q, seed, &t.name, &t.shape, first_elem),
-        None => fill(out, t.elem, seed, &t.name, &t.shape, first_elem),
+        Some(q) => fill_quant(out, q, seed, t, layers, first_elem),
+        None => fill(out, t.elem, seed, t, layers, first_elem),
     }
 }
 
-/// Fills `buf` with elements `first_elem..` of the tensor `name` (an expert's slice starts past the slices
+/// Fills `buf` with elements `first_elem..` of the tensor `t` (an expert's slice starts past the slices
 /// before it, so the merged tensor is the same whichever way it is cut).
-fn fill(buf: &mut [u8], elem: Elem, seed: u64, name: &str, shape: &[usize], first_elem: u64) {
+fn fill(buf: &mut [u8], elem: Elem, seed: u64, t: &TensorSlot, layers: usize, first_elem: u64) {
     const CHUNK: usize = 1 << 16;
-    let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(name);
-    let (center, half_width) = init_of(name, shape);
+    let stream = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ name_hash(&t.name);
+    let (center, half_width) = init_of(&t.name, &t.shape, layers);
     let es = elem.size_bytes();
     buf.par_chunks_mut(CHUNK * es).enumerate().for_each(|(c, chunk)| {
         let base = first_elem + (c * CHUNK) as u64;
@@ -566,7 +574,7 @@ impl Values<'_> {
         match self {
             Values::Zero => Ok(()),
             Values::Random(seed) => {
-                fill_random(out, t, *seed);
+                fill_random(out, t, *seed, dims.n_layers);
                 Ok(())
             }
             Values::Checkpoint(ck, files) => read_tensor(ck, files, out, t, dims),
@@ -837,10 +845,10 @@ impl ModelWeights {
             // all buffers exist: allocating between fills serialised the page faults of the filling threads
             // (61 GB of qwen3-30b-a3b bf16 took 64-79 s on 16 threads at 4 threads' worth of CPU).
             Values::Random(seed) => {
-                let seed = *seed;
+                let (seed, layers) = (*seed, dims.n_layers);
                 units.par_iter_mut().try_for_each(|u| {
                     u.fill_tensors(|out, t| {
-                        fill_random(out, t, seed);
+                        fill_random(out, t, seed, layers);
                         Ok(())
                     })
                 })?;
@@ -882,6 +890,33 @@ mod tests {
 
     fn tiny() -> ModelSpec {
         crate::testing::tiny_spec()
+    }
+
+    /// Random MoE weights route as a trained, load-balanced router does, at every depth: 24 layers of 32
+    /// experts, top 2, 24 tokens touch ≈ 25 experts a layer if picks are uniform. Unscaled residual writers
+    /// made the tokens' hidden states converge with depth, so the deep layers' picks collapsed onto a few
+    /// experts (≈ ⅓ of a 24-layer qwen3-30b-a3b's in prefill).
+    #[test]
+    fn random_moe_weights_keep_routing_spread_at_depth() {
+        let spec = pipeshard_core::model::parse_hf_config(
+            "deep-tiny-moe",
+            r#"{"model_type":"qwen3_moe","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":2,
+                "head_dim":32,"num_hidden_layers":24,"intermediate_size":256,"moe_intermediate_size":32,
+                "num_experts":32,"num_experts_per_tok":2,"norm_topk_prob":true,"decoder_sparse_step":1,
+                "mlp_only_layers":[],"vocab_size":320,"rope_theta":1000000.0,"rms_norm_eps":1e-6,
+                "max_position_embeddings":4096}"#,
+            "deep-tiny-moe",
+            pipeshard_core::model::WeightFormat::uniform(DType::F16),
+        )
+        .unwrap();
+        let w = ModelWeights::random(&spec, 3).unwrap();
+        let tokens = crate::testing::random_tokens(24, 320, 5);
+        let touched = crate::reference::touched_experts_f64(&w, &tokens);
+        assert_eq!(touched.len(), 24);
+        // Uniform picks: 32 · (1 − (1 − 2/32)^24) ≈ 25.2 distinct experts a layer.
+        let deep = &touched[12..];
+        let mean = deep.iter().sum::<usize>() as f64 / deep.len() as f64;
+        assert!(mean > 21.0 && deep.iter().all(|&t| t >= 17), "distinct experts by layer: {touched:?}");
     }
 
     #[test]
