@@ -5,8 +5,8 @@
 #   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one)
-#   and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS,
-#   EXEC_GEN and EXEC_TIMEOUT shape the exec part.
+#   and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
+#   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
 mkdir -p "$OUT"
@@ -49,7 +49,7 @@ fi
 if [[ $PARTS == *validate* ]]; then
   profile=profiles/h200.json
   [[ -s $OUT/h200.json ]] && profile=$OUT/h200.json
-  timeout ${VALIDATE_TIMEOUT:-420} .bin/pipeshard validate --experiment experiments/validate-h200.toml --profile "$profile" \
+  timeout ${VALIDATE_TIMEOUT:-420} .bin/pipeshard validate --experiment "${VALIDATE_EXPERIMENT:-experiments/validate-h200.toml}" --profile "$profile" \
     --worst 4 --all-traces --out "$OUT/validation" > "$OUT/validate.log" 2>&1
   echo "validate exit $?" >> "$OUT/validate.log"
   # Every cell's trace, compressed into one file (the device tool brings back 8 files at most).
