@@ -23,7 +23,7 @@ use rayon::prelude::*;
 const FFN_BYTES: usize = 283_131_904;
 /// `stage blk.N.attn` of nemo-8b (bf16).
 const ATTN_BYTES: usize = 83_902_464;
-/// The profile's pageable check (`vec![1u8; 256 MiB]`, copied repeatedly).
+/// run23's profile's pageable check (`vec![1u8; 256 MiB]`, copied repeatedly).
 const PROBE_BYTES: usize = 256 << 20;
 /// A device-to-device copy of half this queued ahead of a staged copy: ≈ 1.3 ms at the H200's 4.1 TB/s (read
 /// + written), like the attention kernel before `stage blk.N.ffn` in run23's traces.
@@ -39,11 +39,11 @@ const AGAIN_COPIES: usize = 3;
 #[derive(Clone, Copy)]
 enum Alloc {
     /// `vec![0u8; n]` (calloc: fresh zero pages, first touched by the fill), filled by one thread: the
-    /// profiler's curve.
+    /// profiler's curve until it read a HostBuf (run23's profile).
     VecOneThread,
     /// `vec![0u8; n]` filled by every thread.
     VecThreads,
-    /// `vec![1u8; n]` (memset), nothing else: the profile's 256 MiB check.
+    /// `vec![1u8; n]` (memset), nothing else: run23's profile's 256 MiB check.
     VecOnes,
     /// [`HostBuf`] (page-aligned, zeroed by the allocating thread), filled by every thread: the executor's
     /// weights (`ModelWeights::random`).
