@@ -5,6 +5,7 @@
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use pipeshard_core::dtype::DType;
 
@@ -210,8 +211,17 @@ impl Elem {
                 }
             }
             Elem::F16 => {
-                for (c, &x) in bytes.chunks_exact_mut(2).zip(xs) {
-                    c.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                let n = xs.len().min(bytes.len() / 2);
+                // SAFETY: f16 is a plain u16, so any two bytes are one.
+                let (head, halves, _) = unsafe { bytes[..2 * n].align_to_mut::<f16>() };
+                if cfg!(target_endian = "little") && head.is_empty() && halves.len() == n {
+                    // half converts a slice with F16C where the CPU has it, 10× the element-wise conversion:
+                    // op offload's host store of a 1008-token chunk's K and V took 4.3 ms a layer (run23).
+                    halves.convert_from_f32_slice(&xs[..n]);
+                } else {
+                    for (c, &x) in bytes.chunks_exact_mut(2).zip(xs) {
+                        c.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                    }
                 }
             }
             Elem::Bf16 => {
@@ -264,6 +274,41 @@ mod tests {
             assert_eq!(e, ExecError::HostMemory { what: "unit blk.0.ffn".into(), bytes: bytes as u64 });
             let msg = e.to_string();
             assert!(msg.contains(&bytes.to_string()) && msg.contains("--layers"), "{msg}");
+        }
+    }
+
+    /// A row written at once rounds exactly as element by element, aligned or not, overflow and subnormals
+    /// included.
+    #[test]
+    fn rows_round_as_elements_do() {
+        let mut xs: Vec<f32> = (0..4099).map(|i| (i as f32 * 0.731).sin() * 2f32.powi(i % 40 - 30)).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            65504.0,
+            65520.0,
+            -1e6,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            6e-8,
+            -3e-5,
+            f32::NAN,
+        ]);
+        for e in [Elem::F32, Elem::F16, Elem::Bf16] {
+            let es = e.size_bytes();
+            let mut one = vec![0u8; xs.len() * es];
+            for (i, &x) in xs.iter().enumerate() {
+                e.write(&mut one, i, x);
+            }
+            for skew in [0, 1] {
+                let mut row = vec![7u8; xs.len() * es + skew + 3];
+                e.write_row(&xs, &mut row[skew..skew + xs.len() * es]);
+                let got = &row[skew..skew + xs.len() * es];
+                let n = xs.len() - 1;
+                assert_eq!(got[..n * es], one[..n * es], "{e:?} skew {skew}");
+                assert!(e.read(got, n).is_nan(), "{e:?}: NaN stays NaN");
+                assert!(row[skew + xs.len() * es..].iter().all(|&b| b == 7), "{e:?}: nothing past the row");
+            }
         }
     }
 

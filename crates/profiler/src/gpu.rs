@@ -5,6 +5,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
+
 use pipeshard_core::catalog;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
@@ -107,6 +109,51 @@ impl Bench<'_> {
             base += reps;
             once(reps, base)
         })
+    }
+}
+
+/// The host memory of pageable copies, made as the executor makes its weights (a [`HostBuf`]: page-aligned,
+/// zeroed by the allocating thread, filled with random values by every thread), since a pageable copy is the
+/// host reading it into the driver's staging buffers. The profile's curve used to read a calloc'd `Vec`; the
+/// executor's staged `ngl` units copied at ≈ 0.8× it (results/validation/2026-12-01-nvidia-h200, run22, run23).
+struct PageableSource {
+    buf: HostBuf,
+    next_offset: usize,
+}
+
+impl PageableSource {
+    /// `len_bytes` of random values: at least twice the largest copy, so a copy never reads bytes the
+    /// last-level cache still holds from the one before (copying the same 64 MiB again measured 15 GB/s on
+    /// the H200 machine).
+    fn new(len_bytes: usize) -> PageableSource {
+        let mut buf = HostBuf::zeroed(len_bytes);
+        buf.as_mut_slice()
+            .par_chunks_mut(16 * MIB)
+            .enumerate()
+            .for_each(|(i, chunk)| fill_random(chunk, Elem::F32, 12 + i as u64));
+        PageableSource { buf, next_offset: 0 }
+    }
+
+    /// The offset of the next `size` bytes, from the start again when they would pass the end.
+    fn advance(&mut self, size: usize) -> usize {
+        assert!(size <= self.buf.len_bytes(), "a pageable copy of {size} bytes from a smaller source");
+        if self.next_offset + size > self.buf.len_bytes() {
+            self.next_offset = 0;
+        }
+        self.next_offset += size;
+        self.next_offset - size
+    }
+
+    /// The next `size` bytes to copy from.
+    fn next(&mut self, size: usize) -> &[u8] {
+        let o = self.advance(size);
+        &self.buf.as_slice()[o..o + size]
+    }
+
+    /// The next `size` bytes to copy into.
+    fn next_mut(&mut self, size: usize) -> &mut [u8] {
+        let o = self.advance(size);
+        &mut self.buf.as_mut_slice()[o..o + size]
     }
 }
 
@@ -328,19 +375,7 @@ pub fn measure_all(
     fill_random(pinned.as_mut_slice(), Elem::F32, 11);
     // SAFETY: `pinned` outlives `_reg` (dropped first: declared after it).
     let _reg = unsafe { gpu.register(&pinned)? };
-    // Pageable copies read (or write) host memory through the CPU, so a source the cache holds streams faster
-    // than weights do: each sample takes the next `size` bytes of a buffer of at least 1 GiB. (Copying the
-    // same bytes again measured 15 GB/s at 64 MiB on the H200 machine, where exec's staged units got 9 GB/s.)
-    let mut pageable = vec![0u8; max_copy.max(1 << 30)];
-    fill_random(&mut pageable, Elem::F32, 12);
-    let (mut rotation, pageable_len) = (0usize, pageable.len());
-    let mut next_region = |size: usize| {
-        if rotation + size > pageable_len {
-            rotation = 0;
-        }
-        rotation += size;
-        rotation - size
-    };
+    let mut pageable = PageableSource::new(2 * max_copy.max(512 * MIB));
     let dev = gpu.alloc(host_bytes)?;
 
     let tiny_h2d = b.events(Stream::H2d, &mut |_| {
@@ -374,20 +409,20 @@ pub fn measure_all(
         progress.tick(&format!("pinned D2H {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
         // Pageable copies stage through the driver's buffers and hold the host thread: time them on the host.
         let s = sample(rule, || -> Result<f64> {
-            let o = next_region(size);
+            let src = pageable.next(size);
             let t0 = Instant::now();
             // SAFETY: as above.
-            unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pageable[o..o + size])? };
+            unsafe { gpu.h2d(Stream::H2d, dev.ptr(), src)? };
             gpu.sync(Stream::H2d)?;
             Ok(t0.elapsed().as_nanos() as f64)
         })?;
         raw[2].push((size, s));
         progress.tick(&format!("pageable H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
         let s = sample(rule, || -> Result<f64> {
-            let o = next_region(size);
+            let dst = pageable.next_mut(size);
             let t0 = Instant::now();
             // SAFETY: as above.
-            unsafe { gpu.d2h(Stream::D2h, &mut pageable[o..o + size], dev.ptr())? };
+            unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr())? };
             gpu.sync(Stream::D2h)?;
             Ok(t0.elapsed().as_nanos() as f64)
         })?;
@@ -570,13 +605,12 @@ pub fn measure_all(
         h2d_under.push(s.median);
     }
     // A pageable copy is the host copying into the driver's staging buffers: time it with the host idle and
-    // with every CPU thread reading DRAM, as `ngl`'s prefill copies run beside its CPU layers (the executor's
-    // pageable copies ran ≈ 18 % below this profile's curve there; results/validation/2026-12-01-nvidia-h200).
-    let pageable = vec![1u8; copy_bytes];
+    // with every CPU thread reading DRAM, as `ngl`'s prefill copies may run beside its CPU layers.
     let mut pageable_h2d = || -> Result<f64> {
+        let src = pageable.next(copy_bytes);
         let t0 = Instant::now();
         // SAFETY: copy_bytes of a live host buffer into `dev`, synchronised before the buffer is touched again.
-        unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pageable)? };
+        unsafe { gpu.h2d(Stream::H2d, dev.ptr(), src)? };
         gpu.sync(Stream::H2d)?;
         Ok(copy_bytes as f64 / t0.elapsed().as_nanos() as f64)
     };
@@ -968,5 +1002,29 @@ fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
         time_ns_under_dma: None,
         spread: Some(s.spread),
         kv_heads: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies read the executor's kind of buffer (page-aligned, random), each the next region, wrapping
+    /// before the end.
+    #[test]
+    fn pageable_copies_take_the_next_region_of_page_aligned_random_bytes() {
+        let mut src = PageableSource::new(64 * MIB);
+        let base = src.buf.as_ptr() as usize;
+        assert_eq!(base % pipeshard_exec::host::HOST_ALIGN_BYTES, 0);
+        let starts: Vec<usize> = (0..5).map(|_| src.next(24 * MIB).as_ptr() as usize - base).collect();
+        assert_eq!(starts, [0, 24 * MIB, 0, 24 * MIB, 0]);
+        assert_eq!(src.next_mut(16 * MIB).as_ptr() as usize - base, 24 * MIB);
+        assert_eq!(src.next(64 * MIB).len(), 64 * MIB);
+        // Random values in every 16 MiB chunk, not the allocation's zeros (each chunk has its own seed).
+        for chunk in src.buf.as_slice().chunks(16 * MIB) {
+            assert!(chunk[..4096].iter().map(|&b| u32::from(b == 0)).sum::<u32>() < 64);
+        }
+        let chunks: Vec<&[u8]> = src.buf.as_slice().chunks(16 * MIB).map(|c| &c[..64]).collect();
+        assert!(chunks.windows(2).all(|w| w[0] != w[1]));
     }
 }
