@@ -344,8 +344,8 @@ fn grid(mode: Mode) -> Grid {
             // CPU time than the 256-token rows predicted.
             prefill_tokens: vec![256, 1024],
             // nemo-8b's head (1 GiB): past the projections' n·k, its 16-row matmul ran at 0.65× their
-            // efficiency (validation run18–run23, batch 16: 39.5–42.3 ms against 27.1 ms predicted); its 1- and
-            // 4-row products stream at the projections' rate (run13–run23: within −15 … +12 %).
+            // efficiency (validation run18–run23, batch 16: 39.5–42.3 ms against 27.1 ms predicted); its
+            // 1- and 4-row products stream at the projections' rate (run13–run23: within −15 … +12 %).
             output_heads: vec![(t.vocab, t.hidden)],
             output_head_tokens: vec![16, 64],
             experts: cat.experts.iter().map(|s| (s.n, s.k)).collect(),
@@ -519,8 +519,8 @@ pub fn measure(
         }
     }
 
-    // Output heads at batched-decode row counts: the cost model interpolates them in n·k between these and the
-    // projections instead of carrying the largest projection's efficiency to a matrix 11× its size.
+    // Output heads at batched-decode row counts: the cost model interpolates them in n·k between these and
+    // the projections instead of carrying the largest projection's efficiency to a matrix 11× its size.
     progress.section(
         "CPU output head matmul (exec kernel), most threads",
         (g.output_heads.len() * g.output_head_tokens.len()) as u64,
