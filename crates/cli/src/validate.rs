@@ -489,10 +489,14 @@ pub fn plan_fingerprint(plan: &Plan) -> String {
     format!("{:08x}", crc32fast::hash(&phases))
 }
 
-/// The grid coordinates a `cells.csv` row records.
+/// The grid coordinates a `cells.csv` row records (the batch too: a grid has cells that differ only by it).
+/// Not the KV layout: a row records the one the planner chose.
 fn same_cell(a: &Cell, b: &Cell) -> bool {
-    (&a.model, a.ctx, a.prompt_tokens, a.gen_tokens, a.ubatch, a.budget_bytes, &a.planner, a.depth)
-        == (&b.model, b.ctx, b.prompt_tokens, b.gen_tokens, b.ubatch, b.budget_bytes, &b.planner, b.depth)
+    let coords = |c: &Cell| {
+        let size = (c.ctx, c.prompt_tokens, c.gen_tokens, c.ubatch, c.batch, c.budget_bytes);
+        (c.model.clone(), size, c.planner.clone(), c.depth)
+    };
+    coords(a) == coords(b)
 }
 
 /// `--repredict`: this build's predictions of an earlier run's measured cells (see [`ValidateArgs`]).
@@ -1000,6 +1004,14 @@ mod tests {
         scatter(&outcomes, &["ngl".into(), "ilp".into()], &dir.join("scatter.png")).unwrap();
         assert!(std::fs::metadata(dir.join("scatter.png")).unwrap().len() > 10_000);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_batched_cell_is_not_its_single_request_twin() {
+        let one = outcome("pshard", "dense", 1.0, 1.0).cell;
+        let sixteen = Cell { batch: 16, ..one.clone() };
+        assert!(same_cell(&one, &Cell { kv_unified: true, ..one.clone() }), "the row's layout is the plan's");
+        assert!(!same_cell(&one, &sixteen), "repredict matched a batch-16 cell to the batch-1 row");
     }
 
     #[test]

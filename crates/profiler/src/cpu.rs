@@ -256,6 +256,10 @@ struct Grid {
     tokens: Vec<usize>,
     /// Prefill-sized matmuls, on the most threads only (a 256-token matmul on one thread takes seconds).
     prefill_tokens: Vec<usize>,
+    /// Output heads `(vocab, hidden)` in bf16 at `output_head_tokens` rows (batched decode), on the most
+    /// threads.
+    output_heads: Vec<(u64, u64)>,
+    output_head_tokens: Vec<usize>,
     /// Routed-expert shapes `(expert_ffn, hidden)` and the tokens one expert gets, on the most threads.
     experts: Vec<(u64, u64)>,
     expert_tokens: Vec<usize>,
@@ -287,6 +291,8 @@ fn grid(mode: Mode) -> Grid {
             dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 4],
             prefill_tokens: vec![16],
+            output_heads: vec![(2048, 256)],
+            output_head_tokens: vec![4],
             experts: vec![(128, 64)],
             expert_tokens: vec![1, 4],
             attn_ctx: vec![64, 256],
@@ -305,6 +311,8 @@ fn grid(mode: Mode) -> Grid {
             dtypes: vec![DType::Bf16, DType::Q4_0],
             tokens: vec![1, 16],
             prefill_tokens: vec![],
+            output_heads: vec![],
+            output_head_tokens: vec![],
             experts: cat.experts.iter().take(1).map(|s| (s.n, s.k)).collect(),
             expert_tokens: vec![1, 64],
             attn_ctx: vec![1024, 16384],
@@ -335,6 +343,11 @@ fn grid(mode: Mode) -> Grid {
             // 1024 for the default ubatch: validation run12's CPU FFN prefill of 1008-token chunks took 33% more
             // CPU time than the 256-token rows predicted.
             prefill_tokens: vec![256, 1024],
+            // nemo-8b's head (1 GiB): past the projections' n·k, its 16-row matmul ran at 0.65× their
+            // efficiency (validation run18–run23, batch 16: 39.5–42.3 ms against 27.1 ms predicted); its
+            // 1- and 4-row products stream at the projections' rate (run13–run23: within −15 … +12 %).
+            output_heads: vec![(t.vocab, t.hidden)],
+            output_head_tokens: vec![16, 64],
             experts: cat.experts.iter().map(|s| (s.n, s.k)).collect(),
             // A 1024-token ubatch gives each of 128 experts ≈ 64 tokens (top-8); 256 covers larger ubatches.
             expert_tokens: vec![1, 4, 16, 64, 256],
@@ -503,6 +516,41 @@ pub fn measure(
                     progress.tick(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()))?;
                 }
             }
+        }
+    }
+
+    // Output heads at batched-decode row counts: the cost model interpolates them in n·k between these and
+    // the projections instead of carrying the largest projection's efficiency to a matrix 11× its size.
+    progress.section(
+        "CPU output head matmul (exec kernel), most threads",
+        (g.output_heads.len() * g.output_head_tokens.len()) as u64,
+    );
+    for &(n, k) in &g.output_heads {
+        let (nu, ku) = (n as usize, k as usize);
+        let w = random_vec(nu * ku * 2, Elem::Bf16, 4);
+        let m_max = g.output_head_tokens.iter().copied().max().unwrap_or(1);
+        let x: Vec<f32> = random_f32(m_max * ku, 5).iter().map(|&v| Elem::Bf16.round(v)).collect();
+        let mut y = vec![0f32; m_max * nu];
+        for &m in &g.output_head_tokens {
+            let mut run = || -> Result<f64> {
+                let t0 = Instant::now();
+                kernels::matmul(most, &x, m, ku, &w, Elem::Bf16, nu, &mut y, false);
+                Ok(secs_ns(t0))
+            };
+            let (alone, under) = both(rule, dma, &mut run)?;
+            rows.push(OpRow {
+                op: OpClass::MatMul,
+                dtype: DType::Bf16,
+                n,
+                k,
+                tokens: m as u64,
+                threads: most.threads() as u32,
+                time_ns: alone.median.ceil() as u64,
+                time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+                spread: Some(alone.spread),
+                kv_heads: None,
+            });
+            progress.tick(&format!("bf16 head {n}×{k} m={m} t={}", most.threads()))?;
         }
     }
 

@@ -120,6 +120,7 @@ pub struct RingItem {
     pub key: StreamKey,
     /// Whether the layer's streamed KV shares the slot of its streamed attention (`key` is the attention).
     pub with_kv: bool,
+    /// Bytes copied into the slot (of a KV, the cells the step reads, not the whole cache the slot holds).
     pub bytes: u64,
     pub slot: u32,
     /// The first copy task, which claims the slot (a KV sharing it has a second copy).

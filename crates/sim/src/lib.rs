@@ -37,10 +37,11 @@
 //!   `slot_bytes`, one slot per group of core's `PhasePlan::stream_groups` (a unit; a layer's streamed
 //!   attention with its streamed KV; one expert's worth of a layer's touched streamed experts). A copy starts
 //!   when its slot is released by the item `depth` earlier (all its readers done), and an op starts when its
-//!   own copy is done. Streamed KV is uploaded for the full allocated context before the attention that reads
-//!   it (on the artifact's runtime, only the cells in use: [`Runtime::kv_upload_bytes`]); after a GPU
-//!   attention whose KV is mirrored on the host (streamed, or pinned in prefill but not in decode) the new
-//!   cells go back D2H, and the slot is not reused before they have.
+//!   own copy is done. Streamed KV is uploaded before the attention that reads it: the cells the pass reads
+//!   on ours and the artifact's runtime, the whole allocated context on stock llama.cpp
+//!   ([`Runtime::kv_upload_bytes`]); after a GPU attention whose KV is mirrored on the host (streamed, or
+//!   pinned in prefill but not in decode) the new cells go back D2H, and the slot is not reused before they
+//!   have.
 //!   Decode steps run the ring across step boundaries, as the executor does.
 //! - **MoE.** A layer's routed experts are split by how many of them the plan pins, streams or leaves on the
 //!   CPU; each side does the expected share (count × touched / E) of the work. Streamed experts are copied

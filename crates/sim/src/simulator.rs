@@ -248,17 +248,20 @@ impl Runtime {
     /// Bytes of a streamed layer's KV uploaded before its attention in `phase`, of `full_bytes` allocated
     /// (every sequence's whole context) at `token_bytes` a cell. The artifact uploads the cells its sequences
     /// use (`pipeline_upload_kv_cells_for_seqs`: `get_cells_for_seq`, the chunk's own new cells included), so a
-    /// long prompt's early chunks copy little; ours uploads the whole allocated cache.
+    /// long prompt's early chunks copy little. Ours uploads the cells already in the cache that the pass reads
+    /// (exec's `SeqKv::filled`): a prefill chunk its own sequence's earlier cells, a decode step every
+    /// sequence's cells before its new token; the new cells are computed on the GPU. Stock llama.cpp uploads the
+    /// whole allocated cache.
     #[must_use]
     pub fn kv_upload_bytes(self, full_bytes: u64, token_bytes: u64, phase: Phase) -> u64 {
-        let used_cells = match phase {
-            Phase::Prefill { tokens, start_pos, .. } => start_pos + tokens,
-            Phase::Decode { batch, ctx } => batch * ctx,
+        let cells = match (self, phase) {
+            (Runtime::Stock, _) => return full_bytes,
+            (Runtime::Artifact, Phase::Prefill { tokens, start_pos, .. }) => start_pos + tokens,
+            (Runtime::Artifact, Phase::Decode { batch, ctx }) => batch * ctx,
+            (Runtime::Ours, Phase::Prefill { start_pos, .. }) => start_pos,
+            (Runtime::Ours, Phase::Decode { batch, ctx }) => batch * ctx.saturating_sub(1),
         };
-        match self {
-            Runtime::Artifact => full_bytes.min(used_cells * token_bytes),
-            Runtime::Ours | Runtime::Stock => full_bytes,
-        }
+        full_bytes.min(cells * token_bytes)
     }
 
     /// Host time this runtime spends gathering the cells of a streamed layer's KV upload in `phase`.

@@ -134,8 +134,8 @@ fn the_artifacts_runtime_streams_every_expert_ours_the_touched() {
 
 /// The artifact's runtime gathers the cells of a streamed layer's unified KV on the host, one walk over the
 /// used cells per sequence, before the upload: R² × context visits per layer, nothing with per-sequence KV or
-/// on our runtime. Every streamed layer's upload is longer by exactly that, and shorter by the cells not in
-/// use (it copies 304 of each sequence's 512, ours all).
+/// on our runtime. Every streamed layer's upload is longer by exactly that, and by the step's new cells (it
+/// copies 304 of each sequence's 512 cells, ours the 303 before the new token).
 #[test]
 fn the_artifacts_unified_kv_upload_walks_the_cells_once_per_sequence() {
     use pipeshard_sim::Runtime;
@@ -152,8 +152,8 @@ fn the_artifacts_unified_kv_upload_walks_the_cells_once_per_sequence() {
         };
         assert_eq!(Runtime::Ours.kv_gather_ns(&w, phase), 0);
         // qwen3-30b-a3b: 4 KV heads × 128 × (K + V) × 2 bytes = 2 KiB a cell, copied at 1 byte/ns.
-        let unused_ns = 16 * (512 - 304) * 2048;
-        let extra_ns = i64::try_from(gather_ns).unwrap() - unused_ns;
+        let new_cells_ns = 16 * 2048;
+        let extra_ns = i64::try_from(gather_ns).unwrap() + new_cells_ns;
         let diff_ns =
             i64::try_from(h2d(Runtime::Artifact)).unwrap() - i64::try_from(h2d(Runtime::Ours)).unwrap();
         assert_eq!(diff_ns, 3 * extra_ns, "unified {unified}");

@@ -364,12 +364,13 @@ fn streamed_kv_shares_its_attention_slot_and_is_written_back_before_reuse() {
         .iter()
         .filter(|t| matches!(t.kind, TaskKind::Stream { .. }))
         .map(|t| t.bytes)
-        .filter(|&b| b == kv)
+        .filter(|&b| b == 900 * kv_tok)
         .collect();
-    assert_eq!(kv_uploads.len(), 3, "full allocated context, every step");
+    assert_eq!(kv_uploads.len(), 3, "the prompt's 900 cells before the step's token, every layer");
     assert_eq!(g.items.len(), 3, "attention weights and KV share one item");
     for (item, it) in g.items.iter().enumerate() {
-        assert!(it.with_kv && it.bytes == p.decode.slot_bytes);
+        let attn = Inventory::new(&spec).unit_bytes(UnitId::Attn { layer: 0 });
+        assert!(it.with_kv && it.bytes == attn + 900 * kv_tok && it.bytes <= p.decode.slot_bytes);
         // The projections wait for the weights only; the attention waits for the KV copy.
         let readers: Vec<u32> = (0..g.tasks.len() as u32)
             .filter(|&t| g.tasks[t as usize].item == Some(item as u32) && g.device(t).is_some())
