@@ -637,7 +637,7 @@ mod tests {
         // The smallest arena that takes the plan (to 4 KiB) has no room for 64 splits' partial sums.
         let (mut lo, mut hi) = (0usize, 64usize << 20);
         while hi - lo > 4096 {
-            let mid = (lo + hi) / 2;
+            let mid = lo.midpoint(hi);
             if alone(&w, &p, kv, 16, mid).is_ok() { hi = mid } else { lo = mid }
         }
         let tight = alone(&w, &p, kv, 16, hi).unwrap();
