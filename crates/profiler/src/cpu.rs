@@ -398,27 +398,43 @@ fn both(
     Ok((alone, under))
 }
 
+/// The row of a measurement alone and (where taken) under DMA: `op` on `dtype`, an `n`×`k` shape, `tokens`
+/// rows, `threads` threads.
+fn timed_row(
+    op: OpClass,
+    dtype: DType,
+    (n, k): (u64, u64),
+    tokens: usize,
+    threads: usize,
+    (alone, under): (Stat, Option<Stat>),
+) -> OpRow {
+    OpRow {
+        op,
+        dtype,
+        n,
+        k,
+        tokens: tokens as u64,
+        threads: threads as u32,
+        time_ns: alone.median.ceil() as u64,
+        time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
+        spread: Some(alone.spread),
+        kv_heads: None,
+    }
+}
+
 /// The row of an f16-KV attention measurement: `tokens` queries over on average `keys` keys (`op`
 /// [`OpClass::AttentionDecode`]: one query of each of `tokens` sequences over its own `keys` keys).
 fn attention_row(
     op: OpClass,
-    (alone, under): (Stat, Option<Stat>),
+    timed: (Stat, Option<Stat>),
     d: &Dims,
     keys: usize,
     tokens: usize,
     threads: usize,
 ) -> OpRow {
     OpRow {
-        op,
-        dtype: DType::F16,
-        n: d.q_dim as u64,
-        k: keys as u64,
-        tokens: tokens as u64,
-        threads: threads as u32,
-        time_ns: alone.median.ceil() as u64,
-        time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-        spread: Some(alone.spread),
         kv_heads: Some(d.n_kv_heads as u32),
+        ..timed_row(op, DType::F16, (d.q_dim as u64, keys as u64), tokens, threads, timed)
     }
 }
 
@@ -500,19 +516,8 @@ pub fn measure(
                         }
                         Ok(secs_ns(t0))
                     };
-                    let (alone, under) = both(rule, dma, &mut run)?;
-                    rows.push(OpRow {
-                        op: OpClass::MatMul,
-                        dtype,
-                        n,
-                        k,
-                        tokens: m as u64,
-                        threads: pool.threads() as u32,
-                        time_ns: alone.median.ceil() as u64,
-                        time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-                        spread: Some(alone.spread),
-                        kv_heads: None,
-                    });
+                    let timed = both(rule, dma, &mut run)?;
+                    rows.push(timed_row(OpClass::MatMul, dtype, (n, k), m, pool.threads(), timed));
                     progress.tick(&format!("{dtype:?} {n}×{k} m={m} t={}", pool.threads()))?;
                 }
             }
@@ -537,19 +542,8 @@ pub fn measure(
                 kernels::matmul(most, &x, m, ku, &w, Elem::Bf16, nu, &mut y, false);
                 Ok(secs_ns(t0))
             };
-            let (alone, under) = both(rule, dma, &mut run)?;
-            rows.push(OpRow {
-                op: OpClass::MatMul,
-                dtype: DType::Bf16,
-                n,
-                k,
-                tokens: m as u64,
-                threads: most.threads() as u32,
-                time_ns: alone.median.ceil() as u64,
-                time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-                spread: Some(alone.spread),
-                kv_heads: None,
-            });
+            let timed = both(rule, dma, &mut run)?;
+            rows.push(timed_row(OpClass::MatMul, DType::Bf16, (n, k), m, most.threads(), timed));
             progress.tick(&format!("bf16 head {n}×{k} m={m} t={}", most.threads()))?;
         }
     }
@@ -649,19 +643,8 @@ pub fn measure(
                     kernels::experts_block(most, &d, nu, &xn, &work, &mut out);
                     Ok(secs_ns(t0) / EXPERTS_PER_SAMPLE as f64)
                 };
-                let (alone, under) = both(rule, dma, &mut run)?;
-                rows.push(OpRow {
-                    op: OpClass::Experts,
-                    dtype,
-                    n,
-                    k,
-                    tokens: c as u64,
-                    threads: most.threads() as u32,
-                    time_ns: alone.median.ceil() as u64,
-                    time_ns_under_dma: under.map(|u| u.median.ceil() as u64),
-                    spread: Some(alone.spread),
-                    kv_heads: None,
-                });
+                let timed = both(rule, dma, &mut run)?;
+                rows.push(timed_row(OpClass::Experts, dtype, (n, k), c, most.threads(), timed));
                 progress.step(&format!("{dtype:?} expert {n}×{k}, {c} tokens t={}", most.threads()));
             }
         }
