@@ -898,17 +898,10 @@ mod tests {
     /// experts (≈ ⅓ of a 24-layer qwen3-30b-a3b's in prefill).
     #[test]
     fn random_moe_weights_keep_routing_spread_at_depth() {
-        let spec = pipeshard_core::model::parse_hf_config(
-            "deep-tiny-moe",
-            r#"{"model_type":"qwen3_moe","hidden_size":128,"num_attention_heads":4,"num_key_value_heads":2,
-                "head_dim":32,"num_hidden_layers":24,"intermediate_size":256,"moe_intermediate_size":32,
-                "num_experts":32,"num_experts_per_tok":2,"norm_topk_prob":true,"decoder_sparse_step":1,
-                "mlp_only_layers":[],"vocab_size":320,"rope_theta":1000000.0,"rms_norm_eps":1e-6,
-                "max_position_embeddings":4096}"#,
-            "deep-tiny-moe",
-            pipeshard_core::model::WeightFormat::uniform(DType::F16),
-        )
-        .unwrap();
+        let mut spec = crate::testing::tiny_qwen3_moe_spec();
+        spec.text.n_layers = 24;
+        let moe = spec.text.moe.as_mut().unwrap();
+        (moe.n_experts, moe.top_k, moe.expert_ffn) = (32, 2, 32);
         let w = ModelWeights::random(&spec, 3).unwrap();
         let tokens = crate::testing::random_tokens(24, 320, 5);
         let touched = crate::reference::touched_experts_f64(&w, &tokens);
