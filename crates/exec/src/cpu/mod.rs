@@ -1091,7 +1091,8 @@ fn experts_gemv<F: RowFormat>(
                         )
                     };
                     swiglu(ge, ue, d.mat);
-                    let _ = ready[e].set(fmt.pack_x(pool.isa, ge, c, fe));
+                    let set = ready[e].set(fmt.pack_x(pool.isa, ge, c, fe));
+                    assert!(set.is_ok(), "one stripe completes an expert's gate and up");
                 }
             }
         });
