@@ -920,19 +920,20 @@ pub fn experts_block(
     let rows: Vec<u32> = busy.iter().flat_map(|e| e.2.iter().map(|&(t, _)| t)).collect();
     let mut xs = vec![0f32; rows.len() * hd];
     let mut ys = vec![0f32; rows.len() * hd];
+    // One entry into the pool: from outside it, each costs waking a worker.
     pool.install(|| {
         xs.par_chunks_mut(hd).with_min_len(64).zip(&rows).for_each(|(row, &t)| {
             row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
         });
-    });
-    if busy.iter().all(|e| e.2.len() <= EXACT_MAX_TOKENS) {
-        match d.quant {
-            Some(q) => experts_gemv(pool, q, d, expert_ffn, &busy, &xs, &mut ys),
-            None => experts_gemv(pool, d.mat, d, expert_ffn, &busy, &xs, &mut ys),
+        if busy.iter().all(|e| e.2.len() <= EXACT_MAX_TOKENS) {
+            match d.quant {
+                Some(q) => experts_gemv(pool, q, d, expert_ffn, &busy, &xs, &mut ys),
+                None => experts_gemv(pool, d.mat, d, expert_ffn, &busy, &xs, &mut ys),
+            }
+        } else {
+            experts_gemm(pool, d, expert_ffn, &busy, &xs, &mut ys);
         }
-    } else {
-        experts_gemm(pool, d, expert_ffn, &busy, &xs, &mut ys);
-    }
+    });
     for (y, &(t, w)) in ys.chunks_exact(hd).zip(busy.iter().flat_map(|e| e.2)) {
         let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
         o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
