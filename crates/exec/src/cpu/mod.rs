@@ -916,56 +916,49 @@ pub fn experts_block(
     if busy.is_empty() {
         return;
     }
-    // The busy experts' tokens, one expert after another: the rows of the gathered inputs and of the outputs.
-    let rows: Vec<u32> = busy.iter().flat_map(|e| e.2.iter().map(|&(t, _)| t)).collect();
-    let mut xs = vec![0f32; rows.len() * hd];
-    let mut ys = vec![0f32; rows.len() * hd];
-    // One entry into the pool: from outside it, each costs waking a worker.
-    pool.install(|| {
-        xs.par_chunks_mut(hd).with_min_len(64).zip(&rows).for_each(|(row, &t)| {
-            row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
-        });
-        if busy.iter().all(|e| e.2.len() <= EXACT_MAX_TOKENS) {
-            match d.quant {
-                Some(q) => experts_gemv(pool, q, d, expert_ffn, &busy, &xs, &mut ys),
-                None => experts_gemv(pool, d.mat, d, expert_ffn, &busy, &xs, &mut ys),
-            }
-        } else {
-            experts_gemm(pool, d, expert_ffn, &busy, &xs, &mut ys);
-        }
-    });
-    for (y, &(t, w)) in ys.chunks_exact(hd).zip(busy.iter().flat_map(|e| e.2)) {
+    // The busy experts' output rows, in their tokens' order, in one or more blocks.
+    let ys: Vec<Vec<f32>> = if busy.iter().all(|e| e.2.len() <= EXACT_MAX_TOKENS) {
+        vec![match d.quant {
+            Some(q) => experts_gemv(pool, q, d, expert_ffn, xn, &busy),
+            None => experts_gemv(pool, d.mat, d, expert_ffn, xn, &busy),
+        }]
+    } else {
+        experts_gemm(pool, d, expert_ffn, xn, &busy)
+    };
+    let rows = ys.iter().flat_map(|y| y.chunks_exact(hd));
+    for (y, &(t, w)) in rows.zip(busy.iter().flat_map(|e| e.2)) {
         let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
         o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
     }
 }
 
-/// [`experts_block`] with more tokens an expert (prefill): each expert's gate and up, then its down, as
-/// parallel matmuls, every expert at once. `xs` and `ys` hold the experts' token rows one expert after
-/// another.
-fn experts_gemm(pool: &CpuPool, d: &Dims, fe: usize, busy: &[&ExpertWork<'_>], xs: &[f32], ys: &mut [f32]) {
-    let hd = d.hidden;
-    let mut parts = Vec::with_capacity(busy.len());
-    let (mut xs, mut ys) = (xs, ys);
-    for &&(unit, off, tokens) in busy {
-        let c = tokens.len();
-        let (xe, x_rest) = xs.split_at(c * hd);
-        let (ye, y_rest) = std::mem::take(&mut ys).split_at_mut(c * hd);
-        parts.push((unit, off, c, xe, ye));
-        (xs, ys) = (x_rest, y_rest);
+/// The rows of `xn` (of `hd`) that `tokens` name, in order, into `out`.
+fn gather_rows(xn: &[f32], hd: usize, tokens: &[(u32, f32)], out: &mut [f32]) {
+    for (row, &(t, _)) in out.chunks_exact_mut(hd).zip(tokens) {
+        row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
     }
-    pool.install(|| {
-        parts.into_par_iter().for_each(|(unit, off, c, xe, ye)| {
-            let mut g = vec![0f32; c * fe];
-            let mut u = vec![0f32; c * fe];
-            rayon::join(
-                || mat_mul(pool, d, xe, c, hd, unit, off.gate, fe, &mut g, false),
-                || mat_mul(pool, d, xe, c, hd, unit, off.up, fe, &mut u, false),
-            );
-            swiglu(&mut g, &u, d.mat);
-            mat_mul(pool, d, &g, c, fe, unit, off.down, hd, ye, false);
-        });
-    });
+}
+
+/// [`experts_block`] with more tokens an expert (prefill): each expert's gate and up, then its down, as
+/// parallel matmuls, every expert at once; each expert's output rows.
+fn experts_gemm(pool: &CpuPool, d: &Dims, fe: usize, xn: &[f32], busy: &[&ExpertWork<'_>]) -> Vec<Vec<f32>> {
+    let hd = d.hidden;
+    let expert = |&&(unit, off, tokens): &&ExpertWork<'_>| {
+        let c = tokens.len();
+        let mut xe = vec![0f32; c * hd];
+        gather_rows(xn, hd, tokens, &mut xe);
+        let mut g = vec![0f32; c * fe];
+        let mut u = vec![0f32; c * fe];
+        rayon::join(
+            || mat_mul(pool, d, &xe, c, hd, unit, off.gate, fe, &mut g, false),
+            || mat_mul(pool, d, &xe, c, hd, unit, off.up, fe, &mut u, false),
+        );
+        swiglu(&mut g, &u, d.mat);
+        let mut y = vec![0f32; c * hd];
+        mat_mul(pool, d, &g, c, fe, unit, off.down, hd, &mut y, false);
+        y
+    };
+    pool.install(|| busy.par_iter().map(expert).collect())
 }
 
 /// Which matrix of an expert a task of `experts_gemv` reads.
@@ -988,19 +981,19 @@ fn stripes(n: usize, row_bytes: usize) -> impl Iterator<Item = (usize, usize)> {
 /// busy expert's gate and up rows, then every expert's down rows, cut into stripes in one list that the
 /// pool's threads take tasks from in order, so that every thread streams weights until the list ends. A down
 /// stripe waits only for its own expert's gate and up (the stripe that completes them applies SwiGLU), which
-/// were all taken before it, so no thread idles at a barrier between the two. `xs` and `ys` hold the experts'
-/// token rows one expert after another.
+/// were all taken before it, so no thread idles at a barrier between the two. Returns the output rows, one
+/// expert after another.
 fn experts_gemv<F: RowFormat>(
     pool: &CpuPool,
     fmt: F,
     d: &Dims,
     fe: usize,
+    xn: &[f32],
     busy: &[&ExpertWork<'_>],
-    xs: &[f32],
-    ys: &mut [f32],
-) {
+) -> Vec<f32> {
     let hd = d.hidden;
-    let tokens = xs.len() / hd;
+    // Each expert's first row in the gathered inputs `xs` and the outputs `ys`, which hold the experts' token
+    // rows one expert after another.
     let first: Vec<usize> = busy
         .iter()
         .scan(0, |at, e| {
@@ -1008,6 +1001,12 @@ fn experts_gemv<F: RowFormat>(
             Some(*at - e.2.len())
         })
         .collect();
+    let tokens: usize = busy.iter().map(|e| e.2.len()).sum();
+    let mut xs = vec![0f32; tokens * hd];
+    for (e, &f) in busy.iter().zip(&first) {
+        gather_rows(xn, hd, e.2, &mut xs[f * hd..]);
+    }
+    let mut ys = vec![0f32; tokens * hd];
     let (gate_up_bytes, down_bytes) = (d.mat_bytes(fe, hd), d.mat_bytes(hd, fe));
     let mut tasks = Vec::new();
     for e in 0..busy.len() {
@@ -1023,7 +1022,7 @@ fn experts_gemv<F: RowFormat>(
     // reads them (packed where `pack_x` packs).
     let pending: Vec<AtomicUsize> = busy.iter().map(|_| AtomicUsize::new(gate_up_tasks)).collect();
     let ready: Vec<OnceLock<PackedX>> = busy.iter().map(|_| OnceLock::new()).collect();
-    let xs_packed = fmt.pack_x(pool.isa, xs, tokens, hd);
+    let xs_packed = fmt.pack_x(pool.isa, &xs, tokens, hd);
     let (xp, ldx) = xs_packed.as_ref().map_or((xs.as_ptr(), hd), |(p, ld)| (p.as_ptr(), *ld));
     let mut g = vec![0f32; tokens * fe];
     let mut u = vec![0f32; tokens * fe];
@@ -1098,6 +1097,7 @@ fn experts_gemv<F: RowFormat>(
             }
         });
     });
+    ys
 }
 
 /// The output norm and head on the CPU for the rows `h` holds: logits `[rows, vocab]`.
