@@ -14,8 +14,12 @@ cp "$exe" .bin/exec-gpu-tests
 unit=$(cargo test --release -p pipeshard-exec --lib --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["kind"]==["lib"]][-1])')
 cp "$unit" .bin/exec-unit-tests
-strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests
+# The CPU expert block's bench (crates/exec/benches/experts.rs), for gpu-check.sh's "experts" part.
+bench=$(cargo bench -p pipeshard-exec --bench experts --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["name"]=="experts"][-1])')
+cp "$bench" .bin/exec-experts-bench
+strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
-xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests
+xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench
 git rev-parse --short=12 HEAD > .bin/commit
 ls -la .bin

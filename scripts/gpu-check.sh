@@ -4,8 +4,9 @@
 #   PARTS="tests hf exec" (default); also "unit" (exec's unit tests: the AVX-512 kernels on this CPU), "profile"
 #   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
-#   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one)
-#   and "bounds" (exec bench --bounds); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
+#   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
+#   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
+#   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
@@ -55,6 +56,11 @@ if [[ $PARTS == *validate* ]]; then
   # Every cell's trace, compressed into one file (the device tool brings back 8 files at most).
   (cd "$OUT/validation" && for d in */; do tar czf "${d%/}-traces.tgz" -C "$d" traces && rm -rf "$d/traces"; done)
   tail -n 30 "$OUT/validate.log" | cut -c1-200
+fi
+if [[ $PARTS == *experts* ]]; then
+  { timeout 60 .bin/pipeshard exec bench --cpu-only --formats none --cpu-bytes 256M --threads "$(nproc)"
+    timeout 120 .bin/exec-experts-bench --bench --noplot; echo "experts exit $?"; } > "$OUT/experts.log" 2>&1
+  grep -E "DRAM read|bf16 \(|time:|thrpt:|exit" "$OUT/experts.log"
 fi
 if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \

@@ -12,8 +12,8 @@ pub mod simd;
 
 use pipeshard_core::model::{FfnKind, NormKind};
 use rayon::prelude::*;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{ExecError, Result};
@@ -193,20 +193,23 @@ pub const QUANT_TASKS_PER_THREAD: usize = 16;
 /// bench`, results/exec/quant run 6): 8 rows against 4, q8_0 112.4 against 104.5 GB/s, q4_0 71.8 against 69.6.
 pub const QUANT_GEMV_ROWS: usize = 8;
 
-/// A raw pointer that tasks writing disjoint elements share.
+/// A raw pointer that tasks share, each writing disjoint elements if any.
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+struct SharedPtr(*mut f32);
 // SAFETY: every task writes a disjoint set of elements, and the owner outlives the parallel region.
-unsafe impl Send for SharedOut {}
+unsafe impl Send for SharedPtr {}
 // SAFETY: as above.
-unsafe impl Sync for SharedOut {}
+unsafe impl Sync for SharedPtr {}
 
-impl SharedOut {
+impl SharedPtr {
     /// The pointer (a method, so closures capture the whole Send + Sync wrapper, not its raw field).
     fn ptr(self) -> *mut f32 {
         self.0
     }
 }
+
+/// Activation rows as a kernel reads them and their stride in f32s, where that is not the rows themselves.
+type PackedX = Option<(Vec<f32>, usize)>;
 
 /// A matrix row format and its `R` rows × `T` tokens inner kernel, so one tiling loop serves every format.
 trait RowFormat: Copy + Send + Sync {
@@ -218,7 +221,7 @@ trait RowFormat: Copy + Send + Sync {
     fn tasks_per_thread(self) -> usize;
     /// The `m` activation rows (of `k`) as `dot` reads them on `isa`, and their stride, where that is not
     /// the rows themselves (see [`qdot::pack_x`]).
-    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)>;
+    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> PackedX;
     /// `out[r][t] = Σ_i x[t][i] · w[r][i]` over `R` rows starting at `w`, `w_stride` bytes apart (adjacent
     /// rows unless `SPREAD_ROWS`); quantised kernels prefetch ahead of every block they read as `pf` says.
     ///
@@ -246,7 +249,7 @@ impl RowFormat for Elem {
     fn tasks_per_thread(self) -> usize {
         TASKS_PER_THREAD
     }
-    fn pack_x(self, _isa: Isa, _x: &[f32], _m: usize, _k: usize) -> Option<(Vec<f32>, usize)> {
+    fn pack_x(self, _isa: Isa, _x: &[f32], _m: usize, _k: usize) -> PackedX {
         None
     }
     unsafe fn dot<const R: usize, const T: usize>(
@@ -277,7 +280,7 @@ impl RowFormat for QFormat {
     fn tasks_per_thread(self) -> usize {
         QUANT_TASKS_PER_THREAD
     }
-    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
+    fn pack_x(self, isa: Isa, x: &[f32], m: usize, k: usize) -> PackedX {
         qdot::pack_x(isa, self, x, m, k)
     }
     unsafe fn dot<const R: usize, const T: usize>(
@@ -368,7 +371,106 @@ fn matmul_quant_in_chunks(
     }
 }
 
-/// The tiling loop: tasks of whole 4-row groups over the pool, 4×4 (rows × tokens) register blocks inside.
+/// One matmul's operands as tasks over its rows read and write them: `y[t][j] (+)= Σ_i x[t][i] · w[j][i]`
+/// with `x` the activations as the format's kernel reads them (`ldx` apart; see [`RowFormat::pack_x`]), `w`
+/// rows of `k` elements and `y[t][j]` at `t × ldy + j`.
+#[derive(Clone, Copy)]
+struct RowsJob {
+    x: *const f32,
+    ldx: usize,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    y: *mut f32,
+    ldy: usize,
+    accumulate: bool,
+}
+// SAFETY: tasks over one job read `x` and `w` and write disjoint rows of `y`, whose owners outlive them.
+unsafe impl Send for RowsJob {}
+// SAFETY: as above.
+unsafe impl Sync for RowsJob {}
+
+impl RowsJob {
+    /// Rows `r0..r1` of the product, on the calling thread: groups of 4 rows (4×4 rows × tokens register
+    /// blocks), or for a quantised GEMV the pool's `gemv_rows`, then single rows.
+    ///
+    /// # Safety
+    /// `x` holds the job's `m` activation rows, `w` at least `r1` rows, `y` the elements the job names for
+    /// these rows, and no other thread touches those elements meanwhile.
+    unsafe fn rows<F: RowFormat>(self, pool: &CpuPool, fmt: F, r0: usize, r1: usize) {
+        let RowsJob { x: xp, ldx, m, k, w: wp, y, ldy, accumulate } = self;
+        let (isa, pf, rb) = (pool.isa, pool.prefetch, fmt.row_bytes(k));
+        let store = |t: usize, r: usize, v: f32| {
+            // SAFETY: t < m and r < r1, so the index is inside y (the caller's promise); these rows are this
+            // call's alone.
+            unsafe {
+                let p = y.add(t * ldy + r);
+                *p = if accumulate { *p + v } else { v };
+            }
+        };
+        // Groups of `g` rows (4; a GEMV of short rows takes the pool's `gemv_rows`), then single rows. A
+        // group is adjacent rows, or, for formats whose rows are short (`SPREAD_ROWS`), rows a g-th of the
+        // task apart, so that each of the g streams has its own pages, which the hardware prefetchers follow
+        // (two streams in one page defeat them).
+        let g = if F::SPREAD_ROWS && m < 4 { pool.gemv_rows } else { 4 };
+        let full = (r1 - r0) / g;
+        let (lane, next) = if F::SPREAD_ROWS { (full, 1) } else { (1, g) };
+        let groups = (0..full).map(|i| (r0 + i * next, g)).chain((r0 + g * full..r1).map(|r| (r, 1)));
+        let mut t = 0;
+        while t < m {
+            let tb = if m - t >= 4 { 4 } else { 1 };
+            for (r, rows) in groups.clone() {
+                // SAFETY: rows r, r + lane, … (`rows` of them, all < r1) of w and tokens t..t+tb of x exist
+                // (the caller's promise).
+                unsafe {
+                    let xr = xp.add(t * ldx);
+                    let wr = wp.add(r * rb);
+                    let ws = lane * rb;
+                    match (rows, tb) {
+                        (4, 4) => {
+                            let mut o = [[0f32; 4]; 4];
+                            fmt.dot::<4, 4>(isa, pf, xr, ldx, wr, ws, k, &mut o);
+                            for (ri, row) in o.iter().enumerate() {
+                                for (ti, &v) in row.iter().enumerate() {
+                                    store(t + ti, r + ri * lane, v);
+                                }
+                            }
+                        }
+                        (8, _) => {
+                            let mut o = [[0f32; 1]; 8];
+                            fmt.dot::<8, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
+                            for (ri, row) in o.iter().enumerate() {
+                                store(t, r + ri * lane, row[0]);
+                            }
+                        }
+                        (4, _) => {
+                            let mut o = [[0f32; 1]; 4];
+                            fmt.dot::<4, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
+                            for (ri, row) in o.iter().enumerate() {
+                                store(t, r + ri * lane, row[0]);
+                            }
+                        }
+                        (_, 4) => {
+                            let mut o = [[0f32; 4]; 1];
+                            fmt.dot::<1, 4>(isa, pf, xr, ldx, wr, rb, k, &mut o);
+                            for (ti, &v) in o[0].iter().enumerate() {
+                                store(t + ti, r, v);
+                            }
+                        }
+                        _ => {
+                            let mut o = [[0f32; 1]; 1];
+                            fmt.dot::<1, 1>(isa, pf, xr, ldx, wr, rb, k, &mut o);
+                            store(t, r, o[0][0]);
+                        }
+                    }
+                }
+            }
+            t += tb;
+        }
+    }
+}
+
+/// The tiling loop: tasks of whole 4-row groups over the pool, each a [`RowsJob::rows`].
 /// `y[t][j]` is at `t × ldy + j` (`ldy` > `n` when the rows are a chunk of a larger matrix).
 fn tiled<F: RowFormat>(
     pool: &CpuPool,
@@ -382,92 +484,25 @@ fn tiled<F: RowFormat>(
     ldy: usize,
     accumulate: bool,
 ) {
-    let rb = fmt.row_bytes(k);
     assert!(
-        x.len() >= m * k && w.len() >= n * rb && ldy >= n && (m == 0 || y.len() >= (m - 1) * ldy + n),
+        x.len() >= m * k
+            && w.len() >= n * fmt.row_bytes(k)
+            && ldy >= n
+            && (m == 0 || y.len() >= (m - 1) * ldy + n),
         "matmul operand sizes"
     );
     // `tasks_per_thread` tasks per thread at most, 32 rows at least.
     let tasks_per_thread = pool.tasks_per_thread.unwrap_or_else(|| fmt.tasks_per_thread());
     let rows_per_task = n.div_ceil(tasks_per_thread * pool.threads).next_multiple_of(4).max(32);
-    let (isa, pf, gemv_rows) = (pool.isa, pool.prefetch, pool.gemv_rows);
-    let out = SharedOut(y.as_mut_ptr());
-    let wp = w.as_ptr() as usize;
-    let packed = fmt.pack_x(isa, x, m, k);
-    let (xp, ldx) = packed.as_ref().map_or((x.as_ptr() as usize, k), |(p, ld)| (p.as_ptr() as usize, *ld));
+    let packed = fmt.pack_x(pool.isa, x, m, k);
+    let (xp, ldx) = packed.as_ref().map_or((x.as_ptr(), k), |(p, ld)| (p.as_ptr(), *ld));
+    let job = RowsJob { x: xp, ldx, m, k, w: w.as_ptr(), y: y.as_mut_ptr(), ldy, accumulate };
     let tasks = n.div_ceil(rows_per_task);
     pool.install(|| {
         (0..tasks).into_par_iter().for_each(|task| {
             let r0 = task * rows_per_task;
-            let r1 = (r0 + rows_per_task).min(n);
-            let wp = wp as *const u8;
-            let xp = xp as *const f32;
-            let store = |t: usize, r: usize, v: f32| {
-                // SAFETY: t < m and r < n, so the index is inside y; each (t, r) is written by one task only.
-                unsafe {
-                    let p = out.ptr().add(t * ldy + r);
-                    *p = if accumulate { *p + v } else { v };
-                }
-            };
-            // Groups of `g` rows (4; a GEMV of short rows takes the pool's `gemv_rows`), then single rows. A group
-            // is adjacent rows, or, for formats whose rows are short (`SPREAD_ROWS`), rows a g-th of the task
-            // apart, so that each of the g streams has its own pages, which the hardware prefetchers follow (two
-            // streams in one page defeat them).
-            let g = if F::SPREAD_ROWS && m < 4 { gemv_rows } else { 4 };
-            let full = (r1 - r0) / g;
-            let (lane, next) = if F::SPREAD_ROWS { (full, 1) } else { (1, g) };
-            let groups = (0..full).map(|i| (r0 + i * next, g)).chain((r0 + g * full..r1).map(|r| (r, 1)));
-            let mut t = 0;
-            while t < m {
-                let tb = if m - t >= 4 { 4 } else { 1 };
-                for (r, rows) in groups.clone() {
-                    // SAFETY: rows r, r + lane, … (`rows` of them, all < r1) of w and tokens t..t+tb of x exist
-                    // (checked sizes above).
-                    unsafe {
-                        let xr = xp.add(t * ldx);
-                        let wr = wp.add(r * rb);
-                        let ws = lane * rb;
-                        match (rows, tb) {
-                            (4, 4) => {
-                                let mut o = [[0f32; 4]; 4];
-                                fmt.dot::<4, 4>(isa, pf, xr, ldx, wr, ws, k, &mut o);
-                                for (ri, row) in o.iter().enumerate() {
-                                    for (ti, &v) in row.iter().enumerate() {
-                                        store(t + ti, r + ri * lane, v);
-                                    }
-                                }
-                            }
-                            (8, _) => {
-                                let mut o = [[0f32; 1]; 8];
-                                fmt.dot::<8, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
-                                for (ri, row) in o.iter().enumerate() {
-                                    store(t, r + ri * lane, row[0]);
-                                }
-                            }
-                            (4, _) => {
-                                let mut o = [[0f32; 1]; 4];
-                                fmt.dot::<4, 1>(isa, pf, xr, ldx, wr, ws, k, &mut o);
-                                for (ri, row) in o.iter().enumerate() {
-                                    store(t, r + ri * lane, row[0]);
-                                }
-                            }
-                            (_, 4) => {
-                                let mut o = [[0f32; 4]; 1];
-                                fmt.dot::<1, 4>(isa, pf, xr, ldx, wr, rb, k, &mut o);
-                                for (ti, &v) in o[0].iter().enumerate() {
-                                    store(t + ti, r, v);
-                                }
-                            }
-                            _ => {
-                                let mut o = [[0f32; 1]; 1];
-                                fmt.dot::<1, 1>(isa, pf, xr, ldx, wr, rb, k, &mut o);
-                                store(t, r, o[0][0]);
-                            }
-                        }
-                    }
-                }
-                t += tb;
-            }
+            // SAFETY: sizes checked above; each task writes its own rows.
+            unsafe { job.rows(pool, fmt, r0, (r0 + rows_per_task).min(n)) };
         });
     });
 }
@@ -856,12 +891,20 @@ pub fn router_block(
 /// One expert's work on the CPU: its unit's bytes, its slices' offsets, and its `(token, weight)` pairs.
 pub type ExpertWork<'a> = (&'a [u8], ExpertOffsets, &'a [(u32, f32)]);
 
+/// Bytes of weight rows in one task of [`experts_block`]'s few-token path: enough that starting a task (an
+/// atomic counter, the hardware prefetchers ramping up on new pages) costs little against reading it, few
+/// enough that a layer's tasks (~300 for qwen3-30b-a3b's 8 bf16 experts) even out the threads' finishing
+/// times.
+const EXPERT_STRIPE_BYTES: usize = 256 << 10;
+
 /// Routed experts on the CPU: for each `(expert unit bytes, offsets, tokens)` in order,
 /// `out[t] += w · down(silu(gate(xn[t])) · up(xn[t]))` over the expert's `(t, w)` tokens.
 ///
-/// The experts, and each one's gate and up, run at once on the pool: a decode token's expert matrices are a few
-/// MB each, too small for one parallel GEMV at a time to keep every thread reading DRAM (measured: 41 GB/s of
-/// 111 one after the other). Outputs are added in the experts' order, so the sums do not depend on scheduling.
+/// A decode token's expert matrices are a few MB each, too small for one parallel GEMV at a time to keep
+/// every thread reading DRAM (measured: 41 GB/s of 111 one after the other), so the experts run at once: with
+/// up to [`EXACT_MAX_TOKENS`] tokens an expert as one list of row stripes (`experts_gemv`), with more each
+/// expert's matmuls in parallel and the experts beside each other (`experts_gemm`). Outputs are added in the
+/// experts' order, so the sums do not depend on scheduling.
 pub fn experts_block(
     pool: &CpuPool,
     d: &Dims,
@@ -870,13 +913,42 @@ pub fn experts_block(
     experts: &[ExpertWork<'_>],
     out: &mut [f32],
 ) {
-    let (hd, fe) = (d.hidden, expert_ffn);
-    let expert = |&(unit, off, tokens): &ExpertWork<'_>| {
+    let hd = d.hidden;
+    let busy: Vec<&ExpertWork<'_>> = experts.iter().filter(|e| !e.2.is_empty()).collect();
+    if busy.is_empty() {
+        return;
+    }
+    // The busy experts' output rows, in their tokens' order, in one or more blocks.
+    let ys: Vec<Vec<f32>> = if busy.iter().all(|e| e.2.len() <= EXACT_MAX_TOKENS) {
+        vec![match d.quant {
+            Some(q) => experts_gemv(pool, q, d, expert_ffn, xn, &busy),
+            None => experts_gemv(pool, d.mat, d, expert_ffn, xn, &busy),
+        }]
+    } else {
+        experts_gemm(pool, d, expert_ffn, xn, &busy)
+    };
+    let rows = ys.iter().flat_map(|y| y.chunks_exact(hd));
+    for (y, &(t, w)) in rows.zip(busy.iter().flat_map(|e| e.2)) {
+        let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
+        o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+    }
+}
+
+/// The rows of `xn` (of `hd`) that `tokens` name, in order, into `out`.
+fn gather_rows(xn: &[f32], hd: usize, tokens: &[(u32, f32)], out: &mut [f32]) {
+    for (row, &(t, _)) in out.chunks_exact_mut(hd).zip(tokens) {
+        row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
+    }
+}
+
+/// [`experts_block`] with more tokens an expert (prefill): each expert's gate and up, then its down, as
+/// parallel matmuls, every expert at once; each expert's output rows.
+fn experts_gemm(pool: &CpuPool, d: &Dims, fe: usize, xn: &[f32], busy: &[&ExpertWork<'_>]) -> Vec<Vec<f32>> {
+    let hd = d.hidden;
+    let expert = |&&(unit, off, tokens): &&ExpertWork<'_>| {
         let c = tokens.len();
         let mut xe = vec![0f32; c * hd];
-        for (row, &(t, _)) in xe.chunks_exact_mut(hd).zip(tokens) {
-            row.copy_from_slice(&xn[t as usize * hd..(t as usize + 1) * hd]);
-        }
+        gather_rows(xn, hd, tokens, &mut xe);
         let mut g = vec![0f32; c * fe];
         let mut u = vec![0f32; c * fe];
         rayon::join(
@@ -888,14 +960,146 @@ pub fn experts_block(
         mat_mul(pool, d, &g, c, fe, unit, off.down, hd, &mut y, false);
         y
     };
-    let busy: Vec<&ExpertWork<'_>> = experts.iter().filter(|e| !e.2.is_empty()).collect();
-    let ys: Vec<Vec<f32>> = pool.install(|| busy.par_iter().map(|e| expert(e)).collect());
-    for (&&(_, _, tokens), y) in busy.iter().zip(&ys) {
-        for (row, &(t, w)) in y.chunks_exact(hd).zip(tokens) {
-            let o = &mut out[t as usize * hd..(t as usize + 1) * hd];
-            o.iter_mut().zip(row).for_each(|(o, y)| *o += w * y);
+    pool.install(|| busy.par_iter().map(expert).collect())
+}
+
+/// Which matrix of an expert a task of `experts_gemv` reads.
+#[derive(Clone, Copy)]
+enum ExpertMat {
+    Gate,
+    Up,
+    Down,
+}
+
+/// `n` rows of `row_bytes` cut into stripes of about [`EXPERT_STRIPE_BYTES`], whole 4-row groups but the
+/// last.
+fn stripes(n: usize, row_bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = (n * row_bytes).div_ceil(EXPERT_STRIPE_BYTES).clamp(1, n.div_ceil(4));
+    let rows = n.div_ceil(count).next_multiple_of(4);
+    (0..n).step_by(rows).map(move |r0| (r0, (r0 + rows).min(n)))
+}
+
+/// [`experts_block`] with up to [`EXACT_MAX_TOKENS`] tokens an expert (decode), on matrices of `fmt`: every
+/// busy expert's gate and up rows, then every expert's down rows, cut into stripes in one list that the
+/// pool's threads take tasks from in order, so that every thread streams weights until the list ends. A down
+/// stripe waits only for its own expert's gate and up (the stripe that completes them applies SwiGLU), which
+/// were all taken before it, so no thread idles at a barrier between the two. Returns the output rows, one
+/// expert after another.
+fn experts_gemv<F: RowFormat>(
+    pool: &CpuPool,
+    fmt: F,
+    d: &Dims,
+    fe: usize,
+    xn: &[f32],
+    busy: &[&ExpertWork<'_>],
+) -> Vec<f32> {
+    let hd = d.hidden;
+    // Each expert's first row in the gathered inputs `xs` and the outputs `ys`, which hold the experts' token
+    // rows one expert after another.
+    let first: Vec<usize> = busy
+        .iter()
+        .scan(0, |at, e| {
+            *at += e.2.len();
+            Some(*at - e.2.len())
+        })
+        .collect();
+    let tokens: usize = busy.iter().map(|e| e.2.len()).sum();
+    let mut xs = vec![0f32; tokens * hd];
+    for (e, &f) in busy.iter().zip(&first) {
+        gather_rows(xn, hd, e.2, &mut xs[f * hd..]);
+    }
+    let mut ys = vec![0f32; tokens * hd];
+    let (gate_up_bytes, down_bytes) = (d.mat_bytes(fe, hd), d.mat_bytes(hd, fe));
+    let mut tasks = Vec::new();
+    for e in 0..busy.len() {
+        for mat in [ExpertMat::Gate, ExpertMat::Up] {
+            tasks.extend(stripes(fe, fmt.row_bytes(hd)).map(|(r0, r1)| (e, mat, r0, r1)));
         }
     }
+    let gate_up_tasks = tasks.len() / busy.len();
+    for e in 0..busy.len() {
+        tasks.extend(stripes(hd, fmt.row_bytes(fe)).map(|(r0, r1)| (e, ExpertMat::Down, r0, r1)));
+    }
+    // Per expert: gate and up stripes still running, and once none is, the SwiGLU rows as the down kernel
+    // reads them (packed where `pack_x` packs).
+    let pending: Vec<AtomicUsize> = busy.iter().map(|_| AtomicUsize::new(gate_up_tasks)).collect();
+    let ready: Vec<OnceLock<PackedX>> = busy.iter().map(|_| OnceLock::new()).collect();
+    let xs_packed = fmt.pack_x(pool.isa, &xs, tokens, hd);
+    let (xp, ldx) = xs_packed.as_ref().map_or((xs.as_ptr(), hd), |(p, ld)| (p.as_ptr(), *ld));
+    let mut g = vec![0f32; tokens * fe];
+    let mut u = vec![0f32; tokens * fe];
+    let (gp, up, yp) = (SharedPtr(g.as_mut_ptr()), SharedPtr(u.as_mut_ptr()), SharedPtr(ys.as_mut_ptr()));
+    let xp = SharedPtr(xp.cast_mut());
+    let next = AtomicUsize::new(0);
+    pool.install(|| {
+        (0..pool.threads).into_par_iter().for_each(|_| {
+            while let Some(&(e, mat, r0, r1)) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let &(unit, off, toks) = busy[e];
+                let (c, row0) = (toks.len(), first[e]);
+                let job = match mat {
+                    ExpertMat::Gate | ExpertMat::Up => {
+                        let (at, y) =
+                            if matches!(mat, ExpertMat::Gate) { (off.gate, gp) } else { (off.up, up) };
+                        RowsJob {
+                            // SAFETY: the expert's rows start at row0 < tokens of xs (packed or not).
+                            x: unsafe { xp.ptr().add(row0 * ldx) },
+                            ldx,
+                            m: c,
+                            k: hd,
+                            w: unit[at..at + gate_up_bytes].as_ptr(),
+                            // SAFETY: as above, of g and u.
+                            y: unsafe { y.ptr().add(row0 * fe) },
+                            ldy: fe,
+                            accumulate: false,
+                        }
+                    }
+                    ExpertMat::Down => {
+                        let packed = loop {
+                            match ready[e].get() {
+                                Some(p) => break p,
+                                None => std::thread::yield_now(),
+                            }
+                        };
+                        // SAFETY: as above, of g.
+                        let (x, ldx) =
+                            packed.as_ref().map_or((unsafe { gp.ptr().add(row0 * fe) }, fe), |(p, ld)| {
+                                (p.as_ptr().cast_mut(), *ld)
+                            });
+                        RowsJob {
+                            x,
+                            ldx,
+                            m: c,
+                            k: fe,
+                            w: unit[off.down..off.down + down_bytes].as_ptr(),
+                            // SAFETY: as above, of ys.
+                            y: unsafe { yp.ptr().add(row0 * hd) },
+                            ldy: hd,
+                            accumulate: false,
+                        }
+                    }
+                };
+                // SAFETY: the job's operands hold its rows (bounds-checked weight slices, the expert's token
+                // rows of buffers sized for every token); stripes of one matrix write disjoint rows, and a
+                // down stripe reads the SwiGLU rows only once `ready` is set, after every write to them.
+                unsafe { job.rows(pool, fmt, r0, r1) };
+                if !matches!(mat, ExpertMat::Down) && pending[e].fetch_sub(1, Ordering::AcqRel) == 1 {
+                    // SAFETY: the expert's every gate and up stripe has finished (their writes made visible
+                    // by the AcqRel count) and no down stripe reads its rows before `ready` is set: they are
+                    // ours.
+                    let (ge, ue) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(gp.ptr().add(row0 * fe), c * fe),
+                            std::slice::from_raw_parts(up.ptr().add(row0 * fe), c * fe),
+                        )
+                    };
+                    swiglu(ge, ue, d.mat);
+                    let set = ready[e].set(fmt.pack_x(pool.isa, ge, c, fe));
+                    assert!(set.is_ok(), "one stripe completes an expert's gate and up");
+                }
+            }
+        });
+    });
+    ys
 }
 
 /// The output norm and head on the CPU for the rows `h` holds: logits `[rows, vocab]`.
@@ -1114,5 +1318,81 @@ mod tests {
     #[test]
     fn argmax_takes_the_first_maximum() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+    }
+
+    /// The expert block, through both its paths (up to `EXACT_MAX_TOKENS` tokens an expert, and more), equals
+    /// each expert's matmuls one after another added in expert order: experts of different token counts and
+    /// one with none, on pools of 1 and 3 threads and the portable kernels, in f16, bf16 and quantised
+    /// formats (the q2_k kernel reads packed activations).
+    #[test]
+    fn experts_block_equals_the_experts_one_after_another() {
+        use crate::testing::tiny_qwen3_moe_k_spec;
+        use crate::weights::{ModelWeights, UnitKind};
+        use pipeshard_core::dtype::DType;
+        use pipeshard_core::inventory::UnitId;
+        let m = 12;
+        for dtype in [DType::F16, DType::Bf16, DType::Q4_0, DType::Q4K, DType::Q2K] {
+            let w = ModelWeights::random(&tiny_qwen3_moe_k_spec().with_uniform_weights(dtype), 7).unwrap();
+            let d = &w.dims;
+            let (hd, fe) = (d.hidden, d.moe.unwrap().expert_ffn);
+            let xn: Vec<f32> =
+                (0..m * hd).map(|i| d.mat.round(((i * 37 % 101) as f32 - 50.0) / 25.0)).collect();
+            // The second list gives two experts more than EXACT_MAX_TOKENS tokens.
+            for counts in [[1, 3, 0, 8, 2, 0, 5, 1], [1, 9, 0, 12, 2, 0, 0, 1]] {
+                let lists: Vec<Vec<(u32, f32)>> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(e, &c)| {
+                        (0..c).map(|i| (((e * 5 + i * 7) % m) as u32, 0.1 + 0.05 * i as f32)).collect()
+                    })
+                    .collect();
+                let work: Vec<ExpertWork<'_>> = lists
+                    .iter()
+                    .enumerate()
+                    .map(|(e, tokens)| {
+                        let u = w.unit(UnitId::Expert { layer: 0, expert: e as u32 }).unwrap();
+                        let UnitKind::Expert(off) = u.kind else { unreachable!("expert unit kind") };
+                        (u.buf.as_slice(), off, tokens.as_slice())
+                    })
+                    .collect();
+                let pools = [
+                    CpuPool::new(1).unwrap(),
+                    CpuPool::new(3).unwrap(),
+                    CpuPool::with_isa(3, Isa::Portable).unwrap(),
+                ];
+                for pool in &pools {
+                    let one = CpuPool::with_isa(1, pool.isa).unwrap();
+                    let mut want = vec![0.5f32; m * hd];
+                    for &(unit, off, tokens) in work.iter().filter(|e| !e.2.is_empty()) {
+                        let c = tokens.len();
+                        let xe: Vec<f32> = tokens
+                            .iter()
+                            .flat_map(|&(t, _)| &xn[t as usize * hd..(t as usize + 1) * hd])
+                            .copied()
+                            .collect();
+                        let (mut g, mut u, mut y) =
+                            (vec![0f32; c * fe], vec![0f32; c * fe], vec![0f32; c * hd]);
+                        mat_mul(&one, d, &xe, c, hd, unit, off.gate, fe, &mut g, false);
+                        mat_mul(&one, d, &xe, c, hd, unit, off.up, fe, &mut u, false);
+                        swiglu(&mut g, &u, d.mat);
+                        mat_mul(&one, d, &g, c, fe, unit, off.down, hd, &mut y, false);
+                        for (row, &(t, wt)) in y.chunks_exact(hd).zip(tokens) {
+                            let o = &mut want[t as usize * hd..(t as usize + 1) * hd];
+                            o.iter_mut().zip(row).for_each(|(o, y)| *o += wt * y);
+                        }
+                    }
+                    let mut out = vec![0.5f32; m * hd];
+                    experts_block(pool, d, fe, &xn, &work, &mut out);
+                    for (i, (&a, &b)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "{dtype:?} {counts:?} {:?} t={} [{i}] {a} vs {b}",
+                            pool.isa,
+                            pool.threads
+                        );
+                    }
+                }
+            }
+        }
     }
 }
