@@ -679,3 +679,26 @@ fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
         assert!(err < 1e-5, "{quant:?}: rel err {err}");
     }
 }
+
+/// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts
+/// what it was asked (the GPU's global timer), so timing after it measures the device, not the host.
+#[test]
+fn a_held_compute_stream_runs_its_queue_afterwards() {
+    use pipeshard_exec::cuda::{KernelKey, Stream};
+    use pipeshard_exec::host::Elem;
+    let Some((_, gpu)) = device() else { return };
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 }).unwrap();
+    let (ev0, ev1) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
+    let x = gpu.alloc(8).unwrap();
+    // SAFETY: 8 bytes: x[0] and b = x[1], one f32 each.
+    unsafe { gpu.h2d(Stream::Compute, x.ptr(), &[0u8; 8]).unwrap() };
+    gpu.record(&ev0, Stream::Compute).unwrap();
+    gpu.hold_compute(&kn, 2_000_000).unwrap();
+    // SAFETY: one element of x and of b (x + 4).
+    unsafe { gpu.add_bias(&kn, x.ptr(), x.ptr() + 4, 1, 1).unwrap() };
+    gpu.record(&ev1, Stream::Compute).unwrap();
+    gpu.sync(Stream::Compute).unwrap();
+    let ms = gpu.elapsed_ms(&ev0, &ev1).unwrap();
+    eprintln!("hold of 2 ms then one kernel: {ms:.3} ms");
+    assert!((1.9..20.0).contains(&ms), "{ms} ms");
+}

@@ -12,7 +12,7 @@ use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
 use pipeshard_core::workload::OpClass;
 use pipeshard_exec::cpu::KvLayout;
-use pipeshard_exec::cuda::{DevBuf, Event, ExpertIo, Gpu, KernelKey, Stream};
+use pipeshard_exec::cuda::{DevBuf, Event, ExpertIo, Gpu, KernelKey, Kernels, Stream};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
@@ -29,6 +29,10 @@ const MIB: usize = 1 << 20;
 
 /// GPU timings aim at this much work per sample, so that launch gaps and event resolution stay small.
 const SAMPLE_TARGET_NS: f64 = 50_000.0;
+/// A held stream's hold per queued call: several times what a cuBLAS call costs the host (≈ 10–15 µs).
+const HOLD_NS_PER_CALL: u64 = 50_000;
+/// The longest hold (256 calls).
+const HOLD_MAX_NS: u64 = 15_000_000;
 
 struct Grid {
     copy_sizes: Vec<usize>,
@@ -90,8 +94,23 @@ struct Bench<'g> {
 impl Bench<'_> {
     /// Nanoseconds per call of `f`, timed with events on `stream` over enough calls to reach
     /// [`SAMPLE_TARGET_NS`]; sampled per the rule. `f(i)` gets the call's index (for buffer rotation).
-    fn events(&self, stream: Stream, f: &mut dyn FnMut(usize) -> Result<()>) -> Result<Stat> {
+    ///
+    /// With `hold`, the compute stream is held ([`Gpu::hold_compute`]) while the host enqueues the calls, so
+    /// they run back to back at the device's pace, as the executor's decode runs kernels (its host enqueues a
+    /// step well ahead). Unheld, a sample of a few short cuBLAS calls also timed the host's enqueueing: the
+    /// H200 profile's 4096×4096 GEMV rows read 17–20 µs against 11.6 µs in place (ncu), slower still on a
+    /// disturbed host, and all-GPU decode was predicted 5–9 % slow (results/validation/2026-12-01-nvidia-h200).
+    /// Routed experts stay unheld: the executor enqueues them right after the routing sync, host-paced.
+    fn events(
+        &self,
+        stream: Stream,
+        hold: Option<&Kernels>,
+        f: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Stat> {
         let mut once = |reps: usize, base: usize| -> Result<f64> {
+            if let Some(k) = hold {
+                self.gpu.hold_compute(k, (HOLD_NS_PER_CALL * (reps as u64 + 1)).min(HOLD_MAX_NS))?;
+            }
             self.gpu.record(&self.ev0, stream)?;
             for i in 0..reps {
                 f(base + i)?;
@@ -291,7 +310,7 @@ fn decode_attention_rows(
                     // Every sequence's prompt fills all but the step's own cell.
                     let cache = SeqKv { seq, seqs: r, unified, prompt: ctx - 1 };
                     let keys = cache.gpu_keys(Pass::Decode { pos: ctx - 1 });
-                    let s = b.events(Stream::Compute, &mut |_| {
+                    let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                         // SAFETY: q holds r·q_dim f32, K and V (ctx_max·max_kv_dim each) hold the r·ctx·kv_dim
                         // elements of the cache (r·ctx ≤ ctx_max), out r·q_dim activations, part_o/part_ml one
                         // partial per (query, head, split) warp (max_warps).
@@ -378,11 +397,11 @@ pub fn measure_all(
     let mut pageable = PageableSource::new(2 * max_copy.max(512 * MIB));
     let dev = gpu.alloc(host_bytes)?;
 
-    let tiny_h2d = b.events(Stream::H2d, &mut |_| {
+    let tiny_h2d = b.events(Stream::H2d, None, &mut |_| {
         // SAFETY: 4 bytes inside both buffers.
         unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..4]) }.map_err(Into::into)
     })?;
-    let tiny_d2h = b.events(Stream::D2h, &mut |_| {
+    let tiny_d2h = b.events(Stream::D2h, None, &mut |_| {
         // SAFETY: 4 bytes inside both buffers; the host bytes are not read meanwhile.
         let dst = unsafe { std::slice::from_raw_parts_mut(pinned.as_ptr(), 4) };
         unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr()) }.map_err(Into::into)
@@ -394,13 +413,13 @@ pub fn measure_all(
     let latency_ns = tiny_h2d.median.min(tiny_d2h.median);
     let mut raw: [Vec<(usize, Stat)>; 4] = Default::default();
     for &size in &g.copy_sizes {
-        let s = b.events(Stream::H2d, &mut |_| {
+        let s = b.events(Stream::H2d, None, &mut |_| {
             // SAFETY: `size` ≤ both buffers' lengths; events order the reuse.
             unsafe { gpu.h2d(Stream::H2d, dev.ptr(), &pinned.as_slice()[..size]) }.map_err(Into::into)
         })?;
         raw[0].push((size, s));
         progress.tick(&format!("pinned H2D {} KiB: {:.1} GB/s", size / KIB, size as f64 / s.median))?;
-        let s = b.events(Stream::D2h, &mut |_| {
+        let s = b.events(Stream::D2h, None, &mut |_| {
             // SAFETY: as above; the host buffer is not read meanwhile.
             let dst = unsafe { std::slice::from_raw_parts_mut(pinned.as_ptr(), size) };
             unsafe { gpu.d2h(Stream::D2h, dst, dev.ptr()) }.map_err(Into::into)
@@ -472,7 +491,7 @@ pub fn measure_all(
 
     // Device memory bandwidth: a device-to-device copy, bytes read + written.
     let half = host_bytes / 2;
-    let d2d = b.events(Stream::Compute, &mut |_| {
+    let d2d = b.events(Stream::Compute, None, &mut |_| {
         // SAFETY: two disjoint halves of `dev`.
         unsafe { gpu.d2d(Stream::Compute, dev.ptr() + half as u64, dev.ptr(), half) }.map_err(Into::into)
     })?;
@@ -528,7 +547,7 @@ pub fn measure_all(
     // ---- Latencies and interference ----
     progress.section("launch, host sync, copies vs compute", 8);
     let launches = 1000;
-    let s = b.events(Stream::Compute, &mut |_| {
+    let s = b.events(Stream::Compute, None, &mut |_| {
         for _ in 0..launches {
             // SAFETY: one f32 element of x and b (regions 0 and 1).
             unsafe { gpu.add_bias(&kn, tiny.ptr(), tiny.ptr() + 4, 1, 1)? };
@@ -561,10 +580,10 @@ pub fn measure_all(
             // SAFETY: as in the GEMM sweep.
             unsafe { gpu.gemm(e, w, xbuf.ptr(), ybuf.ptr(), m, fn_, fk, false) }.map_err(Into::into)
         };
-        let alone = b.events(Stream::Compute, &mut run)?;
+        let alone = b.events(Stream::Compute, None, &mut run)?;
         let mut under = None;
         dma.during(&mut || {
-            under = Some(b.events(Stream::Compute, &mut run)?);
+            under = Some(b.events(Stream::Compute, None, &mut run)?);
             Ok(())
         })?;
         let under = under.expect("measured under DMA");
@@ -795,7 +814,7 @@ fn measure_gpu_ops(
             let copies = (rot_bytes / unit_bytes).max(1);
             let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
             for &m in &g.tokens {
-                let s = b.events(Stream::Compute, &mut |i| {
+                let s = b.events(Stream::Compute, (!experts).then_some(&*kn), &mut |i| {
                     let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
                     // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
                     // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
@@ -863,7 +882,7 @@ fn measure_gpu_ops(
                     let m = if decode { 1 } else { chunk.min(ctx) };
                     let pos0 = ctx - m;
                     let splits = scratch_layout(&d, m, 1, ctx, 0).attn_splits;
-                    let s = b.events(Stream::Compute, &mut |_| {
+                    let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                         // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
                         // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
                         unsafe {
@@ -926,7 +945,7 @@ fn measure_gpu_ops(
     for &m in &g.elementwise_tokens {
         for &hid in &cat.hidden {
             let hid = hid as usize;
-            let s = b.events(Stream::Compute, &mut |_| {
+            let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: x holds m·hid f32 (region 0), w hid f32 (region 1), out m·hid activations (region 2).
                 unsafe {
                     gpu.norm_act(
@@ -946,7 +965,7 @@ fn measure_gpu_ops(
             gpu_rows.push(gpu_elementwise(OpClass::Norm, hid as u64, m, s));
             progress.tick(&format!("norm {hid} m={m}"))?;
             let heads = (hid / 128).max(1);
-            let s = b.events(Stream::Compute, &mut |_| {
+            let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: x holds m·heads·128 f32 (region 0), inv_freq 64 f32 (region 1).
                 unsafe { gpu.rope(&kn, ew.ptr(), ew.ptr() + stride, m, heads, 128, 64, (1000, 1)) }
                     .map_err(Into::into)
@@ -956,7 +975,7 @@ fn measure_gpu_ops(
         }
         for &f in &cat.ffn {
             let f = f as usize;
-            let s = b.events(Stream::Compute, &mut |_| {
+            let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
                 unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
                     .map_err(Into::into)

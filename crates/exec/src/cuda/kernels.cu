@@ -126,6 +126,16 @@ extern "C" __global__ void rmsnorm_rows_f32(float* __restrict__ x, const float* 
     for (int i = lane; i < dim; i += 32) xr[i] = xr[i] * inv * w[i];
 }
 
+// Holds the stream for `ns` nanoseconds of the GPU's global timer (one thread): work queued behind it then
+// runs back to back at the device's pace, however slowly the host enqueued it (the profiler's timing).
+extern "C" __global__ void spin(u64 ns) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 // x[i] += b[i % dim] for n elements.
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int dim, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -102,6 +102,7 @@ pub struct Kernels {
     norm_act: CudaFunction,
     rmsnorm_rows_f32: CudaFunction,
     add_bias: CudaFunction,
+    spin: CudaFunction,
     rope: CudaFunction,
     store_kv: CudaFunction,
     attention: CudaFunction,
@@ -480,6 +481,7 @@ impl Gpu {
             norm_act: f("norm_act")?,
             rmsnorm_rows_f32: f("rmsnorm_rows_f32")?,
             add_bias: f("add_bias")?,
+            spin: f("spin")?,
             rope: f("rope")?,
             store_kv: f("store_kv")?,
             attention: f("attention")?,
@@ -837,6 +839,16 @@ impl Gpu {
         }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel(add_bias)"))
+    }
+
+    /// Holds the compute stream for `ns` nanoseconds, so that what the host enqueues meanwhile runs back to
+    /// back at the device's pace (the profiler times kernels so, as the executor's decode runs them: its host
+    /// enqueues a step well ahead of the GPU).
+    pub fn hold_compute(&self, k: &Kernels, ns: u64) -> Result<()> {
+        // SAFETY: the kernel takes one u64 and touches no memory.
+        unsafe { self.compute.launch_builder(&k.spin).arg(&ns).launch(threads_for(1, 32)) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(spin)"))
     }
 
     /// RoPE over `x` `[m, heads, head_dim]`, token `t` at position `pos.0 + t·pos.1`.
