@@ -81,6 +81,11 @@ pub struct ValidateArgs {
     /// are reported and left out: their measurement belongs to another plan.
     #[arg(long, conflicts_with = "summarize")]
     repredict: Option<PathBuf>,
+    /// Run nothing: the measurements of two runs' `cells.csv` against each other, over the cells that ran the
+    /// same plan (equal fingerprints) in both — how far the machine itself moves between runs, the floor under
+    /// any prediction's error.
+    #[arg(long, num_args = 2, value_names = ["A", "B"], conflicts_with_all = ["summarize", "repredict"])]
+    reproducibility: Vec<PathBuf>,
 }
 
 /// What one side (simulator or executor) says about a cell.
@@ -166,6 +171,11 @@ pub fn median_p90(values: &[f64]) -> Option<(f64, f64)> {
 /// The summary table (Markdown): one row per group, median / p90 of |error| per metric.
 #[must_use]
 pub fn summary(outcomes: &[Outcome]) -> String {
+    summary_of(outcomes, "|predicted ÷ measured − 1|")
+}
+
+/// [`summary`] of `pred ÷ meas − 1` read as `what`.
+fn summary_of(outcomes: &[Outcome], what: &str) -> String {
     let mut groups: Vec<(String, Vec<&Outcome>)> = vec![("all".into(), outcomes.iter().collect())];
     let mut by: BTreeMap<String, Vec<&Outcome>> = BTreeMap::new();
     for o in outcomes {
@@ -190,9 +200,7 @@ pub fn summary(outcomes: &[Outcome]) -> String {
         }
         s.push('\n');
     }
-    s.push_str(
-        "\nEach entry: median / p90 of |predicted ÷ measured − 1| over the validated cells of the group.\n",
-    );
+    let _ = writeln!(s, "\nEach entry: median / p90 of {what} over the validated cells of the group.");
     s
 }
 
@@ -579,6 +587,41 @@ fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cells of `second` that ran the plan they ran in `first` (equal fingerprints), each with `first`'s
+/// measurement in place of the prediction, so [`summary_of`] gives |first ÷ second − 1|.
+fn paired_measurements(first: &[Outcome], second: Vec<Outcome>) -> Vec<Outcome> {
+    second
+        .into_iter()
+        .filter_map(|o| {
+            let twin = first.iter().find(|f| {
+                same_cell(&f.cell, &o.cell)
+                    && f.plan_fingerprint.is_some()
+                    && f.plan_fingerprint == o.plan_fingerprint
+            })?;
+            Some(Outcome { pred: twin.meas, ..o })
+        })
+        .filter(|o| o.pred.is_some() && o.meas.is_some())
+        .collect()
+}
+
+/// `--reproducibility A B`: writes `reproducibility.md` into `a.out`.
+fn reproducibility(a: &ValidateArgs, first: &Path, second: &Path) -> anyhow::Result<()> {
+    let pairs = paired_measurements(&read_csvs(&[first.to_path_buf()])?, read_csvs(&[second.to_path_buf()])?);
+    let md = format!(
+        "# Reproducibility: `{}` against `{}`\n\n{} cells ran the same plan (equal fingerprints) in both runs; \
+         nothing predicted.\n\n{}",
+        first.display(),
+        second.display(),
+        pairs.len(),
+        summary_of(&pairs, "|first run's measurement ÷ second run's − 1|")
+    );
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let path = a.out.join("reproducibility.md");
+    std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
+    print!("{md}");
+    Ok(())
+}
+
 /// Writes `summary.md` and `scatter.png` of earlier runs' `cells.csv` files into `a.out`.
 fn summarize(a: &ValidateArgs) -> anyhow::Result<()> {
     let outcomes = read_csvs(&a.summarize)?;
@@ -612,6 +655,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     }
     if let Some(csv) = &a.repredict {
         return repredict(a, csv);
+    }
+    if let [first, second] = a.reproducibility.as_slice() {
+        return reproducibility(a, first, second);
     }
     let (commit, date, command) = provenance();
     let t0 = Instant::now();
@@ -905,6 +951,22 @@ fn validate_cell(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two runs' measurements pair up only where the same plan ran; the first run's stands in for the
+    /// prediction, so the summary reads |first ÷ second − 1|.
+    #[test]
+    fn reproducibility_pairs_the_same_plans_measurements() {
+        let first = vec![outcome("ilp", "dense", 0.0, 10.0), outcome("pshard", "dense", 0.0, 20.0)];
+        let mut other_plan = outcome("pshard", "dense", 0.0, 30.0);
+        other_plan.plan_fingerprint = Some("ffff0000".into());
+        let second =
+            vec![outcome("ilp", "dense", 0.0, 11.0), other_plan, outcome("greedy", "dense", 0.0, 5.0)];
+        let pairs = paired_measurements(&first, second);
+        assert_eq!(pairs.len(), 1, "only ilp ran the same plan in both");
+        assert!((pairs[0].error(0).unwrap() - (10.0 / 11.0 - 1.0)).abs() < 1e-12);
+        let md = summary_of(&pairs, "|first ÷ second − 1|");
+        assert!(md.contains("| all (1) | 1 | 9.1% / 9.1% |"), "{md}");
+    }
 
     fn outcome(planner: &str, kind: &'static str, pred: f64, meas: f64) -> Outcome {
         let s = |x: f64| Sample {
