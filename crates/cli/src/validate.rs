@@ -607,9 +607,10 @@ fn paired_measurements(first: &[Outcome], second: Vec<Outcome>) -> Vec<Outcome> 
 /// `--reproducibility A B`: writes `reproducibility.md` into `a.out`.
 fn reproducibility(a: &ValidateArgs, first: &Path, second: &Path) -> anyhow::Result<()> {
     let pairs = paired_measurements(&read_csvs(&[first.to_path_buf()])?, read_csvs(&[second.to_path_buf()])?);
+    let (commit, date, command) = provenance();
     let md = format!(
-        "# Reproducibility: `{}` against `{}`\n\n{} cells ran the same plan (equal fingerprints) in both runs; \
-         nothing predicted.\n\n{}",
+        "# Reproducibility: `{}` against `{}`\n\nCommand `{command}` (commit {commit}, {date}). {} cells ran the \
+         same plan (equal fingerprints) in both runs; nothing predicted.\n\n{}",
         first.display(),
         second.display(),
         pairs.len(),
