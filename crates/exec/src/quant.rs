@@ -23,7 +23,8 @@ pub const BLOCK_ELEMS: usize = 32;
 /// The most tokens a quantised matmul takes with exactly dequantised (f32) weights, as a GEMV that
 /// dequantises while it reads. With more tokens (prefill), CPU and GPU alike first dequantise the weights to
 /// bf16 (the activation type of quantised models) and run a bf16 GEMM, so both sides compute the same function
-/// for every token count.
+/// for every token count. Except for q2_k and q3_k GEMVs on CPUs with AVX512_BF16: they quantise the
+/// activations to 8 bits (`cpu::kdot`'s module documentation says why and at what cost).
 pub const EXACT_MAX_TOKENS: usize = 8;
 
 /// A block-quantised matrix format the executor computes with.

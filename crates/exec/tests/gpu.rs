@@ -154,6 +154,17 @@ fn opts(prompt: &[u32], n_gen: usize, force: Option<Vec<u32>>) -> RunOptions {
 
 fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
     let spec = &case.spec;
+    // The CPU's q2_k/q3_k GEMVs round activations to 8 bits where the GPU's do not (cpu::kdot): all-CPU against
+    // the exact kernels, tinyk's logits differ by 1.5e-2 (1.3e-2..1.9e-2 over 9 steps, on the development
+    // machine); elsewhere both sides compute the same function.
+    let rounds = [DType::Q2K, DType::Q3K].iter().any(|&d| {
+        spec.weights.ffn_down == d
+            && pipeshard_exec::cpu::qdot::rounds_activations(
+                pipeshard_exec::cpu::simd::detect(),
+                pipeshard_exec::quant::QFormat::from_dtype(d).unwrap(),
+            )
+    });
+    let tolerance = if rounds { 5e-2 } else { 1e-2 };
     let w = ModelWeights::random(spec, 2026).unwrap();
     let prompt = random_tokens(case.prompt, w.dims.vocab, 11);
     let wl = Workload::single(case.prompt as u64, case.ctx, case.n_gen as u64, case.ubatch);
@@ -264,7 +275,7 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             case.budget
         )
         .unwrap();
-        assert!(max_err < 1e-2, "{}: {name}: logits rel err {max_err}", spec.name);
+        assert!(max_err < tolerance, "{}: {name}: logits rel err {max_err}", spec.name);
         assert!(vram.peak_process_bytes <= case.budget);
         assert_eq!(out.logits.len(), case.n_gen + 1);
         ran += 1;
@@ -398,13 +409,18 @@ fn plans_over_the_budget_fail_before_running() {
 
 #[test]
 fn quantised_matmul_matches_the_cpu_for_every_token_count() {
+    use pipeshard_exec::cpu::qdot::rounds_activations;
+    use pipeshard_exec::cpu::simd::Isa;
     use pipeshard_exec::cpu::{CpuPool, matmul_quant};
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::quant::QFormat;
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
-    let pool = CpuPool::new(4).unwrap();
+    // The GPU computes dequantise-then-f32; where this CPU's kernel rounds activations to 8 bits (q2_k, q3_k
+    // with AVX512_BF16), the reference is the AVX-512 kernel, which does not.
+    let fast = CpuPool::new(4).unwrap();
+    let exact = CpuPool::with_isa(4, fast.isa().min(Isa::Avx512)).unwrap();
     // 37 rows: the last warp of the GEMV has one row; 3 blocks a row: fewer than a warp step's 8 (of q4_0 and
     // q8_0; the K-quant kernels take one super-block a step, so 3 of them leave the 2-step unroll a remainder).
     for (n, k32) in [(37usize, 96usize), (64, 4096)] {
@@ -412,6 +428,7 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
             let k = k32 / 32 * fmt.block_elems();
             let wf: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.1).collect();
             let w = fmt.quantize(&wf, k);
+            let pool = if rounds_activations(fast.isa(), fmt) { &exact } else { &fast };
             let wd = gpu.alloc(w.len()).unwrap();
             for m in [1usize, 2, 3, 5, 8, 12] {
                 let x: Vec<f32> = (0..m * k)
@@ -424,7 +441,7 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
                 let y0: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.01).collect();
                 for accumulate in [false, true] {
                     let mut want = y0.clone();
-                    matmul_quant(&pool, &x, m, k, &w, fmt, n, &mut want, accumulate);
+                    matmul_quant(pool, &x, m, k, &w, fmt, n, &mut want, accumulate);
                     let y0b: Vec<u8> = y0.iter().flat_map(|v| v.to_le_bytes()).collect();
                     let (xd, yd) = (gpu.alloc(xb.len()).unwrap(), gpu.alloc(y0b.len()).unwrap());
                     let mut got = vec![0u8; y0b.len()];

@@ -8,17 +8,26 @@
 //! rows of a register block. The result equals dequantise-then-f32 up to the order and rounding of f32
 //! additions, as for q4_0.
 //!
-//! With AVX512_BF16 the quants become bf16 by table lookups (`vpermw` on nibbles for q4_k and on 2-bit fields
-//! for q2_k; `vpermt2w` on those with the mask bits for q3_k, and on the 6-bit values for q6_k, a 64-entry
-//! table of `q − 32`), exact as small integers, and `vdpbf16ps` multiplies them with the activations (bf16
-//! values already, so exact too). q2_k and q3_k take their activations packed once per matmul
-//! ([`pack_k23_avx512bf16`]). Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
-//! quants to f32 and use FMAs.
+//! With AVX512_BF16 the q4_k and q6_k quants become bf16 by table lookups (`vpermw` on nibbles for q4_k;
+//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
+//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
+//! with AVX2+FMA (AVX-512 ones without BF16 included) widen the quants to f32 and use FMAs.
+//!
+//! q2_k and q3_k on those AVX512_BF16 machines (all of which have AVX512_VBMI and AVX512_VNNI) do what ggml
+//! does with q8_K: the activations are quantised once per matmul to `i8` against each super-block's largest
+//! magnitude ([`pack_k23_vnni`]), `vpermb` lookups turn the 2- and 3-bit quants into bytes, and `vpdpbusd`
+//! multiplies them in integers. Per row and super-block that is 25 vector µops for q2_k and 30 for q3_k
+//! against 33 and about 42 for the bf16 kernels they replace, which were bound by the Xeon's vector ports
+//! (results/exec/quant, session 11); on this repository's 2-core Zen 5, 1.28× and 1.23× per core. The price is
+//! exactness: each activation moves by up to half its super-block's step `max |x| / 127` — about 0.5 % of a
+//! GEMV's output on Gaussian activations, 1.5e-2 in the logits of the tiny test model (tinyk, all-CPU, against
+//! the exact kernels) — so on these machines q2_k and q3_k GEMVs are not dequantise-then-f32 nor the GPU's
+//! function, as the other formats are.
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
-    dot_k23_avx2, dot_k23_avx512bf16, dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16,
-    k23_packed_len, pack_k23_avx512bf16,
+    K23_VNNI_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni, dot_q4_k_avx2, dot_q4_k_avx512bf16,
+    dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k23_vnni,
 };
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
@@ -41,52 +50,32 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
     out
 }
 
-/// The 16 six-bit scales (0..64, before the offset 32) of a q3_k super-block's 12 packed bytes, as
-/// `quant::q3_k_scales` reads them one by one, four at a time in 32-bit words: scales 0..4 and 4..8
-/// have their low 4 bits in the low nibbles of bytes 0..4 and 4..8, scales 8..12 and 12..16 in the high ones;
-/// bytes 8..12 hold the top 2 bits of scales j, 4 + j, 8 + j, 12 + j at bits 0, 2, 4, 6 of byte 8 + j.
-#[inline]
-#[must_use]
-pub fn q3_k_scales_words(packed: [u8; 12]) -> [u8; 16] {
-    let word = |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
-    let (s0, s1, s2) = (word(0), word(4), word(8));
-    let (lo, hi) = (0x0f0f_0f0f, 0x0303_0303);
-    let mut out = [0u8; 16];
-    for (i, (low, shift)) in
-        [(s0 & lo, 0), (s1 & lo, 2), ((s0 >> 4) & lo, 4), ((s1 >> 4) & lo, 6)].into_iter().enumerate()
-    {
-        let w = low | (((s2 >> shift) & hi) << 4);
-        out[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
-    }
-    out
-}
-
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)] // every vector load here is `loadu`, which takes any alignment
 mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
-        _mm_loadu_ps, _mm_loadu_si128, _mm_prefetch, _mm_setr_epi16, _mm_srli_si128, _mm256_add_ps,
-        _mm256_and_si256, _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32,
-        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps,
-        _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
-        _mm256_or_si256, _mm256_permute2f128_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
-        _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_f32x4, _mm512_broadcast_i32x4, _mm512_castpd_ps,
-        _mm512_castps_pd, _mm512_castps256_ps512, _mm512_castps512_ps256, _mm512_castsi128_si512,
-        _mm512_castsi256_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
-        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
-        _mm512_fnmadd_ps, _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_ps,
-        _mm512_maskz_permutexvar_epi8, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi8,
-        _mm512_permutex2var_epi16, _mm512_permutexvar_epi16, _mm512_permutexvar_epi32, _mm512_permutexvar_ps,
-        _mm512_reduce_add_ps, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32,
-        _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_f32x4, _mm512_slli_epi16,
-        _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi16, _mm512_storeu_ps, _mm512_storeu_si512,
-        _mm512_sub_epi32, _mm512_ternarylogic_epi32,
+        _mm_loadu_si128, _mm_prefetch, _mm_setr_epi32, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256,
+        _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
+        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
+        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
+        _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castpd_ps, _mm512_castps_pd,
+        _mm512_castps512_ps256, _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
+        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
+        _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps,
+        _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
+        _mm512_maskz_permutexvar_epi8, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
+        _mm512_permutexvar_epi8, _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps,
+        _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
+        _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16,
+        _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
+        _mm512_sub_epi16, _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
-    use super::{q3_k_scales_words, q4_k_scales_mins};
+    use super::q4_k_scales_mins;
 
     const Q4K_BYTES: usize = 144;
     const Q2K_BYTES: usize = 84;
@@ -420,25 +409,23 @@ mod x86 {
         ((v as f32).to_bits() >> 16) as u16
     }
 
-    /// bf16 bit patterns of `((i >> shift) & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the
-    /// low 5 bits of an index) that picks one field of the index and ignores its other bits, so a field needs no
-    /// mask (or shift, when it lies at `shift`); also one half of a `vpermt2w` table with `mask` 31.
-    const fn field_table(shift: u32, mask: u32, off: i32) -> [u16; 32] {
+    /// bf16 bit patterns of `(i & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the low 5 bits of
+    /// an index) that ignores the index's bits above `mask`, so a field needs no masking; also one half of a
+    /// `vpermt2w` table with `mask` 31.
+    const fn field_table(mask: u32, off: i32) -> [u16; 32] {
         let mut t = [0u16; 32];
         let mut i = 0;
         while i < 32 {
-            t[i] = bf16_int((((i as u32) >> shift) & mask) as i32 - off);
+            t[i] = bf16_int(((i as u32) & mask) as i32 - off);
             i += 1;
         }
         t
     }
     /// Nibble values 0..15.
-    const Q4K_BF16: [u16; 32] = field_table(0, 15, 0);
-    /// q2_k's 2-bit quants at bits 0..2 and at bits 2..4 of the index.
-    const Q2K_BF16: [[u16; 32]; 2] = [field_table(0, 3, 0), field_table(2, 3, 0)];
+    const Q4K_BF16: [u16; 32] = field_table(15, 0);
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
-    const Q6K_BF16_LO: [u16; 32] = field_table(0, 31, 32);
-    const Q6K_BF16_HI: [u16; 32] = field_table(0, 31, 0);
+    const Q6K_BF16_LO: [u16; 32] = field_table(31, 32);
+    const Q6K_BF16_HI: [u16; 32] = field_table(31, 0);
 
     /// The activations `x[t·ldx + at..at + 32]` of each token as bf16 (the second operand of
     /// `vcvtne2ps2bf16` fills the low half, so element order is kept).
@@ -569,146 +556,164 @@ mod x86 {
         }
     }
 
-    /// The packed activations of one q2_k/q3_k super-block, in f32 slots: 8 vectors of 32 bf16 (vector 2j + v,
-    /// see [`pack_k23_avx512bf16`]), then, for q2_k, the 16 group sums in order `u`.
-    #[must_use]
-    pub const fn k23_packed_len(q3: bool) -> usize {
-        if q3 { 128 } else { 144 }
+    /// f32 slots of one token's super-block as [`pack_k23_vnni`] packs it: 4 vectors of 64 `i8` (256 bytes),
+    /// 16 group-sum dwords, the f32 scale `dx`, 3 slots of padding.
+    pub const K23_VNNI_SLOTS: usize = 84;
+
+    /// The element that byte `pos` of quarter `j`'s packed vector holds. A quarter's 64 elements are field `j`
+    /// of the 64 quant bytes (q2_k's, q3_k's low bits), which `K23_QUANT_ORDER` reorders: byte
+    /// `pos = 16r + 4L + e` (dword `u = 4r + L`) takes quant byte `32n + 16h + 4r + e` with `L = 2n + h`, whose
+    /// field `j` is element `128n + 32j + 16h + 4r + e`, of group `8n + 2j + h`. So each dword holds 4 elements
+    /// of one group, and every 128-bit lane the same four groups, `2j + [0, 1, 8, 9][L]`.
+    const fn k23_element(j: usize, pos: usize) -> usize {
+        let (r, l, e) = (pos / 16, (pos / 4) % 4, pos % 4);
+        128 * (l / 2) + 32 * j + 16 * (l % 2) + 4 * r + e
     }
 
-    /// For each half `v` of a quarter: the `vpermt2b` index that makes word `w = 8r + 2L + e` of the chunk from
-    /// quant byte `16L + 8v + 2r + e` (low byte) and mask byte `(16L + 8v + 2r + e) mod 32` (high byte; the
-    /// second source, zero for q2_k). 128-bit row `L = 2n + h` of the 64 quant bytes holds half `n`, lanes
-    /// `16h..16h + 16`, so 32-bit lane `u = 4r + L` gets two elements of one group per quarter.
-    const K23_QUANT_ORDER: [[u8; 64]; 2] = {
-        let mut t = [[0u8; 64]; 2];
-        let mut v = 0;
-        while v < 2 {
-            let mut w = 0;
-            while w < 32 {
-                let b = 16 * ((w / 2) % 4) + 8 * v + 2 * (w / 8) + w % 2;
-                t[v][2 * w] = b as u8;
-                t[v][2 * w + 1] = (64 + b % 32) as u8;
-                w += 1;
-            }
-            v += 1;
+    /// `vpermb` index of the reorder: to byte `pos` the quant byte that holds `k23_element(0, pos)` (q3_k's 32
+    /// mask bytes, loaded into both halves, alike: mask byte `l` serves elements `l + 32i`).
+    const K23_QUANT_ORDER: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut pos = 0;
+        while pos < 64 {
+            let e = k23_element(0, pos);
+            t[pos] = (32 * (e / 128) + e % 32) as u8;
+            pos += 1;
         }
         t
     };
 
-    /// `vpermb` index that puts group byte `g(u) = 2j + [0, 1, 8, 9][L]` in the low byte of 32-bit lane
-    /// `u = 4j + L` (the other bytes are zeroed by the mask `0x1111…`): the groups in the order of
-    /// [`K23_QUANT_ORDER`]'s lanes, quarter by quarter.
-    const K23_GROUP_ORDER: [u8; 64] = {
+    /// Group `g(u) = 2j + [0, 1, 8, 9][L]` of dword `u = 4j + L`: the groups of quarter `j`'s dword lanes `L`
+    /// (each 128-bit lane), in the order of the packed group sums.
+    const fn k23_group(u: usize) -> usize {
+        2 * (u / 4) + [0, 1, 8, 9][u % 4]
+    }
+
+    /// q2_k: `vpermb` index that puts 4 copies of group `g(u)`'s scale byte in dword `u`, so that 128-bit lane
+    /// `j` is quarter `j`'s scales for its reordered quants.
+    const Q2K_SCALE_ORDER: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut pos = 0;
+        while pos < 64 {
+            t[pos] = k23_group(pos / 4) as u8;
+            pos += 1;
+        }
+        t
+    };
+
+    /// q3_k: `vpermb` index that gathers, for dword `u`, the two packed scale bytes of group `g = g(u)` (read
+    /// from 2 bytes before them, so that the 16-byte load stays inside the super-block): byte 0 holds its low 4
+    /// bits (byte `g mod 8`, high nibble when `g ≥ 8`), byte 1 its top 2 bits (bits `2·(g / 4)` of byte
+    /// `8 + g mod 4`); bytes 2 and 3 are zeroed by the mask `0x3333…`.
+    const Q3K_SCALE_BYTES: [u8; 64] = {
         let mut t = [0u8; 64];
         let mut u = 0;
         while u < 16 {
-            t[4 * u] = (2 * (u / 4) + [0, 1, 8, 9][u % 4]) as u8;
+            let g = k23_group(u);
+            t[4 * u] = (2 + g % 8) as u8;
+            t[4 * u + 1] = (2 + 8 + g % 4) as u8;
             u += 1;
         }
         t
     };
 
-    /// q3_k's `q − 4` as a 64-entry `vpermt2w` table (halves 0..32 and 32..64): two low bits at `shift`, the mask
-    /// bit at `hbit`.
-    const fn q3_k_table(shift: u32, hbit: u32) -> [[u16; 32]; 2] {
-        let mut t = [[0u16; 32]; 2];
+    /// q3_k: per dword `u`, the right shifts that bring group `g(u)`'s low 4 bits to bits 0..4 and its top 2
+    /// bits to bits 4..6 (see `Q3K_SCALE_BYTES`).
+    const Q3K_SCALE_SHIFTS: [[u32; 16]; 2] = {
+        let mut t = [[0u32; 16]; 2];
+        let mut u = 0;
+        while u < 16 {
+            let g = k23_group(u) as u32;
+            t[0][u] = 4 * (g / 8);
+            t[1][u] = 8 + 2 * (g / 4) - 4;
+            u += 1;
+        }
+        t
+    };
+
+    /// q2_k: `sc · q` for the `vpermb` index `sc | q << 4` (4-bit scale, 2-bit quant): ≤ 45, an unsigned byte
+    /// for `vpdpbusd`.
+    const Q2K_PRODUCTS: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            t[i] = ((i & 15) * ((i >> 4) & 3)) as u8;
+            i += 1;
+        }
+        t
+    };
+
+    /// q3_k: `q + 4` (0..8: the two low bits at `shift`, plus 4 where the mask bit at `hbit` is set) for a
+    /// 6-bit `vpermb` index.
+    const fn q3_k_quants(shift: u32, hbit: u32) -> [u8; 64] {
+        let mut t = [0u8; 64];
         let mut i = 0u32;
         while i < 64 {
-            let q = ((i >> shift) & 3) + 4 * ((i >> hbit) & 1);
-            t[(i / 32) as usize][(i % 32) as usize] = bf16_int(q as i32 - 4);
+            t[i as usize] = (((i >> shift) & 3) + 4 * ((i >> hbit) & 1)) as u8;
             i += 1;
         }
         t
     }
     /// q3_k's quarters 0 and 2 (low bits at 0, mask bit at 4) and 1 and 3 (low bits at 2, mask bit at 5).
-    const Q3K_BF16: [[[u16; 32]; 2]; 2] = [q3_k_table(0, 4), q3_k_table(2, 5)];
+    const Q3K_QUANTS: [[u8; 64]; 2] = [q3_k_quants(0, 4), q3_k_quants(2, 5)];
 
-    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_k23_avx512bf16`] into `out`
-    /// ([`k23_packed_len`] slots a super-block, stride `k / 256 ×` that a token). Vector `2j + v` of a super-block
-    /// holds quarter `j`'s elements in the order of `K23_QUANT_ORDER`: 32-bit lane `u = 4r + L` (`L = 2n + h`) the
-    /// bf16 of elements `128n + 32j + 16h + 8v + 2r + {0, 1}`. q2_k's group sums `Σx` (of the bf16 values) follow,
-    /// group `g(u)` in lane `u` as `K23_GROUP_ORDER` has them.
-    ///
-    /// # Safety
-    /// `x` holds `m × k` f32 and `out` `m × k / 256 × k23_packed_len(Q3)`; `k` is a multiple of 256.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn pack_k23_avx512bf16<const Q3: bool>(x: *const f32, m: usize, k: usize, out: *mut f32) {
-        let len = k23_packed_len(Q3);
-        // Lane u = 4r + L takes pair r of piece L (whose 4 pairs fill 128-bit lane L after the conversion).
-        let transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        // SAFETY: __m512i and __m512bh are both 512 bits of plain data; 0x3f80 is bf16 1.0.
-        let ones: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
-        for t in 0..m {
-            for b in 0..k / 256 {
-                // SAFETY: super-block b of token t lies in x and its packed slots in out (the sizes documented).
-                let (xb, ob) = unsafe { (x.add(t * k + 256 * b), out.add((t * k / 256 + b) * len)) };
-                let mut sums = [_mm512_setzero_ps(); 4];
-                for (j, s) in sums.iter_mut().enumerate() {
-                    for v in 0..2 {
-                        // Pieces L = 0..4 (8 elements each) at 128n + 16h + 32j + 8v.
-                        let at = 32 * j + 8 * v;
-                        // SAFETY: the pieces lie in the super-block, the vector's 64 bytes in its slots;
-                        // __m512bh and __m512i are both 512 bits of plain data.
-                        let wv = unsafe {
-                            let pair = |o: usize| {
-                                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                                    _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(xb.add(o)))),
-                                    _mm256_castps_pd(_mm256_loadu_ps(xb.add(o + 16))),
-                                ))
-                            };
-                            let bf = _mm512_cvtne2ps_pbh(pair(at + 128), pair(at));
-                            let wv = _mm512_permutexvar_epi32(
-                                transpose,
-                                std::mem::transmute::<__m512bh, __m512i>(bf),
-                            );
-                            _mm512_storeu_si512(ob.add(16 * (2 * j + v)).cast::<__m512i>(), wv);
-                            std::mem::transmute::<__m512i, __m512bh>(wv)
-                        };
-                        if !Q3 {
-                            *s = _mm512_dpbf16_ps(*s, wv, ones);
-                        }
-                    }
-                }
-                if !Q3 {
-                    // Lane u = 4j + L: the sum of sums[j]'s four 128-bit lanes' element L.
-                    let fold = |a: __m512, b: __m512| {
-                        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xee>(a, b))
-                    };
-                    let (s01, s23) = (fold(sums[0], sums[1]), fold(sums[2], sums[3]));
-                    let g = _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0x88>(s01, s23),
-                        _mm512_shuffle_f32x4::<0xdd>(s01, s23),
-                    );
-                    // SAFETY: the 16 slots after the vectors.
-                    unsafe { _mm512_storeu_ps(ob.add(128), g) };
-                }
+    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q2_k_vnni`] (`q3` false) or
+    /// [`dot_q3_k_vnni`], [`K23_VNNI_SLOTS`] slots a super-block, `k / 256 ×` that a token. Per super-block: the
+    /// 256 activations quantised to `i8` against their largest magnitude (`x ≈ dx · x8`, `dx = max |x| / 127`,
+    /// rounded to nearest), quarter `j`'s at the places `k23_element` gives; per dword `u`, the sum `Σx8` of
+    /// group `g(u)` (q3_k: `−4 · Σx8`, the offset of its quants) in the low 16 bits, zeros above; `dx`.
+    #[must_use]
+    pub fn pack_k23_vnni(x: &[f32], m: usize, k: usize, q3: bool) -> Vec<f32> {
+        let mut out = Vec::with_capacity(m * k / 256 * K23_VNNI_SLOTS);
+        let mut q8 = [0i8; 256];
+        for xb in x[..m * k].chunks_exact(256) {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            for (q, &v) in q8.iter_mut().zip(xb) {
+                // |v · inv| ≤ 127 up to rounding; the clamp keeps it there.
+                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
+            let mut bytes = [0u8; 4 * K23_VNNI_SLOTS];
+            for (i, b) in bytes[..256].iter_mut().enumerate() {
+                *b = q8[k23_element(i / 64, i % 64)].to_le_bytes()[0];
+            }
+            for (u, sum) in bytes[256..320].chunks_exact_mut(4).enumerate() {
+                let g = k23_group(u);
+                let s: i16 = q8[16 * g..16 * g + 16].iter().map(|&v| i16::from(v)).sum();
+                sum[..2].copy_from_slice(&(if q3 { -4 * s } else { s }).to_le_bytes());
+            }
+            bytes[320..324].copy_from_slice(&(amax / 127.0).to_le_bytes());
+            out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
         }
+        out
     }
 
-    /// q2_k (`Q3` false) or q3_k with AVX512_BF16 and VBMI, on activations packed by [`pack_k23_avx512bf16`]; see
-    /// `qdot::dot_block` and the module documentation.
-    ///
-    /// Per row and half `v` of the quarters, one `vpermt2b` puts the 32 quant bytes (with q3_k's mask bytes as
-    /// the words' high bytes) in the packed order, so each 32-bit lane of a `vdpbf16ps` sums two elements of one
-    /// group and every quarter's two chunks add into one accumulator. Quarters 0 and 1 index their tables
-    /// with the word as is (a table per field position), 2 and 3 after a shift by 4; q3_k first moves each
-    /// word's two mask bits next to them (a shift per word by `4 + 4n`, and a bit-select). Per row and
-    /// super-block the 4 quarter sums are scaled by `d·sc` of their lanes' groups (four 128-bit broadcasts from
-    /// memory) — 4 FMAs where the chunk-by-chunk kernel had 8 — and q2_k's mins `Σ_g dmin·m_g·Σx_g` are one FMA
-    /// against the packed group sums. The activations' bf16 conversion, their order and the group sums are
-    /// made once per matmul, not once per register block.
-    ///
-    /// The activations stay bf16 instead of being quantised to 8 bits for integer (VNNI) dot products as ggml
-    /// does with q8_K: products of bf16 activations and small-integer quants are exact, so the result stays
-    /// dequantise-then-f32 up to the order of additions.
+    /// Quarter `j`'s packed activations of super-block `b`, token `t` (64 `i8`).
     ///
     /// # Safety
-    /// As [`dot_q4_k_avx512bf16`], with AVX512_VBMI present and `x`, `ldx` as [`pack_k23_avx512bf16`] made
-    /// them (`ldx` in f32 slots).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn dot_k23_avx512bf16<const R: usize, const T: usize, const Q3: bool>(
+    /// The packed super-block exists.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn x8(x: *const f32, ldx: usize, t: usize, b: usize, j: usize) -> __m512i {
+        // SAFETY: as documented; 16 slots are 64 bytes.
+        unsafe { _mm512_loadu_si512(x.add(t * ldx + b * K23_VNNI_SLOTS + 16 * j).cast::<__m512i>()) }
+    }
+
+    /// q2_k with AVX512_VBMI and AVX512_VNNI on activations packed by [`pack_k23_vnni`]; see
+    /// `qdot::dot_block` and the module documentation.
+    ///
+    /// Per row and super-block one `vpermb` reorders the 64 quant bytes (`K23_QUANT_ORDER`) and one spreads the
+    /// 16 scale bytes to match (`Q2K_SCALE_ORDER`, stored, then a 128-bit broadcast a quarter). Per quarter a
+    /// bit-select puts the 2-bit field above its group's 4-bit scale and a `vpermb` lookup turns the pair into
+    /// the byte `sc · q`, so `vpdpbusd` against the `i8` activations sums `sc · q · x8` of all four quarters into
+    /// one `i32` accumulator: no per-group scaling. The mins' `Σ m · Σx8` is one `vpmaddwd` against the packed
+    /// group sums; both become f32 once per row and super-block: `dx · (d · Σ sc·q·x8 − dmin · Σ m·Σx8)`.
+    ///
+    /// # Safety
+    /// As [`dot_q4_k_avx512bf16`], with AVX512_VBMI and AVX512_VNNI present and `x`, `ldx` as [`pack_k23_vnni`]
+    /// made them (`ldx` in f32 slots).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_q2_k_vnni<const R: usize, const T: usize>(
         pf: Prefetch,
         x: *const f32,
         ldx: usize,
@@ -717,128 +722,178 @@ mod x86 {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        let (bb, quants_at) = if Q3 { (Q3K_BYTES, 32) } else { (Q2K_BYTES, 16) };
-        let len = k23_packed_len(Q3);
         // SAFETY: each index and table is 64 bytes.
         let load = |p: *const u8| unsafe { _mm512_loadu_si512(p.cast::<__m512i>()) };
-        let order = K23_QUANT_ORDER.map(|o| load(o.as_ptr()));
-        let group_order = load(K23_GROUP_ORDER.as_ptr());
-        let tables = if Q3 {
-            Q3K_BF16.map(|t| t.map(|h| load(h.as_ptr().cast())))
-        } else {
-            Q2K_BF16.map(|h| [load(h.as_ptr().cast()); 2])
-        };
-        // A quarter's bf16 quants from its index (q3_k: 6 bits, two tables; q2_k: 5 bits).
-        let lookup = |idx: __m512i, t: &[__m512i; 2]| -> __m512bh {
-            let v = if Q3 {
-                _mm512_permutex2var_epi16(t[0], idx, t[1])
-            } else {
-                _mm512_permutexvar_epi16(idx, t[0])
-            };
-            // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-            unsafe { std::mem::transmute(v) }
-        };
-        // q3_k: per word (lane u = 4r + L, half n = L / 2), the shift that brings mask bits 4n, 4n + 1 of the high
-        // byte to bits 4, 5.
-        let mask_shift = _mm512_broadcast_i32x4(_mm_setr_epi16(4, 4, 4, 4, 8, 8, 8, 8));
-        let low4 = _mm512_set1_epi16(0x0f);
+        let (order, spread, products) =
+            (load(K23_QUANT_ORDER.as_ptr()), load(Q2K_SCALE_ORDER.as_ptr()), load(Q2K_PRODUCTS.as_ptr()));
+        let (field, low4) = (_mm512_set1_epi8(0x30), _mm512_set1_epi32(0x0f));
         let f16s = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
-            // Per row: d·sc of the 16 groups in order u (stored for all rows first, so that no load waits for its
-            // store), and q2_k's mins.
-            let mut ds = [[0f32; 16]; R];
-            for (r, (row, dr)) in acc.iter_mut().zip(&mut ds).enumerate() {
-                // SAFETY: super-block b of row r exists.
-                let p = unsafe { w.add(r * ws + b * bb) };
-                prefetch_block(p, bb, pf);
-                // SAFETY: the f16 table has an entry for every 16-bit pattern; the f16 lies in the block.
-                let f16_at = |at: usize| unsafe {
-                    _mm512_set1_ps(*f16s.add(usize::from(p.add(at).cast::<u16>().read_unaligned())))
-                };
-                // SAFETY: the scale bytes, the packed group sums of every token, and dr's 16 f32.
+            // Per row: the spread scale bytes, stored for all rows first, so that no load waits for its store.
+            let mut sc = [[0u8; 64]; R];
+            for (r, s) in sc.iter_mut().enumerate() {
+                // SAFETY: super-block b of row r exists; s has 64 bytes.
                 unsafe {
-                    let bytes = if Q3 {
-                        let sc = q3_k_scales_words(p.add(96).cast::<[u8; 12]>().read_unaligned());
-                        _mm_loadu_si128(sc.as_ptr().cast::<__m128i>())
-                    } else {
-                        _mm_loadu_si128(p.cast::<__m128i>())
-                    };
-                    let sm = _mm512_maskz_permutexvar_epi8(
-                        0x1111_1111_1111_1111,
-                        group_order,
-                        _mm512_castsi128_si512(bytes),
-                    );
-                    let v = if Q3 {
-                        _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_sub_epi32(sm, _mm512_set1_epi32(32))),
-                            f16_at(108),
-                        )
-                    } else {
-                        let mins = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(sm)), f16_at(82));
-                        for (t, a) in row.iter_mut().enumerate() {
-                            *a = _mm512_fnmadd_ps(mins, _mm512_loadu_ps(x.add(t * ldx + b * len + 128)), *a);
+                    let p = w.add(r * ws + b * Q2K_BYTES);
+                    prefetch_block(p, Q2K_BYTES, pf);
+                    let v =
+                        _mm512_permutexvar_epi8(spread, _mm512_castsi128_si512(_mm_loadu_si128(p.cast())));
+                    _mm512_storeu_si512(s.as_mut_ptr().cast::<__m512i>(), v);
+                }
+            }
+            // Opaque, so that the quarters' scales stay broadcasts from memory (see `dot_q3_k_vnni`).
+            let sc = std::hint::black_box(&sc);
+            for (r, (row, s)) in acc.iter_mut().zip(sc).enumerate() {
+                // SAFETY: super-block b of row r exists (quants at 16, f16 d and dmin at 80 and 82); the f16
+                // table has an entry for every 16-bit pattern; s has 64 bytes; every token's packed super-block
+                // b exists.
+                unsafe {
+                    let p = w.add(r * ws + b * Q2K_BYTES);
+                    let q = _mm512_permutexvar_epi8(order, load(p.add(16)));
+                    let mut dots = [_mm512_setzero_si512(); T];
+                    for j in 0..4 {
+                        // Field j to bits 4..6; 16-bit shifts move no bits of the other byte there.
+                        let fj = match j {
+                            0 => _mm512_slli_epi16::<4>(q),
+                            1 => _mm512_slli_epi16::<2>(q),
+                            2 => q,
+                            _ => _mm512_srli_epi16::<2>(q),
+                        };
+                        let scales = _mm512_broadcast_i32x4(_mm_loadu_si128(s.as_ptr().add(16 * j).cast()));
+                        let sq = _mm512_permutexvar_epi8(
+                            _mm512_ternarylogic_epi32::<0xca>(field, fj, scales),
+                            products,
+                        );
+                        for (t, dt) in dots.iter_mut().enumerate() {
+                            *dt = _mm512_dpbusd_epi32(*dt, sq, x8(x, ldx, t, b, j));
                         }
-                        _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(0x0f))),
-                            f16_at(80),
-                        )
+                    }
+                    let f16_at = |at: usize| {
+                        _mm512_set1_ps(*f16s.add(usize::from(p.add(at).cast::<u16>().read_unaligned())))
                     };
-                    _mm512_storeu_ps(dr.as_mut_ptr(), v);
+                    let (d, dmin) = (f16_at(80), f16_at(82));
+                    let mins = _mm512_and_si512(_mm512_srli_epi32::<4>(load(s.as_ptr())), low4);
+                    for (t, (a, dt)) in row.iter_mut().zip(dots).enumerate() {
+                        let xt = x.add(t * ldx + b * K23_VNNI_SLOTS);
+                        let m = _mm512_cvtepi32_ps(_mm512_madd_epi16(mins, load(xt.add(64).cast())));
+                        let v = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dt), d, _mm512_mul_ps(m, dmin));
+                        *a = _mm512_fmadd_ps(v, _mm512_set1_ps(*xt.add(80)), *a);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+
+    /// q3_k with AVX512_VBMI and AVX512_VNNI on activations packed by [`pack_k23_vnni`]; see
+    /// `qdot::dot_block` and the module documentation.
+    ///
+    /// Per row and super-block, `vpermb` reorders the 64 low-bit bytes and the 32 mask bytes alike
+    /// (`K23_QUANT_ORDER`). One index byte serves two quarters: bits 0..4 the
+    /// two quarters' low-bit fields, bits 4..6 their mask bits, brought there by a rotate per dword (the dwords
+    /// of the two halves need different ones); a `vpermb` lookup per quarter gives `q + 4` (0..8). `vpdpbusd`
+    /// sums 4 products of one group per dword, and `vpdpwssd` scales the dwords by their groups' `sc − 32`
+    /// (a 128-bit broadcast a quarter) into one `i32` accumulator, to which one more `vpdpwssd` adds the offset
+    /// `−4 · (sc − 32) · Σx8` from the packed sums; the sum becomes f32 once per row and super-block, times
+    /// `d · dx`.
+    ///
+    /// # Safety
+    /// As [`dot_q2_k_vnni`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_q3_k_vnni<const R: usize, const T: usize>(
+        pf: Prefetch,
+        x: *const f32,
+        ldx: usize,
+        w: *const u8,
+        ws: usize,
+        k: usize,
+        out: &mut [[f32; T]; R],
+    ) {
+        // SAFETY: each index and table is 64 bytes.
+        let load = |p: *const u8| unsafe { _mm512_loadu_si512(p.cast::<__m512i>()) };
+        let (order, gather) = (load(K23_QUANT_ORDER.as_ptr()), load(Q3K_SCALE_BYTES.as_ptr()));
+        let shifts = Q3K_SCALE_SHIFTS.map(|t| load(t.as_ptr().cast()));
+        let tables = Q3K_QUANTS.map(|t| load(t.as_ptr()));
+        // Per dword u = 4r + L (half n = L / 2): rotations that bring mask bits 4n, 4n + 1 (quarters 0, 1) and
+        // 4n + 2, 4n + 3 (quarters 2, 3) of each byte to bits 4, 5.
+        let rot01 = _mm512_broadcast_i32x4(_mm_setr_epi32(4, 4, 0, 0));
+        let rot23 = _mm512_broadcast_i32x4(_mm_setr_epi32(2, 2, 30, 30));
+        let low4 = _mm512_set1_epi8(0x0f);
+        let f16s = f16_to_f32_table().as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for b in 0..k / 256 {
+            // Per row: `sc − 32` of group g(u) in the low 16 bits of dword u (zeros above, for `vpdpwssd`).
+            let mut sc = [[0i32; 16]; R];
+            // Per row and token: the offset `−4 · (sc − 32) · Σx8`, where the main sums start.
+            let mut offsets = [[_mm512_setzero_si512(); T]; R];
+            for (r, (s, off)) in sc.iter_mut().zip(&mut offsets).enumerate() {
+                // SAFETY: super-block b of row r exists; s has 64 bytes.
+                unsafe {
+                    let p = w.add(r * ws + b * Q3K_BYTES);
+                    prefetch_block(p, Q3K_BYTES, pf);
+                    let v = _mm512_maskz_permutexvar_epi8(
+                        0x3333_3333_3333_3333,
+                        gather,
+                        _mm512_castsi128_si512(_mm_loadu_si128(p.add(94).cast())),
+                    );
+                    // Low bits | top bits, in 16-bit lanes minus 32: the high halves stay 0.
+                    let v = _mm512_ternarylogic_epi32::<0xca>(
+                        _mm512_set1_epi32(0x0f),
+                        _mm512_srlv_epi32(v, shifts[0]),
+                        _mm512_and_si512(_mm512_srlv_epi32(v, shifts[1]), _mm512_set1_epi32(0x30)),
+                    );
+                    let v = _mm512_sub_epi16(v, _mm512_set1_epi32(32));
+                    _mm512_storeu_si512(s.as_mut_ptr().cast::<__m512i>(), v);
+                    for (t, o) in off.iter_mut().enumerate() {
+                        let sums = load(x.add(t * ldx + b * K23_VNNI_SLOTS + 64).cast());
+                        *o = _mm512_dpwssds_epi32(_mm512_setzero_si512(), v, sums);
+                    }
                 }
             }
             // Opaque to the optimiser, so that the scales below stay 128-bit broadcasts from memory (load ports)
-            // instead of becoming shuffles of the stored vectors (LLVM's choice otherwise): 4 more shuffles a row
-            // and super-block on the Xeon's one 512-bit shuffle port, which the lookups fill. No different on the
-            // 2-core EPYC (Zen 5), where it was measured.
-            let ds = std::hint::black_box(&ds);
-            for (r, (row, ds)) in acc.iter_mut().zip(ds).enumerate() {
-                // SAFETY: super-block b of row r exists: its 64 quant bytes, and q3_k's 32 mask bytes.
-                let (q, h) = unsafe {
-                    let p = w.add(r * ws + b * bb);
-                    let h = if Q3 {
-                        _mm512_castsi256_si512(_mm256_loadu_si256(p.cast::<__m256i>()))
-                    } else {
-                        _mm512_setzero_si512()
-                    };
-                    (_mm512_loadu_si512(p.add(quants_at).cast::<__m512i>()), h)
-                };
-                // Per half v: the indices of quarters 0, 1 and of quarters 2, 3.
-                let idx = order.map(|o| {
-                    let wv = _mm512_permutex2var_epi8(q, o, h);
-                    if Q3 {
-                        let hb = _mm512_srlv_epi16(wv, mask_shift);
-                        [
-                            _mm512_ternarylogic_epi32::<0xca>(low4, wv, hb),
-                            _mm512_ternarylogic_epi32::<0xca>(
-                                low4,
-                                _mm512_srli_epi16::<4>(wv),
-                                _mm512_srli_epi16::<2>(hb),
-                            ),
-                        ]
-                    } else {
-                        [wv, _mm512_srli_epi16::<4>(wv)]
-                    }
-                });
-                for j in 0..4 {
-                    // Per token: lane u's Σ x·q over both halves (groups g(u) of quarter j).
-                    let mut sums = [_mm512_setzero_ps(); T];
-                    for (v, iv) in idx.iter().enumerate() {
-                        let qv = lookup(iv[j / 2], &tables[j % 2]);
-                        for (t, s) in sums.iter_mut().enumerate() {
-                            // SAFETY: vector 2j + v of super-block b of token t (packed: 64 bytes).
-                            let xv: __m512bh = unsafe {
-                                std::mem::transmute(_mm512_loadu_si512(
-                                    x.add(t * ldx + b * len + 16 * (2 * j + v)).cast::<__m512i>(),
-                                ))
-                            };
-                            *s = _mm512_dpbf16_ps(*s, xv, qv);
+            // instead of becoming shuffles of the stored vectors (LLVM's choice otherwise), which would take the
+            // shuffle port the lookups need.
+            let sc = std::hint::black_box(&sc);
+            for (r, ((row, s), off)) in acc.iter_mut().zip(sc).zip(offsets).enumerate() {
+                // SAFETY: super-block b of row r exists (mask bytes at 0, low bits at 32, f16 d at 108); the f16
+                // table has an entry for every 16-bit pattern; s has 16 dwords; every token's packed
+                // super-block b exists.
+                unsafe {
+                    let p = w.add(r * ws + b * Q3K_BYTES);
+                    let q = _mm512_permutexvar_epi8(order, load(p.add(32)));
+                    // The mask bytes in both halves: byte l serves elements l + 32i of both.
+                    let h = _mm512_permutexvar_epi8(
+                        order,
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(p.cast::<__m256i>())),
+                    );
+                    // Quarters 0, 1 and 2, 3: low-bit fields at bits 0..4, mask bits at 4..6.
+                    let idx = [
+                        _mm512_ternarylogic_epi32::<0xca>(low4, q, _mm512_rolv_epi32(h, rot01)),
+                        _mm512_ternarylogic_epi32::<0xca>(
+                            low4,
+                            _mm512_srli_epi16::<4>(q),
+                            _mm512_rolv_epi32(h, rot23),
+                        ),
+                    ];
+                    let mut sums = off;
+                    for j in 0..4 {
+                        let qv = _mm512_permutexvar_epi8(idx[j / 2], tables[j % 2]);
+                        let scales = _mm512_broadcast_i32x4(_mm_loadu_si128(s.as_ptr().add(4 * j).cast()));
+                        for (t, st) in sums.iter_mut().enumerate() {
+                            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, x8(x, ldx, t, b, j));
+                            *st = _mm512_dpwssds_epi32(*st, scales, dot);
                         }
                     }
-                    // SAFETY: 4j + 4 ≤ 16, inside ds.
-                    let scale = _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(ds.as_ptr().add(4 * j)) });
-                    for (a, s) in row.iter_mut().zip(sums) {
-                        *a = _mm512_fmadd_ps(s, scale, *a);
+                    let d = _mm512_set1_ps(*f16s.add(usize::from(p.add(108).cast::<u16>().read_unaligned())));
+                    for (t, (a, st)) in row.iter_mut().zip(sums).enumerate() {
+                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(st), d);
+                        *a =
+                            _mm512_fmadd_ps(v, _mm512_set1_ps(*x.add(t * ldx + b * K23_VNNI_SLOTS + 80)), *a);
                     }
                 }
             }
@@ -970,9 +1025,9 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::qdot::{CacheLevel, Prefetch, dot_block, pack_x};
+    use super::super::qdot::{CacheLevel, Prefetch, dot_block, pack_x, rounds_activations};
     use super::super::simd::{Isa, detect};
-    use crate::quant::{QFormat, q3_k_scales, q4_k_scale_min};
+    use crate::quant::{QFormat, q4_k_scale_min};
 
     /// Bytes from a 64-bit LCG (every bit pattern, deterministic).
     fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -985,15 +1040,10 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn q3_k_scales_unpack_as_the_reference_reads_them() {
-        for packed in random_bytes(64 * 12, 3).chunks_exact(12).chain([[0u8; 12].as_slice(), &[0xff; 12]]) {
-            assert_eq!(super::q3_k_scales_words(packed.try_into().unwrap()), q3_k_scales(packed));
-        }
-    }
-
     /// `R` rows × `T` tokens of `fmt` through `dot_block` with `isa`, against dequantise-then-f64: the error
-    /// may be that of f32 additions, relative to `Σ |x·w|` (the mins may cancel the rest).
+    /// may be that of f32 additions, relative to `Σ |x·w|` (the mins may cancel the rest), plus, where the
+    /// kernel quantises the activations, that rounding: each `x` moves by at most half its super-block's step
+    /// `dx = max |x| / 127` (and a hair for the f32 `x / dx`), so `Σ_b dx_b / 2 · Σ_{i in b} |w_i|`.
     fn check_dot<const R: usize, const T: usize>(isa: Isa, fmt: QFormat, w: &[u8], x: &[f32], k: usize) {
         let rb = fmt.row_bytes(k);
         let deq = fmt.dequantize(&w[..R * rb]);
@@ -1011,9 +1061,20 @@ mod tests {
                     let p = f64::from(xi) * f64::from(wi);
                     (s + p, a + p.abs())
                 });
+                let rounding: f64 = if rounds_activations(isa, fmt) {
+                    let (xs, ws) = (x[t * k..(t + 1) * k].chunks(256), deq[r * k..(r + 1) * k].chunks(256));
+                    xs.zip(ws)
+                        .map(|(xb, wb)| {
+                            let dx = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+                            (0.5 + 1e-4) * dx * wb.iter().map(|&v| f64::from(v).abs()).sum::<f64>()
+                        })
+                        .sum()
+                } else {
+                    0.0
+                };
                 assert!(
-                    (f64::from(g) - want).abs() <= 1e-5 * scale + 1e-30,
-                    "{isa:?} {fmt:?} {R}x{T} row {r} token {t}: {g} vs {want} (Σ|x·w| {scale})"
+                    (f64::from(g) - want).abs() <= 1e-5 * scale + rounding + 1e-30,
+                    "{isa:?} {fmt:?} {R}x{T} row {r} token {t}: {g} vs {want} (Σ|x·w| {scale}, x rounding {rounding})"
                 );
             }
         }
@@ -1058,61 +1119,99 @@ mod tests {
         }
     }
 
-    /// The packed activations of the q2_k/q3_k AVX512_BF16 kernel: every element's bf16 once, at the place the
-    /// layout documented on `pack_k23_avx512bf16` gives it, and q2_k's group sums; no packing on weaker ISAs.
+    /// Hand-made q2_k and q3_k super-blocks through every ISA path: extreme quants, scales, mins and mask
+    /// bits, against activations with one outlier per super-block (the 8-bit step is then coarse for the rest),
+    /// all equal, alternating in sign, or zero.
+    #[test]
+    fn k23_dot_products_match_the_reference_on_hand_made_blocks() {
+        let k = 512;
+        let outlier: Vec<f32> =
+            (0..k).map(|i| if i % 256 == 37 { 300.0 } else { (i % 7) as f32 * 0.25 - 0.75 }).collect();
+        let equal = vec![1.5f32; k];
+        let signs: Vec<f32> = (0..k).map(|i| if i % 2 == 0 { 2.0 } else { -2.0 }).collect();
+        let zeros = vec![0f32; k];
+        let one = half::f16::from_f32(1.0).to_le_bytes();
+        let mut q2 = Vec::new();
+        // q2_k: every quant 3, scale 15, min 15; every quant 0 with mins only; alternating fields and scales.
+        for (quants, scales, dmin) in
+            [(0xffu8, 0xffu8, 1.0f32), (0x00, 0xf0, 0.5), (0x1b, 0x5a, -2.0), (0xe4, 0x0f, 0.0)]
+        {
+            q2.extend([scales; 16]);
+            q2.extend([quants; 64]);
+            q2.extend(one);
+            q2.extend(half::f16::from_f32(dmin).to_le_bytes());
+        }
+        let mut q3 = Vec::new();
+        // q3_k: mask all set / clear / alternating bits, low bits 3 / 0 / mixed, scales 63 (31 after the offset),
+        // 0 (−32) and a mix.
+        for (mask, low, packed) in
+            [(0xffu8, 0xffu8, 0xffu8), (0x00, 0x00, 0x00), (0xa5, 0x1b, 0x3c), (0x5a, 0xe4, 0xc3)]
+        {
+            q3.extend([mask; 32]);
+            q3.extend([low; 64]);
+            q3.extend([packed; 12]);
+            q3.extend(half::f16::from_f32(-0.75).to_le_bytes());
+        }
+        for isa in detect().and_weaker() {
+            for (fmt, w) in [(QFormat::Q2K, &q2), (QFormat::Q3K, &q3)] {
+                for x in [&outlier, &equal, &signs, &zeros] {
+                    let x4: Vec<f32> = x.iter().copied().cycle().take(4 * k).collect();
+                    check_dot::<2, 1>(isa, fmt, w, x, k);
+                    check_dot::<2, 4>(isa, fmt, w, &x4, k);
+                }
+            }
+        }
+    }
+
+    /// The packed activations of the q2_k/q3_k VNNI kernels (`pack_k23_vnni`): per super-block every element's
+    /// `i8` once, at the place the documented layout gives it, each within half a step of `x / dx`; the group
+    /// sums (q3_k: times −4) in the low 16 bits of their dwords; `dx`. No packing on weaker ISAs.
     #[test]
     fn k23_packed_activations_hold_every_element_in_lane_order_and_the_group_sums() {
         let (m, k) = (3, 512);
-        let x: Vec<f32> = random_bytes(m * k * 4, 11)
+        let mut x: Vec<f32> = random_bytes(m * k * 4, 11)
             .chunks_exact(4)
             .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / f32::from(1 + u16::from(b[2] >> 3)))
             .collect();
+        x[256..512].fill(0.0);
         for fmt in [QFormat::Q2K, QFormat::Q3K] {
             for isa in detect().and_weaker() {
                 let packed = pack_x(isa, fmt, &x, m, k);
-                if isa < Isa::Avx512Bf16 {
+                if !rounds_activations(isa, fmt) {
                     assert!(packed.is_none(), "{isa:?} {fmt:?} reads the f32 rows");
                     continue;
                 }
-                let (p, ld) = packed.expect("the AVX512_BF16 kernel packs q2_k and q3_k activations");
-                let per_block = if fmt == QFormat::Q2K { 144 } else { 128 };
-                assert_eq!((ld, p.len()), (k / 256 * per_block, m * ld));
+                let (p, ld) = packed.expect("the VNNI kernels pack q2_k and q3_k activations");
+                assert_eq!((ld, p.len()), (k / 256 * 84, m * ld));
+                let bytes: Vec<u8> = p.iter().flat_map(|v| v.to_le_bytes()).collect();
                 for t in 0..m {
                     for b in 0..k / 256 {
-                        let slots = &p[t * ld + b * per_block..][..per_block];
+                        let slots = &bytes[4 * (t * ld + b * 84)..][..4 * 84];
                         let xb = &x[t * k + 256 * b..][..256];
-                        let mut seen = [false; 256];
-                        for (jv, vector) in slots[..128].chunks_exact(16).enumerate() {
-                            let (j, v) = (jv / 2, jv % 2);
-                            for (u, slot) in vector.iter().enumerate() {
-                                let (r, l) = (u / 4, u % 4);
-                                let bits = slot.to_bits();
-                                for (e, half) in [bits & 0xffff, bits >> 16].into_iter().enumerate() {
-                                    let at = 128 * (l / 2) + 32 * j + 16 * (l % 2) + 8 * v + 2 * r + e;
-                                    assert_eq!(
-                                        half,
-                                        u32::from(half::bf16::from_f32(xb[at]).to_bits()),
-                                        "{at}"
-                                    );
-                                    seen[at] = true;
-                                }
-                            }
+                        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                        let dx = f32::from_le_bytes(slots[320..324].try_into().unwrap());
+                        assert_eq!(dx.to_bits(), (amax / 127.0).to_bits());
+                        let mut q8 = [None; 256];
+                        for (i, &byte) in slots[..256].iter().enumerate() {
+                            let (j, pos) = (i / 64, i % 64);
+                            let (r, l, e) = (pos / 16, (pos / 4) % 4, pos % 4);
+                            let at = 128 * (l / 2) + 32 * j + 16 * (l % 2) + 4 * r + e;
+                            assert!(q8[at].is_none(), "element {at} twice");
+                            let v = i8::from_le_bytes([byte]);
+                            let exact = if amax > 0.0 { xb[at] * 127.0 / amax } else { 0.0 };
+                            assert!(
+                                (f32::from(v) - exact).abs() <= 0.5 + 1e-4,
+                                "element {at}: {v} for {exact}"
+                            );
+                            q8[at] = Some(i32::from(v));
                         }
-                        assert!(seen.iter().all(|&s| s));
-                        if fmt == QFormat::Q2K {
-                            for (u, &sum) in slots[128..].iter().enumerate() {
-                                let g = 2 * (u / 4) + [0, 1, 8, 9][u % 4];
-                                let want: f64 = xb[16 * g..16 * g + 16]
-                                    .iter()
-                                    .map(|&v| f64::from(half::bf16::from_f32(v)))
-                                    .sum();
-                                let scale: f64 =
-                                    xb[16 * g..16 * g + 16].iter().map(|v| f64::from(v.abs())).sum();
-                                assert!(
-                                    (f64::from(sum) - want).abs() <= 1e-6 * scale,
-                                    "group {g}: {sum} vs {want}"
-                                );
-                            }
+                        let q8: Vec<i32> = q8.iter().map(|v| v.expect("every element packed")).collect();
+                        for (u, sum) in slots[256..320].chunks_exact(4).enumerate() {
+                            let g = 2 * (u / 4) + [0, 1, 8, 9][u % 4];
+                            let want: i32 = q8[16 * g..16 * g + 16].iter().sum::<i32>()
+                                * if fmt == QFormat::Q3K { -4 } else { 1 };
+                            let low = i32::from(i16::from_le_bytes([sum[0], sum[1]]));
+                            assert_eq!((low, sum[2], sum[3]), (want, 0, 0), "group {g}");
                         }
                     }
                 }

@@ -43,27 +43,26 @@ impl std::fmt::Display for Prefetch {
     }
 }
 
+/// Whether [`dot_block`] rounds the activations to 8 bits for `fmt` on `isa` (q2_k and q3_k on AVX512_BF16
+/// machines; see `kdot`), so that its result differs from dequantise-then-f32 by that rounding too: each
+/// activation by up to half its 256-element super-block's step `max |x| / 127`.
+#[must_use]
+pub fn rounds_activations(isa: Isa, fmt: QFormat) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512Bf16 && matches!(fmt, QFormat::Q2K | QFormat::Q3K)
+}
+
 /// The activations as [`dot_block`] reads them for `fmt` on `isa`, made once per matmul: `m` rows of `k` f32
 /// (`k` whole blocks) packed, and the packed rows' stride in f32 slots; `None` where the kernel reads the f32
-/// rows themselves. The q2_k/q3_k AVX512_BF16 kernel takes its activations as bf16 in its lane order, with
-/// q2_k's group sums (`kdot::pack_k23_avx512bf16`), so that no register block of rows converts them again.
+/// rows themselves. The q2_k/q3_k kernels of AVX512_BF16 machines take their activations quantised to `i8`
+/// in their lane order, with group sums (`kdot::pack_k23_vnni`), so that no register block of rows does it
+/// again.
 #[must_use]
 pub fn pack_x(isa: Isa, fmt: QFormat, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Bf16 && matches!(fmt, QFormat::Q2K | QFormat::Q3K) {
+    if rounds_activations(isa, fmt) {
         assert!(x.len() >= m * k && k.is_multiple_of(256), "{m} rows of {k} activations");
-        let q3 = fmt == QFormat::Q3K;
-        let ld = k / 256 * super::kdot::k23_packed_len(q3);
-        let mut out = vec![0f32; m * ld];
-        // SAFETY: sizes checked above; Avx512Bf16 is only returned by `detect` when present.
-        unsafe {
-            if q3 {
-                super::kdot::pack_k23_avx512bf16::<true>(x.as_ptr(), m, k, out.as_mut_ptr());
-            } else {
-                super::kdot::pack_k23_avx512bf16::<false>(x.as_ptr(), m, k, out.as_mut_ptr());
-            }
-        }
-        return Some((out, ld));
+        let packed = super::kdot::pack_k23_vnni(x, m, k, fmt == QFormat::Q3K);
+        return Some((packed, k / 256 * super::kdot::K23_VNNI_SLOTS));
     }
     let _ = (isa, fmt, x, m, k);
     None
@@ -137,12 +136,12 @@ pub unsafe fn dot_block<const R: usize, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512Bf16, QFormat::Q2K) => unsafe {
-            super::kdot::dot_k23_avx512bf16::<R, T, false>(pf, x, ldx, w, ws, k, out);
+            super::kdot::dot_q2_k_vnni::<R, T>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512Bf16, QFormat::Q3K) => unsafe {
-            super::kdot::dot_k23_avx512bf16::<R, T, true>(pf, x, ldx, w, ws, k, out);
+            super::kdot::dot_q3_k_vnni::<R, T>(pf, x, ldx, w, ws, k, out);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; every x86 ISA above Portable has AVX2+FMA+F16C.

@@ -16,8 +16,9 @@ pub enum Isa {
     Avx2,
     /// AVX-512F (16 lanes).
     Avx512,
-    /// AVX-512F with BW, BF16 and VBMI: as `Avx512`, and quantised blocks go through bf16 dot products (VBMI's
-    /// byte permutes order q2_k/q3_k quants; every CPU with AVX512_BF16 but Cooper Lake has it).
+    /// AVX-512F with BW, BF16, VBMI and VNNI: as `Avx512`, and quantised blocks go through bf16 dot products,
+    /// q2_k/q3_k through VBMI byte lookups and VNNI integer dot products (every CPU with AVX512_BF16 but Cooper
+    /// Lake has both).
     Avx512Bf16,
 }
 
@@ -42,6 +43,7 @@ pub fn detect() -> Isa {
             if is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512bf16")
                 && is_x86_feature_detected!("avx512vbmi")
+                && is_x86_feature_detected!("avx512vnni")
                 && std::env::var_os("PIPESHARD_CPU_NO_BF16").is_none()
             {
                 return Isa::Avx512Bf16;
