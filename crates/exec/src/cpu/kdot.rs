@@ -55,19 +55,21 @@ pub fn q4_k_scales_mins(packed: [u8; 12]) -> [u8; 16] {
 mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
-        _mm_loadu_si128, _mm_prefetch, _mm_setr_epi32, _mm_srli_si128, _mm256_add_ps, _mm256_and_si256,
-        _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
-        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
-        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
-        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
-        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_add_ps, _mm512_and_si512,
-        _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castpd_ps, _mm512_castps_pd,
-        _mm512_castps512_ps256, _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
-        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_dpbf16_ps,
+        _mm_loadu_si128, _mm_prefetch, _mm_setr_epi32, _mm_srli_si128, _mm_storeu_si128, _mm256_add_ps,
+        _mm256_and_si256, _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32,
+        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps,
+        _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
+        _mm256_or_si256, _mm256_permute2f128_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
+        _mm512_abs_ps, _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4,
+        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_castsi128_si512,
+        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
+        _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8, _mm512_dpbf16_ps,
         _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps,
         _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
-        _mm512_maskz_permutexvar_epi8, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi16,
-        _mm512_permutexvar_epi8, _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps,
+        _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512,
+        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8,
+        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps,
         _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
         _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16,
         _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
@@ -657,33 +659,75 @@ mod x86 {
     /// q3_k's quarters 0 and 2 (low bits at 0, mask bit at 4) and 1 and 3 (low bits at 2, mask bit at 5).
     const Q3K_QUANTS: [[u8; 64]; 2] = [q3_k_quants(0, 4), q3_k_quants(2, 5)];
 
+    /// `vpermt2b` indices that gather quarter `j`'s packed vector from the super-block's `i8` activations in
+    /// element order (four vectors: `j / 2` as the first source, `2 + j / 2` as the second), for even and odd
+    /// `j`: byte `pos` takes element `k23_element(j, pos)`.
+    const K23_X_ORDER: [[u8; 64]; 2] = {
+        let mut t = [[0u8; 64]; 2];
+        let mut odd = 0;
+        while odd < 2 {
+            let mut pos = 0;
+            while pos < 64 {
+                let e = k23_element(odd, pos);
+                // Element 128n + 32·odd + s: byte 32·odd + s of vector 2n (j = odd) of the pair.
+                t[odd][pos] = (64 * (e / 128) + e % 128) as u8;
+                pos += 1;
+            }
+            odd += 1;
+        }
+        t
+    };
+
     /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q2_k_vnni`] (`q3` false) or
     /// [`dot_q3_k_vnni`], [`K23_VNNI_SLOTS`] slots a super-block, `k / 256 ×` that a token. Per super-block: the
     /// 256 activations quantised to `i8` against their largest magnitude (`x ≈ dx · x8`, `dx = max |x| / 127`,
-    /// rounded to nearest), quarter `j`'s at the places `k23_element` gives; per dword `u`, the sum `Σx8` of
-    /// group `g(u)` (q3_k: `−4 · Σx8`, the offset of its quants) in the low 16 bits, zeros above; `dx`.
+    /// rounded to nearest even), quarter `j`'s at the places `k23_element` gives; per dword `u`, the sum `Σx8`
+    /// of group `g(u)` (q3_k: `−4 · Σx8`, the offset of its quants) in the low 16 bits, zeros above; `dx`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and AVX512_VBMI are present.
     #[must_use]
-    pub fn pack_k23_vnni(x: &[f32], m: usize, k: usize, q3: bool) -> Vec<f32> {
-        let mut out = Vec::with_capacity(m * k / 256 * K23_VNNI_SLOTS);
-        let mut q8 = [0i8; 256];
-        for xb in x[..m * k].chunks_exact(256) {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            for (q, &v) in q8.iter_mut().zip(xb) {
-                // |v · inv| ≤ 127 up to rounding; the clamp keeps it there.
-                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub unsafe fn pack_k23_vnni(x: &[f32], m: usize, k: usize, q3: bool) -> Vec<f32> {
+        // SAFETY: each index is 64 bytes.
+        let order = K23_X_ORDER.map(|o| unsafe { _mm512_loadu_si512(o.as_ptr().cast::<__m512i>()) });
+        let mut out = vec![0f32; m * k / 256 * K23_VNNI_SLOTS];
+        for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(K23_VNNI_SLOTS)) {
+            // SAFETY: xb has 256 f32, 16 vectors.
+            let v: [__m512; 16] =
+                std::array::from_fn(|i| unsafe { _mm512_loadu_ps(xb.as_ptr().add(16 * i)) });
+            let amax = _mm512_reduce_max_ps(
+                v.iter().fold(_mm512_setzero_ps(), |a, &x| _mm512_max_ps(a, _mm512_abs_ps(x))),
+            );
+            let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            // |x · inv| ≤ 127 up to one rounding, so the conversion (to nearest even, the default rounding)
+            // stays within ±127 and the saturating narrowing changes nothing.
+            let mut q8 = [0i8; 256];
+            for (i, &vi) in v.iter().enumerate() {
+                // SAFETY: 16 bytes at 16i of q8.
+                unsafe {
+                    _mm_storeu_si128(
+                        q8.as_mut_ptr().add(16 * i).cast::<__m128i>(),
+                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(vi, inv))),
+                    );
+                }
             }
-            let mut bytes = [0u8; 4 * K23_VNNI_SLOTS];
-            for (i, b) in bytes[..256].iter_mut().enumerate() {
-                *b = q8[k23_element(i / 64, i % 64)].to_le_bytes()[0];
+            // SAFETY: q8 has 4 vectors of 64 bytes; ob has 64 slots (256 bytes) for the 4 packed ones.
+            unsafe {
+                let z: [__m512i; 4] =
+                    std::array::from_fn(|i| _mm512_loadu_si512(q8.as_ptr().add(64 * i).cast()));
+                for j in 0..4 {
+                    let v = _mm512_permutex2var_epi8(z[j / 2], order[j % 2], z[2 + j / 2]);
+                    _mm512_storeu_si512(ob.as_mut_ptr().add(16 * j).cast::<__m512i>(), v);
+                }
             }
-            for (u, sum) in bytes[256..320].chunks_exact_mut(4).enumerate() {
+            for (u, slot) in ob[64..80].iter_mut().enumerate() {
                 let g = k23_group(u);
                 let s: i16 = q8[16 * g..16 * g + 16].iter().map(|&v| i16::from(v)).sum();
-                sum[..2].copy_from_slice(&(if q3 { -4 * s } else { s }).to_le_bytes());
+                let s = if q3 { -4 * s } else { s };
+                *slot = f32::from_bits(u32::from(u16::from_le_bytes(s.to_le_bytes())));
             }
-            bytes[320..324].copy_from_slice(&(amax / 127.0).to_le_bytes());
-            out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            ob[80] = amax / 127.0;
         }
         out
     }

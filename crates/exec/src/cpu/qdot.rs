@@ -61,7 +61,9 @@ pub fn pack_x(isa: Isa, fmt: QFormat, x: &[f32], m: usize, k: usize) -> Option<(
     #[cfg(target_arch = "x86_64")]
     if rounds_activations(isa, fmt) {
         assert!(x.len() >= m * k && k.is_multiple_of(256), "{m} rows of {k} activations");
-        let packed = super::kdot::pack_k23_vnni(x, m, k, fmt == QFormat::Q3K);
+        // SAFETY: `rounds_activations` holds for Avx512Bf16 alone, which `detect` returns only where AVX-512F/BW
+        // and AVX512_VBMI are present.
+        let packed = unsafe { super::kdot::pack_k23_vnni(x, m, k, fmt == QFormat::Q3K) };
         return Some((packed, k / 256 * super::kdot::K23_VNNI_SLOTS));
     }
     let _ = (isa, fmt, x, m, k);
