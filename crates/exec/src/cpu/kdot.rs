@@ -669,7 +669,7 @@ mod x86 {
             let mut pos = 0;
             while pos < 64 {
                 let e = k23_element(odd, pos);
-                // Element 128n + 32·odd + s: byte 32·odd + s of vector 2n (j = odd) of the pair.
+                // Element 128n + 32·odd + s: byte 32·odd + s of the first source (n = 0) or the second.
                 t[odd][pos] = (64 * (e / 128) + e % 128) as u8;
                 pos += 1;
             }
