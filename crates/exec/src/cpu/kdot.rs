@@ -699,7 +699,10 @@ mod x86 {
             let amax = _mm512_reduce_max_ps(
                 v.iter().fold(_mm512_setzero_ps(), |a, &x| _mm512_max_ps(a, _mm512_abs_ps(x))),
             );
-            let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            // 0 for an all-zero super-block, and for one so small (< 4e-37) that 127 / max |x| overflows, where
+            // every x8 is then 0 rather than the conversion's −128 of an infinite x · inv.
+            let inv = 127.0 / amax;
+            let inv = _mm512_set1_ps(if inv.is_finite() { inv } else { 0.0 });
             // |x · inv| ≤ 127 up to one rounding, so the conversion (to nearest even, the default rounding)
             // stays within ±127 and the saturating narrowing changes nothing.
             let mut q8 = [0i8; 256];
