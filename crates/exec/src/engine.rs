@@ -170,6 +170,13 @@ impl Timeline {
     }
 }
 
+/// Copies the ring issues ahead of the units that consume them (ring depth permitting). A layer's 128 streamed
+/// experts issued at once (a depth-128 ring) ran every copy before the first expert's compute: q4_0
+/// qwen3-30b-a3b@24L, pshard at 4 GB, a layer's experts took 13.8 ms where 2 or 8 ahead took 10.9-11.6 ms
+/// (TTFT 360 -> 313-317 ms; results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). Why the compute waited
+/// for the last copy is open: bf16 experts, whose copies are slower than the host's enqueueing, still do.
+const RING_ISSUE_AHEAD: usize = 8;
+
 /// The streaming ring of one phase.
 struct Ring {
     slots: Vec<u64>,
@@ -1026,7 +1033,10 @@ impl<'a> Exec<'a> {
         let depth = ring.slots.len();
         while let Some(&(item, pass, at)) = ring.pending.front() {
             // A layer's streamed experts are known only once its router has run (`expand_experts`).
-            if ring.issued >= ring.released + depth || matches!(item, RingItem::Experts(_)) {
+            if ring.issued >= ring.released + depth
+                || ring.in_flight.len() >= RING_ISSUE_AHEAD
+                || matches!(item, RingItem::Experts(_))
+            {
                 break;
             }
             if let RingItem::Kv(l) | RingItem::AttnKv(l) = item
@@ -1124,7 +1134,9 @@ impl<'a> Exec<'a> {
             .ok_or_else(|| ExecError::Input(format!("ring stalled before {item:?}")))?;
         assert_eq!(it, item, "ring items are consumed in order");
         g.gpu.wait(Stream::Compute, &ring.copy_done[slot])?;
-        Ok((slot, ring.slots[slot]))
+        let addr = ring.slots[slot];
+        self.pump()?;
+        Ok((slot, addr))
     }
 
     fn release(&mut self, slot: usize, on: Stream) -> Result<()> {
@@ -1391,7 +1403,7 @@ impl<'a> Exec<'a> {
         // a host span of its own: a 1008-token prefill spent 2–3 ms a layer between the routing sync and the
         // first expert on the H200's host, which the simulator does not price yet (run25-quick).
         let t_route = self.tl.now_ns();
-        let routing = Routing::from_logits(&logits, e_n, moe.top_k, moe.norm_topk_prob);
+        let routing = Routing::from_logits(pool, &logits, e_n, moe.top_k, moe.norm_topk_prob);
         if self.opts.keep_logits {
             self.routes.extend(&routing.experts);
         }
