@@ -31,6 +31,12 @@ const MIB: usize = 1 << 20;
 const SAMPLE_TARGET_NS: f64 = 50_000.0;
 /// A held stream's hold per queued call: several times what a cuBLAS call costs the host (≈ 10–15 µs).
 const HOLD_NS_PER_CALL: u64 = 50_000;
+/// Calls a sample of a host-paced row at least (routed experts, unheld). One call of ~70 µs, as the 50 µs
+/// target gives, timed the host's enqueueing of its six launches plus its last kernel's run; the executor
+/// enqueues a layer's experts back to back, each at the host's pace alone: run27's q4_0 qwen3-30b-a3b@24L,
+/// all pinned, took 49 µs an expert in prefill (~64 tokens) against the row's 71.7 µs, 25.7 in decode against
+/// 32.8 (results/validation/2026-12-01-nvidia-h200). Eight is a decode layer's experts.
+const HOST_PACED_MIN_REPS: usize = 8;
 /// The longest hold (256 calls).
 const HOLD_MAX_NS: u64 = 15_000_000;
 
@@ -107,6 +113,17 @@ impl Bench<'_> {
         hold: Option<&Kernels>,
         f: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Stat> {
+        self.events_min_reps(stream, hold, 1, f)
+    }
+
+    /// [`Self::events`] with at least `min_reps` calls a sample.
+    fn events_min_reps(
+        &self,
+        stream: Stream,
+        hold: Option<&Kernels>,
+        min_reps: usize,
+        f: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Stat> {
         let mut once = |reps: usize, base: usize| -> Result<f64> {
             if let Some(k) = hold {
                 self.gpu.hold_compute(k, (HOLD_NS_PER_CALL * (reps as u64 + 1)).min(HOLD_MAX_NS))?;
@@ -120,7 +137,7 @@ impl Bench<'_> {
             Ok(f64::from(self.gpu.elapsed_ms(&self.ev0, &self.ev1)?) * 1e6 / reps as f64)
         };
         let est = once(1, 0)?.max(1.0);
-        let reps = ((SAMPLE_TARGET_NS / est).ceil() as usize).clamp(1, 256);
+        let reps = ((SAMPLE_TARGET_NS / est).ceil() as usize).clamp(min_reps, 256.max(min_reps));
         let mut base = 1;
         // Ops of over 50 ms (long-context prefill attention) vary little: three samples do.
         let rule = if est > 5e7 { Rule { min_samples: 3, max_samples: 3, ..self.rule } } else { self.rule };
@@ -814,7 +831,8 @@ fn measure_gpu_ops(
             let copies = (rot_bytes / unit_bytes).max(1);
             let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
             for &m in &g.tokens {
-                let s = b.events(Stream::Compute, (!experts).then_some(&*kn), &mut |i| {
+                let (hold, min_reps) = if experts { (None, HOST_PACED_MIN_REPS) } else { (Some(&*kn), 1) };
+                let s = b.events_min_reps(Stream::Compute, hold, min_reps, &mut |i| {
                     let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
                     // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
                     // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
