@@ -25,7 +25,8 @@
 //!   the concurrent rate while the next split prefetches), `P_{i+1}` the next streamed split's weights plus its
 //!   full-context KV, `B` the peak PCIe rate (for a CPU split, × 0.9 × the CPU's concurrent/standalone rate),
 //!   and `D_i` the download of a GPU split's new KV cells. Op times come from our [`CostModel`] rather than
-//!   the paper's nearest-neighbour profile lookup.
+//!   the paper's nearest-neighbour profile lookup, except the attention its lookup cannot find
+//!   ([`Pshard::attention_by_exact_row`]).
 //! - Flash attention on (`-pipe-shard` forces it): the plan's workload has `flash_attn = true`; and unified
 //!   KV (`-kvu`, as the paper's batched runs): `kv_unified = true`.
 //!
