@@ -34,10 +34,10 @@
 //! - [`Pshard::all_logits_at_planning`] (default on, as the artifact): plans are measured with every token of
 //!   the tier producing logits, which inflates the output head's scratch and predicted time at prefill tiers.
 //! - [`Pshard::scratch_margin`] (default 1.5).
-//! - [`Pshard::attention_by_exact_row`] (default on, as the artifact): the predictor times flash attention from
-//!   a profile row only on an exact key (full context, KV heads, tier) among the `--fast` profile's rows; any
-//!   other attention (every Qwen3 layer, every 64K context, every tier above 512) is priced at its bytes over
-//!   the memory bandwidth, far below what it costs on the CPU.
+//! - [`Pshard::attention_by_exact_row`] (default on, as the artifact): the predictor times flash attention
+//!   from a profile row only on an exact key (full context, KV heads, tier) among the `--fast` profile's
+//!   rows; any other attention (every Qwen3 layer, every 64K context, every tier above 512) is priced at its
+//!   bytes over the memory bandwidth, far below what it costs on the CPU.
 //! - [`Pshard::forced_strategy`]: the artifact's `-fes`.
 //!
 //! # How it maps onto a [`Plan`]
@@ -182,13 +182,14 @@ pub struct Pshard {
     pub all_logits_at_planning: bool,
     /// Price flash attention as the artifact's predictor does (`BenchmarkPredictor::predict`,
     /// `src/llama-benchmark.cpp`): its only lookup is the exact key `FLASH_ATTN|ctx|kv_heads|tier`, the
-    /// nearest-row search never matches an attention row (it compares the literal `FLASH_ATTN` with rows named
-    /// `FLASH_ATTN_<arch>`), and a miss falls back to bytes over the memory bandwidth (the GPU's, or the host
-    /// DRAM's, under DMA while the next split prefetches). `ctx` is the attention's key count in the planning
-    /// graph, the whole cache. The `--fast` profiles the artifact's scripts measure ([`FAST_ATTENTION_CTX`],
-    /// [`FAST_ATTENTION_KV_HEADS`], [`FAST_ATTENTION_TOKENS`]) leave a 64K context, a Qwen3 layer's 4 KV heads and
-    /// the 1024/2048 prefill tiers to the fallback. A hit is priced by our cost model, standing in for the
-    /// measured row.
+    /// nearest-row search never matches an attention row (it compares the literal `FLASH_ATTN` with rows
+    /// named `FLASH_ATTN_<arch>`), and a miss falls back to bytes over the memory bandwidth (the GPU's, or
+    /// the host DRAM's, under DMA while the next split prefetches). `ctx` is the attention's key count in the
+    /// planning graph (`init_full`): the whole cache, every sequence's cells of the unified cache pshard
+    /// plans for. The `--fast` profiles the artifact's scripts measure ([`FAST_ATTENTION_CTX`],
+    /// [`FAST_ATTENTION_KV_HEADS`], [`FAST_ATTENTION_TOKENS`]) leave a 64K context, a Qwen3 layer's 4 KV
+    /// heads and the 1024/2048 prefill tiers to the fallback. A hit is priced by our cost model, standing in
+    /// for the measured row.
     pub attention_by_exact_row: bool,
 }
 
@@ -564,12 +565,14 @@ impl Paper<'_> {
         t
     }
 
-    /// Whether the artifact's predictor prices attention `op` by bandwidth: [`Pshard::attention_by_exact_row`] is
-    /// on and the profile has no row of its exact key.
+    /// Whether the artifact's predictor prices attention `op` by bandwidth: the quirk
+    /// ([`Pshard::attention_by_exact_row`]) is on and the profile has no row of its exact key.
     fn attention_by_bandwidth(&self, op: &Op) -> bool {
         let OpKind::Attention { kv_heads, .. } = op.kind else { return false };
+        // The planning graph's attention reads the whole unified cache: every sequence's cells.
+        let cache_cells = self.w.ctx * self.w.batch;
         self.cfg.attention_by_exact_row
-            && !(FAST_ATTENTION_CTX.contains(&self.w.ctx)
+            && !(FAST_ATTENTION_CTX.contains(&cache_cells)
                 && FAST_ATTENTION_KV_HEADS.contains(&kv_heads)
                 && FAST_ATTENTION_TOKENS.contains(&op.tokens))
     }

@@ -224,8 +224,9 @@ fn nemo8_decode_note(p: Pshard, ctx: u64) -> String {
 fn attention_without_an_exact_profile_row_is_priced_at_bandwidth_and_steers_the_choice() {
     let artifact = Pshard::default();
     let measured = Pshard { attention_by_exact_row: false, ..Pshard::default() };
-    // At 64K no `--fast` row matches: the predictor prices the CPU attention of STATIC's unpinned layers at DRAM
-    // bandwidth and takes STATIC, where priced at its cost it streams every layer with its KV (FULL_SHARD).
+    // At 64K no `--fast` row matches: the predictor prices the CPU attention of STATIC's unpinned layers at
+    // DRAM bandwidth and takes STATIC, where priced at its cost it streams every layer with its KV
+    // (FULL_SHARD).
     assert_eq!(nemo8_decode_note(artifact, 65536), "decode: STATIC_ATTN_PRIO at tier 1");
     assert_eq!(nemo8_decode_note(measured, 65536), "decode: FULL_SHARD at tier 1");
     // At 16K the GQA-8 row of tier 1 matches exactly: both price attention alike.
