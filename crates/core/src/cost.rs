@@ -21,6 +21,13 @@ use crate::inventory::Inventory;
 use crate::profile::{OpRow, Profile, Provenance};
 use crate::workload::{Op, OpClass, OpKind, Workload};
 
+/// Experts of the router whose routing [`Profile::host_route_ns_per_token`] times (qwen3-30b-a3b's).
+pub const ROUTE_PROFILE_EXPERTS: u64 = 128;
+/// Experts each token picks in that measurement.
+pub const ROUTE_PROFILE_TOP_K: usize = 8;
+/// Tokens of that measurement: a prefill chunk.
+pub const ROUTE_PROFILE_TOKENS: usize = 1024;
+
 /// Where an op runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -74,6 +81,11 @@ pub trait CostModel: Send + Sync {
     }
     /// One host↔device synchronisation.
     fn host_sync_ns(&self) -> u64;
+    /// Our executor's host work routing `tokens` tokens over `n_experts` experts (see
+    /// [`crate::profile::Profile::host_route_ns_per_token`]).
+    fn host_route_ns(&self, _n_experts: u32, _tokens: u64) -> u64 {
+        0
+    }
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
     fn expert_ids_on_device(&self) -> bool {
         false
@@ -451,6 +463,10 @@ impl CostModel for TableCostModel {
 
     fn host_sync_ns(&self) -> u64 {
         self.profile.host_sync_ns
+    }
+
+    fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
+        self.profile.host_route_ns_per_token * tokens * u64::from(n_experts) / ROUTE_PROFILE_EXPERTS
     }
 
     fn expert_ids_on_device(&self) -> bool {

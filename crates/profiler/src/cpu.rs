@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use pipeshard_core::cost::{ROUTE_PROFILE_EXPERTS, ROUTE_PROFILE_TOKENS, ROUTE_PROFILE_TOP_K};
 use pipeshard_core::dtype::DType;
 use pipeshard_core::model::{FfnKind, NormKind};
 use pipeshard_core::profile::{DeviceProfile, DramPoint, OpRow, Roofline};
@@ -29,6 +30,8 @@ pub trait Background {
 pub struct HostProfile {
     pub dram: Vec<DramPoint>,
     pub device: DeviceProfile,
+    /// See [`pipeshard_core::profile::Profile::host_route_ns_per_token`].
+    pub route_ns_per_token: u64,
 }
 
 /// Fills `bytes` with random non-zero values of `elem` (magnitudes 1/8 … 1, random signs).
@@ -650,6 +653,25 @@ pub fn measure(
         }
     }
 
+    // The executor's host routing of a prefill chunk: the top-k of every token's logits on the pool, then the
+    // per-expert token lists, between the routing sync and the first expert (the GPU waits meanwhile).
+    progress.section("host routing of a prefill chunk (exec), most threads", 1);
+    let (route_m, route_e) = (ROUTE_PROFILE_TOKENS, ROUTE_PROFILE_EXPERTS as usize);
+    let logits = random_f32(route_m * route_e, 12);
+    let route = sample(rule, || -> Result<f64> {
+        let t0 = Instant::now();
+        let routing = kernels::Routing::from_logits(most, &logits, route_e, ROUTE_PROFILE_TOP_K, true);
+        std::hint::black_box(routing.per_expert(route_e));
+        Ok(secs_ns(t0))
+    })?;
+    let route_per_token = Stat { median: route.median / route_m as f64, ..route };
+    figures.add(
+        &format!("host routing, {route_m} tokens × {route_e} experts, top {ROUTE_PROFILE_TOP_K}, per token"),
+        "ns",
+        route_per_token,
+    );
+    progress.tick(&format!("routing {:.2} ms a chunk", route.median / 1e6))?;
+
     // Prefill attention: a chunk of queries over the cache before them and each other (causal).
     let steps = g.heads.len() * g.attn_prefill_ctx.len();
     progress.section("CPU prefill attention (exec kernel), most threads", steps as u64);
@@ -787,6 +809,7 @@ pub fn measure(
             ops: rows,
             dma_slowdown,
         },
+        route_ns_per_token: route_per_token.median.round() as u64,
     })
 }
 

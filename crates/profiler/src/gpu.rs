@@ -755,6 +755,7 @@ pub fn measure_all(
         // exec's one-token steps run q|k|v and gate|up as one GEMM each.
         one_token_projections_fused: true,
         cpu_expert_ns: 0,
+        host_route_ns_per_token: host.route_ns_per_token,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
