@@ -33,8 +33,9 @@ if [[ $PARTS == *profile* ]]; then
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
 fi
 if [[ $PARTS == *hostsection* ]]; then
-  # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM: the
-  # validation that follows then predicts with this lease's host (~2 min instead of ~5 for the whole profile).
+  # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM (~3 min
+  # instead of ~5 for the whole profile). It did not make the validation that follows more accurate (run27:
+  # its CPU GEMV rows read 26 % slow while the cells minutes later ran at full speed; README, session 12).
   timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
     --gpu-from "$GPU_FROM" --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-host.log"
