@@ -205,6 +205,45 @@ impl DramProbe {
     }
 }
 
+/// A quick check of the host's CPU GEMV: exec's bf16 matmul of one token over nemo-8b's FFN down-projection
+/// shape (11520 × 4096, a row every profile has), two copies read in turn so that neither is served from the
+/// last-level cache. The DRAM read can hold while the GEMV does not: in validation run27 a profile's GEMV rows
+/// read 26 % slow with its DRAM read at the usual figure, and the cells minutes later ran at full speed.
+#[derive(Debug)]
+pub struct GemvProbe {
+    copies: [Vec<u8>; 2],
+    x: Vec<f32>,
+}
+
+impl Default for GemvProbe {
+    fn default() -> GemvProbe {
+        let (n, k) = (Self::SHAPE.0 as usize, Self::SHAPE.1 as usize);
+        GemvProbe {
+            copies: [random_vec(n * k * 2, Elem::Bf16, 60), random_vec(n * k * 2, Elem::Bf16, 61)],
+            x: random_f32(k, 62).iter().map(|&v| Elem::Bf16.round(v)).collect(),
+        }
+    }
+}
+
+impl GemvProbe {
+    /// The matrix rows and row length the probe multiplies (a profile row's `n` and `k`).
+    pub const SHAPE: (u64, u64) = (11520, 4096);
+
+    /// Weight GB/s of the best of three GEMVs by `pool`'s threads (as [`DramProbe::gbps`]).
+    #[must_use]
+    pub fn gbps(&self, pool: &CpuPool) -> f64 {
+        let (n, k) = (Self::SHAPE.0 as usize, Self::SHAPE.1 as usize);
+        let mut y = vec![0f32; n];
+        (0..3)
+            .map(|i| {
+                let t0 = Instant::now();
+                kernels::matmul(pool, &self.x, 1, k, &self.copies[i % 2], Elem::Bf16, n, &mut y, false);
+                (n * k * 2) as f64 / secs_ns(t0)
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
 /// The sum of a slice read as u64 words (the DRAM read kernel): 64-byte AVX-512 loads where available, as
 /// exec's matmul uses, so that DRAM bandwidth is the CPU kernels' real ceiling; eight plain lanes otherwise.
 pub(crate) fn read_sum(words: &[u64]) -> u64 {
@@ -831,6 +870,15 @@ fn elementwise_row(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GEMV probe multiplies its two copies in turn and gives a positive, finite rate (unoptimised test
+    /// builds run it at under 1 GB/s).
+    #[test]
+    fn the_gemv_probe_reads_its_matrix_at_a_real_rate() {
+        let pool = CpuPool::new(2).unwrap();
+        let gbps = GemvProbe::default().gbps(&pool);
+        assert!(gbps.is_finite() && gbps > 0.01, "{gbps}");
+    }
 
     #[test]
     fn the_dram_reader_sums_every_word() {
