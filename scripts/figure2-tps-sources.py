@@ -12,41 +12,17 @@ medians instead.
     python3 scripts/figure2-tps-sources.py [--groups] [PAPER_DIR] [RUNS_CSV]
 """
 import collections
-import csv
 import math
 import statistics
 import sys
+
+from figure2_sources import load
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 groups_only = "--groups" in sys.argv
 paper = args[0] if args else "../shared/paper"
 runs_csv = args[1] if len(args) > 1 else "results/paper/figure2/runs.csv"
-ALIAS = {"minitron-4b": "nemo-4b", "minitron-8b": "nemo-8b", "qwen3-30b": "qwen3-30b-a3b",
-         "qwen3-235b": "qwen3-235b-a22b", "qwen-30b": "qwen3-30b-a3b", "qwen-235b": "qwen3-235b-a22b"}
-CTX = {"1024": "1K", "4096": "4K", "16384": "16K", "65536": "64K"}
-
-
-def name(m):
-    return ALIAS.get(m, m)
-
-
-base = collections.defaultdict(list)
-base_ngl = {}
-for r in csv.DictReader(open(f"{paper}/baseline_ngl_5090.csv")):
-    if r["Status"] == "SUCCESS":
-        key = (name(r["Model"]), CTX[r["Context"]], f"{int(r['MVA']) // 1000}G", r["Ubatch"])
-        base[key].append(float(r["EvalTPS"]))
-        base_ngl[key] = r["NGL"]
-table4 = {(name(r["Model"]), r["CtxSize"], r["Vram"]): float(r["TPS"])
-          for r in csv.DictReader(open(f"{paper}/table4.csv"))}
-fig2 = {(name(r["Model"]), r["CtxK"], r["VramBudget"]): float(r["TPSSpeedup"])
-        for r in csv.DictReader(open(f"{paper}/figure2.csv"))}
-ours = {}
-for r in csv.DictReader(open(runs_csv)):
-    if r["status"] == "ok":
-        key = (name(r["model"]), CTX[r["ctx"]], f"{int(r['vram_budget_bytes']) >> 30}G", r["ubatch"], r["planner"])
-        ours[key] = float(r["tps"])
-
+base, base_ngl, table4, fig2, ours = load(paper, runs_csv, "EvalTPS", "TPS", "TPSSpeedup", "tps")
 
 def cell(m, c, b):
     paper_su = fig2[(m, c, b)]
