@@ -702,3 +702,108 @@ fn a_held_compute_stream_runs_its_queue_afterwards() {
     eprintln!("hold of 2 ms then one kernel: {ms:.3} ms");
     assert!((1.9..20.0).contains(&ms), "{ms} ms");
 }
+
+/// The pre-enqueue protocol: a copy from page-locked host memory queued behind a host flag waits for the
+/// flag, and reads the memory as the host wrote it after queueing the copy and before releasing the flag.
+#[test]
+fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
+    use pipeshard_exec::cuda::Stream;
+    use pipeshard_exec::host::HostBuf;
+    let Some((_, gpu)) = device() else { return };
+    let flag = gpu.host_flag().unwrap();
+    let mut src = HostBuf::zeroed(8192);
+    // SAFETY: `src` is declared first, so it outlives the guard; registered once.
+    let reg = unsafe { gpu.register(&src) }.unwrap();
+    let dev = gpu.alloc(8192).unwrap();
+    for round in 1..=3u32 {
+        // SAFETY: the flag outlives the wait and is released below; dev holds 8192 bytes; src is registered and
+        // written only before the release, which the copy waits for.
+        unsafe {
+            gpu.wait_flag(Stream::Compute, &flag, round).unwrap();
+            gpu.h2d(Stream::Compute, dev.ptr(), src.as_slice()).unwrap();
+        }
+        // Long enough for a copy that did not wait to have read the old bytes.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        src.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i as u32 * 7 + round) as u8);
+        flag.release(round);
+        let mut back = vec![0u8; 8192];
+        // SAFETY: dev holds 8192 bytes; `back` is read after the sync.
+        unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
+        gpu.sync(Stream::Compute).unwrap();
+        assert_eq!(back, src.as_slice(), "round {round}");
+    }
+    drop(reg);
+}
+
+/// Pre-enqueue (decode with CPU experts: the GPU work after a layer's experts queued while they run, behind a
+/// host flag) computes what launching that work after them does: the same routing and logits (bit for bit
+/// where two runs without it agree bit for bit), on every layer it applies to — after every MoE layer but the
+/// last, except before a layer whose attention streams — with one and with two sequences.
+#[test]
+fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
+    use pipeshard_exec::PreEnqueue;
+    let Some((_, gpu)) = device() else { return };
+    let spec = tiny_qwen3_moe_spec();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let n_layers = w.dims.n_layers;
+    let (prompt_len, n_gen) = (24, 6);
+    let prompt = random_tokens(prompt_len, w.dims.vocab, 5);
+    let cpu_experts: Rule = |_, u| match u {
+        UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+        _ => Placement::Pinned,
+    };
+    // Layer 1's attention streams: nothing is pre-enqueued after layer 0.
+    let layer1_streamed: Rule = |_, u| match u {
+        UnitId::Attn { layer: 1 } => Placement::Streamed,
+        UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+        _ => Placement::Pinned,
+    };
+    for (name, rule, depth, per_step) in [
+        ("attention pinned", cpu_experts, 0, n_layers - 1),
+        ("layer 1 streamed", layer1_streamed, 1, n_layers - 2),
+    ] {
+        for batch in [1u64, 2] {
+            let wl = Workload::single(prompt_len as u64, 64, n_gen as u64, 16).batched(batch, false);
+            let plan = manual_plan(&spec, wl, GIB, 0, depth, 4, rule);
+            let others: Vec<Vec<u32>> =
+                (1..batch).map(|s| random_tokens(prompt_len, w.dims.vocab, 5 + s)).collect();
+            // Teacher-forced, so that the runs decode the same inputs whatever they sample.
+            let force = random_tokens(n_gen, w.dims.vocab, 9);
+            let go = |pre_enqueue| {
+                let o = RunOptions {
+                    other_prompts: others.clone(),
+                    pre_enqueue,
+                    ..opts(&prompt, n_gen, Some(force.clone()))
+                };
+                run(&w, &plan, Some(&gpu), &o).unwrap_or_else(|e| panic!("{name}, batch {batch}: {e}"))
+            };
+            let (off, off2, on) = (go(PreEnqueue::Off), go(PreEnqueue::Off), go(PreEnqueue::On));
+            let count =
+                |o: &RunOutput| o.trace.events.iter().filter(|e| e.name.starts_with("pre-enqueue ")).count();
+            assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
+            assert_eq!(count(&off), 0);
+            assert_eq!(count(&on), per_step * n_gen, "{name}, batch {batch}: pre-enqueued layers");
+            let max_err = |a: &RunOutput, b: &RunOutput| {
+                a.logits
+                    .iter()
+                    .zip(&b.logits)
+                    .map(|(x, y)| rel_err(x, &y.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()))
+                    .fold(0f64, f64::max)
+            };
+            let (noise, err) = (max_err(&off2, &off), max_err(&on, &off));
+            eprintln!(
+                "{name}, batch {batch}: pre-enqueue on vs off max rel err {err:.2e} (off vs off {noise:.2e})"
+            );
+            assert_eq!(on.logits.len(), off.logits.len());
+            assert_eq!(on.routes, off.routes, "{name}, batch {batch}: routing");
+            if noise == 0.0 {
+                assert_eq!(on.logits, off.logits, "{name}, batch {batch}: logits");
+            } else {
+                assert!(
+                    err <= 2.0 * noise,
+                    "{name}, batch {batch}: rel err {err} against run-to-run {noise}"
+                );
+            }
+        }
+    }
+}
