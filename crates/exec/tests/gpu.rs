@@ -704,33 +704,40 @@ fn a_held_compute_stream_runs_its_queue_afterwards() {
 }
 
 /// The pre-enqueue protocol: a copy from page-locked host memory queued behind a host flag waits for the
-/// flag, and reads the memory as the host wrote it after queueing the copy and before releasing the flag.
+/// flag, and reads the memory as the host wrote it after queueing the copy and before releasing the flag — at
+/// sizes from a word to a MiB (a driver could carry small copies' bytes in the command stream instead).
 #[test]
 fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
     use pipeshard_exec::cuda::Stream;
     use pipeshard_exec::host::HostBuf;
     let Some((_, gpu)) = device() else { return };
     let flag = gpu.host_flag().unwrap();
-    let mut src = HostBuf::zeroed(8192);
+    let max = 1 << 20;
+    let mut src = HostBuf::zeroed(max);
     // SAFETY: `src` is declared first, so it outlives the guard; registered once.
     let reg = unsafe { gpu.register(&src) }.unwrap();
-    let dev = gpu.alloc(8192).unwrap();
-    for round in 1..=3u32 {
-        // SAFETY: the flag outlives the wait and is released below; dev holds 8192 bytes; src is registered and
-        // written only before the release, which the copy waits for.
-        unsafe {
-            gpu.wait_flag(Stream::Compute, &flag, round).unwrap();
-            gpu.h2d(Stream::Compute, dev.ptr(), src.as_slice()).unwrap();
+    let dev = gpu.alloc(max).unwrap();
+    let mut round = 0u32;
+    for bytes in [4, 512, 8192, max] {
+        for _ in 0..3 {
+            round += 1;
+            // SAFETY: the flag outlives the wait and is released below; dev and src hold ≥ bytes; src is
+            // registered and written only before the release, which the copy waits for.
+            unsafe {
+                gpu.wait_flag(Stream::Compute, &flag, round).unwrap();
+                gpu.h2d(Stream::Compute, dev.ptr(), &src.as_slice()[..bytes]).unwrap();
+            }
+            // Long enough for a copy that did not wait to have read the old bytes.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let fill = |i: usize| (i as u32 * 7 + round) as u8;
+            src.as_mut_slice()[..bytes].iter_mut().enumerate().for_each(|(i, b)| *b = fill(i));
+            flag.release(round);
+            let mut back = vec![0u8; bytes];
+            // SAFETY: dev holds ≥ bytes; `back` is read after the sync.
+            unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
+            gpu.sync(Stream::Compute).unwrap();
+            assert!(back.iter().enumerate().all(|(i, &b)| b == fill(i)), "{bytes} bytes, round {round}");
         }
-        // Long enough for a copy that did not wait to have read the old bytes.
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        src.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i as u32 * 7 + round) as u8);
-        flag.release(round);
-        let mut back = vec![0u8; 8192];
-        // SAFETY: dev holds 8192 bytes; `back` is read after the sync.
-        unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
-        gpu.sync(Stream::Compute).unwrap();
-        assert_eq!(back, src.as_slice(), "round {round}");
     }
     drop(reg);
 }
