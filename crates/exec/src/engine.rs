@@ -78,9 +78,10 @@ pub struct RunOptions {
 /// leave the serial path from the CPU experts to the next routing.
 ///
 /// It applies where that is simple: decode passes whose residual stream is on the GPU, with layer L+1's
-/// attention pinned with its KV pinned and its router pinned, right after layer L's experts
-/// ([`pre_enqueue_steps`]); such a pre-enqueue touches no ring slot. Elsewhere, and on devices without stream
-/// memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
+/// attention on the GPU right after layer L's experts, its weights and KV pinned or streamed (the ring item
+/// already in flight, so that taking it only queues a device-side wait), and its router pinned
+/// (`pre_enqueue_steps`); the host syncs on nothing before it opens the gate. Elsewhere, and on devices
+/// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
     /// Where the plan and the device allow it.
@@ -253,23 +254,43 @@ impl Drop for Gate {
     }
 }
 
-/// The steps of layer `L + 1`'s attention and router when the GPU work after layer L's CPU experts can be
-/// pre-enqueued ([`PreEnqueue`]): `router` is the index of layer L's router step in `steps`, `decode` whether
-/// the pass is a decode step. The attention must follow L's expert steps, pinned with its KV pinned, and the
-/// router must follow it, pinned: then the enqueue needs no ring slot and no host sync.
-fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Option<(Step, Step)> {
+/// Layer `L + 1`'s attention and router, which can be pre-enqueued after layer L's CPU experts ([`PreEnqueue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct NextLayer {
+    attn: Step,
+    router: Step,
+    /// The ring item the attention takes first (its weights, its KV, or both in one slot), if it streams: it
+    /// must be in flight already, so that taking it only queues a device-side wait (`Exec::ring_front`).
+    ring: Option<RingItem>,
+}
+
+/// The next layer's steps when the GPU work after layer L's CPU experts can be pre-enqueued ([`PreEnqueue`]):
+/// `router` is the index of layer L's router step in `steps`, `decode` whether the pass is a decode step. The
+/// attention must follow L's expert steps, on the GPU with its KV (pinned or streamed, not on the host), and
+/// the router must follow it, pinned: then the enqueue needs no host sync and at most the one ring item.
+fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Option<NextLayer> {
     let UnitId::Router { layer } = steps.get(router)?.unit else { return None };
     let mut rest = steps[router + 1..]
         .iter()
         .skip_while(|s| matches!(s.unit, UnitId::Expert { layer: l, .. } if l == layer));
     let (attn, next_router) = (*rest.next()?, *rest.next()?);
-    let eligible = decode
-        && attn.unit == UnitId::Attn { layer: layer + 1 }
-        && matches!(attn.weights, WeightLoc::Pinned(_))
-        && matches!(attn.kv, Some(KvLoc::Pinned(_)))
-        && next_router.unit == UnitId::Router { layer: layer + 1 }
-        && matches!(next_router.weights, WeightLoc::Pinned(_));
-    eligible.then_some((attn, next_router))
+    let next = layer + 1;
+    if !decode
+        || attn.unit != (UnitId::Attn { layer: next })
+        || next_router.unit != (UnitId::Router { layer: next })
+        || !matches!(next_router.weights, WeightLoc::Pinned(_))
+    {
+        return None;
+    }
+    let ring = match (attn.weights, attn.kv?) {
+        (WeightLoc::Pinned(_), KvLoc::Pinned(_)) => None,
+        (WeightLoc::Streamed, KvLoc::Streamed) => Some(RingItem::AttnKv(next)),
+        (WeightLoc::Streamed, KvLoc::Pinned(_)) => Some(RingItem::Weights(attn.unit)),
+        (WeightLoc::Pinned(_), KvLoc::Streamed) => Some(RingItem::Kv(next)),
+        // On the CPU, or staged with the KV on the host (op offload, prefill only).
+        _ => return None,
+    };
+    Some(NextLayer { attn, router: next_router, ring })
 }
 
 impl Drop for GpuSide<'_> {
@@ -1209,6 +1230,11 @@ impl<'a> Exec<'a> {
         ring.queued_through = Some(pass);
     }
 
+    /// The ring item copied (or being copied) next in line for a consumer, if any.
+    fn ring_front(&self) -> Option<RingItem> {
+        self.gpu.as_ref()?.ring.as_ref()?.in_flight.front().map(|&(item, _)| item)
+    }
+
     /// Waits (on the compute stream) for the next ring item, which must be `item`; returns its slot.
     fn acquire(&mut self, item: RingItem) -> Result<(usize, u64)> {
         self.pump()?;
@@ -1561,7 +1587,10 @@ impl<'a> Exec<'a> {
                     },
                     || -> Result<Option<Gate>> {
                         enqueue_gpu_experts(self)?;
-                        next.map(|(attn, r)| self.pre_enqueue(lay, layer, &attn, &r, pass_at, pass, m))
+                        // After this layer's streamed experts took their slots, the attention's item must be
+                        // the next in flight.
+                        next.filter(|n| n.ring.is_none() || n.ring == self.ring_front())
+                            .map(|n| self.pre_enqueue(lay, layer, &n, pass_at, pass, m))
                             .transpose()
                     },
                 );
@@ -1665,14 +1694,13 @@ impl<'a> Exec<'a> {
     /// Queues, behind a new gate on the compute stream, the GPU work that follows `layer`'s CPU experts
     /// ([`PreEnqueue`]): the upload of their sum (from `moe_io.part`, where the host writes it before it opens
     /// the gate) and its add into the residual stream, then the next layer's `attn` and `router` steps up to the
-    /// copy of the router's results to the host. Returns the gate, which opens when dropped.
-    #[allow(clippy::too_many_arguments)]
+    /// copy of the router's results to the host. Returns the gate, which opens when dropped. A streamed attention
+    /// takes its ring slot, already copied, behind the gate, and releases it (its KV's write-back too) there.
     fn pre_enqueue(
         &mut self,
         lay: &PhaseLayout,
         layer: u32,
-        attn: &Step,
-        router: &Step,
+        next: &NextLayer,
         pass_at: Pass,
         pass: usize,
         m: usize,
@@ -1707,9 +1735,9 @@ impl<'a> Exec<'a> {
         g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
         // The layer's last upload from the staging buffer (its GPU experts' token lists precede it).
         g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
-        self.gpu_block(lay, attn, pass_at, pass)?;
+        self.gpu_block(lay, &next.attn, pass_at, pass)?;
         let to_cpu = lay.experts[&(layer + 1)].iter().any(|l| !l.on_gpu());
-        self.enqueue_router(lay, router, m, to_cpu)?;
+        self.enqueue_router(lay, &next.router, m, to_cpu)?;
         self.pre_enqueued = Some(layer + 1);
         self.tl.host(format!("pre-enqueue blk.{} attn + router", layer + 1), Track::Host, t);
         Ok(gate)
@@ -2172,7 +2200,7 @@ impl<'a> Exec<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{KvLoc, Step, UnitId, WeightLoc, page_lock_choice, pre_enqueue_steps};
+    use super::{KvLoc, NextLayer, RingItem, Step, UnitId, WeightLoc, page_lock_choice, pre_enqueue_steps};
 
     /// Layer 0 and 1 of a MoE model, both with attention and router pinned (KV pinned) and two CPU experts, then
     /// the output head.
@@ -2197,13 +2225,15 @@ mod tests {
         steps
     }
 
-    /// Pre-enqueue takes the next layer's attention and router when both are pinned (and the KV too) in a
-    /// decode step, and nothing else: not in prefill, not after the last layer, not from a step that is not a
-    /// router, not where either would need the ring or the CPU.
+    /// Pre-enqueue takes the next layer's attention and router in a decode step when the router is pinned and
+    /// the attention runs on the GPU with its KV, naming the ring item a streamed one takes first; nothing
+    /// else: not in prefill, not after the last layer, not from a step that is not a router, not where the
+    /// attention or the router is on the CPU or the router streams.
     #[test]
-    fn pre_enqueue_takes_only_the_next_pinned_attention_and_router_of_decode() {
+    fn pre_enqueue_takes_the_next_gpu_attention_and_pinned_router_of_decode() {
         let steps = moe_steps();
-        assert_eq!(pre_enqueue_steps(&steps, 1, true), Some((steps[4], steps[5])));
+        let next = |s: &[Step]| Some(NextLayer { attn: s[4], router: s[5], ring: None });
+        assert_eq!(pre_enqueue_steps(&steps, 1, true), next(&steps));
         assert_eq!(pre_enqueue_steps(&steps, 1, false), None, "prefill");
         assert_eq!(
             pre_enqueue_steps(&steps, 5, true),
@@ -2215,17 +2245,28 @@ mod tests {
         let with = |i: usize, weights: WeightLoc, kv: Option<KvLoc>| {
             let mut s = steps.clone();
             s[i] = Step { weights, kv, ..s[i] };
-            pre_enqueue_steps(&s, 1, true)
+            (pre_enqueue_steps(&s, 1, true), s)
         };
-        let pinned_kv = Some(KvLoc::Pinned(0));
-        assert_eq!(with(4, WeightLoc::Streamed, pinned_kv), None, "attention streamed");
-        assert_eq!(with(4, WeightLoc::Pinned(0), Some(KvLoc::Streamed)), None, "KV streamed");
-        assert_eq!(with(4, WeightLoc::Cpu, Some(KvLoc::Host)), None, "attention on the CPU");
-        assert_eq!(with(4, WeightLoc::Staged(0), Some(KvLoc::Host)), None, "attention staged");
-        assert_eq!(with(5, WeightLoc::Streamed, None), None, "router streamed");
-        assert_eq!(with(5, WeightLoc::Cpu, None), None, "router on the CPU");
+        let attn1 = UnitId::Attn { layer: 1 };
+        for (weights, kv, ring) in [
+            (WeightLoc::Streamed, KvLoc::Pinned(0), RingItem::Weights(attn1)),
+            (WeightLoc::Pinned(0), KvLoc::Streamed, RingItem::Kv(1)),
+            (WeightLoc::Streamed, KvLoc::Streamed, RingItem::AttnKv(1)),
+        ] {
+            let (got, s) = with(4, weights, Some(kv));
+            assert_eq!(
+                got,
+                Some(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
+                "{weights:?}, {kv:?}"
+            );
+        }
+        assert_eq!(with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0, None, "attention on the CPU");
+        assert_eq!(with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0, None, "attention staged");
+        assert_eq!(with(5, WeightLoc::Streamed, None).0, None, "router streamed");
+        assert_eq!(with(5, WeightLoc::Cpu, None).0, None, "router on the CPU");
         // Experts of this layer on the GPU are skipped like CPU ones.
-        assert_eq!(with(2, WeightLoc::Pinned(0), None), Some((steps[4], steps[5])));
+        let (got, s) = with(2, WeightLoc::Pinned(0), None);
+        assert_eq!(got, next(&s));
         // A dense layer next (an FFN instead of a router).
         let mut dense = steps.clone();
         dense[5] = Step { unit: UnitId::Ffn { layer: 1 }, weights: WeightLoc::Pinned(0), kv: None };

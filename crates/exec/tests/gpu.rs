@@ -744,8 +744,9 @@ fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
 
 /// Pre-enqueue (decode with CPU experts: the GPU work after a layer's experts queued while they run, behind a
 /// host flag) computes what launching that work after them does: the same routing and logits (bit for bit
-/// where two runs without it agree bit for bit), on every layer it applies to — after every MoE layer but the
-/// last, except before a layer whose attention streams — with one and with two sequences.
+/// where two runs without it agree bit for bit), with one and with two sequences; and it runs after every MoE
+/// layer but the last, whether the next attention is pinned or streams (weights, KV, or both in one slot),
+/// except before an attention on the CPU.
 #[test]
 fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
     use pipeshard_exec::PreEnqueue;
@@ -755,20 +756,32 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
     let n_layers = w.dims.n_layers;
     let (prompt_len, n_gen) = (24, 6);
     let prompt = random_tokens(prompt_len, w.dims.vocab, 5);
-    let cpu_experts: Rule = |_, u| match u {
-        UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
-        _ => Placement::Pinned,
-    };
-    // Layer 1's attention streams: nothing is pre-enqueued after layer 0.
-    let layer1_streamed: Rule = |_, u| match u {
-        UnitId::Attn { layer: 1 } => Placement::Streamed,
-        UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
-        _ => Placement::Pinned,
-    };
-    for (name, rule, depth, per_step) in [
-        ("attention pinned", cpu_experts, 0, n_layers - 1),
-        ("layer 1 streamed", layer1_streamed, 1, n_layers - 2),
-    ] {
+    // Layer 1's attention (and KV) placed as the case says; experts and the embedding on the CPU, the rest
+    // pinned.
+    let cases: [(&str, u32, usize, Rule); 4] = [
+        ("attention pinned", 0, n_layers - 1, |_, u| match u {
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention streamed, KV pinned", 1, n_layers - 1, |_, u| match u {
+            UnitId::Attn { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention + KV streamed in one slot", 2, n_layers - 1, |_, u| match u {
+            UnitId::Attn { layer: 1 } | UnitId::Kv { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention + KV on the CPU", 0, n_layers - 2, |_, u| match u {
+            UnitId::Attn { layer: 1 }
+            | UnitId::Kv { layer: 1 }
+            | UnitId::Expert { .. }
+            | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+    ];
+    for (name, depth, per_step, rule) in cases {
         for batch in [1u64, 2] {
             let wl = Workload::single(prompt_len as u64, 64, n_gen as u64, 16).batched(batch, false);
             let plan = manual_plan(&spec, wl, GIB, 0, depth, 4, rule);
@@ -785,11 +798,6 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
                 run(&w, &plan, Some(&gpu), &o).unwrap_or_else(|e| panic!("{name}, batch {batch}: {e}"))
             };
             let (off, off2, on) = (go(PreEnqueue::Off), go(PreEnqueue::Off), go(PreEnqueue::On));
-            let count =
-                |o: &RunOutput| o.trace.events.iter().filter(|e| e.name.starts_with("pre-enqueue ")).count();
-            assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
-            assert_eq!(count(&off), 0);
-            assert_eq!(count(&on), per_step * n_gen, "{name}, batch {batch}: pre-enqueued layers");
             let max_err = |a: &RunOutput, b: &RunOutput| {
                 a.logits
                     .iter()
@@ -797,9 +805,13 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
                     .map(|(x, y)| rel_err(x, &y.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()))
                     .fold(0f64, f64::max)
             };
+            let count =
+                |o: &RunOutput| o.trace.events.iter().filter(|e| e.name.starts_with("pre-enqueue ")).count();
             let (noise, err) = (max_err(&off2, &off), max_err(&on, &off));
             eprintln!(
-                "{name}, batch {batch}: pre-enqueue on vs off max rel err {err:.2e} (off vs off {noise:.2e})"
+                "{name}, batch {batch}: pre-enqueue on vs off max rel err {err:.2e} (off vs off {noise:.2e}), \
+                 {} layers pre-enqueued",
+                count(&on)
             );
             assert_eq!(on.logits.len(), off.logits.len());
             assert_eq!(on.routes, off.routes, "{name}, batch {batch}: routing");
@@ -811,6 +823,9 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
                     "{name}, batch {batch}: rel err {err} against run-to-run {noise}"
                 );
             }
+            assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
+            assert_eq!(count(&off), 0);
+            assert_eq!(count(&on), per_step * n_gen, "{name}, batch {batch}: pre-enqueued layers");
         }
     }
 }
