@@ -232,9 +232,9 @@ struct GpuSide<'a> {
     t0_ns: u64,
     /// Weight bytes left pageable, and the warning that says why when the plan did not ask for it.
     pageable: (u64, Option<String>),
-    /// The flag that gates pre-enqueued work ([`PreEnqueue`]), if on and the device can wait on it, and the
-    /// last value it was (or will be) released to.
+    /// The flag that gates pre-enqueued work ([`PreEnqueue`]), if on and the device can wait on it.
     gate: Option<Rc<HostFlag>>,
+    /// The value the last gate waited for: each gate waits for the next one (cyclically).
     gate_seq: u32,
     /// Why pre-enqueue is off although asked for.
     gate_warning: Option<String>,
@@ -1594,8 +1594,8 @@ impl<'a> Exec<'a> {
                             .transpose()
                     },
                 );
-                // On an error the gate, if any, opens as it drops: the queued work runs on stale inputs, and the
-                // run fails.
+                // An error after a gate's wait was queued dropped the gate, which opened it: the queued work runs
+                // on stale inputs, and the run fails.
                 let gate = enqueued?;
                 self.tl.spans.push((name, Track::Cpu, t, cpu_end_ns.saturating_sub(t)));
                 let po = self.moe_io.part;
