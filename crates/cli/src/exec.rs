@@ -128,11 +128,20 @@ pub struct RunArgs {
     pre_enqueue: Toggle,
 }
 
-/// A feature switched on or off.
+/// `--pre-enqueue`: on or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Toggle {
+pub(crate) enum Toggle {
     On,
     Off,
+}
+
+impl From<Toggle> for PreEnqueue {
+    fn from(t: Toggle) -> PreEnqueue {
+        match t {
+            Toggle::On => PreEnqueue::On,
+            Toggle::Off => PreEnqueue::Off,
+        }
+    }
 }
 
 /// Commit (`PIPESHARD_COMMIT` on machines without the git checkout), date and command line of this run.
@@ -496,10 +505,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             keep_logits: reference.is_some(),
             pinned_limit_bytes,
             interrupt: Some(interrupt),
-            pre_enqueue: match args.pre_enqueue {
-                Toggle::On => PreEnqueue::On,
-                Toggle::Off => PreEnqueue::Off,
-            },
+            pre_enqueue: args.pre_enqueue.into(),
         };
         let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
         let (status, out) = match result {
