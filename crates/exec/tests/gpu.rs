@@ -818,8 +818,9 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
             if noise == 0.0 {
                 assert_eq!(on.logits, off.logits, "{name}, batch {batch}: logits");
             } else {
+                // Stale or missing inputs behind the gate would move the logits by far more.
                 assert!(
-                    err <= 2.0 * noise,
+                    err <= (2.0 * noise).max(1e-5),
                     "{name}, batch {batch}: rel err {err} against run-to-run {noise}"
                 );
             }
