@@ -85,9 +85,10 @@ pub struct RunOptions {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
     /// Where the plan and the device allow it.
-    #[default]
     On,
-    /// Never: every launch after the CPU experts' end.
+    /// Never: every launch after the CPU experts' end. The default until `On` has run on a GPU (written in
+    /// session 12 without one; its GPU tests and an A/B run are the next device session's).
+    #[default]
     Off,
 }
 
