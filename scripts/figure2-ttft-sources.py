@@ -10,35 +10,14 @@ own absolutes (1.00 = consistent).
     python3 scripts/figure2-ttft-sources.py [PAPER_DIR] [RUNS_CSV]
 """
 import collections
-import csv
 import statistics
 import sys
 
+from figure2_sources import load
+
 paper = sys.argv[1] if len(sys.argv) > 1 else "../shared/paper"
 runs_csv = sys.argv[2] if len(sys.argv) > 2 else "results/paper/figure2/runs.csv"
-ALIAS = {"minitron-4b": "nemo-4b", "minitron-8b": "nemo-8b", "qwen3-30b": "qwen3-30b-a3b",
-         "qwen3-235b": "qwen3-235b-a22b", "qwen-30b": "qwen3-30b-a3b", "qwen-235b": "qwen3-235b-a22b"}
-CTX = {"1024": "1K", "4096": "4K", "16384": "16K", "65536": "64K"}
-
-
-def name(m):
-    return ALIAS.get(m, m)
-
-
-base = collections.defaultdict(list)
-for r in csv.DictReader(open(f"{paper}/baseline_ngl_5090.csv")):
-    if r["Status"] == "SUCCESS":
-        key = (name(r["Model"]), CTX[r["Context"]], f"{int(r['MVA']) // 1000}G", r["Ubatch"])
-        base[key].append(float(r["PromptEvalTime_ms"]))
-table4 = {(name(r["Model"]), r["CtxSize"], r["Vram"]): float(r["TTFT(msec)"])
-          for r in csv.DictReader(open(f"{paper}/table4.csv"))}
-fig2 = {(name(r["Model"]), r["CtxK"], r["VramBudget"]): float(r["TTFTSpeedup"])
-        for r in csv.DictReader(open(f"{paper}/figure2.csv"))}
-ours = {}
-for r in csv.DictReader(open(runs_csv)):
-    if r["status"] == "ok":
-        key = (name(r["model"]), CTX[r["ctx"]], f"{int(r['vram_budget_bytes']) >> 30}G", r["ubatch"], r["planner"])
-        ours[key] = float(r["ttft_ms"])
+base, _, table4, fig2, ours = load(paper, runs_csv, "PromptEvalTime_ms", "TTFT(msec)", "TTFTSpeedup", "ttft_ms")
 
 groups = collections.defaultdict(lambda: collections.defaultdict(list))
 for (m, c, b), paper_su in fig2.items():

@@ -5,6 +5,7 @@
 #   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
+#   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -33,8 +34,9 @@ if [[ $PARTS == *profile* ]]; then
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
 fi
 if [[ $PARTS == *hostsection* ]]; then
-  # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM: the
-  # validation that follows then predicts with this lease's host (~2 min instead of ~5 for the whole profile).
+  # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM (~3 min
+  # instead of ~5 for the whole profile). It did not make the validation that follows more accurate (run27:
+  # its CPU GEMV rows read 26 % slow while the cells minutes later ran at full speed; README, session 12).
   timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
     --gpu-from "$GPU_FROM" --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-host.log"
@@ -61,6 +63,20 @@ if [[ $PARTS == *experts* ]]; then
   { timeout 60 .bin/pipeshard exec bench --cpu-only --formats none --cpu-bytes 256M --threads "$(nproc)"
     timeout 120 .bin/exec-experts-bench --bench --noplot; echo "experts exit $?"; } > "$OUT/experts.log" 2>&1
   grep -E "DRAM read|bf16 \(|time:|thrpt:|exit" "$OUT/experts.log"
+fi
+if [[ $PARTS == *preenqueue* ]]; then
+  # `exec run --pre-enqueue on|off` interleaved on a CPU-experts decode (qwen3-30b-a3b@4L bf16, pshard at 2 GB),
+  # then one checked run with it on (logits against an all-pinned reference).
+  mkdir -p "$OUT/ab"
+  run_ab() { timeout 150 .bin/pipeshard exec run --model qwen3-30b-a3b@4L --weights bf16 --budget 2G --planner pshard \
+    --prompt-tokens 1008 --ctx 1K --gen 16 --threads "$(nproc)" --profile profiles/h200.json "$@"; }
+  for i in 1 2; do for p in on off; do
+    run_ab --pre-enqueue $p --trace "$OUT/ab/t$i-$p.json" > "$OUT/ab/run$i-$p.log" 2>&1
+    grep -E "TTFT|warn|failed|error" "$OUT/ab/run$i-$p.log" | sed "s/^/$i $p: /"
+  done; done
+  run_ab --pre-enqueue on --check > "$OUT/ab/check-on.log" 2>&1
+  grep -E "check|reference|failed|error" "$OUT/ab/check-on.log"
+  tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
 fi
 if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \

@@ -28,7 +28,7 @@ use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
 use pipeshard_exec::{
-    ExecError, LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, page_table_bytes_per_locked_gib,
+    ExecError, LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput, page_table_bytes_per_locked_gib,
     runtime_overhead_bytes,
 };
 use pipeshard_planner::PlannerOptions;
@@ -121,6 +121,27 @@ pub struct RunArgs {
     /// reference's tokens and compare logits (max rel. err) and sampled tokens with it.
     #[arg(long)]
     check: bool,
+    /// Decode with MoE experts on the CPU: queue the GPU work that follows a layer's CPU experts (their sum,
+    /// the next layer's attention and router) while they run, behind a flag the host opens (`on`: where the
+    /// plan and the device allow it), or launch it after them (`off`).
+    #[arg(long, value_enum, default_value = "off")]
+    pre_enqueue: Toggle,
+}
+
+/// `--pre-enqueue`: on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Toggle {
+    On,
+    Off,
+}
+
+impl From<Toggle> for PreEnqueue {
+    fn from(t: Toggle) -> PreEnqueue {
+        match t {
+            Toggle::On => PreEnqueue::On,
+            Toggle::Off => PreEnqueue::Off,
+        }
+    }
 }
 
 /// Commit (`PIPESHARD_COMMIT` on machines without the git checkout), date and command line of this run.
@@ -464,7 +485,11 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             plan.prefill.cpu_threads = t;
             plan.decode.cpu_threads = t;
         }
-        let label = format!("{} / {} / budget {}", spec.name, plan.planner, format_bytes(plan.budget_bytes));
+        let mut label =
+            format!("{} / {} / budget {}", spec.name, plan.planner, format_bytes(plan.budget_bytes));
+        if args.pre_enqueue == Toggle::Off {
+            label.push_str(" / pre-enqueue off");
+        }
         println!("{label}");
         if let Some(p) = &profile_used {
             let threads = plan.prefill.cpu_threads.max(plan.decode.cpu_threads);
@@ -480,6 +505,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             keep_logits: reference.is_some(),
             pinned_limit_bytes,
             interrupt: Some(interrupt),
+            pre_enqueue: args.pre_enqueue.into(),
         };
         let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
         let (status, out) = match result {

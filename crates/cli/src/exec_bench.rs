@@ -73,6 +73,10 @@ pub struct BenchArgs {
     /// Decode steps (step 0 is left out of every figure).
     #[arg(long = "gen", default_value_t = 16)]
     gen_tokens: u64,
+    /// Decode of the MoE bound: queue the GPU work after a layer's CPU experts while they run (`on`, where the
+    /// plan and the device allow it) or launch it after them (`off`); see `exec run --pre-enqueue`.
+    #[arg(long, value_enum, default_value = "off")]
+    pre_enqueue: crate::exec::Toggle,
     /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
     /// `bounds-moe-cpu-experts.json`).
     #[arg(long)]
@@ -183,6 +187,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             device_gbps: gpu_row.bound_gbps,
             dram_gbps: cpu_row.bound_gbps,
             trace_dir: args.out.as_deref().filter(|_| args.trace),
+            pre_enqueue: args.pre_enqueue.into(),
         };
         let mut bounds = vec![BoundRow {
             bound: "DRAM read".into(),

@@ -18,7 +18,7 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::Gpu;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{RunOptions, RunOutput};
+use pipeshard_exec::{PreEnqueue, RunOptions, RunOutput};
 use pipeshard_planner::PlannerOptions;
 use pipeshard_profiler::Progress;
 
@@ -43,6 +43,8 @@ pub struct BoundsConfig<'a> {
     pub dram_gbps: f64,
     /// Folder the runs' Chrome traces go to (`bounds-NAME.json`).
     pub trace_dir: Option<&'a std::path::Path>,
+    /// Whether decode queues the GPU work after CPU experts while they run.
+    pub pre_enqueue: PreEnqueue,
 }
 
 /// Ring slots of the streaming bound's plan: enough to keep the copy engine busy while one FFN computes.
@@ -151,11 +153,13 @@ fn run_plan(
     gpu: &Gpu,
     wl: &Workload,
     routes: bool,
+    pre_enqueue: PreEnqueue,
 ) -> anyhow::Result<RunOutput> {
     let opts = RunOptions {
         prompt: random_tokens(wl.prompt_tokens as usize, w.dims.vocab, 1),
         gen_tokens: wl.gen_tokens as usize,
         keep_logits: routes,
+        pre_enqueue,
         ..RunOptions::default()
     };
     pipeshard_exec::run(w, plan, Some(gpu), &opts)
@@ -187,7 +191,7 @@ pub fn decode_bounds(
     let big = w.total_bytes() + wl.kv_bytes_per_layer(&dense) * u64::from(dense.text.n_layers) + (8 << 30);
     let pinned =
         pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, 0, cfg.threads, |_, _| Placement::Pinned);
-    let out = run_plan(&w, &pinned, gpu, &wl, false)?;
+    let out = run_plan(&w, &pinned, gpu, &wl, false, cfg.pre_enqueue)?;
     cfg.save_trace("pinned", &out)?;
     let step = step_ns(&out, "all pinned")?;
     // Steady steps 1..G: the weights once each, and the cells filled at that step.
@@ -219,7 +223,7 @@ pub fn decode_bounds(
     let plan = pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, STREAM_DEPTH, cfg.threads, |_, u| {
         if matches!(u, UnitId::Ffn { .. }) { Placement::Streamed } else { Placement::Pinned }
     });
-    let out = run_plan(&w, &plan, gpu, &wl, false)?;
+    let out = run_plan(&w, &plan, gpu, &wl, false, cfg.pre_enqueue)?;
     cfg.save_trace("streamed", &out)?;
     drop(w);
     let steps = steady_steps(&out.trace);
@@ -261,7 +265,7 @@ pub fn decode_bounds(
     let Some(m) = w.dims.moe.as_ref() else { unreachable!("checked above") };
     let (top_k, n_experts) = (m.top_k, m.n_experts);
     let plan = plan_with(gpu, cfg, &moe, &wl, cfg.moe_planner, cfg.moe_budget_bytes)?;
-    let out = run_plan(&w, &plan, gpu, &wl, true)?;
+    let out = run_plan(&w, &plan, gpu, &wl, true, cfg.pre_enqueue)?;
     cfg.save_trace("moe-cpu-experts", &out)?;
     let step = step_ns(&out, "experts on the CPU")?;
     let moe_layers: Vec<u32> = w
@@ -311,10 +315,20 @@ pub fn decode_bounds(
         .iter()
         .filter(|p| matches!(p.unit, UnitId::Expert { .. }) && p.placement == Placement::Cpu)
         .count();
+    // Layers whose successor's GPU work was queued while their CPU experts ran (the engine's host spans).
+    let pre_enqueued = out.trace.events.iter().filter(|e| e.name.starts_with("pre-enqueue ")).count();
+    let pre_enqueue = match cfg.pre_enqueue {
+        PreEnqueue::On => format!(
+            "pre-enqueue on ({:.1} of {} layers a step)",
+            pre_enqueued as f64 / cfg.gen_tokens.max(1) as f64,
+            moe_layers.len().saturating_sub(1)
+        ),
+        PreEnqueue::Off => "pre-enqueue off".into(),
+    };
     rows.push(BoundRow {
         bound: "DRAM read ÷ CPU bytes per token".into(),
         workload: format!(
-            "{} bf16, {} plan at {}: {cpu_experts} of {} experts on the CPU in decode",
+            "{} bf16, {} plan at {}: {cpu_experts} of {} experts on the CPU in decode, {pre_enqueue}",
             moe.name,
             plan.planner,
             format_bytes(cfg.moe_budget_bytes),

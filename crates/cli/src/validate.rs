@@ -13,7 +13,8 @@
 //! - `provenance.json`.
 //!
 //! Around each run a host check reads DRAM with the profile's threads; a cell run while the shared host read
-//! under 90 % of the profile's figure runs once more (`host_dram_gbps`, `attempts` in `cells.csv`).
+//! under 90 % of the profile's figure runs once more (`host_dram_gbps`, `attempts` in `cells.csv`). It also
+//! times a CPU GEMV against the profile's row of that shape (`host_gemv_ratio`), which the summary reports.
 //!
 //! Measured VRAM is what the executor carved from its arena in the larger phase, plus the runtime overhead it
 //! measured, plus what the driver loaded lazily past both during the run (the arena itself is allocated
@@ -29,16 +30,18 @@ use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::Inventory;
 use pipeshard_core::metrics::{Metrics, Resource};
 use pipeshard_core::plan::{Plan, VramBreakdown};
 use pipeshard_core::trace::Trace;
+use pipeshard_core::workload::OpClass;
 use pipeshard_exec::RunOptions;
 use pipeshard_exec::cpu::CpuPool;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::ModelWeights;
-use pipeshard_profiler::cpu::DramProbe;
+use pipeshard_profiler::cpu::{DramProbe, GemvProbe};
 use pipeshard_sim::{SimOptions, Simulator};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -134,6 +137,9 @@ pub struct Outcome {
     pub plan_fingerprint: Option<String>,
     /// The host check's DRAM read around the run that was kept (the lower of before and after), GB/s.
     pub host_dram_gbps: Option<f64>,
+    /// The host check's CPU GEMV over the profile's row of that shape around the run that was kept (the
+    /// lower of before and after).
+    pub host_gemv_ratio: Option<f64>,
     /// Runs of the cell: more than one when the host check found the host disturbed.
     pub attempts: u32,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
@@ -254,6 +260,9 @@ struct Row {
     /// Absent from runs before the host check (as are `attempts`).
     #[serde(default)]
     host_dram_gbps: Option<f64>,
+    /// Absent from runs before session 12.
+    #[serde(default)]
+    host_gemv_ratio: Option<f64>,
     #[serde(default = "one_run")]
     attempts: u32,
     calibration: bool,
@@ -301,6 +310,7 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             process_vram_peak_bytes: o.process_peak_bytes,
             runtime_overhead_bytes: o.runtime_overhead_bytes,
             host_dram_gbps: o.host_dram_gbps,
+            host_gemv_ratio: o.host_gemv_ratio,
             attempts: o.attempts,
             calibration: false,
             plan_fingerprint: o.plan_fingerprint.clone(),
@@ -347,6 +357,7 @@ impl Row {
             runtime_overhead_bytes: self.runtime_overhead_bytes,
             plan_fingerprint: self.plan_fingerprint,
             host_dram_gbps: self.host_dram_gbps,
+            host_gemv_ratio: self.host_gemv_ratio,
             attempts: self.attempts,
             run: None,
             status: self.status,
@@ -558,6 +569,7 @@ fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
             runtime_overhead_bytes: old.runtime_overhead_bytes,
             plan_fingerprint: Some(fingerprint),
             host_dram_gbps: old.host_dram_gbps,
+            host_gemv_ratio: old.host_gemv_ratio,
             attempts: old.attempts,
             run: None,
             cell,
@@ -720,9 +732,10 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         let mut attempts = 0;
         let outcome = loop {
             attempts += 1;
-            let before_gbps = host.gbps();
+            let (before_gbps, before_gemv) = (host.gbps(), host.gemv_ratio());
             let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed)?;
             let host_gbps = before_gbps.min(host.gbps());
+            o.host_gemv_ratio = before_gemv.zip(host.gemv_ratio()).map(|(b, a)| b.min(a));
             (o.host_dram_gbps, o.attempts) = (Some(host_gbps), attempts);
             if o.meas.is_none() || !host.disturbed(host_gbps) || attempts == HOST_ATTEMPTS {
                 break o;
@@ -765,6 +778,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         100.0 * HOST_OK_SHARE,
         still.count()
     );
+    if let Some(line) = gemv_check_line(&outcomes, host.expected_gemv_gbps) {
+        let _ = writeln!(md, "\n{line}");
+    }
     for w in &borrowed {
         md.push('\n');
         md.push_str(w);
@@ -852,19 +868,39 @@ const HOST_ATTEMPTS: u32 = 2;
 /// ~100 s stretch decoded up to 2× slower than in run20 and than the same cells re-run minutes later on a
 /// fresh lease, a disturbance no prediction can know of. Such a cell runs again, and cells.csv keeps what the
 /// host read.
+///
+/// It also times a CPU GEMV against the profile's row of the same shape (`host_gemv_ratio`): the DRAM read can
+/// hold while the GEMV does not, and a ratio far from 1 in every cell says the profile's CPU rows were taken in
+/// another host state than the cells ran in (run27: its host section's GEMV rows 26 % slow).
 struct HostCheck {
     pool: CpuPool,
     probe: DramProbe,
     expected_gbps: f64,
+    gemv: GemvProbe,
+    /// The profile's GB/s at the probe's shape, one token, the profile's threads (None: no such row).
+    expected_gemv_gbps: Option<f64>,
 }
 
 impl HostCheck {
     fn new(profile: &pipeshard_core::profile::Profile) -> anyhow::Result<HostCheck> {
         let threads = profile.machine.cpu_threads;
+        let (n, k) = GemvProbe::SHAPE;
+        let expected_gemv_gbps = profile
+            .cpu
+            .ops
+            .iter()
+            .find(|r| {
+                r.op == OpClass::MatMul
+                    && r.dtype == DType::Bf16
+                    && (r.n, r.k, r.tokens, r.threads) == (n, k, 1, threads)
+            })
+            .map(|r| (2 * n * k) as f64 / r.time_ns as f64);
         Ok(HostCheck {
             pool: CpuPool::new(threads as usize)?,
             probe: DramProbe::default(),
             expected_gbps: profile.dram_gbps(threads, false),
+            gemv: GemvProbe::default(),
+            expected_gemv_gbps,
         })
     }
 
@@ -872,9 +908,35 @@ impl HostCheck {
         self.probe.gbps(&self.pool)
     }
 
+    /// The GEMV probe's GB/s over the profile's, if it has the row.
+    fn gemv_ratio(&self) -> Option<f64> {
+        self.expected_gemv_gbps.map(|e| self.gemv.gbps(&self.pool) / e)
+    }
+
     fn disturbed(&self, gbps: f64) -> bool {
         gbps < HOST_OK_SHARE * self.expected_gbps
     }
+}
+
+/// The summary's line on the GEMV probe: the spread of `host_gemv_ratio` over the measured cells.
+fn gemv_check_line(outcomes: &[Outcome], expected_gbps: Option<f64>) -> Option<String> {
+    let mut r: Vec<f64> =
+        outcomes.iter().filter(|o| o.meas.is_some()).filter_map(|o| o.host_gemv_ratio).collect();
+    let expected = expected_gbps?;
+    if r.is_empty() {
+        return None;
+    }
+    r.sort_by(f64::total_cmp);
+    let (n, k) = GemvProbe::SHAPE;
+    Some(format!(
+        "CPU GEMV check ({n}×{k} bf16, one token, before and after each run; the profile's row: {expected:.1} \
+         GB/s): measured ÷ profile {:.2} (median), {:.2}–{:.2} over {} cells (column `host_gemv_ratio`; far \
+         from 1 in every cell: the profile's CPU rows and the cells saw different hosts).",
+        r[r.len() / 2],
+        r[0],
+        r[r.len() - 1],
+        r.len()
+    ))
 }
 
 fn num_cpus() -> usize {
@@ -905,6 +967,7 @@ fn validate_cell(
         runtime_overhead_bytes: prof.runtime_overhead_bytes,
         plan_fingerprint: None,
         host_dram_gbps: None,
+        host_gemv_ratio: None,
         attempts: 1,
         run: None,
         cell,
@@ -969,6 +1032,25 @@ mod tests {
         assert!(md.contains("| all (1) | 1 | 9.1% / 9.1% |"), "{md}");
     }
 
+    /// The summary states the GEMV probe's ratio to the profile's row over the measured cells, and nothing
+    /// without the profile's row or a reading.
+    #[test]
+    fn the_gemv_check_line_gives_the_ratios_spread() {
+        let mut cells = vec![outcome("ilp", "dense", 1.0, 1.0), outcome("ngl", "dense", 1.0, 1.0)];
+        cells[1].host_gemv_ratio = Some(1.41);
+        cells.push(Outcome { meas: None, host_gemv_ratio: Some(0.2), ..outcome("pshard", "moe", 1.0, 1.0) });
+        let line = gemv_check_line(&cells, Some(99.8)).expect("a line");
+        assert!(
+            line.contains("99.8 GB/s") && line.contains("1.41 (median), 1.25–1.41 over 2 cells"),
+            "{line}"
+        );
+        assert!(gemv_check_line(&cells, None).is_none());
+        for o in &mut cells {
+            o.host_gemv_ratio = None;
+        }
+        assert!(gemv_check_line(&cells, Some(99.8)).is_none());
+    }
+
     fn outcome(planner: &str, kind: &'static str, pred: f64, meas: f64) -> Outcome {
         let s = |x: f64| Sample {
             ttft_ms: x,
@@ -1003,6 +1085,7 @@ mod tests {
             runtime_overhead_bytes: 500 << 20,
             plan_fingerprint: Some("0123abcd".into()),
             host_dram_gbps: Some(91.5),
+            host_gemv_ratio: Some(1.25),
             attempts: 2,
             run: None,
         }
@@ -1057,6 +1140,7 @@ mod tests {
         assert_eq!((back[0].pred, back[0].meas), (outcomes[0].pred, outcomes[0].meas));
         assert_eq!(back[0].plan_fingerprint.as_deref(), Some("0123abcd"));
         assert_eq!((back[0].host_dram_gbps, back[0].attempts), (Some(91.5), 2));
+        assert_eq!(back[0].host_gemv_ratio, Some(1.25));
         // Runs from before the fingerprint column still read.
         let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
         std::fs::write(dir.join("old.csv"), old).unwrap();

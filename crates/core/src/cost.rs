@@ -21,6 +21,13 @@ use crate::inventory::Inventory;
 use crate::profile::{OpRow, Profile, Provenance};
 use crate::workload::{Op, OpClass, OpKind, Workload};
 
+/// Experts of the router whose routing [`Profile::host_route_ns_per_token`] times (qwen3-30b-a3b's).
+pub const ROUTE_PROFILE_EXPERTS: u64 = 128;
+/// Experts each token picks in that measurement.
+pub const ROUTE_PROFILE_TOP_K: usize = 8;
+/// Tokens of that measurement: a prefill chunk.
+pub const ROUTE_PROFILE_TOKENS: usize = 1024;
+
 /// Where an op runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -74,6 +81,11 @@ pub trait CostModel: Send + Sync {
     }
     /// One host↔device synchronisation.
     fn host_sync_ns(&self) -> u64;
+    /// Our executor's host work routing `tokens` tokens over `n_experts` experts (see
+    /// [`crate::profile::Profile::host_route_ns_per_token`]).
+    fn host_route_ns(&self, _n_experts: u32, _tokens: u64) -> u64 {
+        0
+    }
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
     fn expert_ids_on_device(&self) -> bool {
         false
@@ -228,8 +240,9 @@ impl TableCostModel {
 
     /// The family measured for this op: same device, class ([`OpKind::row_class`]) and format, nearest
     /// query heads per KV head (attention), then nearest thread count. Routers and expert FFNs are matmuls, so they borrow the matmul rows when they have none of their
-    /// own; a decode step's attention of several sequences borrows the attention rows (interpolated in tokens
-    /// towards the prefill chunks') when the profile did not time batched decode; a block-quantised format
+    /// own; a decode step's attention of several sequences borrows the attention rows when the profile did not
+    /// time batched decode (on the GPU interpolated in tokens towards the prefill chunks', on the CPU at the
+    /// one-query rows' efficiency: see [`TableCostModel::efficiency`]); a block-quantised format
     /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
@@ -245,8 +258,13 @@ impl TableCostModel {
             (OpClass::AttentionDecodeUnified, Device::Cpu) => OpClass::AttentionDecode,
             (c, _) => c,
         };
+        // Without flash attention, a CPU decode step runs one sequence's `mul_mat` pair per sequence: the one-query
+        // materialised rows where the profile has them, whatever the number of sequences.
+        let materialized_cpu = ctx.device == Device::Cpu
+            && matches!(op.kind, OpKind::Attention { decode: true, materialized: true, .. });
         let find_matmul = |dtype: DType| {
-            find(class, dtype).or_else(|| match class {
+            let own = if materialized_cpu { find(OpClass::AttentionMaterialized, dtype) } else { None };
+            own.or_else(|| find(class, dtype)).or_else(|| match class {
                 OpClass::Router | OpClass::Experts => find(OpClass::MatMul, dtype),
                 OpClass::AttentionDecode
                 | OpClass::AttentionDecodeUnified
@@ -280,8 +298,21 @@ impl TableCostModel {
         let Some(fam) = self.family(op, ctx) else { return 1.0 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
         // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's.
+        // A CPU decode step's queries belong to separate sequences: ggml's CPU attention (flash or not) gives each
+        // query row and head to one thread, which computes over that sequence's own cells only (a unified cache's
+        // others are masked and skipped), so nothing is shared between sequences, and one sequence's 32+ rows
+        // already occupy every thread: R sequences cost R times one. When it
+        // borrows the one-query rows, it keeps their efficiency instead of moving towards a prefill chunk's, whose
+        // queries share their keys (16 sequences had cost 8.3 one's on cli3). Measured in ggml b6097's CPU kernel
+        // (`scripts/ggml-cpu-attention.c`): the same time a cell and head at 1, 4 and 16 sequences.
         let tokens = match op.kind {
             OpKind::Experts { tokens_per_touched, .. } => tokens_per_touched.max(1.0),
+            OpKind::Attention { decode: true, .. }
+                if ctx.device == Device::Cpu
+                    && matches!(fam.class, OpClass::Attention | OpClass::AttentionMaterialized) =>
+            {
+                1.0
+            }
             _ => op.tokens.max(1) as f64,
         };
         let x = tokens.ln();
@@ -451,6 +482,10 @@ impl CostModel for TableCostModel {
 
     fn host_sync_ns(&self) -> u64 {
         self.profile.host_sync_ns
+    }
+
+    fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
+        self.profile.host_route_ns_per_token * tokens * u64::from(n_experts) / ROUTE_PROFILE_EXPERTS
     }
 
     fn expert_ids_on_device(&self) -> bool {
@@ -700,6 +735,42 @@ mod tests {
             .find(|o| matches!(o.kind, OpKind::Attention { .. }))
             .unwrap();
         assert_eq!(m.op_ns(&prefill, OpContext::gpu()), old.op_ns(&prefill, OpContext::gpu()));
+    }
+
+    /// On a profile without batched decode rows (cli3's), a CPU decode attention of R sequences costs R times one
+    /// sequence's, flash or not, per-sequence or unified cache (each query row computes over its own sequence's
+    /// cells); a prefill chunk keeps its rows.
+    #[test]
+    fn cpu_decode_attention_of_several_sequences_costs_each_sequence_in_full() {
+        let m = model();
+        let spec = catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap();
+        let inv = Inventory::new(&spec);
+        // llama-batched-bench's first decode step: 889 prompt tokens, 953 keys in the middle of its 128 steps.
+        let w = Workload::single(952, 1024, 128, 1024);
+        let attn = |r: u64, unified: bool, flash: bool| {
+            let wb = Workload { flash_attn: flash, ..w.batched(r, unified) };
+            let all = ops(&spec, &inv, &wb, wb.decode_step(0));
+            *all.iter().find(|o| matches!(o.kind, OpKind::Attention { .. })).unwrap()
+        };
+        let cpu = OpContext::cpu(16);
+        for flash in [true, false] {
+            let one_ns = m.op_ns(&attn(1, false, flash), cpu);
+            for r in [4u64, 16, 64] {
+                for unified in [false, true] {
+                    let ns = m.op_ns(&attn(r, unified, flash), cpu);
+                    // One rounding per op: within R ns of R times one sequence.
+                    assert!(
+                        ns.abs_diff(r * one_ns) <= r,
+                        "flash {flash}, {r} unified {unified}: {ns} vs {one_ns}"
+                    );
+                }
+            }
+        }
+        let prefill = *ops(&spec, &inv, &w, w.prefill_chunks()[0])
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::Attention { .. }))
+            .unwrap();
+        assert!(m.op_ns(&prefill, cpu) <= m.roofline_ns(&prefill, cpu) + 1, "prefill at its roofline");
     }
 
     /// The measured H200 profile without its attention rows, for tests that add their own.

@@ -201,6 +201,12 @@ pub struct Profile {
     /// rows of large shapes do not show. Derived profiles fit it; measured ones time whole expert blocks.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cpu_expert_ns: u64,
+    /// Host time our executor spends routing one token of a prefill chunk (1024 tokens, 128 experts, top 8:
+    /// `Routing::from_logits` on the profile's most threads, then the per-expert token lists), between the
+    /// routing sync and the first expert; scaled by the router's expert count. 0: not measured (older
+    /// profiles, derived ones), and no routing work is priced.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_route_ns_per_token: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// VRAM the driver takes to map page-locked host memory into the GPU's address space, per GiB locked:

@@ -18,6 +18,7 @@
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
 use std::collections::{HashSet, VecDeque};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -30,7 +31,7 @@ use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
-use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostRegistration, KernelKey, Kernels, Stream};
+use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostFlag, HostRegistration, KernelKey, Kernels, Stream};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
@@ -66,6 +67,29 @@ pub struct RunOptions {
     /// Checked before every forward pass: once set (by a Ctrl-C handler), the run stops with
     /// [`ExecError::Interrupted`] and releases its device and page-locked memory on the way out.
     pub interrupt: Option<&'static AtomicBool>,
+    /// Whether decode steps queue the GPU work after a MoE layer's CPU experts while those run ([`PreEnqueue`]).
+    pub pre_enqueue: PreEnqueue,
+}
+
+/// Pre-enqueue (decode, experts on the CPU): while layer L's CPU experts run, the host queues what follows
+/// them on the compute stream — their sum's upload and add, layer L+1's attention and router up to the copy
+/// of its logits to the host — behind a wait on a host flag, and opens it once it has written the sum. The
+/// host's launches of the attention (≈ 70 µs a layer of qwen3-30b-a3b, which the GPU ran at the host's pace)
+/// leave the serial path from the CPU experts to the next routing.
+///
+/// It applies where that is simple: decode passes whose residual stream is on the GPU, with layer L+1's
+/// attention on the GPU right after layer L's experts, its weights and KV pinned or streamed (the ring item
+/// already in flight, so that taking it only queues a device-side wait), and its router pinned
+/// (`pre_enqueue_steps`); the host syncs on nothing before it opens the gate. Elsewhere, and on devices
+/// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PreEnqueue {
+    /// Where the plan and the device allow it.
+    On,
+    /// Never: every launch after the CPU experts' end. The default until `On` has run on a GPU (written in
+    /// session 12 without one; its GPU tests and an A/B run are the next device session's).
+    #[default]
+    Off,
 }
 
 /// VRAM as planned, as carved, and as measured.
@@ -170,6 +194,13 @@ impl Timeline {
     }
 }
 
+/// Copies the ring issues ahead of the units that consume them (ring depth permitting). A layer's 128 streamed
+/// experts issued at once (a depth-128 ring) ran every copy before the first expert's compute: q4_0
+/// qwen3-30b-a3b@24L, pshard at 4 GB, a layer's experts took 13.8 ms where 2 or 8 ahead took 10.9-11.6 ms
+/// (TTFT 360 -> 313-317 ms; results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). Why the compute waited
+/// for the last copy is open: bf16 experts, whose copies are slower than the host's enqueueing, still do.
+const RING_ISSUE_AHEAD: usize = 8;
+
 /// The streaming ring of one phase.
 struct Ring {
     slots: Vec<u64>,
@@ -202,7 +233,65 @@ struct GpuSide<'a> {
     t0_ns: u64,
     /// Weight bytes left pageable, and the warning that says why when the plan did not ask for it.
     pageable: (u64, Option<String>),
+    /// The flag that gates pre-enqueued work ([`PreEnqueue`]), if on and the device can wait on it.
+    gate: Option<Rc<HostFlag>>,
+    /// The value the last gate waited for: each gate waits for the next one (cyclically).
+    gate_seq: u32,
+    /// Why pre-enqueue is off although asked for.
+    gate_warning: Option<String>,
     _regs: Vec<HostRegistration>,
+}
+
+/// Opens a pre-enqueue's gate when dropped: after the host wrote what the gated work reads, or on an error or
+/// a panic in between, so that the compute stream (and the sync of `GpuSide`'s drop) never waits forever.
+struct Gate {
+    flag: Rc<HostFlag>,
+    seq: u32,
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.flag.release(self.seq);
+    }
+}
+
+/// Layer `L + 1`'s attention and router, which can be pre-enqueued after layer L's CPU experts ([`PreEnqueue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct NextLayer {
+    attn: Step,
+    router: Step,
+    /// The ring item the attention takes first (its weights, its KV, or both in one slot), if it streams: it
+    /// must be in flight already, so that taking it only queues a device-side wait (`Exec::ring_front`).
+    ring: Option<RingItem>,
+}
+
+/// The next layer's steps when the GPU work after layer L's CPU experts can be pre-enqueued ([`PreEnqueue`]):
+/// `router` is the index of layer L's router step in `steps`, `decode` whether the pass is a decode step. The
+/// attention must follow L's expert steps, on the GPU with its KV (pinned or streamed, not on the host), and
+/// the router must follow it, pinned: then the enqueue needs no host sync and at most the one ring item.
+fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Option<NextLayer> {
+    let UnitId::Router { layer } = steps.get(router)?.unit else { return None };
+    let mut rest = steps[router + 1..]
+        .iter()
+        .skip_while(|s| matches!(s.unit, UnitId::Expert { layer: l, .. } if l == layer));
+    let (attn, next_router) = (*rest.next()?, *rest.next()?);
+    let next = layer + 1;
+    if !decode
+        || attn.unit != (UnitId::Attn { layer: next })
+        || next_router.unit != (UnitId::Router { layer: next })
+        || !matches!(next_router.weights, WeightLoc::Pinned(_))
+    {
+        return None;
+    }
+    let ring = match (attn.weights, attn.kv?) {
+        (WeightLoc::Pinned(_), KvLoc::Pinned(_)) => None,
+        (WeightLoc::Streamed, KvLoc::Streamed) => Some(RingItem::AttnKv(next)),
+        (WeightLoc::Streamed, KvLoc::Pinned(_)) => Some(RingItem::Weights(attn.unit)),
+        (WeightLoc::Pinned(_), KvLoc::Streamed) => Some(RingItem::Kv(next)),
+        // On the CPU, or staged with the KV on the host (op offload, prefill only).
+        _ => return None,
+    };
+    Some(NextLayer { attn, router: next_router, ring })
 }
 
 impl Drop for GpuSide<'_> {
@@ -311,6 +400,8 @@ struct Exec<'a> {
     routes: Vec<u32>,
     tl: Timeline,
     h_on_dev: bool,
+    /// The layer whose attention and router were pre-enqueued ([`PreEnqueue`]): the step loop skips them.
+    pre_enqueued: Option<u32>,
 }
 
 /// Runs every GEMM shape a run will launch once, so that cuBLAS's first call of a shape (its heuristics, and
@@ -620,6 +711,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         routes: Vec::new(),
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
+        pre_enqueued: None,
     };
     if needs_gpu {
         let gpu = gpu.ok_or_else(|| ExecError::NoCuda {
@@ -642,6 +734,22 @@ impl<'a> Exec<'a> {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
+        // Pre-enqueue gates the work after CPU experts, which only MoE decode plans with CPU experts have.
+        let cpu_experts = plan
+            .decode
+            .placements
+            .iter()
+            .any(|p| matches!(p.unit, UnitId::Expert { .. }) && p.placement == Placement::Cpu);
+        let (gate, gate_warning) = if self.opts.pre_enqueue == PreEnqueue::On && cpu_experts {
+            match gpu.host_flag() {
+                Ok(f) => (Some(Rc::new(f)), None),
+                Err(e) => {
+                    (None, Some(format!("pre-enqueue is off: the device cannot wait on a host flag ({e})")))
+                }
+            }
+        } else {
+            (None, None)
+        };
         let units = self.w.units();
         let streamed: HashSet<UnitId> = plan
             .phases()
@@ -737,6 +845,9 @@ impl<'a> Exec<'a> {
             t0,
             t0_ns: 0,
             pageable,
+            gate,
+            gate_seq: 0,
+            gate_warning,
             _regs: regs,
         };
         side.sample_vram()?;
@@ -912,7 +1023,11 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        let warnings = self.gpu.as_ref().and_then(|g| g.pageable.1.clone()).into_iter().collect();
+        let warnings = self
+            .gpu
+            .as_ref()
+            .map(|g| g.pageable.1.iter().chain(&g.gate_warning).cloned().collect())
+            .unwrap_or_default();
         Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
@@ -1026,7 +1141,10 @@ impl<'a> Exec<'a> {
         let depth = ring.slots.len();
         while let Some(&(item, pass, at)) = ring.pending.front() {
             // A layer's streamed experts are known only once its router has run (`expand_experts`).
-            if ring.issued >= ring.released + depth || matches!(item, RingItem::Experts(_)) {
+            if ring.issued >= ring.released + depth
+                || ring.in_flight.len() >= RING_ISSUE_AHEAD
+                || matches!(item, RingItem::Experts(_))
+            {
                 break;
             }
             if let RingItem::Kv(l) | RingItem::AttnKv(l) = item
@@ -1113,6 +1231,11 @@ impl<'a> Exec<'a> {
         ring.queued_through = Some(pass);
     }
 
+    /// The ring item copied (or being copied) next in line for a consumer, if any.
+    fn ring_front(&self) -> Option<RingItem> {
+        self.gpu.as_ref()?.ring.as_ref()?.in_flight.front().map(|&(item, _)| item)
+    }
+
     /// Waits (on the compute stream) for the next ring item, which must be `item`; returns its slot.
     fn acquire(&mut self, item: RingItem) -> Result<(usize, u64)> {
         self.pump()?;
@@ -1124,7 +1247,9 @@ impl<'a> Exec<'a> {
             .ok_or_else(|| ExecError::Input(format!("ring stalled before {item:?}")))?;
         assert_eq!(it, item, "ring items are consumed in order");
         g.gpu.wait(Stream::Compute, &ring.copy_done[slot])?;
-        Ok((slot, ring.slots[slot]))
+        let addr = ring.slots[slot];
+        self.pump()?;
+        Ok((slot, addr))
     }
 
     fn release(&mut self, slot: usize, on: Stream) -> Result<()> {
@@ -1198,7 +1323,7 @@ impl<'a> Exec<'a> {
         self.pump()?;
         self.h_on_dev = false;
         let mut result = None;
-        for step in &lay.steps {
+        for (i, step) in lay.steps.iter().enumerate() {
             let uw = self.w.unit(step.unit).expect("weight unit");
             match (uw.kind, step.weights.on_gpu()) {
                 (UnitKind::Embd, false) => {
@@ -1230,6 +1355,7 @@ impl<'a> Exec<'a> {
                     cpu::ffn_block(pool, self.d, uw.buf.as_slice(), &off, self.h_host.f32s_mut(), m);
                     self.tl.host(format!("cpu {}", step.unit), Track::Cpu, t);
                 }
+                (UnitKind::Attn(_), true) if self.pre_enqueued == step.unit.layer() => {}
                 (UnitKind::Attn(_) | UnitKind::Ffn(_), true) => {
                     // The host's enqueue time: decode kernels are small, so a GPU span as long as this one
                     // is bound by the host's launches, not by the GPU.
@@ -1237,7 +1363,7 @@ impl<'a> Exec<'a> {
                     self.gpu_block(lay, step, at, pass)?;
                     self.tl.host(format!("enqueue {}", step.unit), Track::Host, t);
                 }
-                (UnitKind::Router(_), _) => self.moe_layer(lay, pool, step, m)?,
+                (UnitKind::Router(_), _) => self.moe_layer(lay, pool, i, at, pass)?,
                 // Experts run inside their layer's MoE block (at the router step), only where picked.
                 (UnitKind::Expert(_), _) => {}
                 (UnitKind::Output(off), on_gpu) => {
@@ -1266,6 +1392,7 @@ impl<'a> Exec<'a> {
                 }
             }
         }
+        debug_assert_eq!(self.pre_enqueued, None, "a pre-enqueued router runs in the same pass");
         if let Some(g) = &mut self.gpu {
             // The host reuses its staging buffers next pass: wait for this pass's compute work.
             g.gpu.sync(Stream::Compute)?;
@@ -1295,8 +1422,18 @@ impl<'a> Exec<'a> {
     /// One MoE layer, at its router step: the router where the router unit is placed, the routing on the host,
     /// then the picked experts only — GPU experts (pinned, or streamed and copied now) as per-expert cuBLAS
     /// calls over their gathered token rows, enqueued first, and CPU experts computed meanwhile on the host;
-    /// the CPU partial sum is added on the side that holds the residual stream.
-    fn moe_layer(&mut self, lay: &PhaseLayout, pool: &CpuPool, step: &Step, m: usize) -> Result<()> {
+    /// the CPU partial sum is added on the side that holds the residual stream. `router` is the router's index
+    /// in the layout's steps, of pass `pass` (`pass_at`).
+    fn moe_layer(
+        &mut self,
+        lay: &PhaseLayout,
+        pool: &CpuPool,
+        router: usize,
+        pass_at: Pass,
+        pass: usize,
+    ) -> Result<()> {
+        let step = &lay.steps[router];
+        let m = pass_at.tokens(self.kv.seqs);
         let d = self.d;
         let moe: MoeDims = d.moe.expect("router units exist only in MoE models");
         let UnitId::Router { layer } = step.unit else { unreachable!("router step") };
@@ -1306,64 +1443,27 @@ impl<'a> Exec<'a> {
         let locs = &lay.experts[&layer];
         let (hd, e_n, fe) = (d.hidden, moe.n_experts, moe.expert_ffn);
         let has_cpu_experts = locs.iter().any(|l| !l.on_gpu());
+        // A pre-enqueued router is already queued behind the previous layer's experts' sum: the host waits for
+        // it from here on, with the CPU experts' workers polling.
+        let pre_enqueued = self.pre_enqueued.take() == Some(layer);
+        let mut warm = (pre_enqueued && has_cpu_experts).then(|| pool.keep_warm());
         if let Some(g) = &self.gpu {
             // The host rewrites the MoE staging buffer below: the previous layer's uploads must be done.
             g.gpu.sync_event(&g.moe_uploaded)?;
         }
         // 1. Router: normed input and logits, on the router's side; the logits come to the host. The CPU
         // experts' workers poll from the routing sync until their work starts.
-        let mut warm = None;
         let xn: Vec<f32>;
         let logits: Vec<f32>;
         let xn_on_dev;
         if step.weights.on_gpu() {
-            self.ensure_dev(lay, m)?;
-            let (wb, slot) = self.weights_base(lay, step)?;
-            let g = self.gpu.as_ref().expect("gpu");
-            let (base, sc) = (g.base(), lay.scratch);
-            let at = |o: usize| base + o as u64;
-            let start = g.span_start(Stream::Compute)?;
-            let mio = &mut self.moe_io;
-            let buf = mio.buf.as_mut_slice();
-            let (lo, xo) = (mio.logits, mio.xn);
-            // SAFETY: h holds m rows, xb m·hidden activations, moe_logits m·n_experts f32 (scratch_layout); the
-            // router unit holds its norm and [n_experts, hidden] matrix at these offsets; moe_io is registered and
-            // read only after the sync below.
-            unsafe {
-                g.gpu.norm_act(
-                    &g.k,
-                    at(sc.h),
-                    wb + roff.norm_w as u64,
-                    roff.norm_b.map_or(0, |b| wb + b as u64),
-                    at(sc.xb),
-                    m,
-                    hd,
-                    d.norm_eps,
-                    d.norm == pipeshard_core::model::NormKind::LayerNorm,
-                )?;
-                g.gpu.matmul(
-                    &g.k,
-                    d.quant,
-                    wb + roff.gate_inp as u64,
-                    at(sc.xb),
-                    at(sc.moe_logits),
-                    m,
-                    e_n,
-                    hd,
-                    false,
-                )?;
-                g.gpu.d2h(Stream::Compute, &mut buf[lo..lo + m * e_n * 4], at(sc.moe_logits))?;
-                if has_cpu_experts {
-                    g.gpu.d2h(Stream::Compute, &mut buf[xo..xo + m * hd * 2], at(sc.xb))?;
-                }
+            if !pre_enqueued {
+                self.enqueue_router(lay, step, m, has_cpu_experts)?;
             }
-            g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
-            if let Some(s) = slot {
-                self.release(s, Stream::Compute)?;
-            }
+            let (lo, xo) = (self.moe_io.logits, self.moe_io.xn);
             let g = self.gpu.as_ref().expect("gpu");
             let t = self.tl.now_ns();
-            warm = has_cpu_experts.then(|| pool.keep_warm());
+            warm = warm.or_else(|| has_cpu_experts.then(|| pool.keep_warm()));
             g.gpu.sync(Stream::Compute)?;
             self.tl.host(format!("sync: blk.{layer} routing to host"), Track::Host, t);
             let buf = self.moe_io.buf.as_slice();
@@ -1391,7 +1491,7 @@ impl<'a> Exec<'a> {
         // a host span of its own: a 1008-token prefill spent 2–3 ms a layer between the routing sync and the
         // first expert on the H200's host, which the simulator does not price yet (run25-quick).
         let t_route = self.tl.now_ns();
-        let routing = Routing::from_logits(&logits, e_n, moe.top_k, moe.norm_topk_prob);
+        let routing = Routing::from_logits(pool, &logits, e_n, moe.top_k, moe.norm_topk_prob);
         if self.opts.keep_logits {
             self.routes.extend(&routing.experts);
         }
@@ -1453,9 +1553,12 @@ impl<'a> Exec<'a> {
             ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first).map(|_| ())
         };
         // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
-        // experts; the CPU experts' sum joins the residual stream where it is.
+        // experts (and, where it can, pre-enqueues what follows the CPU experts); the CPU experts' sum joins the
+        // residual stream where it is.
         // The workers stop polling here whether or not CPU experts were picked.
         drop(warm);
+        // Whether `moe_uploaded` was recorded after this layer's last upload from the staging buffer already.
+        let mut uploads_recorded = false;
         if cpu_experts.is_empty() {
             enqueue_gpu_experts(self)?;
         } else {
@@ -1471,33 +1574,56 @@ impl<'a> Exec<'a> {
             let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
             let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
+                let next = self
+                    .gpu
+                    .as_ref()
+                    .is_some_and(|g| g.gate.is_some())
+                    .then(|| pre_enqueue_steps(&lay.steps, router, matches!(pass_at, Pass::Decode { .. })))
+                    .flatten();
                 let mut part = vec![0f32; m * hd];
                 let (cpu_end_ns, enqueued) = pool.alongside(
                     || {
                         cpu::experts_block(pool, d, fe, &xn, &units, &mut part);
                         clock.elapsed().as_nanos() as u64
                     },
-                    || enqueue_gpu_experts(self),
+                    || -> Result<Option<Gate>> {
+                        enqueue_gpu_experts(self)?;
+                        // After this layer's streamed experts took their slots, the attention's item must be
+                        // the next in flight.
+                        next.filter(|n| n.ring.is_none() || n.ring == self.ring_front())
+                            .map(|n| self.pre_enqueue(lay, layer, &n, pass_at, pass, m))
+                            .transpose()
+                    },
                 );
-                enqueued?;
+                // An error after a gate's wait was queued dropped the gate, which opened it: the queued work runs
+                // on stale inputs, and the run fails.
+                let gate = enqueued?;
                 self.tl.spans.push((name, Track::Cpu, t, cpu_end_ns.saturating_sub(t)));
                 let po = self.moe_io.part;
                 let buf = self.moe_io.buf.as_mut_slice();
                 Elem::F32.write_row(&part, &mut buf[po..po + 4 * m * hd]);
-                let g = self.gpu.as_ref().expect("gpu");
-                let at = |o: usize| g.base() + o as u64;
-                let sc = lay.scratch;
-                // SAFETY: moe_y holds m·hidden f32 and is free again in stream order (the last expert's scatter
-                // precedes this copy on the compute stream); h holds m·hidden f32; moe_io is registered.
-                unsafe {
-                    g.gpu.h2d(
-                        Stream::Compute,
-                        at(sc.moe_y),
-                        &self.moe_io.buf.as_slice()[po..po + m * hd * 4],
-                    )?;
-                    g.gpu.add_bias(&g.k, at(sc.h), at(sc.moe_y), m * hd, m * hd)?;
+                if gate.is_some() {
+                    // The upload and the add wait behind the gate, which opens here.
+                    drop(gate);
+                    uploads_recorded = true;
+                } else {
+                    let g = self.gpu.as_ref().expect("gpu");
+                    let at = |o: usize| g.base() + o as u64;
+                    let sc = lay.scratch;
+                    // SAFETY: moe_y holds m·hidden f32 and is free again in stream order (the last expert's
+                    // scatter precedes this copy on the compute stream); h holds m·hidden f32; moe_io is
+                    // registered.
+                    unsafe {
+                        g.gpu.h2d(
+                            Stream::Compute,
+                            at(sc.moe_y),
+                            &self.moe_io.buf.as_slice()[po..po + m * hd * 4],
+                        )?;
+                        g.gpu.add_bias(&g.k, at(sc.h), at(sc.moe_y), m * hd, m * hd)?;
+                    }
                 }
-                // From the pool's last expert to the sum's upload enqueued: the host thread's wake-up included.
+                // From the pool's last expert to the sum's upload enqueued or its gate opened: the host
+                // thread's wake-up included.
                 self.tl.host(format!("cpu → gpu: blk.{layer} experts' sum"), Track::Host, cpu_end_ns);
             } else {
                 // No GPU expert ran (it would have moved the residual stream to the device).
@@ -1505,10 +1631,117 @@ impl<'a> Exec<'a> {
                 self.tl.host(name, Track::Cpu, t);
             }
         }
-        if let Some(g) = &self.gpu {
+        if let (Some(g), false) = (&self.gpu, uploads_recorded) {
             g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
         }
         Ok(())
+    }
+
+    /// Enqueues the GPU router of `step` over the pass's `m` rows: the normed input and the logits, and their
+    /// copies to the host (the normed input only for CPU experts, `to_cpu`), which reads them after a sync.
+    fn enqueue_router(&mut self, lay: &PhaseLayout, step: &Step, m: usize, to_cpu: bool) -> Result<()> {
+        let d = self.d;
+        let (hd, e_n) = (d.hidden, d.moe.expect("router units exist only in MoE models").n_experts);
+        let UnitKind::Router(roff) = self.w.unit(step.unit).expect("router unit").kind else {
+            unreachable!("router unit kind")
+        };
+        self.ensure_dev(lay, m)?;
+        let (wb, slot) = self.weights_base(lay, step)?;
+        let g = self.gpu.as_ref().expect("gpu");
+        let (base, sc) = (g.base(), lay.scratch);
+        let at = |o: usize| base + o as u64;
+        let start = g.span_start(Stream::Compute)?;
+        let mio = &mut self.moe_io;
+        let buf = mio.buf.as_mut_slice();
+        let (lo, xo) = (mio.logits, mio.xn);
+        // SAFETY: h holds m rows, xb m·hidden activations, moe_logits m·n_experts f32 (scratch_layout); the
+        // router unit holds its norm and [n_experts, hidden] matrix at these offsets; moe_io is registered and
+        // read only after a sync of the compute stream.
+        unsafe {
+            g.gpu.norm_act(
+                &g.k,
+                at(sc.h),
+                wb + roff.norm_w as u64,
+                roff.norm_b.map_or(0, |b| wb + b as u64),
+                at(sc.xb),
+                m,
+                hd,
+                d.norm_eps,
+                d.norm == pipeshard_core::model::NormKind::LayerNorm,
+            )?;
+            g.gpu.matmul(
+                &g.k,
+                d.quant,
+                wb + roff.gate_inp as u64,
+                at(sc.xb),
+                at(sc.moe_logits),
+                m,
+                e_n,
+                hd,
+                false,
+            )?;
+            g.gpu.d2h(Stream::Compute, &mut buf[lo..lo + m * e_n * 4], at(sc.moe_logits))?;
+            if to_cpu {
+                g.gpu.d2h(Stream::Compute, &mut buf[xo..xo + m * hd * 2], at(sc.xb))?;
+            }
+        }
+        g.span_end(&mut self.tl, format!("gpu {}", step.unit), Track::Compute, Stream::Compute, start)?;
+        if let Some(s) = slot {
+            self.release(s, Stream::Compute)?;
+        }
+        Ok(())
+    }
+
+    /// Queues, behind a new gate on the compute stream, the GPU work that follows `layer`'s CPU experts
+    /// ([`PreEnqueue`]): the upload of their sum (from `moe_io.part`, where the host writes it before it opens
+    /// the gate) and its add into the residual stream, then the next layer's `attn` and `router` steps up to the
+    /// copy of the router's results to the host. Returns the gate, which opens when dropped. A streamed attention
+    /// takes its ring slot, already copied, behind the gate, and releases it (its KV's write-back too) there.
+    fn pre_enqueue(
+        &mut self,
+        lay: &PhaseLayout,
+        layer: u32,
+        next: &NextLayer,
+        pass_at: Pass,
+        pass: usize,
+        m: usize,
+    ) -> Result<Gate> {
+        let t = self.tl.now_ns();
+        let g = self.gpu.as_mut().expect("gpu");
+        let flag = g.gate.clone().expect("pre-enqueue needs the gate");
+        let seq = g.gate_seq.wrapping_add(1);
+        // SAFETY: the flag lives in GpuSide, whose drop syncs the streams before its fields drop; the gate made
+        // next releases it to `seq` on every path out of here and out of the caller.
+        unsafe { g.gpu.wait_flag(Stream::Compute, &flag, seq)? };
+        g.gate_seq = seq;
+        let gate = Gate { flag, seq };
+        let g = self.gpu.as_ref().expect("gpu");
+        let (base, sc) = (g.base(), lay.scratch);
+        let (n, po) = (m * self.d.hidden, self.moe_io.part);
+        // Starts when the device has seen the gate open.
+        let start = g.span_start(Stream::Compute)?;
+        // SAFETY: moe_y and h hold m·hidden f32 (moe_y is free again in stream order: the layer's last GPU expert
+        // precedes this copy); moe_io is registered, and the copy reads its `part` only after the gate opens,
+        // which the host does after writing the sum there (HostFlag::release orders the two); the host next
+        // rewrites it after `moe_uploaded`, recorded after this copy.
+        unsafe {
+            g.gpu.h2d(
+                Stream::Compute,
+                base + sc.moe_y as u64,
+                &self.moe_io.buf.as_slice()[po..po + n * 4],
+            )?;
+            g.gpu.add_bias(&g.k, base + sc.h as u64, base + sc.moe_y as u64, n, n)?;
+        }
+        let name = format!("gpu blk.{layer} experts' sum (gated)");
+        g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
+        // The layer's last upload from the staging buffer (its GPU experts' token lists precede it).
+        g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
+        self.gpu_block(lay, &next.attn, pass_at, pass)?;
+        let to_cpu = lay.experts[&(layer + 1)].iter().any(|l| !l.on_gpu());
+        self.enqueue_router(lay, &next.router, m, to_cpu)?;
+        self.pre_enqueued = Some(layer + 1);
+        self.tl.host(format!("pre-enqueue blk.{} attn + router", layer + 1), Track::Host, t);
+        Ok(gate)
     }
 
     /// Enqueues `experts` of `layer` on the GPU, their tokens at `first` onwards of the uploaded token lists
@@ -1968,7 +2201,78 @@ impl<'a> Exec<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::page_lock_choice;
+    use super::{KvLoc, NextLayer, RingItem, Step, UnitId, WeightLoc, page_lock_choice, pre_enqueue_steps};
+
+    /// Layer 0 and 1 of a MoE model, both with attention and router pinned (KV pinned) and two CPU experts, then
+    /// the output head.
+    fn moe_steps() -> Vec<Step> {
+        let mut steps = Vec::new();
+        for layer in 0..2 {
+            steps.push(Step {
+                unit: UnitId::Attn { layer },
+                weights: WeightLoc::Pinned(0),
+                kv: Some(KvLoc::Pinned(0)),
+            });
+            steps.push(Step { unit: UnitId::Router { layer }, weights: WeightLoc::Pinned(0), kv: None });
+            for expert in 0..2 {
+                steps.push(Step {
+                    unit: UnitId::Expert { layer, expert },
+                    weights: WeightLoc::Cpu,
+                    kv: None,
+                });
+            }
+        }
+        steps.push(Step { unit: UnitId::Output, weights: WeightLoc::Pinned(0), kv: None });
+        steps
+    }
+
+    /// Pre-enqueue takes the next layer's attention and router in a decode step when the router is pinned and
+    /// the attention runs on the GPU with its KV, naming the ring item a streamed one takes first; nothing
+    /// else: not in prefill, not after the last layer, not from a step that is not a router, not where the
+    /// attention or the router is on the CPU or the router streams.
+    #[test]
+    fn pre_enqueue_takes_the_next_gpu_attention_and_pinned_router_of_decode() {
+        let steps = moe_steps();
+        let next = |s: &[Step]| Some(NextLayer { attn: s[4], router: s[5], ring: None });
+        assert_eq!(pre_enqueue_steps(&steps, 1, true), next(&steps));
+        assert_eq!(pre_enqueue_steps(&steps, 1, false), None, "prefill");
+        assert_eq!(
+            pre_enqueue_steps(&steps, 5, true),
+            None,
+            "the last layer's router: the output head follows"
+        );
+        assert_eq!(pre_enqueue_steps(&steps, 0, true), None, "an attention step");
+        assert_eq!(pre_enqueue_steps(&steps, 99, true), None, "past the steps");
+        let with = |i: usize, weights: WeightLoc, kv: Option<KvLoc>| {
+            let mut s = steps.clone();
+            s[i] = Step { weights, kv, ..s[i] };
+            (pre_enqueue_steps(&s, 1, true), s)
+        };
+        let attn1 = UnitId::Attn { layer: 1 };
+        for (weights, kv, ring) in [
+            (WeightLoc::Streamed, KvLoc::Pinned(0), RingItem::Weights(attn1)),
+            (WeightLoc::Pinned(0), KvLoc::Streamed, RingItem::Kv(1)),
+            (WeightLoc::Streamed, KvLoc::Streamed, RingItem::AttnKv(1)),
+        ] {
+            let (got, s) = with(4, weights, Some(kv));
+            assert_eq!(
+                got,
+                Some(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
+                "{weights:?}, {kv:?}"
+            );
+        }
+        assert_eq!(with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0, None, "attention on the CPU");
+        assert_eq!(with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0, None, "attention staged");
+        assert_eq!(with(5, WeightLoc::Streamed, None).0, None, "router streamed");
+        assert_eq!(with(5, WeightLoc::Cpu, None).0, None, "router on the CPU");
+        // Experts of this layer on the GPU are skipped like CPU ones.
+        let (got, s) = with(2, WeightLoc::Pinned(0), None);
+        assert_eq!(got, next(&s));
+        // A dense layer next (an FFN instead of a router).
+        let mut dense = steps.clone();
+        dense[5] = Step { unit: UnitId::Ffn { layer: 1 }, weights: WeightLoc::Pinned(0), kv: None };
+        assert_eq!(pre_enqueue_steps(&dense, 1, true), None, "the next layer is dense");
+    }
 
     /// Under a page-lock limit, streamed units are locked first, then the others in order while they fit;
     /// without a limit everything is.

@@ -53,7 +53,9 @@
 //! - MoE layers (docs/DESIGN-NOTES.md, "exec: MoE layers"): the router runs where it is placed, its logits
 //!   come to the host, which routes and permutes the tokens; only picked experts run — GPU experts as
 //!   per-expert cuBLAS calls (streamed ones copied only when picked, through a ring placeholder expanded once
-//!   the routing is known), CPU experts meanwhile on the host.
+//!   the routing is known), CPU experts meanwhile on the host. In decode steps the host queues the GPU work
+//!   that follows a layer's CPU experts (their sum, the next layer's attention and router) while they run,
+//!   behind a wait on a host flag it opens once the sum is written ([`PreEnqueue`]).
 //! - Failing loudly, never silently (docs/DESIGN-NOTES.md, "reliability"): weights the driver will not
 //!   page-lock, or past [`RunOptions::pinned_limit_bytes`], stay pageable and [`RunOutput::warnings`] says so;
 //!   a host allocation that fails is [`ExecError::HostMemory`], not an abort; [`RunOptions::interrupt`]
@@ -88,7 +90,7 @@ pub mod testing;
 pub mod weights;
 
 pub use engine::{
-    LAZY_LOAD_RESERVE_BYTES, RunOptions, RunOutput, VramReport, page_table_bytes_per_locked_gib, run,
-    runtime_overhead_bytes,
+    LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput, VramReport, page_table_bytes_per_locked_gib,
+    run, runtime_overhead_bytes,
 };
 pub use error::{ExecError, Result};

@@ -719,3 +719,131 @@ fn a_held_compute_stream_runs_its_queue_afterwards() {
     eprintln!("hold of 2 ms then one kernel: {ms:.3} ms");
     assert!((1.9..20.0).contains(&ms), "{ms} ms");
 }
+
+/// The pre-enqueue protocol: a copy from page-locked host memory queued behind a host flag waits for the
+/// flag, and reads the memory as the host wrote it after queueing the copy and before releasing the flag — at
+/// sizes from a word to a MiB (a driver could carry small copies' bytes in the command stream instead).
+#[test]
+fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
+    use pipeshard_exec::cuda::Stream;
+    use pipeshard_exec::host::HostBuf;
+    let Some((_, gpu)) = device() else { return };
+    let flag = gpu.host_flag().unwrap();
+    let max = 1 << 20;
+    let mut src = HostBuf::zeroed(max);
+    // SAFETY: `src` is declared first, so it outlives the guard; registered once.
+    let reg = unsafe { gpu.register(&src) }.unwrap();
+    let dev = gpu.alloc(max).unwrap();
+    let mut round = 0u32;
+    for bytes in [4, 512, 8192, max] {
+        for _ in 0..3 {
+            round += 1;
+            // SAFETY: the flag outlives the wait and is released below; dev and src hold ≥ bytes; src is
+            // registered and written only before the release, which the copy waits for.
+            unsafe {
+                gpu.wait_flag(Stream::Compute, &flag, round).unwrap();
+                gpu.h2d(Stream::Compute, dev.ptr(), &src.as_slice()[..bytes]).unwrap();
+            }
+            // Long enough for a copy that did not wait to have read the old bytes.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let fill = |i: usize| (i as u32 * 7 + round) as u8;
+            src.as_mut_slice()[..bytes].iter_mut().enumerate().for_each(|(i, b)| *b = fill(i));
+            flag.release(round);
+            let mut back = vec![0u8; bytes];
+            // SAFETY: dev holds ≥ bytes; `back` is read after the sync.
+            unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
+            gpu.sync(Stream::Compute).unwrap();
+            assert!(back.iter().enumerate().all(|(i, &b)| b == fill(i)), "{bytes} bytes, round {round}");
+        }
+    }
+    drop(reg);
+}
+
+/// Pre-enqueue (decode with CPU experts: the GPU work after a layer's experts queued while they run, behind a
+/// host flag) computes what launching that work after them does: the same routing and logits (bit for bit
+/// where two runs without it agree bit for bit), with one and with two sequences; and it runs after every MoE
+/// layer but the last, whether the next attention is pinned or streams (weights, KV, or both in one slot),
+/// except before an attention on the CPU.
+#[test]
+fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
+    use pipeshard_exec::PreEnqueue;
+    let Some((_, gpu)) = device() else { return };
+    let spec = tiny_qwen3_moe_spec();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let n_layers = w.dims.n_layers;
+    let (prompt_len, n_gen) = (24, 6);
+    let prompt = random_tokens(prompt_len, w.dims.vocab, 5);
+    // Layer 1's attention (and KV) placed as the case says; experts and the embedding on the CPU, the rest
+    // pinned.
+    let cases: [(&str, u32, usize, Rule); 4] = [
+        ("attention pinned", 0, n_layers - 1, |_, u| match u {
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention streamed, KV pinned", 1, n_layers - 1, |_, u| match u {
+            UnitId::Attn { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention + KV streamed in one slot", 2, n_layers - 1, |_, u| match u {
+            UnitId::Attn { layer: 1 } | UnitId::Kv { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's attention + KV on the CPU", 0, n_layers - 2, |_, u| match u {
+            UnitId::Attn { layer: 1 }
+            | UnitId::Kv { layer: 1 }
+            | UnitId::Expert { .. }
+            | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+    ];
+    for (name, depth, per_step, rule) in cases {
+        for batch in [1u64, 2] {
+            let wl = Workload::single(prompt_len as u64, 64, n_gen as u64, 16).batched(batch, false);
+            let plan = manual_plan(&spec, wl, GIB, 0, depth, 4, rule);
+            let others: Vec<Vec<u32>> =
+                (1..batch).map(|s| random_tokens(prompt_len, w.dims.vocab, 5 + s)).collect();
+            // Teacher-forced, so that the runs decode the same inputs whatever they sample.
+            let force = random_tokens(n_gen, w.dims.vocab, 9);
+            let go = |pre_enqueue| {
+                let o = RunOptions {
+                    other_prompts: others.clone(),
+                    pre_enqueue,
+                    ..opts(&prompt, n_gen, Some(force.clone()))
+                };
+                run(&w, &plan, Some(&gpu), &o).unwrap_or_else(|e| panic!("{name}, batch {batch}: {e}"))
+            };
+            let (off, off2, on) = (go(PreEnqueue::Off), go(PreEnqueue::Off), go(PreEnqueue::On));
+            let max_err = |a: &RunOutput, b: &RunOutput| {
+                a.logits
+                    .iter()
+                    .zip(&b.logits)
+                    .map(|(x, y)| rel_err(x, &y.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()))
+                    .fold(0f64, f64::max)
+            };
+            let count =
+                |o: &RunOutput| o.trace.events.iter().filter(|e| e.name.starts_with("pre-enqueue ")).count();
+            let (noise, err) = (max_err(&off2, &off), max_err(&on, &off));
+            eprintln!(
+                "{name}, batch {batch}: pre-enqueue on vs off max rel err {err:.2e} (off vs off {noise:.2e}), \
+                 {} layers pre-enqueued",
+                count(&on)
+            );
+            assert_eq!(on.logits.len(), off.logits.len());
+            assert_eq!(on.routes, off.routes, "{name}, batch {batch}: routing");
+            if noise == 0.0 {
+                assert_eq!(on.logits, off.logits, "{name}, batch {batch}: logits");
+            } else {
+                // Stale or missing inputs behind the gate would move the logits by far more.
+                assert!(
+                    err <= (2.0 * noise).max(1e-5),
+                    "{name}, batch {batch}: rel err {err} against run-to-run {noise}"
+                );
+            }
+            assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
+            assert_eq!(count(&off), 0);
+            assert_eq!(count(&on), per_step * n_gen, "{name}, batch {batch}: pre-enqueued layers");
+        }
+    }
+}

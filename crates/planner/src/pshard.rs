@@ -25,7 +25,8 @@
 //!   the concurrent rate while the next split prefetches), `P_{i+1}` the next streamed split's weights plus its
 //!   full-context KV, `B` the peak PCIe rate (for a CPU split, × 0.9 × the CPU's concurrent/standalone rate),
 //!   and `D_i` the download of a GPU split's new KV cells. Op times come from our [`CostModel`] rather than
-//!   the paper's nearest-neighbour profile lookup.
+//!   the paper's nearest-neighbour profile lookup, except the attention its lookup cannot find
+//!   ([`Pshard::attention_by_exact_row`]).
 //! - Flash attention on (`-pipe-shard` forces it): the plan's workload has `flash_attn = true`; and unified
 //!   KV (`-kvu`, as the paper's batched runs): `kv_unified = true`.
 //!
@@ -33,6 +34,10 @@
 //! - [`Pshard::all_logits_at_planning`] (default on, as the artifact): plans are measured with every token of
 //!   the tier producing logits, which inflates the output head's scratch and predicted time at prefill tiers.
 //! - [`Pshard::scratch_margin`] (default 1.5).
+//! - [`Pshard::attention_by_exact_row`] (default on, as the artifact): the predictor times flash attention
+//!   from a profile row only on an exact key (full context, KV heads, tier) among the `--fast` profile's
+//!   rows; any other attention (every Qwen3 layer, every 64K context, every tier above 512) is priced at its
+//!   bytes over the memory bandwidth, far below what it costs on the CPU.
 //! - [`Pshard::forced_strategy`]: the artifact's `-fes`.
 //!
 //! # How it maps onto a [`Plan`]
@@ -175,11 +180,34 @@ pub struct Pshard {
     pub scratch_margin: f64,
     /// Plan every token of a tier as producing logits (the artifact sets `n_outputs = n_tokens` when planning).
     pub all_logits_at_planning: bool,
+    /// Price flash attention as the artifact's predictor does (`BenchmarkPredictor::predict`,
+    /// `src/llama-benchmark.cpp`): its only lookup is the exact key `FLASH_ATTN|ctx|kv_heads|tier`, the
+    /// nearest-row search never matches an attention row (it compares the literal `FLASH_ATTN` with rows
+    /// named `FLASH_ATTN_<arch>`), and a miss falls back to bytes over the memory bandwidth (the GPU's, or
+    /// the host DRAM's, under DMA while the next split prefetches). `ctx` is the attention's key count in the
+    /// planning graph (`init_full`): the whole cache, every sequence's cells of the unified cache pshard
+    /// plans for. The `--fast` profiles the artifact's scripts measure ([`FAST_ATTENTION_CTX`],
+    /// [`FAST_ATTENTION_KV_HEADS`], [`FAST_ATTENTION_TOKENS`]) leave a 64K context, a Qwen3 layer's 4 KV
+    /// heads and the 1024/2048 prefill tiers to the fallback. A hit is priced by our cost model, standing in
+    /// for the measured row.
+    pub attention_by_exact_row: bool,
 }
+
+/// Contexts of the `--fast` profile's flash-attention rows (`examples/microbench/concurrent_profiler.cpp`).
+pub const FAST_ATTENTION_CTX: [u64; 3] = [1024, 4096, 16384];
+/// KV heads of the `--fast` profile's flash-attention rows (MHA, GQA-8 and MQA of 32 query heads).
+pub const FAST_ATTENTION_KV_HEADS: [u32; 3] = [32, 8, 1];
+/// Token counts (the profilers' batch sizes) of every profile row.
+pub const FAST_ATTENTION_TOKENS: [u64; 3] = [1, 64, 512];
 
 impl Default for Pshard {
     fn default() -> Self {
-        Pshard { forced_strategy: None, scratch_margin: 1.5, all_logits_at_planning: true }
+        Pshard {
+            forced_strategy: None,
+            scratch_margin: 1.5,
+            all_logits_at_planning: true,
+            attention_by_exact_row: true,
+        }
     }
 }
 
@@ -522,13 +550,31 @@ impl Paper<'_> {
             return t;
         }
         let threads = self.est.cpu_threads;
-        let t = (
-            self.cost.op_ns(op, OpContext::gpu()) as f64,
-            self.cost.op_ns(op, OpContext::cpu(threads)) as f64,
-            self.cost.op_ns(op, OpContext::cpu(threads).with_dma(true)) as f64,
-        );
+        let (gpu, cpu, cpu_dma) =
+            (OpContext::gpu(), OpContext::cpu(threads), OpContext::cpu(threads).with_dma(true));
+        let t = if self.attention_by_bandwidth(op) {
+            // The roofline of its bytes alone: bytes over the memory bandwidth.
+            let bytes_only = Op { flops: 0.0, ..*op };
+            let at = |ctx| self.cost.roofline_ns(&bytes_only, ctx) as f64;
+            (at(gpu), at(cpu), at(cpu_dma))
+        } else {
+            let at = |ctx| self.cost.op_ns(op, ctx) as f64;
+            (at(gpu), at(cpu), at(cpu_dma))
+        };
         self.times_memo.borrow_mut().insert(key, t);
         t
+    }
+
+    /// Whether the artifact's predictor prices attention `op` by bandwidth: the quirk
+    /// ([`Pshard::attention_by_exact_row`]) is on and the profile has no row of its exact key.
+    fn attention_by_bandwidth(&self, op: &Op) -> bool {
+        let OpKind::Attention { kv_heads, .. } = op.kind else { return false };
+        // The planning graph's attention reads the whole unified cache: every sequence's cells.
+        let cache_cells = self.w.ctx * self.w.batch;
+        self.cfg.attention_by_exact_row
+            && !(FAST_ATTENTION_CTX.contains(&cache_cells)
+                && FAST_ATTENTION_KV_HEADS.contains(&kv_heads)
+                && FAST_ATTENTION_TOKENS.contains(&op.tokens))
     }
 
     /// `PipelineExecutor::predict_tps` as a step time: Σ_i max(C_i, P_{i+1}/B) + D_i, for a step of `tokens`

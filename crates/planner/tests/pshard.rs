@@ -4,9 +4,11 @@
 
 mod common;
 
+use pipeshard_core::cost::TableCostModel;
 use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhasePlan, Placement, Plan};
+use pipeshard_core::profile::Profile;
 use pipeshard_core::workload::{Phase, Workload, scratch_parts};
 use pipeshard_planner::Planner;
 use pipeshard_planner::pshard::{Pshard, Strategy, tier_of, tiers};
@@ -206,4 +208,27 @@ fn a_forced_strategy_that_never_fits_is_infeasible_with_a_working_minimum() {
     assert!(ok.notes[0].contains("FULL_GPU"), "{:?}", ok.notes);
     assert_eq!(Strategy::from_name("full_shard"), Some(Strategy::FullShard));
     assert_eq!(Strategy::from_name("3"), Some(Strategy::ShardAttnPrio));
+}
+
+/// The decode strategy of `p`'s plan of nemo-8b at `ctx` with a 2 GiB arena, on the calibrated cli3 profile
+/// (`profiles/cli3.json`, which prices CPU flash attention in decode at 30 % of its roofline).
+fn nemo8_decode_note(p: Pshard, ctx: u64) -> String {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/cli3.json");
+    let cost = TableCostModel::new(&Profile::load(&file).unwrap());
+    let spec = model("nemo-8b");
+    let plan = p.plan(&spec, &filled(ctx, 100, 1024), &cost, cli3_overhead() + (2 << 30)).unwrap();
+    plan.notes.iter().find(|n| n.starts_with("decode:")).unwrap().split(" (").next().unwrap().to_string()
+}
+
+#[test]
+fn attention_without_an_exact_profile_row_is_priced_at_bandwidth_and_steers_the_choice() {
+    let artifact = Pshard::default();
+    let measured = Pshard { attention_by_exact_row: false, ..Pshard::default() };
+    // At 64K no `--fast` row matches: the predictor prices the CPU attention of STATIC's unpinned layers at
+    // DRAM bandwidth and takes STATIC, where priced at its cost it streams every layer with its KV
+    // (FULL_SHARD).
+    assert_eq!(nemo8_decode_note(artifact, 65536), "decode: STATIC_ATTN_PRIO at tier 1");
+    assert_eq!(nemo8_decode_note(measured, 65536), "decode: FULL_SHARD at tier 1");
+    // At 16K the GQA-8 row of tier 1 matches exactly: both price attention alike.
+    assert_eq!(nemo8_decode_note(artifact, 16384), nemo8_decode_note(measured, 16384));
 }

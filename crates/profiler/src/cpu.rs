@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use pipeshard_core::cost::{ROUTE_PROFILE_EXPERTS, ROUTE_PROFILE_TOKENS, ROUTE_PROFILE_TOP_K};
 use pipeshard_core::dtype::DType;
 use pipeshard_core::model::{FfnKind, NormKind};
 use pipeshard_core::profile::{DeviceProfile, DramPoint, OpRow, Roofline};
@@ -29,6 +30,8 @@ pub trait Background {
 pub struct HostProfile {
     pub dram: Vec<DramPoint>,
     pub device: DeviceProfile,
+    /// See [`pipeshard_core::profile::Profile::host_route_ns_per_token`].
+    pub route_ns_per_token: u64,
 }
 
 /// Fills `bytes` with random non-zero values of `elem` (magnitudes 1/8 … 1, random signs).
@@ -199,6 +202,45 @@ impl DramProbe {
     #[must_use]
     pub fn gbps(&self, pool: &CpuPool) -> f64 {
         (0..3).map(|_| self.read_gbps(pool)).fold(0.0, f64::max)
+    }
+}
+
+/// A quick check of the host's CPU GEMV: exec's bf16 matmul of one token over nemo-8b's FFN down-projection
+/// shape (11520 × 4096, a row every profile has), two copies read in turn so that neither is served from the
+/// last-level cache. The DRAM read can hold while the GEMV does not: in validation run27 a profile's GEMV rows
+/// read 26 % slow with its DRAM read at the usual figure, and the cells minutes later ran at full speed.
+#[derive(Debug)]
+pub struct GemvProbe {
+    copies: [Vec<u8>; 2],
+    x: Vec<f32>,
+}
+
+impl Default for GemvProbe {
+    fn default() -> GemvProbe {
+        let (n, k) = (Self::SHAPE.0 as usize, Self::SHAPE.1 as usize);
+        GemvProbe {
+            copies: [random_vec(n * k * 2, Elem::Bf16, 60), random_vec(n * k * 2, Elem::Bf16, 61)],
+            x: random_f32(k, 62).iter().map(|&v| Elem::Bf16.round(v)).collect(),
+        }
+    }
+}
+
+impl GemvProbe {
+    /// The matrix rows and row length the probe multiplies (a profile row's `n` and `k`).
+    pub const SHAPE: (u64, u64) = (11520, 4096);
+
+    /// Weight GB/s of the best of three GEMVs by `pool`'s threads (as [`DramProbe::gbps`]).
+    #[must_use]
+    pub fn gbps(&self, pool: &CpuPool) -> f64 {
+        let (n, k) = (Self::SHAPE.0 as usize, Self::SHAPE.1 as usize);
+        let mut y = vec![0f32; n];
+        (0..3)
+            .map(|i| {
+                let t0 = Instant::now();
+                kernels::matmul(pool, &self.x, 1, k, &self.copies[i % 2], Elem::Bf16, n, &mut y, false);
+                (n * k * 2) as f64 / secs_ns(t0)
+            })
+            .fold(0.0, f64::max)
     }
 }
 
@@ -650,6 +692,25 @@ pub fn measure(
         }
     }
 
+    // The executor's host routing of a prefill chunk: the top-k of every token's logits on the pool, then the
+    // per-expert token lists, between the routing sync and the first expert (the GPU waits meanwhile).
+    progress.section("host routing of a prefill chunk (exec), most threads", 1);
+    let (route_m, route_e) = (ROUTE_PROFILE_TOKENS, ROUTE_PROFILE_EXPERTS as usize);
+    let logits = random_f32(route_m * route_e, 12);
+    let route = sample(rule, || -> Result<f64> {
+        let t0 = Instant::now();
+        let routing = kernels::Routing::from_logits(most, &logits, route_e, ROUTE_PROFILE_TOP_K, true);
+        std::hint::black_box(routing.per_expert(route_e));
+        Ok(secs_ns(t0))
+    })?;
+    let route_per_token = Stat { median: route.median / route_m as f64, ..route };
+    figures.add(
+        &format!("host routing, {route_m} tokens × {route_e} experts, top {ROUTE_PROFILE_TOP_K}, per token"),
+        "ns",
+        route_per_token,
+    );
+    progress.tick(&format!("routing {:.2} ms a chunk", route.median / 1e6))?;
+
     // Prefill attention: a chunk of queries over the cache before them and each other (causal).
     let steps = g.heads.len() * g.attn_prefill_ctx.len();
     progress.section("CPU prefill attention (exec kernel), most threads", steps as u64);
@@ -787,6 +848,7 @@ pub fn measure(
             ops: rows,
             dma_slowdown,
         },
+        route_ns_per_token: route_per_token.median.round() as u64,
     })
 }
 
@@ -808,6 +870,15 @@ fn elementwise_row(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GEMV probe multiplies its two copies in turn and gives a positive, finite rate (unoptimised test
+    /// builds run it at under 1 GB/s).
+    #[test]
+    fn the_gemv_probe_reads_its_matrix_at_a_real_rate() {
+        let pool = CpuPool::new(2).unwrap();
+        let gbps = GemvProbe::default().gbps(&pool);
+        assert!(gbps.is_finite() && gbps > 0.01, "{gbps}");
+    }
 
     #[test]
     fn the_dram_reader_sums_every_word() {

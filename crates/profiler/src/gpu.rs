@@ -31,6 +31,12 @@ const MIB: usize = 1 << 20;
 const SAMPLE_TARGET_NS: f64 = 50_000.0;
 /// A held stream's hold per queued call: several times what a cuBLAS call costs the host (≈ 10–15 µs).
 const HOLD_NS_PER_CALL: u64 = 50_000;
+/// Calls a sample of a host-paced row at least (routed experts, unheld). One call of ~70 µs, as the 50 µs
+/// target gives, timed the host's enqueueing of its six launches plus its last kernel's run; the executor
+/// enqueues a layer's experts back to back, each at the host's pace alone: run27's q4_0 qwen3-30b-a3b@24L,
+/// all pinned, took 49 µs an expert in prefill (~64 tokens) against the row's 71.7 µs, 25.7 in decode against
+/// 32.8 (results/validation/2026-12-01-nvidia-h200). Eight is a decode layer's experts.
+const HOST_PACED_MIN_REPS: usize = 8;
 /// The longest hold (256 calls).
 const HOLD_MAX_NS: u64 = 15_000_000;
 
@@ -107,6 +113,17 @@ impl Bench<'_> {
         hold: Option<&Kernels>,
         f: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Stat> {
+        self.events_min_reps(stream, hold, 1, f)
+    }
+
+    /// [`Self::events`] with at least `min_reps` calls a sample.
+    fn events_min_reps(
+        &self,
+        stream: Stream,
+        hold: Option<&Kernels>,
+        min_reps: usize,
+        f: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Stat> {
         let mut once = |reps: usize, base: usize| -> Result<f64> {
             if let Some(k) = hold {
                 self.gpu.hold_compute(k, (HOLD_NS_PER_CALL * (reps as u64 + 1)).min(HOLD_MAX_NS))?;
@@ -120,7 +137,7 @@ impl Bench<'_> {
             Ok(f64::from(self.gpu.elapsed_ms(&self.ev0, &self.ev1)?) * 1e6 / reps as f64)
         };
         let est = once(1, 0)?.max(1.0);
-        let reps = ((SAMPLE_TARGET_NS / est).ceil() as usize).clamp(1, 256);
+        let reps = ((SAMPLE_TARGET_NS / est).ceil() as usize).clamp(min_reps, 256.max(min_reps));
         let mut base = 1;
         // Ops of over 50 ms (long-context prefill attention) vary little: three samples do.
         let rule = if est > 5e7 { Rule { min_samples: 3, max_samples: 3, ..self.rule } } else { self.rule };
@@ -240,6 +257,17 @@ fn kernel_heads(all: &[HeadLayout]) -> Vec<HeadLayout> {
     all.iter().copied().filter(|h| h.head_dim % 32 == 0 && h.head_dim <= 256).collect()
 }
 
+/// The K and V of call `i` over a cache of `rows` rows of `kv_dim` elements of `esize` bytes: consecutive calls
+/// read different regions of `kvbuf` (K in its first `kv_half` bytes, V in the rest), as the executor's attention
+/// reads a layer's cache once a step with every other layer's weights and cache read in between. Calls on one
+/// region read it from L2 (50 MB on the H200): nemo-8b@8L's attention units took 9–21 µs more in place than
+/// their rows (run27, 1K–8K keys; the 8K cache is 33.5 MB).
+fn kv_region(kvbuf: u64, kv_half: usize, rows: usize, kv_dim: usize, esize: usize, i: usize) -> (u64, u64) {
+    let region = (rows * kv_dim * esize).next_multiple_of(256);
+    let off = ((i % (kv_half / region).max(1)) * region) as u64;
+    (kvbuf + off, kvbuf + kv_half as u64 + off)
+}
+
 /// Only the GPU's batched decode attention rows (`attention_decode`, `attention_decode_unified`: exec's kernel
 /// over R ∈ {4, 16, 64} sequences, 4 and 16 when fast, with the executor's key splits), for a CPU-only profile
 /// that keeps another run's GPU section but needs rows that run did not measure.
@@ -310,16 +338,18 @@ fn decode_attention_rows(
                     // Every sequence's prompt fills all but the step's own cell.
                     let cache = SeqKv { seq, seqs: r, unified, prompt: ctx - 1 };
                     let keys = cache.gpu_keys(Pass::Decode { pos: ctx - 1 });
-                    let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
+                    let s = b.events(Stream::Compute, Some(&kn), &mut |i| {
+                        let (kc, vc) =
+                            kv_region(kvbuf.ptr(), kv_half, r * ctx, d.kv_dim, kv_e.size_bytes(), i);
                         // SAFETY: q holds r·q_dim f32, K and V (ctx_max·max_kv_dim each) hold the r·ctx·kv_dim
-                        // elements of the cache (r·ctx ≤ ctx_max), out r·q_dim activations, part_o/part_ml one
-                        // partial per (query, head, split) warp (max_warps).
+                        // elements of the cache (r·ctx ≤ ctx_max) from kc and vc, out r·q_dim activations,
+                        // part_o/part_ml one partial per (query, head, split) warp (max_warps).
                         unsafe {
                             gpu.attention(
                                 &kn,
                                 qbuf.ptr(),
-                                kvbuf.ptr(),
-                                kvbuf.ptr() + kv_half as u64,
+                                kc,
+                                vc,
                                 obuf.ptr(),
                                 part_o.ptr(),
                                 part_ml.ptr(),
@@ -725,6 +755,7 @@ pub fn measure_all(
         // exec's one-token steps run q|k|v and gate|up as one GEMM each.
         one_token_projections_fused: true,
         cpu_expert_ns: 0,
+        host_route_ns_per_token: host.route_ns_per_token,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
@@ -814,7 +845,8 @@ fn measure_gpu_ops(
             let copies = (rot_bytes / unit_bytes).max(1);
             let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
             for &m in &g.tokens {
-                let s = b.events(Stream::Compute, (!experts).then_some(&*kn), &mut |i| {
+                let (hold, min_reps) = if experts { (None, HOST_PACED_MIN_REPS) } else { (Some(&*kn), 1) };
+                let s = b.events_min_reps(Stream::Compute, hold, min_reps, &mut |i| {
                     let w = wbuf.ptr() + ((i % copies) * unit_bytes) as u64;
                     // SAFETY: each slot holds n rows of k elements (an expert: two such and k rows of n) in the
                     // format, x m·k and y m·n elements; the expert buffers hold m ≤ max_m rows of every width and
@@ -882,15 +914,17 @@ fn measure_gpu_ops(
                     let m = if decode { 1 } else { chunk.min(ctx) };
                     let pos0 = ctx - m;
                     let splits = scratch_layout(&d, m, 1, ctx, 0).attn_splits;
-                    let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
+                    let s = b.events(Stream::Compute, Some(&kn), &mut |i| {
+                        let (kc, vc) = kv_region(kvbuf.ptr(), kv_half, ctx, d.kv_dim, kv_e.size_bytes(), i);
                         // SAFETY: q holds m·q_dim f32, K and V (ctx_max·max_kv_dim each) hold ≥ ctx·kv_dim
-                        // elements, out m·q_dim activations, part_o/part_ml 64 splits of one query's heads.
+                        // elements from kc and vc, out m·q_dim activations, part_o/part_ml 64 splits of one
+                        // query's heads.
                         unsafe {
                             gpu.attention(
                                 &kn,
                                 qbuf.ptr(),
-                                kvbuf.ptr(),
-                                kvbuf.ptr() + kv_half as u64,
+                                kc,
+                                vc,
                                 obuf.ptr(),
                                 part_o.ptr(),
                                 part_ml.ptr(),
@@ -1045,5 +1079,19 @@ mod tests {
         }
         let chunks: Vec<&[u8]> = src.buf.as_slice().chunks(16 * MIB).map(|c| &c[..64]).collect();
         assert!(chunks.windows(2).all(|w| w[0] != w[1]));
+    }
+
+    /// Attention calls rotate over 256-byte-aligned regions of the K and V halves that together exceed the L2,
+    /// wrapping before the half's end; a cache as large as the half has one region.
+    #[test]
+    fn attention_calls_read_the_next_kv_region() {
+        let (base, half) = (1u64 << 40, 64 * MIB);
+        // 1K keys of 8 heads × 128 in f16: 2 MiB a region, 32 of them.
+        let regions: Vec<(u64, u64)> = (0..34).map(|i| kv_region(base, half, 1024, 1024, 2, i)).collect();
+        assert_eq!(regions[1].0 - regions[0].0, 2 * MIB as u64);
+        assert_eq!(regions[32], regions[0]);
+        assert!(regions.iter().all(|&(k, v)| v - k == half as u64 && (k - base) % 256 == 0));
+        assert!(regions.iter().all(|&(k, _)| k - base + 2 * MIB as u64 <= half as u64));
+        assert_eq!(kv_region(base, half, 32 * 1024, 1024, 2, 5), (base, base + half as u64));
     }
 }

@@ -253,6 +253,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             }
             p.dram = cpu.dram;
             p.cpu = cpu.device;
+            p.host_route_ns_per_token = cpu.route_ns_per_token;
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
             p
         }

@@ -112,6 +112,8 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     );
     assert!(!p.gpu.ops.iter().any(|r| r.op == OpClass::AttentionDecode));
     assert!(p.cpu.ops.iter().all(|r| r.spread.is_some_and(|s| s >= 0.0)));
+    // The host's routing of a 1024-token chunk is timed (tens of ns to a few µs a token on any CPU).
+    assert!((10..20_000).contains(&p.host_route_ns_per_token), "{}", p.host_route_ns_per_token);
 
     // The cost model reproduces every measured matmul row, unless the row beat the measured roofline (small
     // matrices served from cache), where it predicts the roofline.

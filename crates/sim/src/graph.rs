@@ -508,7 +508,7 @@ impl Builder<'_> {
         )
     }
 
-    /// Lengthens GPU task `task` by `ns` of host work the device waits for.
+    /// Lengthens task `task` (a GPU one, or a hand-off to the GPU) by `ns` of host work the device waits for.
     fn hold(&mut self, task: u32, ns: u64) {
         let t = &mut self.tasks[task as usize];
         t.duration_ns += ns;
@@ -639,6 +639,12 @@ impl Builder<'_> {
         let host_routed =
             counts[1] > 0 || (counts[2] > 0 && self.offloads(op)) || (counts[0] > 0 && on_device.is_none());
         let routed = if host_routed { self.routing(router) } else { None };
+        // Our executor's host work between the routing sync and the first expert: the top-k and token lists.
+        if let Some(up) = routed
+            && self.ctx.runtime == crate::Runtime::Ours
+        {
+            self.hold(up, self.ctx.cost.host_route_ns(n_experts, op.tokens));
+        }
         // The runtime's host-side routing sort, shared out over the GPU shares like the work.
         let sort_ns = self.ctx.runtime.expert_ids_host_ns(op, self.ctx.cost.host_sync_ns()) as f64;
         let held = |f: f64| (sort_ns * f).round() as u64;

@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
@@ -213,6 +214,37 @@ impl Drop for HostRegistration {
     }
 }
 
+/// A 32-bit flag in page-locked host memory mapped for the device: [`Gpu::wait_flag`] holds a stream until
+/// the host stores a value at least the one waited for ([`HostFlag::release`]), so that the host can enqueue
+/// work before its inputs exist and release it later without a launch.
+#[derive(Debug)]
+pub struct HostFlag {
+    // Declared before `buf`: unregistered before the memory is freed.
+    _reg: HostRegistration,
+    buf: HostBuf,
+    dev: u64,
+}
+
+impl HostFlag {
+    /// Lets every stream waiting for a value up to `value` (cyclically, see [`Gpu::wait_flag`]) run on.
+    ///
+    /// Ordering: the calling thread's earlier stores (the data the released work copies from page-locked host
+    /// memory) are globally visible before the flag's. The fence orders even non-temporal stores (which x86's
+    /// store order leaves out) and keeps the compiler from sinking stores past it; the copy engine's reads of
+    /// host memory are cache-coherent, and the work behind the wait starts only once the device has read the
+    /// new value, so it reads the data as written.
+    pub fn release(&self, value: u32) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.atomic().store(value, Ordering::Release);
+    }
+
+    fn atomic(&self) -> &AtomicU32 {
+        // SAFETY: the buffer is page-aligned (so 4-aligned), at least 4 bytes long and lives as long as self;
+        // the host touches those 4 bytes only through this atomic (the device only reads them).
+        unsafe { AtomicU32::from_ptr(self.buf.as_ptr().cast()) }
+    }
+}
+
 /// The device handle: context, streams, cuBLAS and compiled kernels.
 #[derive(Debug)]
 pub struct Gpu {
@@ -340,14 +372,65 @@ impl Gpu {
     /// # Safety
     /// `buf` must outlive the returned guard (drop the guard first), and must not be registered twice.
     pub unsafe fn register(&self, buf: &HostBuf) -> Result<HostRegistration> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.register_with(buf, 0) }
+    }
+
+    /// [`Gpu::register`] with `cuMemHostRegister` flags.
+    ///
+    /// # Safety
+    /// As [`Gpu::register`].
+    unsafe fn register_with(&self, buf: &HostBuf, flags: u32) -> Result<HostRegistration> {
         self.bind()?;
         let ptr = buf.as_ptr().cast::<c_void>();
         // SAFETY: ptr spans capacity_bytes of live, page-aligned memory owned by `buf`, which the caller keeps
         // alive until the guard unregisters it.
-        unsafe { sys::cuMemHostRegister_v2(ptr, buf.capacity_bytes(), 0) }
+        unsafe { sys::cuMemHostRegister_v2(ptr, buf.capacity_bytes(), flags) }
             .result()
             .map_err(driver_err("cuMemHostRegister"))?;
         Ok(HostRegistration { ctx: self.ctx.clone(), ptr })
+    }
+
+    /// A [`HostFlag`] at 0, once a wait on it has run on the compute stream: the device attribute of stream
+    /// memory operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1`) describes the deprecated v1 calls,
+    /// not the `_v2` ones used here, so the trial wait is the check. An error means the device or driver cannot
+    /// do it: the caller runs without.
+    pub fn host_flag(&self) -> Result<HostFlag> {
+        let buf = HostBuf::zeroed(4);
+        // SAFETY: the flag owns `buf` and declares the guard first, so it unregisters before the buffer is freed;
+        // the buffer is new, so registered once.
+        let reg = unsafe { self.register_with(&buf, sys::CU_MEMHOSTREGISTER_DEVICEMAP) }?;
+        let mut dev = 0;
+        // SAFETY: `buf` was registered with DEVICEMAP just above; `dev` is a live out-parameter.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut dev, buf.as_ptr().cast(), 0) }
+            .result()
+            .map_err(driver_err("cuMemHostGetDevicePointer"))?;
+        let flag = HostFlag { _reg: reg, buf, dev };
+        // SAFETY: the flag lives past the sync below, and holds 0, which the wait for ≥ 0 is satisfied by.
+        unsafe { self.wait_flag(Stream::Compute, &flag, 0)? };
+        self.sync(Stream::Compute)?;
+        Ok(flag)
+    }
+
+    /// Makes stream `s` wait until `flag` holds `value` or later in cyclic order (`(i32)(flag − value) ≥ 0`, so
+    /// sequence numbers may wrap).
+    ///
+    /// # Safety
+    /// `flag` outlives the wait, and the host releases it to `value` or later: until then the stream, and any
+    /// host sync on it, waits (a guard that releases on drop covers error paths).
+    pub unsafe fn wait_flag(&self, s: Stream, flag: &HostFlag, value: u32) -> Result<()> {
+        // SAFETY: flag.dev is the device address of a live, registered 4-byte host word; the caller keeps it
+        // alive and releases it.
+        unsafe {
+            sys::cuStreamWaitValue32_v2(
+                self.stream(s).cu_stream(),
+                flag.dev,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        }
+        .result()
+        .map_err(driver_err("cuStreamWaitValue32"))
     }
 
     /// A new event; `timing` events can be measured with [`Gpu::elapsed_ms`].

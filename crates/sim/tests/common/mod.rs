@@ -27,6 +27,8 @@ pub struct FixedCost {
     pub dma_slowdown: f64,
     /// GPU experts read the routing on the device (llama.cpp) rather than after a host round trip.
     pub expert_ids_on_device: bool,
+    /// Our executor's host routing, per token of a 128-expert router.
+    pub host_route_ns_per_token: u64,
 }
 
 impl FixedCost {
@@ -43,6 +45,7 @@ impl FixedCost {
             host_sync_ns: 0,
             dma_slowdown: 1.0,
             expert_ids_on_device: false,
+            host_route_ns_per_token: 0,
         }
     }
 }
@@ -80,6 +83,9 @@ impl CostModel for FixedCost {
     }
     fn host_sync_ns(&self) -> u64 {
         self.host_sync_ns
+    }
+    fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
+        self.host_route_ns_per_token * tokens * u64::from(n_experts) / 128
     }
     fn expert_ids_on_device(&self) -> bool {
         self.expert_ids_on_device
