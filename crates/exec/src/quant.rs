@@ -23,9 +23,33 @@ pub const BLOCK_ELEMS: usize = 32;
 /// The most tokens a quantised matmul takes with exactly dequantised (f32) weights, as a GEMV that
 /// dequantises while it reads. With more tokens (prefill), CPU and GPU alike first dequantise the weights to
 /// bf16 (the activation type of quantised models) and run a bf16 GEMM, so both sides compute the same function
-/// for every token count. Except for q2_k and q3_k GEMVs on CPUs with AVX512_BF16: they quantise the
-/// activations to 8 bits (`cpu::kdot`'s module documentation says why and at what cost).
+/// for every token count. q2_k and q3_k GEMVs first round the activations to 8 bits per super-block
+/// ([`round_activations`]), on both sides, so that CPUs with AVX512_VNNI can multiply in integers
+/// (`cpu::kdot`'s module documentation says why and at what cost).
 pub const EXACT_MAX_TOKENS: usize = 8;
+
+/// One super-block ([`K_BLOCK_ELEMS`]) of activations as q2_k and q3_k GEMVs use them, on the CPU (every ISA)
+/// and the GPU alike: `x ≈ dx · q`. With `a = max |x|`: `dx = a / 127`, and `q` is `x · (127 / a)` rounded to
+/// the nearest integer, ties to even; each of the quotients and the product is one correctly rounded f32
+/// operation (no fused multiply-add, no reciprocal approximation), so both sides get the same bits. Where
+/// `127 / a` is not finite (an all-zero block, or `a` < 127 / `f32::MAX` ≈ 3.7e-37) it is taken as 0: every
+/// `q` is 0. `|q| ≤ 127`, since `a · fl(127 / a)` is 127 within a few ulps. Writes `q` into `out` and
+/// returns `dx`.
+///
+/// # Panics
+/// If `x` or `out` is not one super-block long.
+#[must_use]
+pub fn round_activations(x: &[f32], out: &mut [i8]) -> f32 {
+    assert!(x.len() == K_BLOCK_ELEMS && out.len() == K_BLOCK_ELEMS, "one super-block of activations");
+    let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inv = 127.0 / a;
+    let inv = if inv.is_finite() { inv } else { 0.0 };
+    for (q, &v) in out.iter_mut().zip(x) {
+        // In range by the bound above, so the cast does not saturate.
+        *q = (v * inv).round_ties_even() as i8;
+    }
+    a / 127.0
+}
 
 /// A block-quantised matrix format the executor computes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,6 +108,13 @@ impl QFormat {
             QFormat::Q8_0 | QFormat::Q4_0 => BLOCK_ELEMS,
             QFormat::Q4K | QFormat::Q6K | QFormat::Q2K | QFormat::Q3K => K_BLOCK_ELEMS,
         }
+    }
+
+    /// Whether GEMVs on this format (up to [`EXACT_MAX_TOKENS`] tokens) round the activations first
+    /// ([`round_activations`]): q2_k and q3_k.
+    #[must_use]
+    pub const fn rounds_activations(self) -> bool {
+        matches!(self, QFormat::Q2K | QFormat::Q3K)
     }
 
     /// Bytes per block of [`Self::block_elems`] elements.
@@ -700,6 +731,39 @@ fn quantize_q3_k_block(x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `round_activations` of a block that is `head` then zeros.
+    fn rounded(head: &[f32]) -> (Vec<i8>, f32) {
+        let mut x = [0f32; K_BLOCK_ELEMS];
+        x[..head.len()].copy_from_slice(head);
+        let mut q = [0i8; K_BLOCK_ELEMS];
+        let dx = round_activations(&x, &mut q);
+        assert!(q[head.len()..].iter().all(|&v| v == 0));
+        (q[..head.len()].to_vec(), dx)
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // every value here is exact
+    fn activations_round_to_nearest_even_against_the_largest_magnitude() {
+        // Largest magnitude 127: 127 / a is 1, so the halves are exact ties, which go to the even neighbour.
+        let (q, dx) = rounded(&[127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, -1.5, 0.49, -126.5]);
+        assert_eq!((q, dx), (vec![127, 2, 4, -2, 0, 0, 2, -2, 0, -126], 1.0));
+        // Largest magnitude −254: 127 / a is 0.5; x · 0.5 gives ties at 0.5, 1.5, −2.5; both signs of the extreme.
+        let (q, dx) = rounded(&[-254.0, 1.0, 3.0, -5.0, 254.0, 253.0]);
+        assert_eq!((q, dx), (vec![-127, 0, 2, -2, 127, 126], 2.0));
+        // A zero block: every q 0 and dx 0.
+        assert_eq!(rounded(&[]), (vec![], 0.0));
+        // A tiny block: 127 / a overflows (a < 127 / f32::MAX), so every q is 0, dx is still a / 127.
+        let (q, dx) = rounded(&[1e-38, -3e-37]);
+        assert_eq!((q, dx), (vec![0, 0], 3e-37 / 127.0));
+        // Just above that guard, and at a scale with an inexact 127 / a: the extremes are ±127 and the rest
+        // within half a step, computed as the product x · fl(127 / a) (here 0.1 · fl(127 / 0.3) = 42.333…,
+        // not 0.1 · 127 / 0.3 in two roundings; both give 42).
+        let (q, _) = rounded(&[4e-37, -2e-37]);
+        assert_eq!(q, vec![127, -64]);
+        let (q, dx) = rounded(&[0.3, -0.1, 0.15, -0.3]);
+        assert_eq!((q, dx), (vec![127, -42, 64, -127], 0.3 / 127.0));
+    }
 
     fn block(d: f32, quants: &[u8]) -> Vec<u8> {
         let mut b = f16::from_f32(d).to_le_bytes().to_vec();

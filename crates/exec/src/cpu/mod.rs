@@ -1,6 +1,7 @@
 //! CPU kernels and the CPU side of a forward pass. They double as the reference the GPU path is checked
-//! against: every rounding the GPU path does (activations to the matrix format before each matmul, K/V to
-//! the cache format) happens here at the same point, so the two differ only in the order of f32 additions.
+//! against: every rounding the GPU path does (activations to the matrix format before each matmul, and to 8
+//! bits in q2_k/q3_k GEMVs; K/V to the cache format) happens here at the same point, so the two differ only in
+//! the order of f32 additions.
 //!
 //! Layouts: activations are row-major `[tokens, features]` f32; a matrix is `[rows, row_elems]` (output
 //! features × input features) in f16 or bf16; a layer's KV cache is `[K | V]`, each `[ctx, kv_heads, head_dim]`.
@@ -331,8 +332,8 @@ pub fn matmul(
 
 /// [`matmul`] with `w` `[n, k]` in a block-quantised format (`k` a multiple of its block). Up to
 /// [`EXACT_MAX_TOKENS`] tokens it equals dequantising `w` to f32 first, up to the order of f32 additions (q2_k
-/// and q3_k on AVX512_BF16 machines: up to the activations' rounding to 8 bits, see [`kdot`]); with more, `w`
-/// is dequantised to bf16 in chunks of rows and multiplied by the bf16 kernel, as the GPU does.
+/// and q3_k: on the activations rounded by [`crate::quant::round_activations`], as the GPU rounds them); with
+/// more, `w` is dequantised to bf16 in chunks of rows and multiplied by the bf16 kernel, as the GPU does.
 pub fn matmul_quant(
     pool: &CpuPool,
     x: &[f32],
@@ -1272,33 +1273,29 @@ mod tests {
                         .into_iter()
                         .map(|v| if exact { v } else { bf16::from_f32(v).to_f32() })
                         .collect();
+                    // Up to EXACT_MAX_TOKENS, q2_k's and q3_k's GEMVs compute on rounded activations.
+                    let mut q = [0i8; 256];
+                    let xr: Vec<f32> = if exact && fmt.rounds_activations() {
+                        x.chunks_exact(256)
+                            .flat_map(|xb| {
+                                let dx = crate::quant::round_activations(xb, &mut q);
+                                q.map(|v| f32::from(v) * dx)
+                            })
+                            .collect()
+                    } else {
+                        x.clone()
+                    };
                     let want: Vec<f64> = (0..m * n)
                         .map(|i| {
                             let (t, j) = (i / n, i % n);
-                            (0..k).map(|c| f64::from(x[t * k + c]) * f64::from(deq[j * k + c])).sum()
+                            (0..k).map(|c| f64::from(xr[t * k + c]) * f64::from(deq[j * k + c])).sum()
                         })
                         .collect();
-                    // Where the kernel rounds activations to 8 bits: half a step of each super-block's
-                    // activations times its weights' magnitudes.
-                    let rounding = |i: usize| -> f64 {
-                        if !(exact && qdot::rounds_activations(pool.isa, fmt)) {
-                            return 0.0;
-                        }
-                        let (t, j) = (i / n, i % n);
-                        let blocks =
-                            x[t * k..(t + 1) * k].chunks(256).zip(deq[j * k..(j + 1) * k].chunks(256));
-                        blocks
-                            .map(|(xb, wb)| {
-                                let dx = f64::from(xb.iter().fold(0f32, |a, v| a.max(v.abs()))) / 127.0;
-                                (0.5 + 1e-4) * dx * wb.iter().map(|&v| f64::from(v).abs()).sum::<f64>()
-                            })
-                            .sum()
-                    };
                     let mut y = vec![1f32; m * n];
                     matmul_quant_in_chunks(pool, &x, m, k, &w, fmt, n, &mut y, true, 5 * 2 * k);
                     for (i, (&a, &b)) in y.iter().zip(&want).enumerate() {
                         assert!(
-                            (f64::from(a) - (b + 1.0)).abs() < 1e-4 * (1.0 + b.abs()) + rounding(i),
+                            (f64::from(a) - (b + 1.0)).abs() < 1e-4 * (1.0 + b.abs()),
                             "{:?} ({} GEMV rows) {fmt:?} {m}x{k}x{n} [{i}] {a} vs {}",
                             pool.isa,
                             pool.gemv_rows,

@@ -14,7 +14,7 @@
 //! rounded as the GPU rounds them). Products of two bf16 are exact in f32, so this is still the same function.
 
 use super::simd::Isa;
-use crate::quant::{BLOCK_ELEMS, QFormat};
+use crate::quant::{BLOCK_ELEMS, K_BLOCK_ELEMS, QFormat, round_activations};
 
 /// Which cache a software prefetch fills.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,31 +43,37 @@ impl std::fmt::Display for Prefetch {
     }
 }
 
-/// Whether [`dot_block`] rounds the activations to 8 bits for `fmt` on `isa` (q2_k and q3_k on AVX512_BF16
-/// machines; see `kdot`), so that its result differs from dequantise-then-f32 by that rounding too: each
-/// activation by up to half its 256-element super-block's step `max |x| / 127`.
-#[must_use]
-pub fn rounds_activations(isa: Isa, fmt: QFormat) -> bool {
-    cfg!(target_arch = "x86_64") && isa == Isa::Avx512Bf16 && matches!(fmt, QFormat::Q2K | QFormat::Q3K)
-}
-
 /// The activations as [`dot_block`] reads them for `fmt` on `isa`, made once per matmul: `m` rows of `k` f32
 /// (`k` whole blocks) packed, and the packed rows' stride in f32 slots; `None` where the kernel reads the f32
-/// rows themselves. The q2_k/q3_k kernels of AVX512_BF16 machines take their activations quantised to `i8`
-/// in their lane order, with group sums (`kdot::pack_k23_vnni`), so that no register block of rows does it
-/// again.
+/// rows themselves. q2_k and q3_k round their activations on every ISA ([`round_activations`]): the VNNI
+/// kernels of AVX512_BF16 machines take the `i8` values in their lane order, with group sums
+/// (`kdot::pack_k23_vnni`), so that no register block of rows does it again; the f32 kernels of other ISAs take
+/// the rounded values `dx · q` as f32 rows.
+///
+/// # Panics
+/// If `x` holds fewer than `m` rows of `k`, or `k` is not a whole number of q2_k/q3_k super-blocks.
 #[must_use]
 pub fn pack_x(isa: Isa, fmt: QFormat, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    if rounds_activations(isa, fmt) {
-        assert!(x.len() >= m * k && k.is_multiple_of(256), "{m} rows of {k} activations");
-        // SAFETY: `rounds_activations` holds for Avx512Bf16 alone, which `detect` returns only where AVX-512F/BW
-        // and AVX512_VBMI are present.
-        let packed = unsafe { super::kdot::pack_k23_vnni(x, m, k, fmt == QFormat::Q3K) };
-        return Some((packed, k / 256 * super::kdot::K23_VNNI_SLOTS));
+    if !fmt.rounds_activations() {
+        return None;
     }
-    let _ = (isa, fmt, x, m, k);
-    None
+    assert!(x.len() >= m * k && k.is_multiple_of(K_BLOCK_ELEMS), "{m} rows of {k} activations");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Bf16 {
+        // SAFETY: `detect` returns Avx512Bf16 only where AVX-512F/BW and AVX512_VBMI are present.
+        let packed = unsafe { super::kdot::pack_k23_vnni(x, m, k, fmt == QFormat::Q3K) };
+        return Some((packed, k / K_BLOCK_ELEMS * super::kdot::K23_VNNI_SLOTS));
+    }
+    let _ = isa;
+    let mut out = vec![0f32; m * k];
+    let mut q = [0i8; K_BLOCK_ELEMS];
+    for (xb, ob) in x[..m * k].chunks_exact(K_BLOCK_ELEMS).zip(out.chunks_exact_mut(K_BLOCK_ELEMS)) {
+        let dx = round_activations(xb, &mut q);
+        for (o, &v) in ob.iter_mut().zip(&q) {
+            *o = f32::from(v) * dx;
+        }
+    }
+    Some((out, k))
 }
 
 /// `out[r][t] = Σ_i x[t][i] · w[r][i]` for `R` quantised weight rows (rows of `k` elements in `fmt`, `ws` bytes

@@ -872,10 +872,30 @@ template <int Q3> __device__ __forceinline__ float k23val(const u8* __restrict__
     return __fsub_rn(__fmul_rn(dl, (float)q), ml);
 }
 
+// The 8-bit activations of q2_K / q3_K GEMVs, bit for bit as the CPU's (quant::round_activations): per
+// super-block, a = max |x|, dx = a / 127, inv = 127 / a (0 where not finite: a zero or tiny block), q = x * inv
+// rounded to the nearest integer, ties to even; each step one correctly rounded f32 operation (`__f*_rn`: never
+// fused into an FMA nor approximated). A super-block's 256 activations lie in the 16 lanes of a half-warp,
+// `mask` (16 a lane); `amax` is the lane's largest |x|. Returns inv and sets dx.
+__device__ __forceinline__ float k23_x_scale(float amax, u32 mask, float& dx) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+    dx = __fdiv_rn(amax, 127.f);
+    const float inv = __fdiv_rn(127.f, amax);
+    return inv <= 3.40282347e38f ? inv : 0.f;
+}
+// q as an exact f32: |x * inv| <= 127.5, and adding 1.5 * 2^23 leaves no fraction bits, so the sum rounds it
+// to the nearest integer, ties to even (the sum's parity is the integer's), as the CPU's conversion does.
+__device__ __forceinline__ float k23_x_round(float x, float inv) {
+    return __fsub_rn(__fadd_rn(__fmul_rn(x, inv), 12582912.f), 12582912.f);
+}
+
 // Decode GEMV over q2_K / q3_K rows, as gemv_q: one warp per QROWS rows; a warp step reads 2 super-blocks of
 // every row. Lane l takes super-block l >> 4 of the step, half n = (l >> 3) & 1 and quant bytes 32n + 4i..+4
 // (i = l & 7): 16 weights, 4 of each quarter j (elements 128n + 32j + 4i..+4, group 8n + 2j + (i >> 2)), and for
-// q3_K mask bytes 4i..4i+4. q3_K super-blocks are 2-byte aligned only, so its loads are 2-byte ones.
+// q3_K mask bytes 4i..4i+4. q3_K super-blocks are 2-byte aligned only, so its loads are 2-byte ones. The
+// activations are rounded to 8 bits per super-block first (k23_x_scale), as on the CPU: integer products summed
+// exactly in f32, scaled by the super-block's dx.
 template <int Q3, int MT>
 __device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* __restrict__ x, float* __restrict__ y,
                                          int n, int k, int m, int accumulate) {
@@ -883,6 +903,7 @@ __device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* 
     const int lane = threadIdx.x & 31, h = (lane >> 3) & 1, i4 = 4 * (lane & 7);
     if (row0 >= n) return;
     const int nb = k >> 8, bb = Q3 ? 110 : 84;
+    const u32 half_mask = 0xffffu << (lane & 16);  // the lanes of this lane's super-block
     const u8* wr[QROWS];
 #pragma unroll
     for (int r = 0; r < QROWS; ++r) wr[r] = w + (u64)min(row0 + r, n - 1) * nb * bb;
@@ -920,7 +941,7 @@ __device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* 
         for (int tt = 0; tt < MT; ++tt) {
             if (tt < m) {
                 const act_t* xt = x + (u64)tt * k + QK_K * (u64)b + 128 * h + i4;
-                float xf[4][4], xs[4];
+                float xf[4][4], xs[4], amax = 0.f, dx;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const uint2 xw = *(const uint2*)(xt + 32 * j);
@@ -928,6 +949,14 @@ __device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* 
                     xf[j][1] = ACT_LOAD((u16)(xw.x >> 16));
                     xf[j][2] = ACT_LOAD((u16)(xw.y & 0xffffu));
                     xf[j][3] = ACT_LOAD((u16)(xw.y >> 16));
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(xf[j][e]));
+                }
+                const float inv = k23_x_scale(amax, half_mask, dx);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) xf[j][e] = k23_x_round(xf[j][e], inv);
                     xs[j] = (xf[j][0] + xf[j][1]) + (xf[j][2] + xf[j][3]);
                 }
 #pragma unroll
@@ -946,7 +975,7 @@ __device__ __forceinline__ void gemv_k23(const u8* __restrict__ w, const act_t* 
                         s = fmaf(ds[r][j], p, s);
                         if (!Q3) s = fmaf(-dm[r][j], xs[j], s);
                     }
-                    acc[tt][r] += s;
+                    acc[tt][r] = fmaf(dx, s, acc[tt][r]);
                 }
             }
         }
@@ -977,6 +1006,24 @@ extern "C" __global__ void gemv_q3_k(const u8* w, const act_t* x, float* y, int 
 }
 extern "C" __global__ void gemv1_q3_k(const u8* w, const act_t* x, float* y, int n, int k, int m, int acc) {
     gemv_k23<1, 1>(w, x, y, n, k, m, acc);
+}
+// For tests: the activations x [blocks super-blocks] as gemv_k23 rounds them, q (one signed byte each) and dx
+// (one f32 a super-block); a half-warp a super-block, 16 consecutive elements a lane.
+extern "C" __global__ void round_k23_x(const act_t* __restrict__ x, signed char* __restrict__ q, float* __restrict__ dx, u64 blocks) {
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 4;
+    const int lane = threadIdx.x & 31;
+    if (b >= blocks) return;  // a whole half-warp: its super-block's lanes stay together
+    const u64 at = b * QK_K + 16 * (lane & 15);
+    float xf[16], amax = 0.f, d;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        xf[e] = ACT_LOAD(x[at + e]);
+        amax = fmaxf(amax, fabsf(xf[e]));
+    }
+    const float inv = k23_x_scale(amax, 0xffffu << (lane & 16), d);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) q[at + e] = (signed char)(int)k23_x_round(xf[e], inv);
+    if ((lane & 15) == 0) dx[b] = d;
 }
 extern "C" __global__ void dequant_q2_k(const u8* __restrict__ w, act_t* __restrict__ out, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -137,6 +137,7 @@ pub struct Kernels {
     dequant_q3_k: CudaFunction,
     embed_q2_k: CudaFunction,
     embed_q3_k: CudaFunction,
+    round_k23_x: CudaFunction,
 }
 
 impl Kernels {
@@ -598,6 +599,7 @@ impl Gpu {
             dequant_q3_k: f("dequant_q3_k")?,
             embed_q2_k: f("embed_q2_k")?,
             embed_q3_k: f("embed_q3_k")?,
+            round_k23_x: f("round_k23_x")?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -777,6 +779,36 @@ impl Gpu {
             r0 += rows;
         }
         Ok(())
+    }
+
+    /// The activations `x` (`blocks` super-blocks of [`crate::quant::K_BLOCK_ELEMS`] in `kn`'s activation
+    /// type) as the q2_k/q3_k GEMV rounds them, with the same device code: `q` gets one `i8` an element, `dx`
+    /// one f32 a super-block ([`crate::quant::round_activations`]'s values). For tests: the GEMV itself
+    /// rounds in registers.
+    ///
+    /// # Safety
+    /// `x` holds `blocks × 256` activations, `q` `blocks × 256` bytes, `dx` `blocks` f32, all live.
+    pub unsafe fn round_k23_activations(
+        &self,
+        kn: &Kernels,
+        x: u64,
+        q: u64,
+        dx: u64,
+        blocks: usize,
+    ) -> Result<()> {
+        let blocks = blocks as u64;
+        // SAFETY: argument types match the kernel; it reads and writes the sizes above (16 lanes a block).
+        unsafe {
+            self.compute
+                .launch_builder(&kn.round_k23_x)
+                .arg(&x)
+                .arg(&q)
+                .arg(&dx)
+                .arg(&blocks)
+                .launch(threads_for(blocks * 16, 128))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(round_k23_x)"))
     }
 }
 
