@@ -4,8 +4,9 @@
 //! Per block, the quants widen to f32 in registers, `Σ x·q` over the block's 32 elements is formed with FMAs and
 //! then scaled by the block's f16 scale into the accumulator, so the result equals dequantise-then-f32 up to
 //! the order and rounding of f32 additions. Activations stay f32 (rounded to bf16/f16 by the caller, as for
-//! bf16 matrices), rather than quantised to 8 bits as llama.cpp does for VNNI dot products: the GPU path
-//! computes the same function, and one pass over 4.5-bit weights is bound by DRAM bandwidth, not by the FMAs.
+//! bf16 matrices), rather than quantised to 8 bits as llama.cpp does for VNNI dot products: one pass over
+//! 4.5-bit weights is bound by DRAM bandwidth, not by the FMAs (q2_k and q3_k do round them, on the GPU too:
+//! see [`super::kdot`]).
 //! AVX-512F and AVX2+FMA+F16C paths are chosen with the same run-time detection as [`super::simd`].
 //!
 //! With AVX512_BF16, q4_0 takes a shorter path: a 16-entry table lookup (`vpermw`) turns the 32 nibbles of a
