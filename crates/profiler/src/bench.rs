@@ -13,7 +13,7 @@ use pipeshard_exec::cpu::simd::Isa;
 use pipeshard_exec::cpu::{CacheLevel, CpuPool, Prefetch, TASKS_PER_THREAD, matmul, matmul_quant};
 use pipeshard_exec::cuda::{Gpu, KernelKey, Stream};
 use pipeshard_exec::host::Elem;
-use pipeshard_exec::quant::QFormat;
+use pipeshard_exec::quant::{K_BLOCK_ELEMS, QFormat, round_activations};
 use rayon::prelude::*;
 
 use crate::cpu::{fill_random, read_sum};
@@ -220,11 +220,25 @@ fn random_matrix(fmt: Fmt, rows: usize, k: usize) -> Vec<u8> {
     w
 }
 
-/// The largest error of `y`'s first rows against the f64 product, over the largest reference value.
+/// The largest error of `y`'s first rows against the f64 product, over the largest reference value. q2_k and
+/// q3_k GEMVs compute on their activations rounded to 8 bits (`quant::round_activations`), so the product does.
 fn check(fmt: Fmt, w: &[u8], x: &[f32], y: &[f32], k: usize) -> f64 {
+    let x: Vec<f64> = match fmt {
+        Fmt::Quant(q) if q.rounds_activations() => {
+            let mut q8 = [0i8; K_BLOCK_ELEMS];
+            x[..k]
+                .chunks_exact(K_BLOCK_ELEMS)
+                .flat_map(|xb| {
+                    let dx = round_activations(xb, &mut q8);
+                    q8.map(|v| f64::from(v) * f64::from(dx))
+                })
+                .collect()
+        }
+        _ => x[..k].iter().map(|&v| f64::from(v)).collect(),
+    };
     let (mut err, mut top) = (0f64, 0f64);
     for (r, &got) in y.iter().enumerate().take(CHECKED_ROWS) {
-        let want: f64 = fmt.row(w, r, k).iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+        let want: f64 = fmt.row(w, r, k).iter().zip(&x).map(|(&a, &b)| f64::from(a) * b).sum();
         err = err.max((f64::from(got) - want).abs());
         top = top.max(want.abs());
     }
