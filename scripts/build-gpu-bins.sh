@@ -18,8 +18,11 @@ cp "$unit" .bin/exec-unit-tests
 bench=$(cargo bench -p pipeshard-exec --bench experts --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["name"]=="experts"][-1])')
 cp "$bench" .bin/exec-experts-bench
-strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench
+# The ring-wait experiment (crates/exec/examples/ring_wait.rs), for gpu-check.sh's "ringwait" part.
+cargo build --release -p pipeshard-exec --example ring_wait
+cp target/release/examples/ring_wait .bin/exec-ring-wait
+strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
-xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench
+xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
 git rev-parse --short=12 HEAD > .bin/commit
 ls -la .bin

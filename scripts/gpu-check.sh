@@ -6,6 +6,7 @@
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
+#   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -77,6 +78,12 @@ if [[ $PARTS == *preenqueue* ]]; then
   run_ab --pre-enqueue on --check > "$OUT/ab/check-on.log" 2>&1
   grep -E "check|reference|failed|error" "$OUT/ab/check-on.log"
   tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
+fi
+if [[ $PARTS == *ringwait* ]]; then
+  # When a compute-stream wait on one copy's event ends behind a deep copy queue (crates/exec/examples/ring_wait.rs).
+  timeout 60 .bin/exec-ring-wait > "$OUT/ring-wait.log" 2>&1
+  echo "ring wait exit $?" >> "$OUT/ring-wait.log"
+  cat "$OUT/ring-wait.log"
 fi
 if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \

@@ -746,6 +746,12 @@ fn mat_mul(
 
 /// The embedding rows of `tokens` as f32 `[m, hidden]`.
 pub fn embed(pool: &CpuPool, d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f32]) {
+    if tokens.len() <= EMBED_THREAD_ROWS {
+        for (row, &tok) in h[..tokens.len() * d.hidden].chunks_mut(d.hidden).zip(tokens) {
+            d.mat_row_into(table, tok as usize, row);
+        }
+        return;
+    }
     pool.install(|| {
         h[..tokens.len() * d.hidden]
             .par_chunks_mut(d.hidden)
@@ -753,6 +759,11 @@ pub fn embed(pool: &CpuPool, d: &Dims, table: &[u8], tokens: &[u32], h: &mut [f3
             .for_each(|(row, &tok)| d.mat_row_into(table, tok as usize, row));
     });
 }
+
+/// Token rows [`embed`] converts on the calling thread: a decode step's row takes about a microsecond, the
+/// hand-over to the pool and back 30–40 µs on the H200 machine's host (`cpu token_embd` in run27's traces, on
+/// every decode step's critical path).
+const EMBED_THREAD_ROWS: usize = 8;
 
 /// One attention block on the CPU: `h += o_proj(attention(rope(q, k), v))` for the tokens of `pass`, writing
 /// their K/V into the cache of `cache`'s sequences (`kv` holds its whole `[K | V]`).
@@ -1385,6 +1396,27 @@ mod tests {
     #[test]
     fn argmax_takes_the_first_maximum() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+    }
+
+    /// A few tokens are embedded on the calling thread, more on the pool: the same rows either way.
+    #[test]
+    fn embed_gives_the_same_rows_on_the_thread_and_the_pool() {
+        use crate::testing::tiny_qwen3_spec;
+        use crate::weights::ModelWeights;
+        use pipeshard_core::inventory::UnitId;
+        let w = ModelWeights::random(&tiny_qwen3_spec(), 3).unwrap();
+        let (d, table) = (&w.dims, w.unit(UnitId::TokenEmbd).unwrap().buf.as_slice());
+        let pool = CpuPool::new(3).unwrap();
+        let many: Vec<u32> = (0..3 * EMBED_THREAD_ROWS as u32).map(|i| i * 7 % d.vocab as u32).collect();
+        let few = &many[..EMBED_THREAD_ROWS];
+        let (mut h_many, mut h_few) = (vec![0f32; many.len() * d.hidden], vec![0f32; few.len() * d.hidden]);
+        embed(&pool, d, table, &many, &mut h_many);
+        embed(&pool, d, table, few, &mut h_few);
+        assert_eq!(h_few[..], h_many[..few.len() * d.hidden]);
+        let mut row = vec![0f32; d.hidden];
+        d.mat_row_into(table, many[1] as usize, &mut row);
+        assert_eq!(h_few[d.hidden..2 * d.hidden], row[..]);
+        assert!(row.iter().any(|&v| v != 0.0));
     }
 
     /// The expert block, through both its paths (up to `EXACT_MAX_TOKENS` tokens an expert, and more), equals
