@@ -124,7 +124,7 @@ pub struct RunArgs {
     /// Decode with MoE experts on the CPU: queue the GPU work that follows a layer's CPU experts (their sum,
     /// the next layer's attention and router) while they run, behind a flag the host opens (`on`: where the
     /// plan and the device allow it), or launch it after them (`off`).
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: Toggle,
 }
 

@@ -75,7 +75,7 @@ pub struct BenchArgs {
     gen_tokens: u64,
     /// Decode of the MoE bound: queue the GPU work after a layer's CPU experts while they run (`on`, where the
     /// plan and the device allow it) or launch it after them (`off`); see `exec run --pre-enqueue`.
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: crate::exec::Toggle,
     /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
     /// `bounds-moe-cpu-experts.json`).

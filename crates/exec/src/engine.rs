@@ -84,11 +84,12 @@ pub struct RunOptions {
 /// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
-    /// Where the plan and the device allow it.
-    On,
-    /// Never: every launch after the CPU experts' end. The default until `On` has run on a GPU (written in
-    /// session 12 without one; its GPU tests and an A/B run are the next device session's).
+    /// Where the plan and the device allow it. The default: on the H200 machine, qwen3-30b-a3b@4L bf16 at 2 GB
+    /// (pshard, every expert on the CPU) decoded 4.92–5.27 ms a step against 5.28–5.74 ms with `Off`
+    /// (interleaved runs, one lease, session 13), with the same tokens and logits as the all-pinned reference.
     #[default]
+    On,
+    /// Never: every launch after the CPU experts' end.
     Off,
 }
 

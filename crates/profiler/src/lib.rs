@@ -254,6 +254,9 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             p.dram = cpu.dram;
             p.cpu = cpu.device;
             p.host_route_ns_per_token = cpu.route_ns_per_token;
+            // The expert rows time whole expert blocks: a derived base's fitted per-expert cost would count
+            // it twice.
+            p.cpu_expert_ns = 0;
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
             p
         }

@@ -1041,6 +1041,12 @@ impl Gpu {
         let n_keys_max = keys.pos0 + (m - 1) * keys.pos_step + 1;
         // Scratch holds `n_splits` (sized for the whole context); one split per 32-key tile read is enough.
         let n_splits = n_splits.min(n_keys_max.div_ceil(32)).max(1);
+        // attn_combine holds two splits a lane.
+        if n_splits > 64 {
+            return Err(ExecError::Input(format!(
+                "attention: {n_splits} key splits, the kernels take at most 64"
+            )));
+        }
         let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
         let warps = (m * n_heads * n_splits) as u64;
         let cfg = LaunchConfig {
