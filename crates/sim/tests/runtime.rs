@@ -112,24 +112,34 @@ fn the_kv_upload_covers_the_cells_each_runtime_reads() {
     assert_eq!(streamed_kv_upload_ns(Runtime::Stock, 4096 - 256), last);
 }
 
-/// TTFT of a 256-token prefill chunk of a 2-layer qwen3-30b-a3b, experts pinned, free ops and copies, with our
-/// executor's host routing at `route_ns_per_token` a token.
-fn moe_prefill_ttft_ns(runtime: Runtime, route_ns_per_token: u64) -> u64 {
+/// TTFT of a 256-token prefill chunk of a 2-layer qwen3-30b-a3b, experts placed at `experts` and everything
+/// else pinned, free ops and copies, with our executor's host routing at `route_ns_per_token` a token.
+fn moe_prefill_ttft_ns(runtime: Runtime, experts: Placement, route_ns_per_token: u64) -> u64 {
     let spec = small("qwen3-30b-a3b", 2);
     let w = Workload::single(256, 1024, 1, 256);
-    let p = plan(&spec, &w, SHAPE, &|_| Placement::Pinned);
+    let p = plan(&spec, &w, SHAPE, &|u| {
+        if matches!(u, UnitId::Expert { .. }) { experts } else { Placement::Pinned }
+    });
     let cost = FixedCost { host_route_ns_per_token: route_ns_per_token, ..FixedCost::plain(0.0, 1.0) };
     let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
     sim.run(&pipeshard_sim::SimOptions::default()).metrics.ttft_ns
 }
 
-/// Our executor routes each layer's tokens on the host between the routing sync and the first expert, with
-/// the GPU waiting: 2 layers × 256 tokens at 500 ns a token. llama.cpp reads the ids on the device.
+/// Our executor routes each layer's tokens on the host between the routing sync and the first expert, GPU or
+/// CPU, the expert side waiting: 2 layers × 256 tokens at 500 ns a token. llama.cpp reads the ids on the
+/// device, and its CPU backend routes inside its expert kernels.
 #[test]
 fn our_host_routing_delays_each_layers_experts() {
-    let extra = moe_prefill_ttft_ns(Runtime::Ours, 500) - moe_prefill_ttft_ns(Runtime::Ours, 0);
-    assert_eq!(extra, 2 * 256 * 500);
-    for runtime in [Runtime::Stock, Runtime::Artifact] {
-        assert_eq!(moe_prefill_ttft_ns(runtime, 500), moe_prefill_ttft_ns(runtime, 0), "{runtime:?}");
+    for experts in [Placement::Pinned, Placement::Cpu] {
+        let extra =
+            moe_prefill_ttft_ns(Runtime::Ours, experts, 500) - moe_prefill_ttft_ns(Runtime::Ours, experts, 0);
+        assert_eq!(extra, 2 * 256 * 500, "{experts:?}");
+        for runtime in [Runtime::Stock, Runtime::Artifact] {
+            assert_eq!(
+                moe_prefill_ttft_ns(runtime, experts, 500),
+                moe_prefill_ttft_ns(runtime, experts, 0),
+                "{runtime:?} {experts:?}"
+            );
+        }
     }
 }
