@@ -596,6 +596,18 @@ pub fn measure_all(
     })?;
     figures.add("host sync (launch a tiny kernel, wait for it on the host)", "ns", sync);
     progress.tick(&format!("host sync {:.1} µs", sync.median / 1e3))?;
+    let max_threads = *threads.iter().max().unwrap_or(&1) as usize;
+    let (to_cpu, to_gpu) = routing_round_trip(&gpu, &kn, &mut staging, rule, max_threads, tiny.ptr())?;
+    for (to, st) in [("CPU", to_cpu), ("GPU", to_gpu)] {
+        figures.add(
+            &format!(
+                "decode routing round trip, router kernels' end to the first {to} expert (exec, one token)"
+            ),
+            "ns",
+            st,
+        );
+        progress.tick(&format!("routing round trip to the {to}: {:.1} µs", st.median / 1e3))?;
+    }
 
     // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
@@ -756,11 +768,99 @@ pub fn measure_all(
         one_token_projections_fused: true,
         cpu_expert_ns: 0,
         host_route_ns_per_token: host.route_ns_per_token,
+        decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
+        decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
         notes: Vec::new(),
     })
+}
+
+/// Our executor's routing round trip in a one-token decode step of qwen3-30b-a3b's MoE layer, router on the GPU,
+/// as `Exec::moe_layer` runs it: the router's norm and GEMV, the logits (and, for CPU experts, the normed
+/// input) copied down on the compute stream, the host's sync (the pool's workers polling, for CPU experts),
+/// the routing and per-expert token lists, then either a pool job's start or the token lists copied up and
+/// the first expert kernel. Returns the time from the router's kernels' end to the expert's start, to the CPU
+/// and to the GPU: the validation's MoE decode layers spent 40–60 µs there against the 10–12 µs a host sync
+/// and a small copy price (run29, qwen3-30b-a3b@4L bf16 with CPU experts). To the CPU it is the host's time
+/// from the enqueue to the job's start less the router kernels' device time, so it also holds the first
+/// kernel's launch latency (a few µs), which a decode step, whose router queues behind its attention, does
+/// not pay.
+fn routing_round_trip(
+    gpu: &Gpu,
+    kn: &Kernels,
+    staging: &mut HostBuf,
+    rule: Rule,
+    threads: usize,
+    expert_target: u64,
+) -> Result<(Stat, Stat)> {
+    use pipeshard_core::cost::{ROUTE_PROFILE_EXPERTS, ROUTE_PROFILE_TOP_K};
+    use pipeshard_exec::cpu::{CpuPool, Routing};
+    let spec = catalog::get("qwen3-30b-a3b").expect("catalog model");
+    let hidden = spec.text.hidden as usize;
+    let n_experts = ROUTE_PROFILE_EXPERTS as usize;
+    let pool = CpuPool::new(threads)?;
+    let (h, norm_w, router_w) =
+        (gpu.alloc(hidden * 4)?, gpu.alloc(hidden * 4)?, gpu.alloc(n_experts * hidden * 2)?);
+    let (xb, logits, lists) = (gpu.alloc(hidden * 2)?, gpu.alloc(n_experts * 4)?, gpu.alloc(4 * KIB)?);
+    upload_random(gpu, staging, Elem::F32, h.ptr(), hidden * 4, 60)?;
+    upload_random(gpu, staging, Elem::F32, norm_w.ptr(), hidden * 4, 61)?;
+    upload_random(gpu, staging, Elem::Bf16, router_w.ptr(), n_experts * hidden * 2, 62)?;
+    // Host side, registered as the executor's `moe_io`: logits, the normed input, the token lists.
+    let (lo, xo, io) = (0, 4 * KIB, 16 * KIB);
+    let mut host = HostBuf::zeroed(32 * KIB);
+    // SAFETY: `host` outlives the registration (dropped after it, at the end of this function).
+    let _hreg = unsafe { gpu.register(&host)? };
+    let (ev_a, ev_b, ev_c) = (gpu.event(true)?, gpu.event(true)?, gpu.event(true)?);
+    let mut round_trip = |to_cpu: bool| -> Result<f64> {
+        let t0 = Instant::now();
+        gpu.record(&ev_a, Stream::Compute)?;
+        // SAFETY: h and norm_w hold `hidden` f32, xb `hidden` activations, router_w `n_experts × hidden` bf16,
+        // logits `n_experts` f32; the host buffer is registered and read only after the sync below.
+        unsafe {
+            gpu.norm_act(kn, h.ptr(), norm_w.ptr(), 0, xb.ptr(), 1, hidden, 1e-6, false)?;
+            gpu.matmul(kn, None, router_w.ptr(), xb.ptr(), logits.ptr(), 1, n_experts, hidden, false)?;
+            gpu.record(&ev_b, Stream::Compute)?;
+            let buf = host.as_mut_slice();
+            gpu.d2h(Stream::Compute, &mut buf[lo..lo + n_experts * 4], logits.ptr())?;
+            if to_cpu {
+                gpu.d2h(Stream::Compute, &mut buf[xo..xo + hidden * 2], xb.ptr())?;
+            }
+        }
+        let warm = to_cpu.then(|| pool.keep_warm());
+        gpu.sync(Stream::Compute)?;
+        let routing =
+            Routing::from_logits(&pool, &host.f32s()[..n_experts], n_experts, ROUTE_PROFILE_TOP_K, true);
+        let per_expert = routing.per_expert(n_experts);
+        drop(warm);
+        let router_ns = f64::from(gpu.elapsed_ms(&ev_a, &ev_b)?) * 1e6;
+        if to_cpu {
+            let (started, ()) =
+                pool.alongside(|| (Instant::now(), std::hint::black_box(&per_expert)).0, || ());
+            return Ok((started - t0).as_nanos() as f64 - router_ns);
+        }
+        // The token ids and the routing weights, each copied up on its own as the executor does.
+        let n = per_expert.iter().map(Vec::len).sum::<usize>() * 4;
+        let buf = host.as_mut_slice();
+        for (i, &(t, w)) in per_expert.iter().flatten().enumerate() {
+            buf[io + 4 * i..io + 4 * i + 4].copy_from_slice(&t.to_le_bytes());
+            buf[io + n + 4 * i..io + n + 4 * i + 4].copy_from_slice(&w.to_le_bytes());
+        }
+        // SAFETY: `lists` holds 4 KiB ≥ both arrays (top-k entries each); `expert_target` one f32 pair (the
+        // launch measurements' `tiny`); the host buffer is registered and not rewritten before the sync.
+        unsafe {
+            gpu.h2d(Stream::Compute, lists.ptr(), &host.as_slice()[io..io + n])?;
+            gpu.h2d(Stream::Compute, lists.ptr() + n as u64, &host.as_slice()[io + n..io + 2 * n])?;
+            gpu.record(&ev_c, Stream::Compute)?;
+            gpu.add_bias(kn, expert_target, expert_target + 4, 1, 1)?;
+        }
+        gpu.sync(Stream::Compute)?;
+        Ok(f64::from(gpu.elapsed_ms(&ev_b, &ev_c)?) * 1e6)
+    };
+    let to_cpu = sample(rule, || round_trip(true))?;
+    let to_gpu = sample(rule, || round_trip(false))?;
+    Ok((to_cpu, to_gpu))
 }
 
 /// exec's GPU op rows: GEMM/GEMV and routed experts over the catalog shapes × tokens, attention (prefill chunks,

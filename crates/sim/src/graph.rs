@@ -508,6 +508,14 @@ impl Builder<'_> {
         )
     }
 
+    /// Lengthens the last of `chain` (tasks that run one after another) so that the chain takes at least `ns`.
+    fn top_up(&mut self, chain: &[u32], ns: u64) {
+        let have: u64 = chain.iter().map(|&t| self.tasks[t as usize].duration_ns).sum();
+        if let Some(&last) = chain.last() {
+            self.hold(last, ns.saturating_sub(have));
+        }
+    }
+
     /// Lengthens task `task` (a GPU one, or a hand-off to the GPU) by `ns` of host work the device waits for.
     fn hold(&mut self, task: u32, ns: u64) {
         let t = &mut self.tasks[task as usize];
@@ -656,6 +664,21 @@ impl Builder<'_> {
         let on_host =
             if host_routed || (ours && counts[2] > 0) { self.routed_on_host(router, route_ns) } else { None };
         let routed = if host_routed { self.routing(on_host) } else { None };
+        // A decode step's round trip after a GPU router, where the profile measured our executor's: the copies
+        // down, the sync (with the pool's workers polling), the routing and the start of either side cost more
+        // than a sync and a small copy price.
+        if ours
+            && matches!(self.phase, Phase::Decode { .. })
+            && router.is_some_and(|r| self.device(r) == Device::Gpu)
+        {
+            let cost = self.ctx.cost;
+            if let (Some(h), true) = (on_host, counts[2] > 0 && !self.offloads(op)) {
+                self.top_up(&[h], cost.decode_routing_ns(Device::Cpu));
+            }
+            if let (Some(h), Some(up)) = (on_host, routed) {
+                self.top_up(&[h, up], cost.decode_routing_ns(Device::Gpu));
+            }
+        }
         // The runtime's host-side routing sort, shared out over the GPU shares like the work.
         let sort_ns = self.ctx.runtime.expert_ids_host_ns(op, self.ctx.cost.host_sync_ns()) as f64;
         let held = |f: f64| (sort_ns * f).round() as u64;
