@@ -15,6 +15,8 @@
 //! Around each run a host check reads DRAM with the profile's threads; a cell run while the shared host read
 //! under 90 % of the profile's figure runs once more (`host_dram_gbps`, `attempts` in `cells.csv`). It also
 //! times a CPU GEMV against the profile's row of that shape (`host_gemv_ratio`), which the summary reports.
+//! A cell whose plan and workload an earlier cell already ran (a coordinate its planner ignores, such as
+//! `ngl`'s depth) is predicted but not run again: its row's status names the cell that ran it.
 //!
 //! Measured VRAM is what the executor carved from its arena in the larger phase, plus the runtime overhead it
 //! measured, plus what the driver loaded lazily past both during the run (the arena itself is allocated
@@ -508,6 +510,15 @@ pub fn plan_fingerprint(plan: &Plan) -> String {
     format!("{:08x}", crc32fast::hash(&phases))
 }
 
+/// The 1-based row of the earlier outcome that ran `o`'s plan (equal fingerprints) on `o`'s workload.
+fn same_run(earlier: &[Outcome], o: &Outcome) -> Option<usize> {
+    let w = o.cell.workload();
+    earlier
+        .iter()
+        .position(|e| e.meas.is_some() && e.plan_fingerprint == o.plan_fingerprint && e.cell.workload() == w)
+        .map(|i| i + 1)
+}
+
 /// The grid coordinates a `cells.csv` row records (the batch too: a grid has cells that differ only by it).
 /// Not the KV layout: a row records the one the planner chose.
 fn same_cell(a: &Cell, b: &Cell) -> bool {
@@ -733,7 +744,7 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         let outcome = loop {
             attempts += 1;
             let (before_gbps, before_gemv) = (host.gbps(), host.gemv_ratio());
-            let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed)?;
+            let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed, &outcomes)?;
             let host_gbps = before_gbps.min(host.gbps());
             o.host_gemv_ratio = before_gemv.zip(host.gemv_ratio()).map(|(b, a)| b.min(a));
             (o.host_dram_gbps, o.attempts) = (Some(host_gbps), attempts);
@@ -953,6 +964,7 @@ fn validate_cell(
     gpu: &Gpu,
     profile: &pipeshard_core::profile::Profile,
     seed: u64,
+    earlier: &[Outcome],
 ) -> anyhow::Result<Outcome> {
     let workload = cell.workload();
     let prof = with_measured_overhead(gpu, spec, &workload, profile)?;
@@ -982,6 +994,12 @@ fn validate_cell(
     outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
     outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
     outcome.plan_fingerprint = Some(plan_fingerprint(&plan));
+    if let Some(n) = same_run(earlier, &outcome) {
+        // A grid coordinate the planner ignores (`ngl`'s depth) gives the same run again: one measurement of it
+        // is one cell, and the device time goes to the others.
+        outcome.status = format!("the same plan and workload as cell {n}: not run again");
+        return Ok(outcome);
+    }
     // Every parallel request gets a prompt of its own.
     let prompt = |s: u64| random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed + s);
     let opts = RunOptions {
@@ -1049,6 +1067,25 @@ mod tests {
             o.host_gemv_ratio = None;
         }
         assert!(gemv_check_line(&cells, Some(99.8)).is_none());
+    }
+
+    /// A cell whose plan and workload an earlier cell ran is found (its 1-based row), whatever grid
+    /// coordinate the planner ignored; another fingerprint, another workload or an earlier cell without a
+    /// measurement is not a match.
+    #[test]
+    fn a_cell_that_repeats_an_earlier_run_names_it() {
+        let mut ngl_depth_3 = outcome("ngl", "dense", 1.0, 1.0);
+        ngl_depth_3.cell.depth = Some(3);
+        let mut other_plan = outcome("ngl", "dense", 1.0, 1.0);
+        other_plan.plan_fingerprint = Some("ffff0000".into());
+        let mut unmeasured = outcome("ngl", "dense", 1.0, 1.0);
+        (unmeasured.plan_fingerprint, unmeasured.meas) = (other_plan.plan_fingerprint.clone(), None);
+        let mut longer = outcome("ngl", "dense", 1.0, 1.0);
+        longer.cell.gen_tokens = 32;
+        let earlier = vec![unmeasured, longer, outcome("ngl", "dense", 1.0, 1.0)];
+        assert_eq!(same_run(&earlier, &ngl_depth_3), Some(3));
+        assert_eq!(same_run(&earlier, &other_plan), None);
+        assert_eq!(same_run(&earlier[..2], &ngl_depth_3), None);
     }
 
     fn outcome(planner: &str, kind: &'static str, pred: f64, meas: f64) -> Outcome {
