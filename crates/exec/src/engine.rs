@@ -2044,10 +2044,10 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    let (gate, up) = if let Some(gw) = gate_up {
+                    let (gate, up, ld) = if let Some(gw) = gate_up {
                         let ga = at(sc.up);
                         gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
-                        (Some(ga), ga + (d.ffn * 4) as u64)
+                        (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
                     } else {
                         let mm = |w_off: usize, y: usize| {
                             gpu.matmul(
@@ -2066,9 +2066,9 @@ impl<'a> Exec<'a> {
                         if let Some(gw) = o.gate {
                             mm(gw, sc.gate)?;
                         }
-                        (o.gate.map(|_| at(sc.gate)), at(sc.up))
+                        (o.gate.map(|_| at(sc.gate)), at(sc.up), d.ffn)
                     };
-                    gpu.ffn_act(k, gate, up, at(sc.act), m * d.ffn)?;
+                    gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
                     gpu.matmul(
                         k,
                         d.quant,

@@ -1011,7 +1011,7 @@ fn measure_gpu_ops(
             let f = f as usize;
             let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
-                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
+                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m, f, f) }
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));

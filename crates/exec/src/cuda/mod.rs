@@ -1100,20 +1100,56 @@ impl Gpu {
         Ok(())
     }
 
-    /// `out = silu(g) · u` (or `relu(u)²` when `g` is `None`) over `n` elements, into activations.
+    /// `out[t, j] = silu(g[t, j]) · u[t, j]` (or `relu(u[t, j])²` when `g` is `None`) for `rows` rows of
+    /// `cols`, into activations. `g` and `u` rows are `ld` f32 apart: `cols` for matrices of their own,
+    /// `2·cols` where one GEMM wrote gate|up side by side (`g` the output, `u` `cols` further); `out`'s are
+    /// `cols` apart.
     ///
     /// # Safety
-    /// `g` (if any) and `u` hold `n` f32, `out` `n` activations.
-    pub unsafe fn ffn_act(&self, k: &Kernels, g: Option<u64>, u: u64, out: u64, n: usize) -> Result<()> {
-        let n64 = n as u64;
-        let cfg = threads_for(n64, 256);
+    /// `g` (if any) and `u` hold `(rows − 1) × ld + cols` f32, `out` `rows × cols` activations.
+    pub unsafe fn ffn_act(
+        &self,
+        k: &Kernels,
+        g: Option<u64>,
+        u: u64,
+        out: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        // A block of 256 threads a 256-column slice of up to 65535 rows (the grid's y limit); the kernel
+        // strides over the rest.
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(256) as u32, rows.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols, ld, rows) = (cols as i32, ld as u64, rows as u64);
         // SAFETY: as documented.
         let r = unsafe {
             match g {
-                Some(g) => {
-                    self.compute.launch_builder(&k.swiglu).arg(&g).arg(&u).arg(&out).arg(&n64).launch(cfg)
-                }
-                None => self.compute.launch_builder(&k.relu2).arg(&u).arg(&out).arg(&n64).launch(cfg),
+                Some(g) => self
+                    .compute
+                    .launch_builder(&k.swiglu)
+                    .arg(&g)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
+                None => self
+                    .compute
+                    .launch_builder(&k.relu2)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
             }
         };
         r.map(|_| ()).map_err(driver_err("cuLaunchKernel(ffn_act)"))
@@ -1203,7 +1239,7 @@ impl Gpu {
             self.gather_rows(k, io.xn, io.idx, io.x, c, hidden)?;
             self.matmul(k, quant, w + o.gate as u64, io.x, io.gate, rows, ffn, hidden, false)?;
             self.matmul(k, quant, w + o.up as u64, io.x, io.up, rows, ffn, hidden, false)?;
-            self.ffn_act(k, Some(io.gate), io.up, io.act, rows * ffn)?;
+            self.ffn_act(k, Some(io.gate), io.up, io.act, rows, ffn, ffn)?;
             self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
             self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
         }
