@@ -427,9 +427,11 @@ fn warm_up(
         (d.hidden, d.ffn, true),
     ];
     if let Some(moe) = d.moe {
+        // An expert's gate and up run as one matmul where they lie back to back (`Gpu::expert_ffn`).
+        let gate_up = if d.expert_gate_up_adjacent() { 2 * moe.expert_ffn } else { moe.expert_ffn };
         shapes.extend([
             (moe.n_experts, d.hidden, false),
-            (moe.expert_ffn, d.hidden, false),
+            (gate_up, d.hidden, false),
             (d.hidden, moe.expert_ffn, false),
         ]);
     }
@@ -1505,7 +1507,8 @@ impl<'a> Exec<'a> {
         let (mut gpu_experts, cpu_experts) = (picked(true), picked(false));
         // Pinned experts first (a stable sort: ascending within each kind), so that they run under one timeline
         // span: a span costs two event creations and records of host time, and decode experts are host-bound
-        // (on the H200 a qwen3-30b-a3b expert took 53 µs under its own span against 40 µs for its six launches).
+        // (on the H200 a qwen3-30b-a3b expert took 53 µs under its own span against 40 µs for its six
+        // launches, when gate and up were two matmuls).
         gpu_experts.sort_by_key(|&e| !matches!(locs[e as usize], WeightLoc::Pinned(_)));
         let pinned =
             gpu_experts.iter().take_while(|&&e| matches!(locs[e as usize], WeightLoc::Pinned(_))).count();
@@ -1784,13 +1787,12 @@ impl<'a> Exec<'a> {
                 idx: at(sc.moe_idx) + 4 * first as u64,
                 wts: at(sc.moe_w) + 4 * first as u64,
                 x: at(sc.moe_x),
-                gate: at(sc.moe_gate),
-                up: at(sc.moe_up),
+                gate_up: at(sc.moe_gate_up),
                 act: at(sc.moe_act),
                 y: at(sc.moe_y),
                 h: at(sc.h),
             };
-            // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
+            // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate_up/moe_act/moe_y (sized for m); idx/wts hold c
             // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
             // and h.
             unsafe { g.gpu.expert_ffn(&g.k, d.quant, wb, o, &io, c, rows, hd, fe)? };
@@ -2044,10 +2046,10 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    let (gate, up) = if let Some(gw) = gate_up {
+                    let (gate, up, ld) = if let Some(gw) = gate_up {
                         let ga = at(sc.up);
                         gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
-                        (Some(ga), ga + (d.ffn * 4) as u64)
+                        (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
                     } else {
                         let mm = |w_off: usize, y: usize| {
                             gpu.matmul(
@@ -2066,9 +2068,9 @@ impl<'a> Exec<'a> {
                         if let Some(gw) = o.gate {
                             mm(gw, sc.gate)?;
                         }
-                        (o.gate.map(|_| at(sc.gate)), at(sc.up))
+                        (o.gate.map(|_| at(sc.gate)), at(sc.up), d.ffn)
                     };
-                    gpu.ffn_act(k, gate, up, at(sc.act), m * d.ffn)?;
+                    gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
                     gpu.matmul(
                         k,
                         d.quant,

@@ -110,12 +110,11 @@ pub struct ScratchLayout {
     /// MoE: token permutation, `m × top_k` u32 token ids and f32 routing weights.
     pub moe_idx: usize,
     pub moe_w: usize,
-    /// MoE: one expert's gathered inputs `[m, hidden]` (activations), gate and up `[m, expert_ffn]` f32, their
-    /// SwiGLU `[m, expert_ffn]` (activations) and output `[m, hidden]` f32 (also where the CPU experts' partial
-    /// sum lands).
+    /// MoE: one expert's gathered inputs `[m, hidden]` (activations), gate and up `[m, 2·expert_ffn]` f32
+    /// (one GEMM's output, `cuda::ExpertIo::gate_up`), their SwiGLU `[m, expert_ffn]` (activations) and
+    /// output `[m, hidden]` f32 (also where the CPU experts' partial sum lands).
     pub moe_x: usize,
-    pub moe_gate: usize,
-    pub moe_up: usize,
+    pub moe_gate_up: usize,
     pub moe_act: usize,
     pub moe_y: usize,
     /// End of the attention temporaries (q, k, v, split partials) in the region they share with the FFN's.
@@ -194,8 +193,7 @@ fn carve_scratch(
         s.moe_idx = take(m * moe.top_k * 4);
         s.moe_w = take(m * moe.top_k * 4);
         s.moe_x = take(m * d.hidden * act);
-        s.moe_gate = take(m * moe.expert_ffn * 4);
-        s.moe_up = take(m * moe.expert_ffn * 4);
+        s.moe_gate_up = take(2 * m * moe.expert_ffn * 4);
         s.moe_act = take(m * moe.expert_ffn * act);
         s.moe_y = take(m * d.hidden * 4);
     }
@@ -614,7 +612,7 @@ mod tests {
             sc.moe_logits >= sc.xb + 4 * w.dims.hidden * 2,
             "MoE temporaries leave the normed input alone"
         );
-        assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
+        assert!(sc.moe_act >= sc.moe_gate_up + 4 * 2 * moe.expert_ffn * 4);
         let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 4, 64, 0);
         assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
     }

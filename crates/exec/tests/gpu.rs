@@ -335,6 +335,11 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         // choices at near-ties, over the 1% allowed here, as bf16 does with weights from seed 42 (measured:
         // results/exec/quant/README.md); its logits stay within 3e-3 of all-CPU, as bf16's do.
         tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES),
+        // The tiny MoE model in bf16 too (it is f16 for the unrounded references; here both sides round
+        // alike). In every tiny MoE case the op-offload mix prefills the 40-token prompt in one chunk: 80
+        // picks over 8 experts give some expert of every GPU layer ≥ 10 rows, so the multi-token expert path
+        // (one gate|up GEMM; quantised, one dequantisation for both) runs in f16, bf16, q4_0 and q4_k.
+        tiny(quant(tiny_qwen3_moe_spec(), DType::Bf16), MOE_MIXES),
         tiny(quant(tiny_k_spec(), DType::Q4K), MIXES),
         tiny(quant(tiny_k_spec(), DType::Q6K), MIXES),
         tiny(quant(tiny_k_spec(), DType::Q2K), MIXES),
@@ -678,6 +683,156 @@ fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
         assert!(one.iter().chain(&sep).all(|v| v.is_finite()), "{quant:?}: an output was not written");
         assert!(err < 1e-5, "{quant:?}: rel err {err}");
     }
+}
+
+/// One routed expert on the GPU (`Gpu::expert_ffn`, the executor's and the profiler's whole per-expert
+/// sequence) against the CPU's matmuls and SwiGLU over the same rounded inputs, in every matrix format, for
+/// token counts on both sides of `EXACT_MAX_TOKENS` (GEMV kernels below, dequantise + cuBLAS above), padded
+/// to a power of two as the engine pads them: with gate and up back to back (one matmul of 2·ffn rows and a
+/// SwiGLU reading its rows 2·ffn apart; quantised above 8 tokens, one dequantisation) and with a gap between
+/// them (two matmuls, the layout f16/bf16 experts get when padding separates them). One q4_0 expert of
+/// qwen3-235b-a22b's shape has a gate|up larger than the dequantisation scratch, so its dequantisation goes
+/// in two chunks, the second starting inside up.
+#[test]
+fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
+    use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant, swiglu};
+    use pipeshard_exec::cuda::{DEQUANT_SCRATCH_BYTES, ExpertIo, KernelKey, Stream};
+    use pipeshard_exec::host::Elem;
+    use pipeshard_exec::quant::{EXACT_MAX_TOKENS, QFormat};
+    use pipeshard_exec::weights::{ExpertOffsets, TENSOR_ALIGN_BYTES};
+    let Some((_, gpu)) = device() else { return };
+    let pool = CpuPool::new(4).unwrap();
+    // (activations and f16/bf16 matrices, quantised format, hidden, expert ffn)
+    let mut cases = vec![(Elem::Bf16, None, 256usize, 192usize), (Elem::F16, None, 256, 192)];
+    cases.extend(QFormat::ALL.map(|q| (Elem::Bf16, Some(q), 512, 256)));
+    cases.push((Elem::Bf16, Some(QFormat::Q4_0), 4096, 1536));
+    // Tokens of the layer (rows of xn and h) and the counts an expert gets.
+    let (t_all, counts) = (64usize, [1usize, 3, 8, 12, 40]);
+    assert!(counts.iter().any(|&c| c <= EXACT_MAX_TOKENS) && counts.iter().any(|&c| c > EXACT_MAX_TOKENS));
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let (mut checked, mut chunked) = (0, false);
+    for (act, quant, hd, ffn) in cases {
+        chunked |= quant.is_some() && 2 * ffn * hd * act.size_bytes() > DEQUANT_SCRATCH_BYTES;
+        let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
+        // Gate and up [ffn, hd], down [hd, ffn]: values of ±1/√fan-in, stored in the format.
+        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
+            let scale = 1.0 / (k as f32).sqrt();
+            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
+        };
+        let store = |wf: &[f32], k: usize| -> Vec<u8> {
+            quant.map_or_else(
+                || {
+                    let mut b = vec![0u8; 2 * wf.len()];
+                    act.write_row(wf, &mut b);
+                    b
+                },
+                |q| q.quantize(wf, k),
+            )
+        };
+        let (gate, up, down) =
+            (store(&values(ffn, hd, 1), hd), store(&values(ffn, hd, 2), hd), store(&values(hd, ffn, 3), ffn));
+        let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
+            let mut y = vec![0f32; m * n];
+            match quant {
+                Some(q) => matmul_quant(&pool, x, m, k, w, q, n, &mut y, false),
+                None => matmul(&pool, x, m, k, w, act, n, &mut y, false),
+            }
+            y
+        };
+        // The layer's normed activations (rounded to the activation type) and residual rows.
+        let xn: Vec<f32> =
+            (0..t_all * hd).map(|i| act.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0)).collect();
+        let h0: Vec<f32> = (0..t_all * hd).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+        let mut xnb = vec![0u8; 2 * xn.len()];
+        act.write_row(&xn, &mut xnb);
+        let h0b: Vec<u8> = h0.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Back to back as the unit lays them out, and with up one alignment step further.
+        let gb = gate.len();
+        assert!(gb.is_multiple_of(TENSOR_ALIGN_BYTES), "{act:?} {quant:?}: the test's gate needs no padding");
+        for gap in [0, TENSOR_ALIGN_BYTES] {
+            let o = ExpertOffsets {
+                gate: 0,
+                up: gb + gap,
+                down: (2 * gb + gap).next_multiple_of(TENSOR_ALIGN_BYTES),
+            };
+            let mut wb = vec![0u8; o.down + down.len()];
+            wb[..gb].copy_from_slice(&gate);
+            wb[o.up..o.up + up.len()].copy_from_slice(&up);
+            wb[o.down..].copy_from_slice(&down);
+            let rows_max = t_all;
+            let sizes =
+                [wb.len(), xnb.len(), 4 * t_all, 4 * t_all, 2 * rows_max * hd, 4 * rows_max * 2 * ffn];
+            let sizes = sizes.into_iter().chain([2 * rows_max * ffn, 4 * rows_max * hd, h0b.len()]);
+            let bufs: Vec<_> = sizes.map(|b| gpu.alloc(b).unwrap()).collect();
+            let io = ExpertIo {
+                xn: bufs[1].ptr(),
+                idx: bufs[2].ptr(),
+                wts: bufs[3].ptr(),
+                x: bufs[4].ptr(),
+                gate_up: bufs[5].ptr(),
+                act: bufs[6].ptr(),
+                y: bufs[7].ptr(),
+                h: bufs[8].ptr(),
+            };
+            for c in counts {
+                // c distinct rows in a scrambled order (37 is prime to 64), the engine's padded row count.
+                let idx: Vec<u32> = (0..c).map(|i| ((i * 37 + 5) % t_all) as u32).collect();
+                let wts: Vec<f32> = (0..c).map(|i| 0.25 + 0.5 * i as f32 / c as f32).collect();
+                let rows = c.next_power_of_two();
+                let idxb: Vec<u8> = idx.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let wtsb: Vec<u8> = wts.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let mut got = vec![0u8; h0b.len()];
+                // SAFETY: every buffer holds what expert_ffn reads and writes for rows ≤ 64 (sized above),
+                // the weights at `o` in the format; the idx are distinct rows of xn and h; NaN fills the
+                // temporaries (and the padded rows of x), so anything read unwritten shows; synchronised
+                // before the host reads.
+                unsafe {
+                    gpu.h2d(Stream::Compute, bufs[0].ptr(), &wb).unwrap();
+                    gpu.h2d(Stream::Compute, io.xn, &xnb).unwrap();
+                    gpu.h2d(Stream::Compute, io.idx, &idxb).unwrap();
+                    gpu.h2d(Stream::Compute, io.wts, &wtsb).unwrap();
+                    gpu.h2d(Stream::Compute, io.h, &h0b).unwrap();
+                    for b in &bufs[4..8] {
+                        gpu.h2d(Stream::Compute, b.ptr(), &vec![0xffu8; b.bytes()]).unwrap();
+                        gpu.sync(Stream::Compute).unwrap();
+                    }
+                    gpu.expert_ffn(&kn, quant, bufs[0].ptr(), o, &io, c, rows, hd, ffn).unwrap();
+                    gpu.sync(Stream::Compute).unwrap();
+                    gpu.d2h(Stream::Compute, &mut got, io.h).unwrap();
+                }
+                gpu.sync(Stream::Compute).unwrap();
+                let got = f32s(&got);
+                // The CPU: gather, gate and up, SwiGLU rounded to the activations, down, weighted add.
+                let x: Vec<f32> = idx
+                    .iter()
+                    .flat_map(|&t| xn[t as usize * hd..(t as usize + 1) * hd].iter().copied())
+                    .collect();
+                let mut g = cpu_mm(&x, c, hd, &gate, ffn);
+                let u = cpu_mm(&x, c, hd, &up, ffn);
+                swiglu(&mut g, &u, act);
+                let y = cpu_mm(&g, c, ffn, &down, hd);
+                let (mut got_d, mut want_d) = (Vec::new(), Vec::new());
+                for (i, &t) in idx.iter().enumerate() {
+                    let r = t as usize * hd..(t as usize + 1) * hd;
+                    got_d.extend(got[r.clone()].iter().zip(&h0[r.clone()]).map(|(a, b)| a - b));
+                    want_d.extend(y[i * hd..(i + 1) * hd].iter().map(|&v| f64::from(wts[i] * v)));
+                }
+                let untouched = (0..t_all).filter(|t| !idx.contains(&(*t as u32)));
+                let kept =
+                    untouched.flat_map(|t| t * hd..(t + 1) * hd).all(|i| got[i].to_bits() == h0[i].to_bits());
+                let err = rel_err(&got_d, &want_d);
+                let what = format!("{act:?} {quant:?} {hd}×{ffn} gap {gap} c={c} rows={rows}");
+                eprintln!("{what}: rel err {err:.1e}");
+                assert!(kept, "{what}: a row no token of the expert owns changed");
+                assert!(err < 1e-3, "{what}: rel err {err}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 9 * 2 * counts.len());
+    assert!(chunked, "one expert's gate|up spans two dequantisation chunks");
 }
 
 /// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts

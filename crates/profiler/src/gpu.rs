@@ -17,7 +17,7 @@ use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::seqs::{GpuKeys, Pass, SeqKv};
-use pipeshard_exec::weights::{Dims, ExpertOffsets};
+use pipeshard_exec::weights::{Dims, ExpertOffsets, TENSOR_ALIGN_BYTES};
 
 use crate::cpu::{self, Background, dims_for, fill_random};
 use crate::shapes::{self, HeadLayout};
@@ -32,7 +32,7 @@ const SAMPLE_TARGET_NS: f64 = 50_000.0;
 /// A held stream's hold per queued call: several times what a cuBLAS call costs the host (≈ 10–15 µs).
 const HOLD_NS_PER_CALL: u64 = 50_000;
 /// Calls a sample of a host-paced row at least (routed experts, unheld). One call of ~70 µs, as the 50 µs
-/// target gives, timed the host's enqueueing of its six launches plus its last kernel's run; the executor
+/// target gives, timed the host's enqueueing of its launches plus its last kernel's run; the executor
 /// enqueues a layer's experts back to back, each at the host's pace alone: run27's q4_0 qwen3-30b-a3b@24L,
 /// all pinned, took 49 µs an expert in prefill (~64 tokens) against the row's 71.7 µs, 25.7 in decode against
 /// 32.8 (results/validation/2026-12-01-nvidia-h200). Eight is a decode layer's experts.
@@ -882,7 +882,7 @@ fn measure_gpu_ops(
     // The MoE scratch of one expert over up to max_m tokens; its token ids are 0..max_m, each picked once.
     let (e_ffn, e_hidden) = cat.experts.iter().fold((1, 1), |(f, h), s| (f.max(s.n), h.max(s.k)));
     let (e_ffn, e_hidden) = (e_ffn as usize, e_hidden as usize);
-    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * e_ffn, 4 * max_m * e_ffn]
+    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * 2 * e_ffn]
         .into_iter()
         .chain([2 * max_m * e_ffn, 4 * max_m * e_hidden, 4 * max_m * e_hidden])
         .map(|bytes| gpu.alloc(bytes))
@@ -900,11 +900,10 @@ fn measure_gpu_ops(
         idx: e_bufs[0].ptr(),
         wts: e_bufs[1].ptr(),
         x: e_bufs[2].ptr(),
-        gate: e_bufs[3].ptr(),
-        up: e_bufs[4].ptr(),
-        act: e_bufs[5].ptr(),
-        y: e_bufs[6].ptr(),
-        h: e_bufs[7].ptr(),
+        gate_up: e_bufs[3].ptr(),
+        act: e_bufs[4].ptr(),
+        y: e_bufs[5].ptr(),
+        h: e_bufs[6].ptr(),
     };
     let mut gpu_rows: Vec<OpRow> = Vec::new();
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
@@ -939,11 +938,13 @@ fn measure_gpu_ops(
             let (n, k) = (shape.n as usize, shape.k as usize);
             let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
             let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
-            // An expert's gate, up and down lie together, as in exec's weights; each sample's matrices come from
+            // An expert's gate, up and down lie together, up right after gate (aligned) as in exec's weights,
+            // so the call takes exec's path (one matmul over gate|up); each sample's matrices come from
             // another slot so that none is read from L2.
             let unit_bytes = if experts { 3 * wbytes } else { wbytes };
             let copies = (rot_bytes / unit_bytes).max(1);
-            let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
+            let up = (n * row_bytes(k)).next_multiple_of(TENSOR_ALIGN_BYTES);
+            let expert = ExpertOffsets { gate: 0, up, down: 2 * wbytes };
             for &m in &g.tokens {
                 let (hold, min_reps) = if experts { (None, HOST_PACED_MIN_REPS) } else { (Some(&*kn), 1) };
                 let s = b.events_min_reps(Stream::Compute, hold, min_reps, &mut |i| {
@@ -953,7 +954,8 @@ fn measure_gpu_ops(
                     // m distinct row ids.
                     unsafe {
                         if experts {
-                            // exec's whole per-expert sequence (six launches) over m tokens that all picked it.
+                            // exec's whole per-expert sequence (5 launches, 7 quantised above 8 tokens) over
+                            // m tokens that all picked it.
                             gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
                         } else {
                             gpu.matmul(&kn, quant, w, xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
@@ -1111,7 +1113,7 @@ fn measure_gpu_ops(
             let f = f as usize;
             let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
-                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
+                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m, f, f) }
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));

@@ -14,7 +14,8 @@
 //!   cuBLAS)
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
 //!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k; the fast mode bf16 and q4_0); routed experts as exec's
-//!   whole per-expert sequence (gather, gate and up GEMMs, SwiGLU, down GEMM, weighted scatter-add: six launches);
+//!   whole per-expert sequence (gather, one gate|up matmul, SwiGLU, down matmul, weighted scatter-add: five
+//!   launches, seven where a quantised matmul dequantises before cuBLAS);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
 //! - **CPU ops**: exec's CPU matmul (bf16 and the quantised formats) and attention by thread count, alone and under DMA, and its elementwise
@@ -204,7 +205,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          rows' efficiency in the cost model"
             .into(),
         "routed experts: no grouped kernel in exec yet; a GPU `experts` row is exec's whole sequence for one \
-         expert (gather, gate, up, SwiGLU, down, scatter-add: six launches), a CPU row exec's expert block"
+         expert (gather, gate|up, SwiGLU, down, scatter-add: five launches, seven quantised above 8 tokens), a \
+         CPU row exec's expert block"
             .into(),
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];

@@ -361,16 +361,31 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
 }
 
+// The FFN activations over `rows` rows of `cols`: g and u rows are `ld` elements apart (`cols` when they are
+// matrices of their own, 2·cols when one GEMM wrote gate|up side by side: g = y, u = y + cols), out's rows
+// `cols` apart. A thread takes one column: blocks span the columns (grid.x) and the rows (grid.y, striding
+// when there are more rows than grid.y), so no thread divides its index.
+
 // out = silu(g) * u, rounded to the activation type.
-extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { const float a = g[i]; out[i] = ACT_STORE(a / (1.f + expf(-a)) * u[i]); }
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u,
+                                  act_t* __restrict__ out, int cols, u64 ld, u64 rows) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    for (u64 t = blockIdx.y; t < rows; t += gridDim.y) {
+        const float a = g[t * ld + j];
+        out[t * cols + j] = ACT_STORE(a / (1.f + expf(-a)) * u[t * ld + j]);
+    }
 }
 
 // out = max(u, 0)^2, rounded to the activation type.
-extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { const float r = fmaxf(u[i], 0.f); out[i] = ACT_STORE(r * r); }
+extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict__ out, int cols, u64 ld,
+                                 u64 rows) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    for (u64 t = blockIdx.y; t < rows; t += gridDim.y) {
+        const float r = fmaxf(u[t * ld + j], 0.f);
+        out[t * cols + j] = ACT_STORE(r * r);
+    }
 }
 
 // MoE token permutation: dst[i, :] = src[idx[i], :] (activation rows). One block per gathered row.

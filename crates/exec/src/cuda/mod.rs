@@ -788,11 +788,11 @@ pub struct ExpertIo {
     /// The expert's token rows (u32) and routing weights (f32).
     pub idx: u64,
     pub wts: u64,
-    /// Gathered rows (activations), gate and up outputs (f32), their SwiGLU product (activations), down output
-    /// (f32).
+    /// Gathered rows (activations); gate and up outputs (f32, `2 × rows × ffn`: each row's gate then its up
+    /// columns where one GEMM computes both, else gate's rows then up's); their SwiGLU product (activations);
+    /// down output (f32).
     pub x: u64,
-    pub gate: u64,
-    pub up: u64,
+    pub gate_up: u64,
     pub act: u64,
     pub y: u64,
     /// The residual stream (f32) the weighted outputs are added to.
@@ -1100,20 +1100,56 @@ impl Gpu {
         Ok(())
     }
 
-    /// `out = silu(g) · u` (or `relu(u)²` when `g` is `None`) over `n` elements, into activations.
+    /// `out[t, j] = silu(g[t, j]) · u[t, j]` (or `relu(u[t, j])²` when `g` is `None`) for `rows` rows of
+    /// `cols`, into activations. `g` and `u` rows are `ld` f32 apart: `cols` for matrices of their own,
+    /// `2·cols` where one GEMM wrote gate|up side by side (`g` the output, `u` `cols` further); `out`'s are
+    /// `cols` apart.
     ///
     /// # Safety
-    /// `g` (if any) and `u` hold `n` f32, `out` `n` activations.
-    pub unsafe fn ffn_act(&self, k: &Kernels, g: Option<u64>, u: u64, out: u64, n: usize) -> Result<()> {
-        let n64 = n as u64;
-        let cfg = threads_for(n64, 256);
+    /// `g` (if any) and `u` hold `(rows − 1) × ld + cols` f32, `out` `rows × cols` activations.
+    pub unsafe fn ffn_act(
+        &self,
+        k: &Kernels,
+        g: Option<u64>,
+        u: u64,
+        out: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        // A block of 256 threads a 256-column slice of up to 65535 rows (the grid's y limit); the kernel
+        // strides over the rest.
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(256) as u32, rows.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols, ld, rows) = (cols as i32, ld as u64, rows as u64);
         // SAFETY: as documented.
         let r = unsafe {
             match g {
-                Some(g) => {
-                    self.compute.launch_builder(&k.swiglu).arg(&g).arg(&u).arg(&out).arg(&n64).launch(cfg)
-                }
-                None => self.compute.launch_builder(&k.relu2).arg(&u).arg(&out).arg(&n64).launch(cfg),
+                Some(g) => self
+                    .compute
+                    .launch_builder(&k.swiglu)
+                    .arg(&g)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
+                None => self
+                    .compute
+                    .launch_builder(&k.relu2)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
             }
         };
         r.map(|_| ()).map_err(driver_err("cuLaunchKernel(ffn_act)"))
@@ -1175,16 +1211,29 @@ impl Gpu {
         .map_err(driver_err("cuLaunchKernel(scatter_add_rows)"))
     }
 
-    /// One routed expert over the `c` tokens that picked it: gather their rows of `io.xn`, gate and up
-    /// matmuls, SwiGLU, down matmul, and the weighted scatter-add into `io.h` — six launches. The matmuls run over
+    /// One routed expert over the `c` tokens that picked it: gather their rows of `io.xn`, one matmul over
+    /// gate and up, SwiGLU, down matmul, and the weighted scatter-add into `io.h`. The matmuls run over
     /// `rows ≥ c` rows (a warmed shape); rows past `c` are computed and dropped. This is the executor's whole
     /// per-expert sequence, and the profiler times this same call.
     ///
+    /// Launches: 5 (gather, gate|up, SwiGLU, down, scatter-add) in f16/bf16 and, up to [`EXACT_MAX_TOKENS`]
+    /// rows, in the quantised formats (their GEMV kernels dequantise as they read); 7 in quantised formats
+    /// above, where a matmul is a dequantisation into the scratch and a cuBLAS GEMM, one of each for gate|up
+    /// while it fits [`DEQUANT_SCRATCH_BYTES`] in the activation type (qwen3-30b-a3b's takes 6 MiB; larger
+    /// ones go in chunks). With gate and up as two matmuls it was 6 and 9, and in a prefill chunk, where the
+    /// host enqueues ~128 experts a layer, the enqueueing set the pace (ncu on the H200, qwen3-30b-a3b q4_0,
+    /// ~64 tokens an expert: 61 µs an expert against ~46 µs of kernels). Gate and up are one
+    /// `[2·ffn, hidden]` matrix because the unit stores them back to back
+    /// ([`crate::weights::Dims::expert_gate_up_adjacent`]): a token's output row holds its gate columns, then
+    /// its up columns, and the SwiGLU reads them `2·ffn` apart. Where alignment padding separates them
+    /// (f16/bf16 experts whose `ffn × hidden` is not a multiple of 8, never a quantised one) they stay two
+    /// matmuls.
+    ///
     /// # Safety
     /// `w` holds the expert's gate and up (`ffn × hidden`) and down (`hidden × ffn`) at `o`'s offsets in
-    /// `quant`'s format; `io.idx`/`io.wts` hold `c` distinct token rows of `io.xn` and `io.h` and their weights;
-    /// `io.x`, `io.act` hold `rows` activation rows (`hidden`, `ffn`), `io.gate`, `io.up`, `io.y` `rows` f32 rows
-    /// (`ffn`, `ffn`, `hidden`).
+    /// `quant`'s format; `io.idx`/`io.wts` hold `c` distinct token rows of `io.xn` and `io.h` and their
+    /// weights; `io.x`, `io.act` hold `rows` activation rows (`hidden`, `ffn`), `io.gate_up` `rows` f32 rows
+    /// of `2·ffn`, `io.y` `rows` f32 rows of `hidden`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn expert_ffn(
         &self,
@@ -1198,12 +1247,22 @@ impl Gpu {
         hidden: usize,
         ffn: usize,
     ) -> Result<()> {
-        // SAFETY: the sizes are the caller's, as documented.
+        let row_bytes = quant.map_or(hidden * k.key.act.size_bytes(), |q| q.row_bytes(hidden));
+        let one_matrix = o.up == o.gate + ffn * row_bytes;
+        // SAFETY: the sizes are the caller's, as documented; gate|up's 2·ffn rows are the unit's gate and up
+        // when `one_matrix` (whole rows of whole blocks, back to back), and its outputs fill `io.gate_up`.
         unsafe {
             self.gather_rows(k, io.xn, io.idx, io.x, c, hidden)?;
-            self.matmul(k, quant, w + o.gate as u64, io.x, io.gate, rows, ffn, hidden, false)?;
-            self.matmul(k, quant, w + o.up as u64, io.x, io.up, rows, ffn, hidden, false)?;
-            self.ffn_act(k, Some(io.gate), io.up, io.act, rows * ffn)?;
+            let (g, u, ld) = if one_matrix {
+                self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, 2 * ffn, hidden, false)?;
+                (io.gate_up, io.gate_up + (ffn * 4) as u64, 2 * ffn)
+            } else {
+                let up = io.gate_up + (rows * ffn * 4) as u64;
+                self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, ffn, hidden, false)?;
+                self.matmul(k, quant, w + o.up as u64, io.x, up, rows, ffn, hidden, false)?;
+                (io.gate_up, up, ffn)
+            };
+            self.ffn_act(k, Some(g), u, io.act, rows, ffn, ld)?;
             self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
             self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
         }
