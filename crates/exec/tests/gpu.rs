@@ -524,7 +524,7 @@ fn batched_decode_matches_independent_runs_on_the_gpu() {
 
 /// The attention kernel against the CPU's, over the shapes that stress its tiling: grouped-query layouts (8
 /// and 4 query heads per KV head, head_dim 128 and 64), one-sequence decode at contexts that leave a partial
-/// tile and a partial split (1 to 4096 keys, up to 64 key splits, fewer than the scratch holds when few keys
+/// tile and a partial split (1 to 16K keys, up to 256 key splits, fewer than the scratch holds when few keys
 /// are filled), a causal prefill chunk, and a unified
 /// cache's masked scan of 4 sequences.
 #[test]
@@ -550,6 +550,10 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
             // A short prompt in a long context: 5 of the scratch's 16 splits run.
             (1024, 1, false, Pass::Decode { pos: 143 }),
             (4096, 1, false, Pass::Decode { pos: 4095 }),
+            // Past 4K keys one query splits further (to MAX_KEY_SPLITS): 128 splits with a partial last one,
+            // then 256, the combine's most.
+            (8192, 1, false, Pass::Decode { pos: 8000 }),
+            (16_384, 1, false, Pass::Decode { pos: 16_383 }),
             (300, 1, false, Pass::Prefill { seq: 0, pos0: 260, tokens: 37 }),
             (200, 4, true, Pass::Decode { pos: 150 }),
         ];

@@ -1002,8 +1002,9 @@ fn measure_gpu_ops(
     let chunk = g.prefill_chunk;
     let qbuf = gpu.alloc(chunk * max_q_dim * 4)?;
     let obuf = gpu.alloc(chunk * max_q_dim * 2)?;
-    let part_o = gpu.alloc(64 * max_q_dim * 4)?;
-    let part_ml = gpu.alloc(64 * max_q_dim / 32 * 2 * 4 + 4096)?;
+    let splits = pipeshard_core::workload::MAX_KEY_SPLITS as usize;
+    let part_o = gpu.alloc(splits * max_q_dim * 4)?;
+    let part_ml = gpu.alloc(splits * max_q_dim / 32 * 2 * 4 + 4096)?;
     upload_random(gpu, staging, Elem::F32, qbuf.ptr(), chunk * max_q_dim * 4, 30)?;
     for &kv_dtype in &g.kv_dtypes {
         let kv_e = elem(kv_dtype);

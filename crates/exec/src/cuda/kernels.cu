@@ -326,39 +326,53 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     }
 }
 
-// Merges the key splits of attention: one warp per (token, head), at most 64 splits. Lane l holds the
-// (max, sum) of splits l and l + 32, and the splits' partial outputs are read with their loads in flight
-// together: one split after another, each waiting for its loads, took 10 µs for 16 splits on the H200.
-extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        act_t* __restrict__ out, int n_splits, long long rows) {
-    const long long th = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
+// Merges the key splits of attention (at most 256): one block of COMBINE_WARPS warps per (token, head). Every
+// warp finds the splits' largest max and the softmax denominator itself (lanes stride over the splits), then
+// warp w adds splits w, w + COMBINE_WARPS, … into its lanes' dimensions, and the warps' sums meet in shared
+// memory. One warp walking 16 splits one after another, each waiting for its loads, had taken 10 µs (H200).
+#define COMBINE_WARPS 16
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, act_t* __restrict__ out, int n_splits,
+    long long rows) {
+    __shared__ float sums[COMBINE_WARPS][D];
+    const long long th = blockIdx.x;
     if (th >= rows) return;
-    float ms[2], ls[2], f[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const int s = lane + 32 * c;
-        const bool has = s < n_splits;
-        ms[c] = has ? part_ml[(th * n_splits + s) * 2] : NEG_INF;
-        ls[c] = has ? part_ml[(th * n_splits + s) * 2 + 1] : 0.f;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const float* ml = part_ml + th * n_splits * 2;
+    float big = NEG_INF;
+    for (int s = lane; s < n_splits; s += 32) big = fmaxf(big, ml[2 * s]);
+    big = warp_max(big);
+    float total = 0.f;
+    for (int s = lane; s < n_splits; s += 32) {
+        const float l = ml[2 * s + 1];
+        if (l > 0.f) total += l * expf(ml[2 * s] - big);
     }
-    const float big = warp_max(fmaxf(ms[0], ms[1]));
-#pragma unroll
-    for (int c = 0; c < 2; ++c) f[c] = ls[c] > 0.f ? expf(ms[c] - big) : 0.f;
-    const float total = warp_sum(ls[0] * f[0] + ls[1] * f[1]);
+    total = warp_sum(total);
     float acc[PER];
 #pragma unroll
     for (int r = 0; r < PER; ++r) acc[r] = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) {
-        const float fs = __shfl_sync(FULL, s < 32 ? f[0] : f[1], s & 31);
+    for (int s = w; s < n_splits; s += COMBINE_WARPS) {
+        // A split with no key (l = 0, max −inf) adds nothing.
+        const float l = ml[2 * s + 1];
+        const float f = l > 0.f ? expf(ml[2 * s] - big) : 0.f;
         const float* po = part_o + (th * n_splits + s) * D + lane;
 #pragma unroll
-        for (int r = 0; r < PER; ++r) acc[r] += fs * po[32 * r];
+        for (int r = 0; r < PER; ++r) acc[r] += f * po[32 * r];
     }
-    const float inv = 1.f / total;
 #pragma unroll
-    for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
+    for (int r = 0; r < PER; ++r) sums[w][lane + 32 * r] = acc[r];
+    __syncthreads();
+    if (w == 0) {
+        const float inv = 1.f / total;
+#pragma unroll
+        for (int r = 0; r < PER; ++r) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < COMBINE_WARPS; ++i) v += sums[i][lane + 32 * r];
+            out[th * D + lane + 32 * r] = ACT_STORE(v * inv);
+        }
+    }
 }
 
 // The FFN activations over `rows` rows of `cols`: g and u rows are `ld` elements apart (`cols` when they are

@@ -20,6 +20,8 @@ use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use pipeshard_core::workload::MAX_KEY_SPLITS;
+
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
@@ -37,6 +39,8 @@ pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
 const GEMV_ROWS_PER_WARP: usize = 4;
 /// Rows one block of four warps of the tensor-core GEMV (q4_k) computes: the M of its mma.
 const TC_GEMV_ROWS: usize = 16;
+/// Threads of an `attn_combine` block (its `COMBINE_WARPS` warps), one block per query and head.
+const COMBINE_THREADS: u32 = 16 * 32;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -1041,10 +1045,9 @@ impl Gpu {
         let n_keys_max = keys.pos0 + (m - 1) * keys.pos_step + 1;
         // Scratch holds `n_splits` (sized for the whole context); one split per 32-key tile read is enough.
         let n_splits = n_splits.min(n_keys_max.div_ceil(32)).max(1);
-        // attn_combine holds two splits a lane.
-        if n_splits > 64 {
+        if n_splits as u64 > MAX_KEY_SPLITS {
             return Err(ExecError::Input(format!(
-                "attention: {n_splits} key splits, the kernels take at most 64"
+                "attention: {n_splits} key splits, the kernels take at most {MAX_KEY_SPLITS}"
             )));
         }
         let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
@@ -1093,7 +1096,11 @@ impl Gpu {
                     .arg(&out)
                     .arg(&ns)
                     .arg(&rows)
-                    .launch(threads_for(rows as u64 * 32, 256))
+                    .launch(LaunchConfig {
+                        grid_dim: (rows as u32, 1, 1),
+                        block_dim: (COMBINE_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
             }
             .map_err(driver_err("cuLaunchKernel(attn_combine)"))?;
         }
