@@ -570,21 +570,14 @@ pub fn measure_all(
             progress,
         )?,
     };
-    // Two f32 elements for the launch and sync measurements.
+    // Two f32 elements for the sync measurement.
     let tiny = gpu.alloc(8)?;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
 
     // ---- Latencies and interference ----
     progress.section("launch, host sync, copies vs compute", 8);
-    let launches = 1000;
-    let s = b.events(Stream::Compute, None, &mut |_| {
-        for _ in 0..launches {
-            // SAFETY: one f32 element of x and b (regions 0 and 1).
-            unsafe { gpu.add_bias(&kn, tiny.ptr(), tiny.ptr() + 4, 1, 1)? };
-        }
-        Ok(())
-    })?;
-    let launch = Stat { median: s.median / f64::from(launches), ..s };
+    let launch_probe = LaunchProbe::new(&gpu)?;
+    let launch = sample(rule, || launch_probe.ns_per_launch(&gpu))?;
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
     progress.tick(&format!("launch {:.2} µs", launch.median / 1e3))?;
     let sync = sample(rule, || -> Result<f64> {
@@ -775,6 +768,51 @@ pub fn measure_all(
         measurements: Vec::new(),
         notes: Vec::new(),
     })
+}
+
+/// The host's pace launching kernels: 1000 tiny kernels back to back on the compute stream, timed between
+/// two events (the device runs each in less than a launch takes, so the span is the host's). The profile's
+/// `launch_ns`, and the validation's check of it around each cell: host-paced work (a prefill chunk's GPU
+/// experts, launches after CPU work) slows with it.
+pub struct LaunchProbe {
+    kn: std::sync::Arc<Kernels>,
+    tiny: DevBuf,
+    ev: (Event, Event),
+}
+
+impl std::fmt::Debug for LaunchProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaunchProbe").field("launches", &Self::LAUNCHES).finish_non_exhaustive()
+    }
+}
+
+impl LaunchProbe {
+    const LAUNCHES: u32 = 1000;
+
+    /// # Errors
+    /// Device errors (allocation, kernel compilation, events).
+    pub fn new(gpu: &Gpu) -> Result<LaunchProbe> {
+        Ok(LaunchProbe {
+            kn: gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?,
+            tiny: gpu.alloc(8)?,
+            ev: (gpu.event(true)?, gpu.event(true)?),
+        })
+    }
+
+    /// Nanoseconds a launch, one sample.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn ns_per_launch(&self, gpu: &Gpu) -> Result<f64> {
+        gpu.record(&self.ev.0, Stream::Compute)?;
+        for _ in 0..Self::LAUNCHES {
+            // SAFETY: one f32 element of x and b (the buffer's two).
+            unsafe { gpu.add_bias(&self.kn, self.tiny.ptr(), self.tiny.ptr() + 4, 1, 1)? };
+        }
+        gpu.record(&self.ev.1, Stream::Compute)?;
+        gpu.sync(Stream::Compute)?;
+        Ok(f64::from(gpu.elapsed_ms(&self.ev.0, &self.ev.1)?) * 1e6 / f64::from(Self::LAUNCHES))
+    }
 }
 
 /// Our executor's routing round trip in a one-token decode step of qwen3-30b-a3b's MoE layer, router on the GPU,
