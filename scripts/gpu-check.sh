@@ -113,7 +113,7 @@ if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \
     > "$OUT/bounds.log" 2>&1
   echo "bounds exit $?" >> "$OUT/bounds.log"
-  grep -E "^\|" "$OUT/bounds.log" | cut -c1-200
+  grep -E "^\||pre-enqueue:" "$OUT/bounds.log" | cut -c1-200
 fi
 if [[ $PARTS == *hf* ]]; then
   PYTHONUNBUFFERED=1 timeout 150 python3 scripts/hf_compare.py /tmp/pipeshard-hf > "$OUT/hf-compare.log" 2>&1

@@ -162,8 +162,13 @@ fn run_plan(
         pre_enqueue,
         ..RunOptions::default()
     };
-    pipeshard_exec::run(w, plan, Some(gpu), &opts)
-        .with_context(|| format!("{} / {} / {}", w.dims.model, plan.planner, format_bytes(plan.budget_bytes)))
+    let what = format!("{} / {} / {}", w.dims.model, plan.planner, format_bytes(plan.budget_bytes));
+    let out = pipeshard_exec::run(w, plan, Some(gpu), &opts).with_context(|| what.clone())?;
+    // What the run did not do as asked (pre-enqueue's skipped layers, weights left pageable), in the log.
+    for warning in &out.warnings {
+        eprintln!("{what}: {warning}");
+    }
+    Ok(out)
 }
 
 /// Runs the three decode bounds (the CPU GEMV bound is the GEMV bench's bf16 CPU row).

@@ -17,7 +17,7 @@
 //! `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is allocated and carved per phase (see `layout`); device free
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -266,33 +266,64 @@ struct NextLayer {
     ring: Option<RingItem>,
 }
 
+/// Why the GPU work after a decode layer's CPU experts was not pre-enqueued ([`PreEnqueue`]); a run counts
+/// them and says so in [`RunOutput::warnings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum NotPreEnqueued {
+    /// A prefill pass, the last layer (the output head follows) or a dense layer next.
+    NoNextMoeLayer,
+    /// The next layer's router is streamed or on the CPU.
+    RouterNotPinned,
+    /// The next layer's attention or its KV is on the host (on the CPU, or staged).
+    AttentionOnHost,
+    /// The next attention streams, and its ring item was not the next in flight.
+    RingItemNotInFlight,
+    /// The residual stream was on the host while the experts ran.
+    ResidualOnHost,
+}
+
+impl NotPreEnqueued {
+    fn why(self) -> &'static str {
+        match self {
+            NotPreEnqueued::NoNextMoeLayer => "no MoE layer next",
+            NotPreEnqueued::RouterNotPinned => "the next router not pinned",
+            NotPreEnqueued::AttentionOnHost => "the next attention or its KV on the host",
+            NotPreEnqueued::RingItemNotInFlight => "the next attention's ring item not in flight",
+            NotPreEnqueued::ResidualOnHost => "the residual stream on the host",
+        }
+    }
+}
+
 /// The next layer's steps when the GPU work after layer L's CPU experts can be pre-enqueued ([`PreEnqueue`]):
 /// `router` is the index of layer L's router step in `steps`, `decode` whether the pass is a decode step. The
 /// attention must follow L's expert steps, on the GPU with its KV (pinned or streamed, not on the host), and
 /// the router must follow it, pinned: then the enqueue needs no host sync and at most the one ring item.
-fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Option<NextLayer> {
-    let UnitId::Router { layer } = steps.get(router)?.unit else { return None };
+fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<NextLayer, NotPreEnqueued> {
+    let none = NotPreEnqueued::NoNextMoeLayer;
+    let Some(UnitId::Router { layer }) = steps.get(router).map(|s| s.unit) else { return Err(none) };
     let mut rest = steps[router + 1..]
         .iter()
         .skip_while(|s| matches!(s.unit, UnitId::Expert { layer: l, .. } if l == layer));
-    let (attn, next_router) = (*rest.next()?, *rest.next()?);
+    let (Some(&attn), Some(&next_router)) = (rest.next(), rest.next()) else { return Err(none) };
     let next = layer + 1;
     if !decode
         || attn.unit != (UnitId::Attn { layer: next })
         || next_router.unit != (UnitId::Router { layer: next })
-        || !matches!(next_router.weights, WeightLoc::Pinned(_))
     {
-        return None;
+        return Err(none);
     }
-    let ring = match (attn.weights, attn.kv?) {
+    if !matches!(next_router.weights, WeightLoc::Pinned(_)) {
+        return Err(NotPreEnqueued::RouterNotPinned);
+    }
+    let ring = match (attn.weights, attn.kv.ok_or(none)?) {
         (WeightLoc::Pinned(_), KvLoc::Pinned(_)) => None,
         (WeightLoc::Streamed, KvLoc::Streamed) => Some(RingItem::AttnKv(next)),
         (WeightLoc::Streamed, KvLoc::Pinned(_)) => Some(RingItem::Weights(attn.unit)),
         (WeightLoc::Pinned(_), KvLoc::Streamed) => Some(RingItem::Kv(next)),
         // On the CPU, or staged with the KV on the host (op offload, prefill only).
-        _ => return None,
+        _ => return Err(NotPreEnqueued::AttentionOnHost),
     };
-    Some(NextLayer { attn, router: next_router, ring })
+    Ok(NextLayer { attn, router: next_router, ring })
 }
 
 impl Drop for GpuSide<'_> {
@@ -403,6 +434,8 @@ struct Exec<'a> {
     h_on_dev: bool,
     /// The layer whose attention and router were pre-enqueued ([`PreEnqueue`]): the step loop skips them.
     pre_enqueued: Option<u32>,
+    /// Decode layers with CPU experts, pre-enqueued or not (and why), with the gate in use.
+    pre_enqueue_count: (usize, BTreeMap<NotPreEnqueued, usize>),
 }
 
 /// Runs every GEMM shape a run will launch once, so that cuBLAS's first call of a shape (its heuristics, and
@@ -715,6 +748,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
         pre_enqueued: None,
+        pre_enqueue_count: (0, BTreeMap::new()),
     };
     if needs_gpu {
         let gpu = gpu.ok_or_else(|| ExecError::NoCuda {
@@ -1026,11 +1060,20 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        let warnings = self
+        let mut warnings: Vec<String> = self
             .gpu
             .as_ref()
             .map(|g| g.pageable.1.iter().chain(&g.gate_warning).cloned().collect())
             .unwrap_or_default();
+        let (layers, skipped) = &self.pre_enqueue_count;
+        if !skipped.is_empty() {
+            let why: Vec<String> = skipped.iter().map(|(k, n)| format!("{n} with {}", k.why())).collect();
+            warnings.push(format!(
+                "pre-enqueue: {} of {layers} decode layer steps with CPU experts queued ahead; not {}",
+                layers - skipped.values().sum::<usize>(),
+                why.join(", ")
+            ));
+        }
         Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
@@ -1578,12 +1621,12 @@ impl<'a> Exec<'a> {
             let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
             let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
+                let decode = matches!(pass_at, Pass::Decode { .. });
                 let next = self
                     .gpu
                     .as_ref()
                     .is_some_and(|g| g.gate.is_some())
-                    .then(|| pre_enqueue_steps(&lay.steps, router, matches!(pass_at, Pass::Decode { .. })))
-                    .flatten();
+                    .then(|| pre_enqueue_steps(&lay.steps, router, decode));
                 let mut part = vec![0f32; m * hd];
                 let (cpu_end_ns, enqueued) = pool.alongside(
                     || {
@@ -1594,7 +1637,23 @@ impl<'a> Exec<'a> {
                         enqueue_gpu_experts(self)?;
                         // After this layer's streamed experts took their slots, the attention's item must be
                         // the next in flight.
-                        next.filter(|n| n.ring.is_none() || n.ring == self.ring_front())
+                        let next = next.map(|n| {
+                            n.and_then(|n| {
+                                if n.ring.is_none() || n.ring == self.ring_front() {
+                                    Ok(n)
+                                } else {
+                                    Err(NotPreEnqueued::RingItemNotInFlight)
+                                }
+                            })
+                        });
+                        // Layers with no MoE layer next (the last one) could never be: they are not counted.
+                        if decode
+                            && let Some(r) = &next
+                            && r.as_ref().err() != Some(&NotPreEnqueued::NoNextMoeLayer)
+                        {
+                            self.count_pre_enqueue(r.as_ref().err().copied());
+                        }
+                        next.and_then(Result::ok)
                             .map(|n| self.pre_enqueue(lay, layer, &n, pass_at, pass, m))
                             .transpose()
                     },
@@ -1630,6 +1689,11 @@ impl<'a> Exec<'a> {
                 // thread's wake-up included.
                 self.tl.host(format!("cpu → gpu: blk.{layer} experts' sum"), Track::Host, cpu_end_ns);
             } else {
+                if matches!(pass_at, Pass::Decode { .. })
+                    && self.gpu.as_ref().is_some_and(|g| g.gate.is_some())
+                {
+                    self.count_pre_enqueue(Some(NotPreEnqueued::ResidualOnHost));
+                }
                 // No GPU expert ran (it would have moved the residual stream to the device).
                 cpu::experts_block(pool, d, fe, &xn, &units, self.h_host.f32s_mut());
                 self.tl.host(name, Track::Cpu, t);
@@ -1639,6 +1703,14 @@ impl<'a> Exec<'a> {
             g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
         }
         Ok(())
+    }
+
+    /// Counts a decode layer with CPU experts: pre-enqueued (`None`) or not, and why.
+    fn count_pre_enqueue(&mut self, skipped: Option<NotPreEnqueued>) {
+        self.pre_enqueue_count.0 += 1;
+        if let Some(why) = skipped {
+            *self.pre_enqueue_count.1.entry(why).or_default() += 1;
+        }
     }
 
     /// Enqueues the GPU router of `step` over the pass's `m` rows: the normed input and the logits, and their
@@ -2204,7 +2276,10 @@ impl<'a> Exec<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{KvLoc, NextLayer, RingItem, Step, UnitId, WeightLoc, page_lock_choice, pre_enqueue_steps};
+    use super::{
+        KvLoc, NextLayer, NotPreEnqueued, RingItem, Step, UnitId, WeightLoc, page_lock_choice,
+        pre_enqueue_steps,
+    };
 
     /// Layer 0 and 1 of a MoE model, both with attention and router pinned (KV pinned) and two CPU experts, then
     /// the output head.
@@ -2235,17 +2310,18 @@ mod tests {
     /// attention or the router is on the CPU or the router streams.
     #[test]
     fn pre_enqueue_takes_the_next_gpu_attention_and_pinned_router_of_decode() {
+        use NotPreEnqueued::{AttentionOnHost, NoNextMoeLayer, RouterNotPinned};
         let steps = moe_steps();
-        let next = |s: &[Step]| Some(NextLayer { attn: s[4], router: s[5], ring: None });
+        let next = |s: &[Step]| Ok(NextLayer { attn: s[4], router: s[5], ring: None });
         assert_eq!(pre_enqueue_steps(&steps, 1, true), next(&steps));
-        assert_eq!(pre_enqueue_steps(&steps, 1, false), None, "prefill");
+        assert_eq!(pre_enqueue_steps(&steps, 1, false), Err(NoNextMoeLayer), "prefill");
         assert_eq!(
             pre_enqueue_steps(&steps, 5, true),
-            None,
+            Err(NoNextMoeLayer),
             "the last layer's router: the output head follows"
         );
-        assert_eq!(pre_enqueue_steps(&steps, 0, true), None, "an attention step");
-        assert_eq!(pre_enqueue_steps(&steps, 99, true), None, "past the steps");
+        assert_eq!(pre_enqueue_steps(&steps, 0, true), Err(NoNextMoeLayer), "an attention step");
+        assert_eq!(pre_enqueue_steps(&steps, 99, true), Err(NoNextMoeLayer), "past the steps");
         let with = |i: usize, weights: WeightLoc, kv: Option<KvLoc>| {
             let mut s = steps.clone();
             s[i] = Step { weights, kv, ..s[i] };
@@ -2260,21 +2336,29 @@ mod tests {
             let (got, s) = with(4, weights, Some(kv));
             assert_eq!(
                 got,
-                Some(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
+                Ok(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
                 "{weights:?}, {kv:?}"
             );
         }
-        assert_eq!(with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0, None, "attention on the CPU");
-        assert_eq!(with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0, None, "attention staged");
-        assert_eq!(with(5, WeightLoc::Streamed, None).0, None, "router streamed");
-        assert_eq!(with(5, WeightLoc::Cpu, None).0, None, "router on the CPU");
+        assert_eq!(
+            with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0,
+            Err(AttentionOnHost),
+            "attention on the CPU"
+        );
+        assert_eq!(
+            with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0,
+            Err(AttentionOnHost),
+            "attention staged"
+        );
+        assert_eq!(with(5, WeightLoc::Streamed, None).0, Err(RouterNotPinned), "router streamed");
+        assert_eq!(with(5, WeightLoc::Cpu, None).0, Err(RouterNotPinned), "router on the CPU");
         // Experts of this layer on the GPU are skipped like CPU ones.
         let (got, s) = with(2, WeightLoc::Pinned(0), None);
         assert_eq!(got, next(&s));
         // A dense layer next (an FFN instead of a router).
         let mut dense = steps.clone();
         dense[5] = Step { unit: UnitId::Ffn { layer: 1 }, weights: WeightLoc::Pinned(0), kv: None };
-        assert_eq!(pre_enqueue_steps(&dense, 1, true), None, "the next layer is dense");
+        assert_eq!(pre_enqueue_steps(&dense, 1, true), Err(NoNextMoeLayer), "the next layer is dense");
     }
 
     /// Under a page-lock limit, streamed units are locked first, then the others in order while they fit;
