@@ -17,9 +17,12 @@
 //!   whole per-expert sequence (gather, one gate|up matmul, SwiGLU, down matmul, weighted scatter-add: five
 //!   launches, seven where a quantised matmul dequantises before cuBLAS);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
-//!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
+//!   exec's norm, RoPE and SwiGLU kernels; launch overhead ([`gpu::LaunchProbe`], which `validate` also runs
+//!   around each cell); host-sync latency; the runtime's VRAM.
+//! - **Executor sequences**: the decode routing round trip of a MoE layer after a GPU router, as exec runs it
+//!   (copies down, the sync with the pool polling, the routing, the first CPU or GPU expert's start).
 //! - **CPU ops**: exec's CPU matmul (bf16 and the quantised formats) and attention by thread count, alone and under DMA, and its elementwise
-//!   kernels.
+//!   kernels; the host's routing of a prefill chunk.
 //!
 //! Every figure is sampled until its spread (interquartile range / median) is small or its time budget is
 //! spent ([`stats`]); the median is kept and the spread recorded beside it.
