@@ -31,12 +31,15 @@ use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
-use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostFlag, HostRegistration, KernelKey, Kernels, Stream};
+use crate::cuda::{
+    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostFlag, HostRegistration, KernelKey, Kernels, Stream,
+    grouped_experts_fit,
+};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
 use crate::seqs::{GpuKeys, Pass, SeqKv};
-use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
+use crate::weights::{Dims, ExpertOffsets, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code the
 /// warm-up did not reach). Measured on the H200 (validation run12, 92 cells, dense and MoE, bf16 and q4_0, with
@@ -69,6 +72,28 @@ pub struct RunOptions {
     pub interrupt: Option<&'static AtomicBool>,
     /// Whether decode steps queue the GPU work after a MoE layer's CPU experts while those run ([`PreEnqueue`]).
     pub pre_enqueue: PreEnqueue,
+    /// Whether steps of at most `EXACT_MAX_TOKENS` tokens run a MoE layer's pinned GPU experts as two grouped
+    /// launches ([`GroupedExperts`]).
+    pub grouped_experts: GroupedExperts,
+}
+
+/// Grouped routed experts (decode): a MoE layer's pinned picked GPU experts run as two launches
+/// (`Gpu::grouped_experts`: gate|up with SwiGLU for every expert, then down with the weighted sum into the
+/// residual) instead of five launches an expert (`Gpu::expert_ffn`). In a one-token qwen3-30b-a3b step the
+/// 8 pinned experts of a layer took ~380 µs on the H200, paced by the host's 40 launches, for ~20 µs of
+/// weight reads.
+///
+/// It applies to steps of at most `EXACT_MAX_TOKENS` token rows with f16/bf16 matrices
+/// (`cuda::grouped_experts_fit`); streamed experts keep the per-expert path (each waits for its own ring
+/// slot), after the grouped launches; quantised formats keep it entirely.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GroupedExperts {
+    /// Where it applies. Not the default until it has run on a GPU (session 13: written and syntax-checked,
+    /// not yet compiled by NVRTC nor measured).
+    On,
+    /// Never: every GPU expert runs `Gpu::expert_ffn`.
+    #[default]
+    Off,
 }
 
 /// Pre-enqueue (decode, experts on the CPU): while layer L's CPU experts run, the host queues what follows
@@ -394,12 +419,24 @@ struct MoeIo {
     idx: usize,
     w: usize,
     part: usize,
+    /// The grouped experts' unit addresses (u64) and entry offsets (u32), `tokens × top_k` (+ 1).
+    gbase: usize,
+    gfirst: usize,
 }
 
 impl MoeIo {
     fn new(d: &Dims, tokens: usize) -> MoeIo {
         let Some(moe) = d.moe else {
-            return MoeIo { buf: HostBuf::zeroed(0), logits: 0, xn: 0, idx: 0, w: 0, part: 0 };
+            return MoeIo {
+                buf: HostBuf::zeroed(0),
+                logits: 0,
+                xn: 0,
+                idx: 0,
+                w: 0,
+                part: 0,
+                gbase: 0,
+                gfirst: 0,
+            };
         };
         let mut at = 0;
         let mut take = |bytes: usize| {
@@ -412,7 +449,9 @@ impl MoeIo {
         let idx = take(tokens * moe.top_k * 4);
         let w = take(tokens * moe.top_k * 4);
         let part = take(tokens * d.hidden * 4);
-        MoeIo { buf: HostBuf::zeroed(at), logits, xn, idx, w, part }
+        let gbase = take(tokens * moe.top_k * 8);
+        let gfirst = take((tokens * moe.top_k + 1) * 4);
+        MoeIo { buf: HostBuf::zeroed(at), logits, xn, idx, w, part, gbase, gfirst }
     }
 }
 
@@ -1555,6 +1594,19 @@ impl<'a> Exec<'a> {
         gpu_experts.sort_by_key(|&e| !matches!(locs[e as usize], WeightLoc::Pinned(_)));
         let pinned =
             gpu_experts.iter().take_while(|&&e| matches!(locs[e as usize], WeightLoc::Pinned(_))).count();
+        // The pinned experts as two grouped launches ([`GroupedExperts`]) where the step is small enough and the
+        // scratch holds the grouped rows; they share one set of offsets in their units.
+        let offsets = |e: u32| match self.w.unit(UnitId::Expert { layer, expert: e }).map(|u| u.kind) {
+            Some(UnitKind::Expert(o)) => Some(o),
+            _ => None,
+        };
+        let grouped_offsets = (pinned > 0
+            && self.opts.grouped_experts == GroupedExperts::On
+            && lay.scratch.moe_grouped
+            && grouped_experts_fit(d.quant, m, hd, fe))
+        .then(|| offsets(gpu_experts[0]))
+        .flatten()
+        .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
         // 3. GPU experts' token lists (and the normed input, if the router ran on the CPU) go up, before the
         // streamed experts' copies are queued: behind them on the compute stream, the first pinned expert had
         // waited for the layer's last copy (run22/run23, pshard MoE prefill, 2.7-4.5 ms a layer-chunk).
@@ -1563,12 +1615,25 @@ impl<'a> Exec<'a> {
             let mio = &mut self.moe_io;
             let (io_idx, io_w, io_xn) = (mio.idx, mio.w, mio.xn);
             let buf = mio.buf.as_mut_slice();
+            let (io_gbase, io_gfirst) = (mio.gbase, mio.gfirst);
+            let arena = self.gpu.as_ref().expect("gpu").base();
             let mut n = 0;
-            for &e in &gpu_experts {
+            for (i, &e) in gpu_experts.iter().enumerate() {
+                if grouped_offsets.is_some() && i < pinned {
+                    // Expert i of the group: its unit's address and its first entry.
+                    let WeightLoc::Pinned(o) = locs[e as usize] else { unreachable!("pinned experts first") };
+                    let addr = arena + o as u64;
+                    buf[io_gbase + 8 * i..io_gbase + 8 * i + 8].copy_from_slice(&addr.to_le_bytes());
+                    buf[io_gfirst + 4 * i..io_gfirst + 4 * i + 4].copy_from_slice(&(n as u32).to_le_bytes());
+                }
                 for &(t, w) in &lists[e as usize] {
                     buf[io_idx + 4 * n..io_idx + 4 * n + 4].copy_from_slice(&t.to_le_bytes());
                     buf[io_w + 4 * n..io_w + 4 * n + 4].copy_from_slice(&w.to_le_bytes());
                     n += 1;
+                }
+                if grouped_offsets.is_some() && i + 1 == pinned {
+                    let end = 4 * pinned;
+                    buf[io_gfirst + end..io_gfirst + end + 4].copy_from_slice(&(n as u32).to_le_bytes());
                 }
             }
             if !xn_on_dev {
@@ -1586,6 +1651,12 @@ impl<'a> Exec<'a> {
                 if !xn_on_dev {
                     g.gpu.h2d(Stream::Compute, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
                 }
+                // moe_gbase/moe_gfirst hold m·top_k ≥ pinned (+ 1) entries (carved with `moe_grouped`).
+                if grouped_offsets.is_some() {
+                    let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
+                    g.gpu.h2d(Stream::Compute, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
+                    g.gpu.h2d(Stream::Compute, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
+                }
             }
         }
         self.tl.host(format!("route blk.{layer} ({m} tokens)"), Track::Host, t_route);
@@ -1596,7 +1667,10 @@ impl<'a> Exec<'a> {
         }
         // Pinned experts, then streamed ones as their ring slots free up.
         let enqueue_gpu_experts = |ex: &mut Self| -> Result<()> {
-            let first = ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?;
+            let first = match grouped_offsets {
+                Some(o) => ex.enqueue_grouped_experts(lay, layer, &lists, &gpu_experts[..pinned], o, m)?,
+                None => ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?,
+            };
             ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first).map(|_| ())
         };
         // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
@@ -1887,6 +1961,46 @@ impl<'a> Exec<'a> {
             }
         }
         Ok(first)
+    }
+
+    /// Enqueues a layer's pinned picked experts as two grouped launches over the step's `m` tokens
+    /// (`Gpu::grouped_experts`, [`GroupedExperts`]): 2 launches instead of 5 an expert. Their entries are the
+    /// first of `moe_idx`/`moe_w`, and their unit addresses and entry offsets are in `moe_gbase`/`moe_gfirst`
+    /// (uploaded by `moe_layer`). Returns the number of entries, where the streamed experts' start.
+    fn enqueue_grouped_experts(
+        &mut self,
+        lay: &PhaseLayout,
+        layer: u32,
+        lists: &[Vec<(u32, f32)>],
+        experts: &[u32],
+        o: ExpertOffsets,
+        m: usize,
+    ) -> Result<usize> {
+        let d = self.d;
+        let (hd, fe) = (d.hidden, d.moe.expect("MoE layer").expert_ffn);
+        let entries: usize = experts.iter().map(|&e| lists[e as usize].len()).sum();
+        let g = self.gpu.as_ref().expect("gpu");
+        let (base, sc) = (g.base(), lay.scratch);
+        let at = |o: usize| base + o as u64;
+        let start = g.span_start(Stream::Compute)?;
+        let io = GroupedIo {
+            base: at(sc.moe_gbase),
+            first: at(sc.moe_gfirst),
+            idx: at(sc.moe_idx),
+            wts: at(sc.moe_w),
+            xn: at(sc.xb),
+            act: at(sc.moe_gact),
+            h: at(sc.h),
+        };
+        // SAFETY: `moe_grouped` carved moe_gbase/moe_gfirst for m·top_k ≥ experts.len() (+ 1) entries, uploaded
+        // before on the compute stream, and moe_gact for m·top_k ≥ `entries` rows of ffn; each pinned expert's
+        // list holds ≤ m ≤ EXACT_MAX_TOKENS distinct token rows (< m) of xb and h; the units are pinned in the
+        // arena at 256-byte aligned offsets, their tensors 16-byte aligned at `o` (every expert's, checked by
+        // the caller); rows are 16-byte aligned as `grouped_experts_fit` checked hidden and ffn.
+        unsafe { g.gpu.grouped_experts(&g.k, o, &io, experts.len(), m, hd, fe)? };
+        let name = format!("gpu blk.{layer} experts ({} pinned, grouped, {entries} tokens)", experts.len());
+        g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
+        Ok(entries)
     }
 
     /// Device address of a GPU step's weights, acquiring a ring slot or staging the unit as its location says.

@@ -23,7 +23,7 @@ use pipeshard_exec::testing::{
     tiny_qwen3_moe_spec, tiny_qwen3_spec, tiny_spec,
 };
 use pipeshard_exec::weights::ModelWeights;
-use pipeshard_exec::{ExecError, RunOptions, RunOutput, run};
+use pipeshard_exec::{ExecError, GroupedExperts, RunOptions, RunOutput, run};
 
 type Rule = fn(PhaseKind, UnitId) -> Placement;
 
@@ -139,6 +139,8 @@ struct Case {
     budget: u64,
     threads: u32,
     mixes: &'static [(&'static str, u32, bool, Rule)],
+    /// The GPU runs' `RunOptions::grouped_experts` (the all-CPU references never touch it).
+    grouped: GroupedExperts,
 }
 
 fn opts(prompt: &[u32], n_gen: usize, force: Option<Vec<u32>>) -> RunOptions {
@@ -189,8 +191,10 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             plan.workload.ubatch = case.prompt as u64;
         }
         let reference = if offload { &one_chunk } else { &chunked };
-        let out: RunOutput = run(&w, &plan, Some(gpu), &opts(&prompt, case.n_gen, Some(force.clone())))
-            .unwrap_or_else(|e| panic!("{}: {name}: {e}", spec.name));
+        let gpu_opts =
+            RunOptions { grouped_experts: case.grouped, ..opts(&prompt, case.n_gen, Some(force.clone())) };
+        let out: RunOutput =
+            run(&w, &plan, Some(gpu), &gpu_opts).unwrap_or_else(|e| panic!("{}: {name}: {e}", spec.name));
         let mut max_err = 0f64;
         let mut tokens_ok = true;
         for (i, (a, b)) in out.logits.iter().zip(&reference.logits).enumerate() {
@@ -245,6 +249,17 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
                     .all(|u| u.placement == Placement::Streamed)
             });
             assert!(copies <= computed, "{name}: {copies} expert copies for {computed} GPU expert runs");
+            // Grouped experts run exactly where switched on and some decode expert is pinned (f16/bf16,
+            // one-token steps).
+            let grouped = out.trace.events.iter().filter(|e| e.name.contains(" pinned, grouped, ")).count();
+            let decode_pins_experts = plan
+                .decode
+                .placements
+                .iter()
+                .any(|u| matches!(u.unit, UnitId::Expert { .. }) && u.placement == Placement::Pinned);
+            let fits = w.dims.quant.is_none() && case.grouped == GroupedExperts::On && decode_pins_experts;
+            writeln!(log, "  grouped expert launches: {grouped}").unwrap();
+            assert_eq!(grouped > 0, fits, "{name}: {grouped} grouped expert launches");
             if all_streamed {
                 assert_eq!(copies, computed, "{name}: every streamed expert computed was copied once");
                 let passes = case.prompt.div_ceil(case.ubatch as usize) + case.n_gen;
@@ -320,6 +335,14 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         budget: GIB,
         threads,
         mixes,
+        grouped: GroupedExperts::Off,
+    };
+    // The MoE cases again with decode's pinned experts grouped (two launches a layer), named apart so that
+    // PIPESHARD_GPU_CASES can pick them (`tiny-qwen3-moe-grouped`, `qwen3-30b-a3b-grouped`).
+    let grouped = |case: Case| Case {
+        spec: ModelSpec { name: format!("{}-grouped", case.spec.name), ..case.spec },
+        grouped: GroupedExperts::On,
+        ..case
     };
     let qwen3_moe_2l =
         catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
@@ -358,8 +381,23 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
             budget: 8 * GIB,
             threads,
             mixes: MIXES,
+            grouped: GroupedExperts::Off,
         },
         Case {
+            spec: qwen3_moe_2l.clone(),
+            prompt: 100,
+            ubatch: 64,
+            n_gen: 8,
+            ctx: 256,
+            budget: 8 * GIB,
+            threads,
+            mixes: MOE_MIXES,
+            grouped: GroupedExperts::Off,
+        },
+        grouped(tiny(tiny_qwen3_moe_spec(), MOE_MIXES)),
+        grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Bf16), MOE_MIXES)),
+        grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES)),
+        grouped(Case {
             spec: qwen3_moe_2l,
             prompt: 100,
             ubatch: 64,
@@ -368,7 +406,8 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
             budget: 8 * GIB,
             threads,
             mixes: MOE_MIXES,
-        },
+            grouped: GroupedExperts::Off,
+        }),
     ];
     let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
     let mut ran = 0;
@@ -837,6 +876,199 @@ fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
     }
     assert_eq!(checked, 9 * 2 * counts.len());
     assert!(chunked, "one expert's gate|up spans two dequantisation chunks");
+}
+
+/// A layer's pinned experts grouped (`Gpu::grouped_experts`: gate|up with SwiGLU for every expert in one
+/// launch, down with the weighted sum in another) against the per-expert path (`Gpu::expert_ffn` per expert,
+/// in expert order) and against the CPU's matmuls, SwiGLU and weighted sum, for steps of 1, 2 and 8 tokens
+/// and 1–8 experts, f16 and bf16: the residual's change within 1e-3 relative. The SwiGLU rows start as NaN
+/// and every output row must be finite, so a row the kernels skip or read unwritten fails the test.
+#[test]
+fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
+    use pipeshard_exec::cpu::{CpuPool, matmul, swiglu};
+    use pipeshard_exec::cuda::{ExpertIo, GroupedIo, KernelKey, Stream, grouped_experts_fit};
+    use pipeshard_exec::host::Elem;
+    use pipeshard_exec::weights::{ExpertOffsets, TENSOR_ALIGN_BYTES};
+    let Some((_, gpu)) = device() else { return };
+    let pool = CpuPool::new(4).unwrap();
+    let (hd, ffn, n_experts) = (256usize, 192usize, 8usize);
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let bytes_of = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut checked = 0;
+    for act in [Elem::Bf16, Elem::F16] {
+        let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
+        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
+            let scale = 1.0 / (k as f32).sqrt();
+            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
+        };
+        let store = |wf: &[f32]| -> Vec<u8> {
+            let mut b = vec![0u8; 2 * wf.len()];
+            act.write_row(wf, &mut b);
+            b
+        };
+        // Every expert's unit in an allocation of its own (distinct addresses, as pinned units are), gate, up
+        // and down back to back.
+        let gb = ffn * hd * 2;
+        let o = ExpertOffsets { gate: 0, up: gb, down: (2 * gb).next_multiple_of(TENSOR_ALIGN_BYTES) };
+        let mats: Vec<[Vec<u8>; 3]> = (0..n_experts)
+            .map(|e| {
+                [
+                    store(&values(ffn, hd, 10 * e + 1)),
+                    store(&values(ffn, hd, 10 * e + 2)),
+                    store(&values(hd, ffn, 10 * e + 3)),
+                ]
+            })
+            .collect();
+        let units: Vec<_> = mats
+            .iter()
+            .map(|[g, u, d]| {
+                let mut wb = vec![0u8; o.down + d.len()];
+                wb[..gb].copy_from_slice(g);
+                wb[o.up..o.up + u.len()].copy_from_slice(u);
+                wb[o.down..].copy_from_slice(d);
+                let buf = gpu.alloc(wb.len()).unwrap();
+                // SAFETY: buf holds wb.len() bytes; synchronised before wb is dropped.
+                unsafe { gpu.h2d(Stream::Compute, buf.ptr(), &wb).unwrap() };
+                gpu.sync(Stream::Compute).unwrap();
+                buf
+            })
+            .collect();
+        let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
+            let mut y = vec![0f32; m * n];
+            matmul(&pool, x, m, k, w, act, n, &mut y, false);
+            y
+        };
+        let max_t = 8;
+        let entries_max = max_t * n_experts;
+        let sizes = [2 * max_t * hd, 4 * max_t * hd, 4 * entries_max, 4 * entries_max, 8 * n_experts];
+        let sizes = sizes.into_iter().chain([4 * (n_experts + 1), 2 * entries_max * ffn]);
+        // Per-expert temporaries: gathered rows, gate|up, SwiGLU, down output (8 rows).
+        let sizes = sizes.chain([2 * max_t * hd, 4 * max_t * 2 * ffn, 2 * max_t * ffn, 4 * max_t * hd]);
+        let bufs: Vec<_> = sizes.map(|b| gpu.alloc(b).unwrap()).collect();
+        let [xn_d, h_d, idx_d, wts_d, base_d, first_d, gact_d, x_d, gu_d, act_d, y_d] =
+            std::array::from_fn(|i| bufs[i].ptr());
+        for m in [1usize, 2, 8] {
+            assert!(grouped_experts_fit(None, m, hd, ffn));
+            let xn: Vec<f32> =
+                (0..m * hd).map(|i| act.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0)).collect();
+            let h0: Vec<f32> = (0..m * hd).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+            let mut xnb = vec![0u8; 2 * xn.len()];
+            act.write_row(&xn, &mut xnb);
+            for groups in 1..=n_experts {
+                // Experts 0, 2, 4, … wrap around: `groups` distinct experts, ascending, each with an ascending
+                // list of distinct tokens (every token of a 1-token step; about ⅔ of the others, never none).
+                let experts: Vec<usize> = {
+                    let mut v: Vec<usize> =
+                        (0..groups).map(|g| (2 * g) % n_experts + (2 * g) / n_experts).collect();
+                    v.sort_unstable();
+                    v
+                };
+                let lists: Vec<Vec<(u32, f32)>> = experts
+                    .iter()
+                    .map(|&e| {
+                        (0..m)
+                            .filter(|&t| m == 1 || (t + e) % 3 != 0 || t == e % m)
+                            .map(|t| (t as u32, 0.1 + 0.05 * e as f32 + 0.01 * t as f32))
+                            .collect()
+                    })
+                    .collect();
+                let (mut idx, mut wts, mut first) = (Vec::new(), Vec::new(), vec![0u32]);
+                for l in &lists {
+                    idx.extend(l.iter().map(|&(t, _)| t));
+                    wts.extend(l.iter().map(|&(_, w)| w));
+                    first.push(idx.len() as u32);
+                }
+                let bases: Vec<u8> = experts.iter().flat_map(|&e| units[e].ptr().to_le_bytes()).collect();
+                let idxb: Vec<u8> = idx.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let firstb: Vec<u8> = first.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let nan_act = vec![0xffu8; 2 * idx.len() * ffn];
+                let run_path = |grouped: bool| -> Vec<f32> {
+                    let mut got = vec![0u8; 4 * m * hd];
+                    // SAFETY: the buffers were sized above for 8 tokens and 8 experts; the idx are an expert's
+                    // distinct tokens < m; units hold gate, up and down at `o`; synchronised before reading.
+                    unsafe {
+                        gpu.h2d(Stream::Compute, xn_d, &xnb).unwrap();
+                        gpu.h2d(Stream::Compute, h_d, &bytes_of(&h0)).unwrap();
+                        gpu.h2d(Stream::Compute, idx_d, &idxb).unwrap();
+                        gpu.h2d(Stream::Compute, wts_d, &bytes_of(&wts)).unwrap();
+                        gpu.h2d(Stream::Compute, base_d, &bases).unwrap();
+                        gpu.h2d(Stream::Compute, first_d, &firstb).unwrap();
+                        gpu.h2d(Stream::Compute, gact_d, &nan_act).unwrap();
+                        gpu.sync(Stream::Compute).unwrap();
+                        if grouped {
+                            let io = GroupedIo {
+                                base: base_d,
+                                first: first_d,
+                                idx: idx_d,
+                                wts: wts_d,
+                                xn: xn_d,
+                                act: gact_d,
+                                h: h_d,
+                            };
+                            gpu.grouped_experts(&kn, o, &io, groups, m, hd, ffn).unwrap();
+                        } else {
+                            for (g, &e) in experts.iter().enumerate() {
+                                let (f, c) = (u64::from(first[g]), lists[g].len());
+                                let io = ExpertIo {
+                                    xn: xn_d,
+                                    idx: idx_d + 4 * f,
+                                    wts: wts_d + 4 * f,
+                                    x: x_d,
+                                    gate_up: gu_d,
+                                    act: act_d,
+                                    y: y_d,
+                                    h: h_d,
+                                };
+                                let rows = c.next_power_of_two();
+                                gpu.expert_ffn(&kn, None, units[e].ptr(), o, &io, c, rows, hd, ffn).unwrap();
+                            }
+                        }
+                        gpu.sync(Stream::Compute).unwrap();
+                        gpu.d2h(Stream::Compute, &mut got, h_d).unwrap();
+                        gpu.sync(Stream::Compute).unwrap();
+                    }
+                    f32s(&got)
+                };
+                let (grouped, per_expert) = (run_path(true), run_path(false));
+                // The CPU: per expert, gate and up over its tokens' rows, SwiGLU rounded to the activations,
+                // down, and the weighted add into the residual, experts in order.
+                let mut want = h0.clone();
+                for (g, &e) in experts.iter().enumerate() {
+                    let x: Vec<f32> = lists[g]
+                        .iter()
+                        .flat_map(|&(t, _)| xn[t as usize * hd..][..hd].iter().copied())
+                        .collect();
+                    let c = lists[g].len();
+                    let mut gt = cpu_mm(&x, c, hd, &mats[e][0], ffn);
+                    let u = cpu_mm(&x, c, hd, &mats[e][1], ffn);
+                    swiglu(&mut gt, &u, act);
+                    let y = cpu_mm(&gt, c, ffn, &mats[e][2], hd);
+                    for (i, &(t, w)) in lists[g].iter().enumerate() {
+                        for j in 0..hd {
+                            want[t as usize * hd + j] += w * y[i * hd + j];
+                        }
+                    }
+                }
+                let delta =
+                    |v: &[f32]| -> Vec<f64> { v.iter().zip(&h0).map(|(a, b)| f64::from(a - b)).collect() };
+                let what = format!("{act:?} {m} tokens, {groups} experts");
+                assert!(grouped.iter().all(|v| v.is_finite()), "{what}: a grouped output is not finite");
+                let (dg, dp, dw) = (delta(&grouped), delta(&per_expert), delta(&want));
+                let dg32: Vec<f32> = dg.iter().map(|&v| v as f32).collect();
+                let dp32: Vec<f32> = dp.iter().map(|&v| v as f32).collect();
+                let (e_cpu, e_per, e_ref) = (rel_err(&dg32, &dw), rel_err(&dg32, &dp), rel_err(&dp32, &dw));
+                eprintln!(
+                    "{what}: grouped vs CPU {e_cpu:.1e}, vs per-expert {e_per:.1e} (per-expert vs CPU {e_ref:.1e})"
+                );
+                assert!(e_cpu < 1e-3 && e_per < 1e-3, "{what}: rel err {e_cpu} (CPU), {e_per} (per expert)");
+                checked += 1;
+            }
+        }
+        drop(units);
+    }
+    assert_eq!(checked, 2 * 3 * 8);
 }
 
 /// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts

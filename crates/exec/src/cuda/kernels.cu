@@ -1047,3 +1047,115 @@ extern "C" __global__ void embed_q3_k(const u8* __restrict__ table, const u32* _
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 110;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<1>(row, i);
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped routed experts (decode): one MoE layer's pinned picked experts in two launches, f16/bf16 matrices (the
+// activation type). Expert g (0 ≤ g < groups, ascending expert ids) has its unit at device address base[g] and
+// its entries first[g] .. first[g + 1] of idx (token rows of xn and h, ascending) and wts (routing weights): the
+// host's token permutation, at most QMAX_T entries an expert. Entry p's SwiGLU row is act[p, :] (ffn wide).
+// Rows are read 8 elements (16 bytes) a lane at a time, a warp's 32 lanes 512 contiguous bytes: hidden and ffn
+// are multiples of 8 and every row 16-byte aligned (the launcher checks).
+#define GX_WARPS 8  // warps a block
+
+// 8 values of the activation type at p (16-byte aligned), as f32.
+__device__ __forceinline__ void load8_act(const act_t* __restrict__ p, float* out) {
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = ACT_LOAD((u16)(w[e >> 1] >> (16 * (e & 1))));
+}
+
+// Kernel A: act[p, j] = silu(gate_g[j, :] · xn[idx[p], :]) · (up_g[j, :] · xn[idx[p], :]), rounded to the
+// activation type as `swiglu` rounds, for every entry p of every expert g. One warp per (g, j): it reads gate
+// row j and up row j once for all of g's tokens (a register accumulator per token), every load of a step issued
+// before its math. Grid: groups × ffn warps.
+extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
+    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
+    const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off, u64 up_off, int hidden, int ffn,
+    int groups) {
+    const u64 wid = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const u64 g = wid / (u64)ffn;
+    if (g >= (u64)groups) return;
+    const u64 j = wid - g * (u64)ffn;
+    const u32 p0 = first[g];
+    const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
+    if (c <= 0) return;
+    const act_t* wg = (const act_t*)(base[g] + gate_off) + j * hidden;
+    const act_t* wu = (const act_t*)(base[g] + up_off) + j * hidden;
+    const act_t* xr[QMAX_T];
+    float ag[QMAX_T], au[QMAX_T];
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) {
+        xr[t] = xn + (u64)idx[p0 + min(t, c - 1)] * hidden;  // past c: re-read, unused
+        ag[t] = 0.f;
+        au[t] = 0.f;
+    }
+    for (int i = 8 * lane; i < hidden; i += 256) {
+        float gv[8], uv[8];
+        load8_act(wg + i, gv);
+        load8_act(wu + i, uv);
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) {
+            if (t < c) {
+                float xv[8];
+                load8_act(xr[t] + i, xv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    ag[t] = fmaf(xv[e], gv[e], ag[t]);
+                    au[t] = fmaf(xv[e], uv[e], au[t]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) {
+        if (t < c) {
+            const float a = warp_sum(ag[t]), u = warp_sum(au[t]);
+            if (lane == 0) act[(u64)(p0 + t) * ffn + j] = ACT_STORE(a / (1.f + expf(-a)) * u);
+        }
+    }
+}
+
+// Kernel B: h[t, j] += wts[p] · (down_g[j, :] · act[p, :]) for every entry p (token t = idx[p]) of every
+// expert g, experts in ascending order: exactly the sequence of `scatter_add_rows` launches, one an expert, and
+// no float atomics. One warp per hidden column j; lane t < m holds h[t, j] in a register for the whole launch.
+// For each expert the warp reads down row j once for all its tokens. Grid: hidden warps; m ≤ 32 tokens.
+extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
+    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
+    const float* __restrict__ wts, const act_t* __restrict__ act, float* __restrict__ h, u64 down_off,
+    int hidden, int ffn, int groups, int m) {
+    const u64 j = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (j >= (u64)hidden) return;
+    float hv = lane < m ? h[(u64)lane * hidden + j] : 0.f;
+    for (int g = 0; g < groups; ++g) {
+        const u32 p0 = first[g];
+        const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
+        const act_t* wd = (const act_t*)(base[g] + down_off) + j * ffn;
+        float acc[QMAX_T];
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) acc[t] = 0.f;
+        for (int i = 8 * lane; i < ffn; i += 256) {
+            float dv[8];
+            load8_act(wd + i, dv);
+#pragma unroll
+            for (int t = 0; t < QMAX_T; ++t) {
+                if (t < c) {
+                    float av[8];
+                    load8_act(act + (u64)(p0 + t) * ffn + i, av);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[t] = fmaf(av[e], dv[e], acc[t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) {
+            if (t < c) {
+                const float s = warp_sum(acc[t]);
+                if (lane == (int)idx[p0 + t]) hv += wts[p0 + t] * s;
+            }
+        }
+    }
+    if (lane < m) h[(u64)lane * hidden + j] = hv;
+}

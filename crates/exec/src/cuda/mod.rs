@@ -117,6 +117,8 @@ pub struct Kernels {
     argmax: CudaFunction,
     gather_rows: CudaFunction,
     scatter_add_rows: CudaFunction,
+    moe_gate_up_grouped: CudaFunction,
+    moe_down_grouped: CudaFunction,
     gemv_q8_0: CudaFunction,
     gemv_q4_0: CudaFunction,
     gemv1_q8_0: CudaFunction,
@@ -578,6 +580,8 @@ impl Gpu {
             argmax: f("argmax")?,
             gather_rows: f("gather_rows")?,
             scatter_add_rows: f("scatter_add_rows")?,
+            moe_gate_up_grouped: f("moe_gate_up_grouped")?,
+            moe_down_grouped: f("moe_down_grouped")?,
             gemv_q8_0: f("gemv_q8_0")?,
             gemv_q4_0: f("gemv_q4_0")?,
             gemv1_q8_0: f("gemv1_q8_0")?,
@@ -801,6 +805,36 @@ pub struct ExpertIo {
     pub y: u64,
     /// The residual stream (f32) the weighted outputs are added to.
     pub h: u64,
+}
+
+/// Device addresses of one MoE layer's grouped routed experts ([`Gpu::grouped_experts`]): the grouped part of
+/// the MoE scratch.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupedIo {
+    /// `groups` u64: each expert's unit address (its gate, up and down at the [`ExpertOffsets`] every expert of
+    /// the model shares).
+    pub base: u64,
+    /// `groups + 1` u32: expert g's entries of `idx`/`wts` are `first[g] .. first[g + 1]`.
+    pub first: u64,
+    /// The token permutation: token rows (u32, ascending within an expert) and routing weights (f32).
+    pub idx: u64,
+    pub wts: u64,
+    /// The layer's normed activations, a row per token.
+    pub xn: u64,
+    /// SwiGLU rows (activations), one per entry: `first[groups] × ffn`.
+    pub act: u64,
+    /// The residual stream (f32) the weighted outputs are added to.
+    pub h: u64,
+}
+
+/// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
+/// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices (the quantised formats'
+/// GEMV bodies take contiguous token rows and one matrix, so they keep the per-expert path), at most
+/// [`EXACT_MAX_TOKENS`] tokens (a register accumulator per token of an expert; a lane per token of the
+/// step), and rows of whole 16-byte vectors.
+#[must_use]
+pub fn grouped_experts_fit(quant: Option<QFormat>, tokens: usize, hidden: usize, ffn: usize) -> bool {
+    quant.is_none() && tokens <= EXACT_MAX_TOKENS && hidden.is_multiple_of(8) && ffn.is_multiple_of(8)
 }
 
 /// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
@@ -1273,6 +1307,90 @@ impl Gpu {
             self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
             self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
         }
+    }
+
+    /// A MoE layer's pinned picked experts over a decode step's `m` ≤ [`EXACT_MAX_TOKENS`] tokens in two
+    /// launches, against [`Gpu::expert_ffn`]'s 5 an expert (40 for qwen3-30b-a3b's 8 experts a token, where
+    /// the host's launches, not the 75 MB of weights, set the pace: ~380 µs a layer on the H200 against ~20 µs
+    /// of HBM reads):
+    /// - `moe_gate_up_grouped`: for every (expert, ffn row j), a warp dots gate row j and up row j with each of
+    ///   the expert's tokens' rows of `io.xn` (read through `io.idx`, no gather) and writes
+    ///   `silu(g)·u` rounded to the activation type into the entry's row of `io.act`;
+    /// - `moe_down_grouped`: for every hidden column j, a warp keeps the `m` tokens' `h[t, j]` in lanes and adds,
+    ///   expert by expert in ascending order, `w · (down row j · act row)` for each of the expert's tokens —
+    ///   the same additions into `h`, in the same order, as the per-expert scatter-adds, with no float atomics.
+    ///
+    /// Each output is the per-expert path's dot product up to the order of its f32 additions. Only f16/bf16
+    /// matrices ([`grouped_experts_fit`]).
+    ///
+    /// # Safety
+    /// `io.base` holds `groups` u64 addresses of expert units with gate and up (`ffn × hidden`) and down
+    /// (`hidden × ffn`) in the activation type at `o`'s offsets, 16-byte aligned; `io.first` `groups + 1`
+    /// ascending u32 from 0, at most [`EXACT_MAX_TOKENS`] apart; `io.idx`/`io.wts` `first[groups]` entries,
+    /// an expert's token rows distinct and < `m`; `io.xn` `m` activation rows of `hidden`, `io.h` `m` f32 rows
+    /// of `hidden`; `io.act` `first[groups]` activation rows of `ffn`; every row 16-byte aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn grouped_experts(
+        &self,
+        k: &Kernels,
+        o: ExpertOffsets,
+        io: &GroupedIo,
+        groups: usize,
+        m: usize,
+        hidden: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        if groups == 0 || m == 0 {
+            return Ok(());
+        }
+        if !grouped_experts_fit(None, m, hidden, ffn) {
+            return Err(ExecError::Cuda {
+                call: "grouped_experts",
+                reason: format!(
+                    "{m} tokens of hidden {hidden}, ffn {ffn}: outside the grouped kernels' shapes"
+                ),
+            });
+        }
+        let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
+        let (hd, fe, gr, m32) = (hidden as i32, ffn as i32, groups as i32, m as i32);
+        // GX_WARPS (8) warps a block: a warp per (expert, ffn row), then a warp per hidden column.
+        let a_cfg = threads_for((groups * ffn * 32) as u64, 256);
+        let b_cfg = threads_for((hidden * 32) as u64, 256);
+        // SAFETY: argument types match the kernels; the sizes are the caller's, as documented: kernel A reads
+        // groups experts' gate/up rows and the entries' xn rows and writes first[groups] act rows; kernel B
+        // reads the down rows and act rows and writes h's m rows; kernels on the compute stream run in order.
+        unsafe {
+            self.compute
+                .launch_builder(&k.moe_gate_up_grouped)
+                .arg(&io.base)
+                .arg(&io.first)
+                .arg(&io.idx)
+                .arg(&io.xn)
+                .arg(&io.act)
+                .arg(&gate)
+                .arg(&up)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gr)
+                .launch(a_cfg)
+                .map_err(driver_err("cuLaunchKernel(moe_gate_up_grouped)"))?;
+            self.compute
+                .launch_builder(&k.moe_down_grouped)
+                .arg(&io.base)
+                .arg(&io.first)
+                .arg(&io.idx)
+                .arg(&io.wts)
+                .arg(&io.act)
+                .arg(&io.h)
+                .arg(&down)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gr)
+                .arg(&m32)
+                .launch(b_cfg)
+                .map_err(driver_err("cuLaunchKernel(moe_down_grouped)"))?;
+        }
+        Ok(())
     }
 
     /// `out[r] = argmax(logits[r])` for `rows` rows of `vocab`.
