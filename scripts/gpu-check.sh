@@ -7,7 +7,8 @@
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "ncuattn" (decode
-#   attention and its split combine under ncu at 4K/16K/64K keys),
+#   attention and its split combine under ncu at 4K/16K/64K keys), "grouped" (exec run --grouped-experts on/off
+#   A/B, checked),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -79,6 +80,19 @@ if [[ $PARTS == *preenqueue* ]]; then
   run_ab --pre-enqueue on --check > "$OUT/ab/check-on.log" 2>&1
   grep -E "check|reference|failed|error" "$OUT/ab/check-on.log"
   tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
+fi
+if [[ $PARTS == *grouped* ]]; then
+  # `exec run --grouped-experts on|off` interleaved on an all-pinned bf16 MoE decode (qwen3-30b-a3b@4L at 16 GB)
+  # and at 2 GB (pinned experts beside streamed and CPU ones), each run checked against the all-pinned
+  # per-expert reference.
+  mkdir -p "$OUT/grouped"
+  for budget in 16G 2G; do for i in 1 2; do for g in on off; do
+    timeout 150 .bin/pipeshard exec run --model qwen3-30b-a3b@4L --weights bf16 --budget $budget --planner pshard \
+      --prompt-tokens 1008 --ctx 1K --gen 16 --threads "$(nproc)" --profile profiles/h200.json --grouped-experts $g \
+      --check --trace "$OUT/grouped/t-$budget-$i-$g.json" > "$OUT/grouped/run-$budget-$i-$g.log" 2>&1
+    grep -E "TTFT|check:|failed|error" "$OUT/grouped/run-$budget-$i-$g.log" | sed "s/^/$budget $i $g: /"
+  done; done; done
+  tar czf "$OUT/grouped.tgz" -C "$OUT" grouped && rm -rf "$OUT/grouped"
 fi
 if [[ $PARTS == *ncuattn* ]]; then
   # Decode attention and its split combine under ncu at 4K/16K/64K keys (qwen3-30b-a3b@2L, its 32/4 heads):
