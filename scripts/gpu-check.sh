@@ -7,7 +7,7 @@
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "ncuattn" (decode
-#   attention and its split combine under ncu at 4K/16K/64K keys), "grouped" (exec run --grouped-experts on/off
+#   attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run --grouped-experts on/off
 #   A/B, checked),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
@@ -95,11 +95,11 @@ if [[ $PARTS == *grouped* ]]; then
   tar czf "$OUT/grouped.tgz" -C "$OUT" grouped && rm -rf "$OUT/grouped"
 fi
 if [[ $PARTS == *ncuattn* ]]; then
-  # Decode attention and its split combine under ncu at 4K/16K/64K keys (qwen3-30b-a3b@2L, its 32/4 heads):
+  # Decode attention and its split combine under ncu at 4K and 16K keys (qwen3-30b-a3b@2L, its 32/4 heads):
   # the device time of each, the last decode steps' launches (prefill chunks run unsplit, no combine).
   mkdir -p "$OUT/ncu"
-  for ctx in 4096 16384 65536; do
-    timeout 150 ncu --clock-control none --kernel-name regex:'^(attention|attn_combine)$' \
+  for ctx in 4096 16384; do
+    timeout 100 ncu --clock-control none --kernel-name regex:'^(attention|attn_combine)$' \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv .bin/pipeshard exec run --model qwen3-30b-a3b@2L \
       --weights q4_0 --budget 32G --planner pshard --prompt-tokens $((ctx - 64)) --ctx $ctx --gen 4 \
       --profile profiles/h200.json > "$OUT/ncu/attn-$ctx.csv" 2> "$OUT/ncu/attn-$ctx.err"
