@@ -344,8 +344,17 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         grouped: GroupedExperts::On,
         ..case
     };
-    let qwen3_moe_2l =
-        catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
+    let qwen3_moe_2l = || Case {
+        spec: catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap(),
+        prompt: 100,
+        ubatch: 64,
+        n_gen: 8,
+        ctx: 256,
+        budget: 8 * GIB,
+        threads,
+        mixes: MOE_MIXES,
+        grouped: GroupedExperts::Off,
+    };
     // Quantised variants, named apart so PIPESHARD_GPU_CASES can pick them (`tiny-llama-q4_0`).
     let quant = |spec: ModelSpec, d: DType| ModelSpec {
         name: format!("{}-{d}", spec.name),
@@ -383,31 +392,11 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
             mixes: MIXES,
             grouped: GroupedExperts::Off,
         },
-        Case {
-            spec: qwen3_moe_2l.clone(),
-            prompt: 100,
-            ubatch: 64,
-            n_gen: 8,
-            ctx: 256,
-            budget: 8 * GIB,
-            threads,
-            mixes: MOE_MIXES,
-            grouped: GroupedExperts::Off,
-        },
+        qwen3_moe_2l(),
         grouped(tiny(tiny_qwen3_moe_spec(), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Bf16), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES)),
-        grouped(Case {
-            spec: qwen3_moe_2l,
-            prompt: 100,
-            ubatch: 64,
-            n_gen: 8,
-            ctx: 256,
-            budget: 8 * GIB,
-            threads,
-            mixes: MOE_MIXES,
-            grouped: GroupedExperts::Off,
-        }),
+        grouped(qwen3_moe_2l()),
     ];
     let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
     let mut ran = 0;
