@@ -344,17 +344,20 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         grouped: GroupedExperts::On,
         ..case
     };
-    let qwen3_moe_2l = || Case {
-        spec: catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap(),
+    // The truncated catalog models: longer prompts and contexts, a larger budget.
+    let larger = |spec: ModelSpec, mixes| Case {
+        spec,
         prompt: 100,
         ubatch: 64,
         n_gen: 8,
         ctx: 256,
         budget: 8 * GIB,
         threads,
-        mixes: MOE_MIXES,
+        mixes,
         grouped: GroupedExperts::Off,
     };
+    let qwen3_moe_2l =
+        || catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
     // Quantised variants, named apart so PIPESHARD_GPU_CASES can pick them (`tiny-llama-q4_0`).
     let quant = |spec: ModelSpec, d: DType| ModelSpec {
         name: format!("{}-{d}", spec.name),
@@ -381,22 +384,12 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         tiny(tiny_nemotron_spec(), MIXES),
         tiny(tiny_qwen3_spec(), MIXES),
         tiny(tiny_qwen3_moe_spec(), MOE_MIXES),
-        Case {
-            spec: nemo,
-            prompt: 100,
-            ubatch: 64,
-            n_gen: 8,
-            ctx: 256,
-            budget: 8 * GIB,
-            threads,
-            mixes: MIXES,
-            grouped: GroupedExperts::Off,
-        },
-        qwen3_moe_2l(),
+        larger(nemo, MIXES),
+        larger(qwen3_moe_2l(), MOE_MIXES),
         grouped(tiny(tiny_qwen3_moe_spec(), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Bf16), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES)),
-        grouped(qwen3_moe_2l()),
+        grouped(larger(qwen3_moe_2l(), MOE_MIXES)),
     ];
     let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
     let mut ran = 0;
