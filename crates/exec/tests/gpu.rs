@@ -1197,7 +1197,18 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
                     "{name}, batch {batch}: rel err {err} against run-to-run {noise}"
                 );
             }
-            assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
+            // The one layer that cannot be pre-enqueued is reported with its reason; nothing else is.
+            match per_step {
+                p if p == n_layers - 1 => {
+                    assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings)
+                }
+                _ => assert!(
+                    on.warnings.len() == 1
+                        && on.warnings[0].contains("the next attention or its KV on the host"),
+                    "{name}, batch {batch}: {:?}",
+                    on.warnings
+                ),
+            }
             assert_eq!(count(&off), 0);
             assert_eq!(count(&on), per_step * n_gen, "{name}, batch {batch}: pre-enqueued layers");
         }
