@@ -6,7 +6,9 @@
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
-#   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue),
+#   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "ncuattn" (decode
+#   attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run --grouped-experts on/off
+#   A/B, checked),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -79,6 +81,42 @@ if [[ $PARTS == *preenqueue* ]]; then
   grep -E "check|reference|failed|error" "$OUT/ab/check-on.log"
   tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
 fi
+if [[ $PARTS == *grouped* ]]; then
+  # `exec run --grouped-experts on|off` interleaved on an all-pinned bf16 MoE decode (qwen3-30b-a3b@4L at 16 GB)
+  # and at 2 GB (pinned experts beside streamed and CPU ones), each run checked against the all-pinned
+  # per-expert reference.
+  mkdir -p "$OUT/grouped"
+  for budget in 16G 2G; do for i in 1 2; do for g in on off; do
+    timeout 150 .bin/pipeshard exec run --model qwen3-30b-a3b@4L --weights bf16 --budget $budget --planner pshard \
+      --prompt-tokens 1008 --ctx 1K --gen 16 --threads "$(nproc)" --profile profiles/h200.json --grouped-experts $g \
+      --check --trace "$OUT/grouped/t-$budget-$i-$g.json" > "$OUT/grouped/run-$budget-$i-$g.log" 2>&1
+    grep -E "TTFT|check:|failed|error" "$OUT/grouped/run-$budget-$i-$g.log" | sed "s/^/$budget $i $g: /"
+  done; done; done
+  tar czf "$OUT/grouped.tgz" -C "$OUT" grouped && rm -rf "$OUT/grouped"
+fi
+if [[ $PARTS == *ncuattn* ]]; then
+  # Decode attention and its split combine under ncu at 4K and 16K keys (qwen3-30b-a3b@2L, its 32/4 heads):
+  # the device time of each, the last decode steps' launches (prefill chunks run unsplit, no combine).
+  mkdir -p "$OUT/ncu"
+  for ctx in 4096 16384; do
+    timeout 100 ncu --clock-control none --kernel-name regex:'^(attention|attn_combine)$' \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv .bin/pipeshard exec run --model qwen3-30b-a3b@2L \
+      --weights q4_0 --budget 32G --planner pshard --prompt-tokens $((ctx - 64)) --ctx $ctx --gen 4 \
+      --profile profiles/h200.json > "$OUT/ncu/attn-$ctx.csv" 2> "$OUT/ncu/attn-$ctx.err"
+    python3 - "$OUT/ncu/attn-$ctx.csv" "$ctx" <<'PY'
+import csv, io, sys
+text = open(sys.argv[1]).read()
+rows = list(csv.DictReader(io.StringIO(text[text.find('"ID"'):]))) if '"ID"' in text else []
+for k in ("attention", "attn_combine"):
+    t = [float(r["Metric Value"].replace(",", "")) / 1e3 for r in rows
+         if r["Kernel Name"] == k and r["Metric Name"] == "gpu__time_duration.sum"]
+    b = [float(r["Metric Value"].replace(",", "")) / 1e6 for r in rows
+         if r["Kernel Name"] == k and r["Metric Name"] == "dram__bytes_read.sum"]
+    print(f"ctx {sys.argv[2]} {k}: last 4 launches {['%.1f us' % x for x in t[-4:]]}, DRAM read {['%.2f MB' % x for x in b[-4:]]}")
+PY
+  done
+  tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+fi
 if [[ $PARTS == *ringwait* ]]; then
   # When a compute-stream wait on one copy's event ends behind a deep copy queue (crates/exec/examples/ring_wait.rs).
   timeout 60 .bin/exec-ring-wait > "$OUT/ring-wait.log" 2>&1
@@ -89,7 +127,7 @@ if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \
     > "$OUT/bounds.log" 2>&1
   echo "bounds exit $?" >> "$OUT/bounds.log"
-  grep -E "^\|" "$OUT/bounds.log" | cut -c1-200
+  grep -E "^\||pre-enqueue:" "$OUT/bounds.log" | cut -c1-200
 fi
 if [[ $PARTS == *hf* ]]; then
   PYTHONUNBUFFERED=1 timeout 150 python3 scripts/hf_compare.py /tmp/pipeshard-hf > "$OUT/hf-compare.log" 2>&1

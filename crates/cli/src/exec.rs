@@ -28,8 +28,8 @@ use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
 use pipeshard_exec::{
-    ExecError, LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput, page_table_bytes_per_locked_gib,
-    runtime_overhead_bytes,
+    ExecError, GroupedExperts, LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput,
+    page_table_bytes_per_locked_gib, runtime_overhead_bytes,
 };
 use pipeshard_planner::PlannerOptions;
 
@@ -124,15 +124,29 @@ pub struct RunArgs {
     /// Decode with MoE experts on the CPU: queue the GPU work that follows a layer's CPU experts (their sum,
     /// the next layer's attention and router) while they run, behind a flag the host opens (`on`: where the
     /// plan and the device allow it), or launch it after them (`off`).
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: Toggle,
+    /// Decode steps of at most 8 tokens: run a MoE layer's pinned GPU experts (f16/bf16) as two grouped
+    /// launches (`on`) or five launches an expert (`off`, the default until measured on a GPU). `--check`'s
+    /// all-pinned reference always runs them per expert.
+    #[arg(long, value_enum, default_value = "off")]
+    grouped_experts: Toggle,
 }
 
-/// `--pre-enqueue`: on or off.
+/// `--pre-enqueue`, `--grouped-experts`: on or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Toggle {
     On,
     Off,
+}
+
+impl From<Toggle> for GroupedExperts {
+    fn from(t: Toggle) -> GroupedExperts {
+        match t {
+            Toggle::On => GroupedExperts::On,
+            Toggle::Off => GroupedExperts::Off,
+        }
+    }
 }
 
 impl From<Toggle> for PreEnqueue {
@@ -490,6 +504,9 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         if args.pre_enqueue == Toggle::Off {
             label.push_str(" / pre-enqueue off");
         }
+        if args.grouped_experts == Toggle::On {
+            label.push_str(" / grouped experts");
+        }
         println!("{label}");
         if let Some(p) = &profile_used {
             let threads = plan.prefill.cpu_threads.max(plan.decode.cpu_threads);
@@ -506,6 +523,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             pinned_limit_bytes,
             interrupt: Some(interrupt),
             pre_enqueue: args.pre_enqueue.into(),
+            grouped_experts: args.grouped_experts.into(),
         };
         let result = pipeshard_exec::run(&weights, &plan, gpu.as_ref(), &opts);
         let (status, out) = match result {

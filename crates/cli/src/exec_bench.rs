@@ -75,8 +75,12 @@ pub struct BenchArgs {
     gen_tokens: u64,
     /// Decode of the MoE bound: queue the GPU work after a layer's CPU experts while they run (`on`, where the
     /// plan and the device allow it) or launch it after them (`off`); see `exec run --pre-enqueue`.
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: crate::exec::Toggle,
+    /// The bounds' decode runs: a MoE layer's pinned GPU experts as two grouped launches (`on`) or five an
+    /// expert (`off`); see `exec run --grouped-experts`.
+    #[arg(long, value_enum, default_value = "off")]
+    grouped_experts: crate::exec::Toggle,
     /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
     /// `bounds-moe-cpu-experts.json`).
     #[arg(long)]
@@ -188,6 +192,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             dram_gbps: cpu_row.bound_gbps,
             trace_dir: args.out.as_deref().filter(|_| args.trace),
             pre_enqueue: args.pre_enqueue.into(),
+            grouped_experts: args.grouped_experts.into(),
         };
         let mut bounds = vec![BoundRow {
             bound: "DRAM read".into(),

@@ -18,7 +18,7 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::Gpu;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{PreEnqueue, RunOptions, RunOutput};
+use pipeshard_exec::{GroupedExperts, PreEnqueue, RunOptions, RunOutput};
 use pipeshard_planner::PlannerOptions;
 use pipeshard_profiler::Progress;
 
@@ -45,6 +45,8 @@ pub struct BoundsConfig<'a> {
     pub trace_dir: Option<&'a std::path::Path>,
     /// Whether decode queues the GPU work after CPU experts while they run.
     pub pre_enqueue: PreEnqueue,
+    /// Whether decode runs a MoE layer's pinned GPU experts as two grouped launches.
+    pub grouped_experts: GroupedExperts,
 }
 
 /// Ring slots of the streaming bound's plan: enough to keep the copy engine busy while one FFN computes.
@@ -154,16 +156,23 @@ fn run_plan(
     wl: &Workload,
     routes: bool,
     pre_enqueue: PreEnqueue,
+    grouped_experts: GroupedExperts,
 ) -> anyhow::Result<RunOutput> {
     let opts = RunOptions {
         prompt: random_tokens(wl.prompt_tokens as usize, w.dims.vocab, 1),
         gen_tokens: wl.gen_tokens as usize,
         keep_logits: routes,
         pre_enqueue,
+        grouped_experts,
         ..RunOptions::default()
     };
-    pipeshard_exec::run(w, plan, Some(gpu), &opts)
-        .with_context(|| format!("{} / {} / {}", w.dims.model, plan.planner, format_bytes(plan.budget_bytes)))
+    let what = format!("{} / {} / {}", w.dims.model, plan.planner, format_bytes(plan.budget_bytes));
+    let out = pipeshard_exec::run(w, plan, Some(gpu), &opts).with_context(|| what.clone())?;
+    // What the run did not do as asked (pre-enqueue's skipped layers, weights left pageable), in the log.
+    for warning in &out.warnings {
+        eprintln!("{what}: {warning}");
+    }
+    Ok(out)
 }
 
 /// Runs the three decode bounds (the CPU GEMV bound is the GEMV bench's bf16 CPU row).
@@ -191,7 +200,7 @@ pub fn decode_bounds(
     let big = w.total_bytes() + wl.kv_bytes_per_layer(&dense) * u64::from(dense.text.n_layers) + (8 << 30);
     let pinned =
         pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, 0, cfg.threads, |_, _| Placement::Pinned);
-    let out = run_plan(&w, &pinned, gpu, &wl, false, cfg.pre_enqueue)?;
+    let out = run_plan(&w, &pinned, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts)?;
     cfg.save_trace("pinned", &out)?;
     let step = step_ns(&out, "all pinned")?;
     // Steady steps 1..G: the weights once each, and the cells filled at that step.
@@ -223,7 +232,7 @@ pub fn decode_bounds(
     let plan = pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, STREAM_DEPTH, cfg.threads, |_, u| {
         if matches!(u, UnitId::Ffn { .. }) { Placement::Streamed } else { Placement::Pinned }
     });
-    let out = run_plan(&w, &plan, gpu, &wl, false, cfg.pre_enqueue)?;
+    let out = run_plan(&w, &plan, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts)?;
     cfg.save_trace("streamed", &out)?;
     drop(w);
     let steps = steady_steps(&out.trace);
@@ -265,7 +274,7 @@ pub fn decode_bounds(
     let Some(m) = w.dims.moe.as_ref() else { unreachable!("checked above") };
     let (top_k, n_experts) = (m.top_k, m.n_experts);
     let plan = plan_with(gpu, cfg, &moe, &wl, cfg.moe_planner, cfg.moe_budget_bytes)?;
-    let out = run_plan(&w, &plan, gpu, &wl, true, cfg.pre_enqueue)?;
+    let out = run_plan(&w, &plan, gpu, &wl, true, cfg.pre_enqueue, cfg.grouped_experts)?;
     cfg.save_trace("moe-cpu-experts", &out)?;
     let step = step_ns(&out, "experts on the CPU")?;
     let moe_layers: Vec<u32> = w
@@ -324,6 +333,10 @@ pub fn decode_bounds(
             moe_layers.len().saturating_sub(1)
         ),
         PreEnqueue::Off => "pre-enqueue off".into(),
+    };
+    let pre_enqueue = match cfg.grouped_experts {
+        GroupedExperts::On => format!("{pre_enqueue}, grouped experts"),
+        GroupedExperts::Off => pre_enqueue,
     };
     rows.push(BoundRow {
         bound: "DRAM read ÷ CPU bytes per token".into(),

@@ -14,7 +14,10 @@
 //!
 //! Around each run a host check reads DRAM with the profile's threads; a cell run while the shared host read
 //! under 90 % of the profile's figure runs once more (`host_dram_gbps`, `attempts` in `cells.csv`). It also
-//! times a CPU GEMV against the profile's row of that shape (`host_gemv_ratio`), which the summary reports.
+//! times a CPU GEMV against the profile's row of that shape (`host_gemv_ratio`) and the host's kernel launches
+//! against the profile's launch cost (`host_launch_ratio`), which the summary reports.
+//! A cell whose plan and workload an earlier cell already ran (a coordinate its planner ignores, such as
+//! `ngl`'s depth) is predicted but not run again: its row's status names the cell that ran it.
 //!
 //! Measured VRAM is what the executor carved from its arena in the larger phase, plus the runtime overhead it
 //! measured, plus what the driver loaded lazily past both during the run (the arena itself is allocated
@@ -42,6 +45,7 @@ use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::ModelWeights;
 use pipeshard_profiler::cpu::{DramProbe, GemvProbe};
+use pipeshard_profiler::gpu::LaunchProbe;
 use pipeshard_sim::{SimOptions, Simulator};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -140,6 +144,9 @@ pub struct Outcome {
     /// The host check's CPU GEMV over the profile's row of that shape around the run that was kept (the
     /// lower of before and after).
     pub host_gemv_ratio: Option<f64>,
+    /// The host's launch rate around the run over the profile's (the slower of before and after; below 1: it
+    /// launched slower than when profiled).
+    pub host_launch_ratio: Option<f64>,
     /// Runs of the cell: more than one when the host check found the host disturbed.
     pub attempts: u32,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
@@ -263,6 +270,9 @@ struct Row {
     /// Absent from runs before session 12.
     #[serde(default)]
     host_gemv_ratio: Option<f64>,
+    /// Absent from runs before session 13.
+    #[serde(default)]
+    host_launch_ratio: Option<f64>,
     #[serde(default = "one_run")]
     attempts: u32,
     calibration: bool,
@@ -311,6 +321,7 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             runtime_overhead_bytes: o.runtime_overhead_bytes,
             host_dram_gbps: o.host_dram_gbps,
             host_gemv_ratio: o.host_gemv_ratio,
+            host_launch_ratio: o.host_launch_ratio,
             attempts: o.attempts,
             calibration: false,
             plan_fingerprint: o.plan_fingerprint.clone(),
@@ -358,6 +369,7 @@ impl Row {
             plan_fingerprint: self.plan_fingerprint,
             host_dram_gbps: self.host_dram_gbps,
             host_gemv_ratio: self.host_gemv_ratio,
+            host_launch_ratio: self.host_launch_ratio,
             attempts: self.attempts,
             run: None,
             status: self.status,
@@ -508,6 +520,15 @@ pub fn plan_fingerprint(plan: &Plan) -> String {
     format!("{:08x}", crc32fast::hash(&phases))
 }
 
+/// The 1-based row of the earlier outcome that ran `o`'s plan (equal fingerprints) on `o`'s workload.
+fn same_run(earlier: &[Outcome], o: &Outcome) -> Option<usize> {
+    let w = o.cell.workload();
+    earlier
+        .iter()
+        .position(|e| e.meas.is_some() && e.plan_fingerprint == o.plan_fingerprint && e.cell.workload() == w)
+        .map(|i| i + 1)
+}
+
 /// The grid coordinates a `cells.csv` row records (the batch too: a grid has cells that differ only by it).
 /// Not the KV layout: a row records the one the planner chose.
 fn same_cell(a: &Cell, b: &Cell) -> bool {
@@ -570,6 +591,7 @@ fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
             plan_fingerprint: Some(fingerprint),
             host_dram_gbps: old.host_dram_gbps,
             host_gemv_ratio: old.host_gemv_ratio,
+            host_launch_ratio: old.host_launch_ratio,
             attempts: old.attempts,
             run: None,
             cell,
@@ -708,7 +730,7 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     let bar = ProgressBar::new(cells.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} cells {elapsed} {msg}").expect("a valid template"),
     );
-    let host = HostCheck::new(&profile)?;
+    let host = HostCheck::new(&profile, &gpu)?;
     let mut outcomes = Vec::with_capacity(cells.len());
     // Cells come model by model: the weights of one model at a time.
     let mut model: Option<(String, Inventory, ModelWeights)> = None;
@@ -732,10 +754,12 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         let mut attempts = 0;
         let outcome = loop {
             attempts += 1;
-            let (before_gbps, before_gemv) = (host.gbps(), host.gemv_ratio());
-            let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed)?;
+            let (before_gbps, before_gemv, before_launch) =
+                (host.gbps(), host.gemv_ratio(), host.launch_ratio(&gpu));
+            let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed, &outcomes)?;
             let host_gbps = before_gbps.min(host.gbps());
             o.host_gemv_ratio = before_gemv.zip(host.gemv_ratio()).map(|(b, a)| b.min(a));
+            o.host_launch_ratio = before_launch.zip(host.launch_ratio(&gpu)).map(|(b, a)| b.min(a));
             (o.host_dram_gbps, o.attempts) = (Some(host_gbps), attempts);
             if o.meas.is_none() || !host.disturbed(host_gbps) || attempts == HOST_ATTEMPTS {
                 break o;
@@ -779,6 +803,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         still.count()
     );
     if let Some(line) = gemv_check_line(&outcomes, host.expected_gemv_gbps) {
+        let _ = writeln!(md, "\n{line}");
+    }
+    if let Some(line) = launch_check_line(&outcomes, profile.launch_ns) {
         let _ = writeln!(md, "\n{line}");
     }
     for w in &borrowed {
@@ -879,10 +906,13 @@ struct HostCheck {
     gemv: GemvProbe,
     /// The profile's GB/s at the probe's shape, one token, the profile's threads (None: no such row).
     expected_gemv_gbps: Option<f64>,
+    launch: LaunchProbe,
+    /// The profile's nanoseconds a launch (0: none).
+    expected_launch_ns: u64,
 }
 
 impl HostCheck {
-    fn new(profile: &pipeshard_core::profile::Profile) -> anyhow::Result<HostCheck> {
+    fn new(profile: &pipeshard_core::profile::Profile, gpu: &Gpu) -> anyhow::Result<HostCheck> {
         let threads = profile.machine.cpu_threads;
         let (n, k) = GemvProbe::SHAPE;
         let expected_gemv_gbps = profile
@@ -901,7 +931,15 @@ impl HostCheck {
             expected_gbps: profile.dram_gbps(threads, false),
             gemv: GemvProbe::default(),
             expected_gemv_gbps,
+            launch: LaunchProbe::new(gpu)?,
+            expected_launch_ns: profile.launch_ns,
         })
+    }
+
+    /// The profile's launch cost over the probe's (a rate ratio, as `gemv_ratio`), if both are known.
+    fn launch_ratio(&self, gpu: &Gpu) -> Option<f64> {
+        let ns = self.launch.ns_per_launch(gpu).ok()?;
+        (self.expected_launch_ns > 0 && ns > 0.0).then(|| self.expected_launch_ns as f64 / ns)
     }
 
     fn gbps(&self) -> f64 {
@@ -918,24 +956,34 @@ impl HostCheck {
     }
 }
 
+/// Median, smallest and largest of a probe's ratio over the measured cells (None: no reading).
+fn ratio_spread(outcomes: &[Outcome], ratio: fn(&Outcome) -> Option<f64>) -> Option<(f64, f64, f64, usize)> {
+    let mut r: Vec<f64> = outcomes.iter().filter(|o| o.meas.is_some()).filter_map(ratio).collect();
+    r.sort_by(f64::total_cmp);
+    Some((*r.get(r.len() / 2)?, r[0], r[r.len() - 1], r.len()))
+}
+
 /// The summary's line on the GEMV probe: the spread of `host_gemv_ratio` over the measured cells.
 fn gemv_check_line(outcomes: &[Outcome], expected_gbps: Option<f64>) -> Option<String> {
-    let mut r: Vec<f64> =
-        outcomes.iter().filter(|o| o.meas.is_some()).filter_map(|o| o.host_gemv_ratio).collect();
     let expected = expected_gbps?;
-    if r.is_empty() {
-        return None;
-    }
-    r.sort_by(f64::total_cmp);
-    let (n, k) = GemvProbe::SHAPE;
+    let (median, lo, hi, n) = ratio_spread(outcomes, |o| o.host_gemv_ratio)?;
+    let (rows, k) = GemvProbe::SHAPE;
     Some(format!(
-        "CPU GEMV check ({n}×{k} bf16, one token, before and after each run; the profile's row: {expected:.1} \
-         GB/s): measured ÷ profile {:.2} (median), {:.2}–{:.2} over {} cells (column `host_gemv_ratio`; far \
-         from 1 in every cell: the profile's CPU rows and the cells saw different hosts).",
-        r[r.len() / 2],
-        r[0],
-        r[r.len() - 1],
-        r.len()
+        "CPU GEMV check ({rows}×{k} bf16, one token, before and after each run; the profile's row: {expected:.1} \
+         GB/s): measured ÷ profile {median:.2} (median), {lo:.2}–{hi:.2} over {n} cells (column `host_gemv_ratio`; far \
+         from 1 in every cell: the profile's CPU rows and the cells saw different hosts)."
+    ))
+}
+
+/// The summary's line on the launch probe: the spread of `host_launch_ratio` over the measured cells.
+fn launch_check_line(outcomes: &[Outcome], expected_ns: u64) -> Option<String> {
+    let (median, lo, hi, n) = ratio_spread(outcomes, |o| o.host_launch_ratio)?;
+    Some(format!(
+        "Launch check (1000 tiny kernels back to back before and after each run; the profile's: {:.2} µs a \
+         launch): profile ÷ measured {median:.2} (median), {lo:.2}–{hi:.2} over {n} cells (column \
+         `host_launch_ratio`; below 1 the host launched slower than when profiled, and host-paced work — a \
+         prefill chunk's GPU experts, launches after CPU work — with it).",
+        expected_ns as f64 / 1e3
     ))
 }
 
@@ -953,6 +1001,7 @@ fn validate_cell(
     gpu: &Gpu,
     profile: &pipeshard_core::profile::Profile,
     seed: u64,
+    earlier: &[Outcome],
 ) -> anyhow::Result<Outcome> {
     let workload = cell.workload();
     let prof = with_measured_overhead(gpu, spec, &workload, profile)?;
@@ -968,6 +1017,7 @@ fn validate_cell(
         plan_fingerprint: None,
         host_dram_gbps: None,
         host_gemv_ratio: None,
+        host_launch_ratio: None,
         attempts: 1,
         run: None,
         cell,
@@ -982,6 +1032,12 @@ fn validate_cell(
     outcome.pred = Some(Sample::new(&sim.metrics, sim.metrics.vram_peak_bytes));
     outcome.depths = Some((plan.prefill.pipeline_depth, plan.decode.pipeline_depth));
     outcome.plan_fingerprint = Some(plan_fingerprint(&plan));
+    if let Some(n) = same_run(earlier, &outcome) {
+        // A grid coordinate the planner ignores (`ngl`'s depth) gives the same run again: one measurement of it
+        // is one cell, and the device time goes to the others.
+        outcome.status = format!("the same plan and workload as cell {n}: not run again");
+        return Ok(outcome);
+    }
     // Every parallel request gets a prompt of its own.
     let prompt = |s: u64| random_tokens(workload.prompt_tokens as usize, weights.dims.vocab, seed + s);
     let opts = RunOptions {
@@ -1051,6 +1107,47 @@ mod tests {
         assert!(gemv_check_line(&cells, Some(99.8)).is_none());
     }
 
+    /// A cell whose plan and workload an earlier cell ran is found (its 1-based row), whatever grid
+    /// coordinate the planner ignored; another fingerprint, another workload or an earlier cell without a
+    /// measurement is not a match.
+    #[test]
+    fn a_cell_that_repeats_an_earlier_run_names_it() {
+        let mut ngl_depth_3 = outcome("ngl", "dense", 1.0, 1.0);
+        ngl_depth_3.cell.depth = Some(3);
+        let mut other_plan = outcome("ngl", "dense", 1.0, 1.0);
+        other_plan.plan_fingerprint = Some("ffff0000".into());
+        let mut unmeasured = outcome("ngl", "dense", 1.0, 1.0);
+        (unmeasured.plan_fingerprint, unmeasured.meas) = (other_plan.plan_fingerprint.clone(), None);
+        let mut longer = outcome("ngl", "dense", 1.0, 1.0);
+        longer.cell.gen_tokens = 32;
+        let earlier = vec![unmeasured, longer, outcome("ngl", "dense", 1.0, 1.0)];
+        assert_eq!(same_run(&earlier, &ngl_depth_3), Some(3));
+        assert_eq!(same_run(&earlier, &other_plan), None);
+        assert_eq!(same_run(&earlier[..2], &ngl_depth_3), None);
+    }
+
+    /// The summary states the launch probe's rate against the profile's over the measured cells, and nothing
+    /// without a reading.
+    #[test]
+    fn the_launch_check_line_gives_the_ratios_spread() {
+        let mut cells = vec![outcome("ilp", "dense", 1.0, 1.0), outcome("ngl", "dense", 1.0, 1.0)];
+        cells[0].host_launch_ratio = Some(0.7);
+        cells.push(Outcome {
+            meas: None,
+            host_launch_ratio: Some(0.1),
+            ..outcome("pshard", "moe", 1.0, 1.0)
+        });
+        let line = launch_check_line(&cells, 3_018).expect("a line");
+        assert!(
+            line.contains("3.02 µs a launch") && line.contains("0.90 (median), 0.70–0.90 over 2 cells"),
+            "{line}"
+        );
+        for o in &mut cells {
+            o.host_launch_ratio = None;
+        }
+        assert!(launch_check_line(&cells, 3_018).is_none());
+    }
+
     fn outcome(planner: &str, kind: &'static str, pred: f64, meas: f64) -> Outcome {
         let s = |x: f64| Sample {
             ttft_ms: x,
@@ -1086,6 +1183,7 @@ mod tests {
             plan_fingerprint: Some("0123abcd".into()),
             host_dram_gbps: Some(91.5),
             host_gemv_ratio: Some(1.25),
+            host_launch_ratio: Some(0.9),
             attempts: 2,
             run: None,
         }
@@ -1141,6 +1239,7 @@ mod tests {
         assert_eq!(back[0].plan_fingerprint.as_deref(), Some("0123abcd"));
         assert_eq!((back[0].host_dram_gbps, back[0].attempts), (Some(91.5), 2));
         assert_eq!(back[0].host_gemv_ratio, Some(1.25));
+        assert_eq!(back[0].host_launch_ratio, Some(0.9));
         // Runs from before the fingerprint column still read.
         let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
         std::fs::write(dir.join("old.csv"), old).unwrap();

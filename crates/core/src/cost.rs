@@ -86,6 +86,12 @@ pub trait CostModel: Send + Sync {
     fn host_route_ns(&self, _n_experts: u32, _tokens: u64) -> u64 {
         0
     }
+    /// Our executor's measured routing round trip in a one-token decode step, from a GPU router's kernels' end
+    /// to the first expert's start on `to` (see [`crate::profile::Profile::decode_routing_to_cpu_ns`]); 0
+    /// where not measured.
+    fn decode_routing_ns(&self, _to: Device) -> u64 {
+        0
+    }
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
     fn expert_ids_on_device(&self) -> bool {
         false
@@ -486,6 +492,13 @@ impl CostModel for TableCostModel {
 
     fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
         self.profile.host_route_ns_per_token * tokens * u64::from(n_experts) / ROUTE_PROFILE_EXPERTS
+    }
+
+    fn decode_routing_ns(&self, to: Device) -> u64 {
+        match to {
+            Device::Cpu => self.profile.decode_routing_to_cpu_ns,
+            Device::Gpu => self.profile.decode_routing_to_gpu_ns,
+        }
     }
 
     fn expert_ids_on_device(&self) -> bool {

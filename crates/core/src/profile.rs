@@ -207,6 +207,16 @@ pub struct Profile {
     /// profiles, derived ones), and no routing work is priced.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub host_route_ns_per_token: u64,
+    /// Our executor's routing round trip in a one-token decode step of a MoE layer whose router runs on the GPU,
+    /// from the router's kernels' end to the first CPU expert's start: the logits and the normed input copied
+    /// down on the compute stream, the host's sync with the pool's workers polling, the routing and the pool's
+    /// start (qwen3-30b-a3b's router, 16 threads on the H200 machine). 0: not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_routing_to_cpu_ns: u64,
+    /// The same round trip to the first GPU expert's start: the logits copied down, the sync, the routing, the
+    /// token lists copied up. 0: not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_routing_to_gpu_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// VRAM the driver takes to map page-locked host memory into the GPU's address space, per GiB locked:

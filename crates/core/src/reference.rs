@@ -479,6 +479,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         one_token_projections_fused: false,
         cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         host_route_ns_per_token: 0,
+        decode_routing_to_cpu_ns: 0,
+        decode_routing_to_gpu_ns: 0,
         runtime_overhead_bytes: 500 * MIB,
         // Not in the published figures (llama.cpp copies from its pageable mmap of the model file).
         page_table_bytes_per_locked_gib: 0,

@@ -663,19 +663,25 @@ impl ScratchParts {
     }
 }
 
+/// The most key splits a GPU attention runs (the executor's split combine holds this many).
+pub const MAX_KEY_SPLITS: u64 = 256;
+
 /// Key splits of a GPU attention over a cache of `ctx` keys (flash decoding), as scratch is sized for it:
-/// steps of up to 8 query tokens split the keys into chunks of at least 64 (at most 64 chunks), so that a
-/// decode step runs enough warps (one per query, head and split) to hide the latency of its key loads; a
-/// decode step of more sequences splits until about 4096 warps run; a prefill chunk of more tokens has warps
-/// enough and does not split. The executor launches at most one split per 32 keys the step reads, so a short
-/// prompt in a long context runs no empty splits.
+/// steps of up to 8 query tokens split the keys into chunks of at least 64, at most 64 chunks or, where that
+/// leaves fewer than 8192 warps, as many as reach them (to [`MAX_KEY_SPLITS`]): a decode step runs enough
+/// warps (one per query, head and split) to hide the latency of its key loads, and each warp walks at most
+/// a few tiles (at 64 splits a one-query 16K-key step read its KV at 490 GB/s on the H200, each warp's 8 tiles
+/// one after another). A decode step of more sequences splits until about 4096 warps run; a prefill chunk of
+/// more tokens has warps enough and does not split. The executor launches at most one split per 32 keys the
+/// step reads, so a short prompt in a long context runs no empty splits.
 #[must_use]
 pub fn attention_key_splits(ctx: u64, tokens: u64, decode: bool, q_heads: u32) -> u64 {
-    let by_keys = ctx.div_ceil(64).clamp(1, 64);
+    let by_keys = ctx.div_ceil(64).clamp(1, MAX_KEY_SPLITS);
+    let warps_per_split = tokens * u64::from(q_heads);
     if tokens <= 8 {
-        by_keys
+        by_keys.min(8192u64.div_ceil(warps_per_split.max(1)).max(64))
     } else if decode {
-        by_keys.min(4096u64.div_ceil(tokens * u64::from(q_heads)))
+        by_keys.min(4096u64.div_ceil(warps_per_split))
     } else {
         1
     }
@@ -723,11 +729,16 @@ mod tests {
 
     #[test]
     fn attention_splits_keep_enough_warps_and_bounded_scratch() {
-        // One query: 64-key splits, at most 64 of them.
+        // One query: 64-key splits, up to 8192 warps (256 splits of 32 heads, 128 of 64).
         assert_eq!(attention_key_splits(1, 1, true, 32), 1);
         assert_eq!(attention_key_splits(1000, 1, true, 32), 16);
         assert_eq!(attention_key_splits(4096, 1, true, 32), 64);
+        assert_eq!(attention_key_splits(16_384, 1, true, 32), 256);
+        assert_eq!(attention_key_splits(131_072, 1, true, 32), MAX_KEY_SPLITS);
+        assert_eq!(attention_key_splits(131_072, 1, true, 64), 128);
+        // Up to 8 queries never below 64 splits (of 64 keys or more).
         assert_eq!(attention_key_splits(131_072, 8, true, 32), 64);
+        assert_eq!(attention_key_splits(131_072, 2, true, 32), 128);
         // 16 sequences of 32 heads: 4096 warps at 8 splits; a prefill chunk does not split.
         assert_eq!(attention_key_splits(4096, 16, true, 32), 8);
         assert_eq!(attention_key_splits(4096, 512, false, 32), 1);

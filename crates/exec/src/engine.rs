@@ -17,7 +17,7 @@
 //! `budget − overhead − LAZY_LOAD_RESERVE_BYTES` is allocated and carved per phase (see `layout`); device free
 //! memory is sampled after every pass, and a measured peak above the budget is an error.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,12 +31,15 @@ use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
-use crate::cuda::{DevBuf, Event, ExpertIo, Gpu, HostFlag, HostRegistration, KernelKey, Kernels, Stream};
+use crate::cuda::{
+    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostFlag, HostRegistration, KernelKey, Kernels, Stream,
+    grouped_experts_fit,
+};
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::layout::{Arena, KvLoc, PhaseLayout, RingItem, ScratchLayout, Step, WeightLoc, layout_plan};
 use crate::seqs::{GpuKeys, Pass, SeqKv};
-use crate::weights::{Dims, ModelWeights, MoeDims, UnitKind};
+use crate::weights::{Dims, ExpertOffsets, ModelWeights, MoeDims, UnitKind};
 
 /// VRAM kept out of the arena for what the driver and cuBLAS load lazily during the run (kernel code the
 /// warm-up did not reach). Measured on the H200 (validation run12, 92 cells, dense and MoE, bf16 and q4_0, with
@@ -69,6 +72,28 @@ pub struct RunOptions {
     pub interrupt: Option<&'static AtomicBool>,
     /// Whether decode steps queue the GPU work after a MoE layer's CPU experts while those run ([`PreEnqueue`]).
     pub pre_enqueue: PreEnqueue,
+    /// Whether steps of at most `EXACT_MAX_TOKENS` tokens run a MoE layer's pinned GPU experts as two grouped
+    /// launches ([`GroupedExperts`]).
+    pub grouped_experts: GroupedExperts,
+}
+
+/// Grouped routed experts (decode): a MoE layer's pinned picked GPU experts run as two launches
+/// (`Gpu::grouped_experts`: gate|up with SwiGLU for every expert, then down with the weighted sum into the
+/// residual) instead of five launches an expert (`Gpu::expert_ffn`). In a one-token qwen3-30b-a3b step the
+/// 8 pinned experts of a layer took ~380 µs on the H200, paced by the host's 40 launches, for ~20 µs of
+/// weight reads.
+///
+/// It applies to steps of at most `EXACT_MAX_TOKENS` token rows with f16/bf16 matrices
+/// (`cuda::grouped_experts_fit`); streamed experts keep the per-expert path (each waits for its own ring
+/// slot), after the grouped launches; quantised formats keep it entirely.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GroupedExperts {
+    /// Where it applies. Not the default until it has run on a GPU (session 13: written and syntax-checked,
+    /// not yet compiled by NVRTC nor measured).
+    On,
+    /// Never: every GPU expert runs `Gpu::expert_ffn`.
+    #[default]
+    Off,
 }
 
 /// Pre-enqueue (decode, experts on the CPU): while layer L's CPU experts run, the host queues what follows
@@ -84,11 +109,12 @@ pub struct RunOptions {
 /// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
-    /// Where the plan and the device allow it.
-    On,
-    /// Never: every launch after the CPU experts' end. The default until `On` has run on a GPU (written in
-    /// session 12 without one; its GPU tests and an A/B run are the next device session's).
+    /// Where the plan and the device allow it. The default: on the H200 machine, qwen3-30b-a3b@4L bf16 at 2 GB
+    /// (pshard, every expert on the CPU) decoded 4.92–5.27 ms a step against 5.28–5.74 ms with `Off`
+    /// (interleaved runs, one lease, session 13), with the same tokens and logits as the all-pinned reference.
     #[default]
+    On,
+    /// Never: every launch after the CPU experts' end.
     Off,
 }
 
@@ -265,33 +291,64 @@ struct NextLayer {
     ring: Option<RingItem>,
 }
 
+/// Why the GPU work after a decode layer's CPU experts was not pre-enqueued ([`PreEnqueue`]); a run counts
+/// them and says so in [`RunOutput::warnings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum NotPreEnqueued {
+    /// A prefill pass, the last layer (the output head follows) or a dense layer next.
+    NoNextMoeLayer,
+    /// The next layer's router is streamed or on the CPU.
+    RouterNotPinned,
+    /// The next layer's attention or its KV is on the host (on the CPU, or staged).
+    AttentionOnHost,
+    /// The next attention streams, and its ring item was not the next in flight.
+    RingItemNotInFlight,
+    /// The residual stream was on the host while the experts ran.
+    ResidualOnHost,
+}
+
+impl NotPreEnqueued {
+    fn why(self) -> &'static str {
+        match self {
+            NotPreEnqueued::NoNextMoeLayer => "no MoE layer next",
+            NotPreEnqueued::RouterNotPinned => "the next router not pinned",
+            NotPreEnqueued::AttentionOnHost => "the next attention or its KV on the host",
+            NotPreEnqueued::RingItemNotInFlight => "the next attention's ring item not in flight",
+            NotPreEnqueued::ResidualOnHost => "the residual stream on the host",
+        }
+    }
+}
+
 /// The next layer's steps when the GPU work after layer L's CPU experts can be pre-enqueued ([`PreEnqueue`]):
 /// `router` is the index of layer L's router step in `steps`, `decode` whether the pass is a decode step. The
 /// attention must follow L's expert steps, on the GPU with its KV (pinned or streamed, not on the host), and
 /// the router must follow it, pinned: then the enqueue needs no host sync and at most the one ring item.
-fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Option<NextLayer> {
-    let UnitId::Router { layer } = steps.get(router)?.unit else { return None };
+fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<NextLayer, NotPreEnqueued> {
+    let none = NotPreEnqueued::NoNextMoeLayer;
+    let Some(UnitId::Router { layer }) = steps.get(router).map(|s| s.unit) else { return Err(none) };
     let mut rest = steps[router + 1..]
         .iter()
         .skip_while(|s| matches!(s.unit, UnitId::Expert { layer: l, .. } if l == layer));
-    let (attn, next_router) = (*rest.next()?, *rest.next()?);
+    let (Some(&attn), Some(&next_router)) = (rest.next(), rest.next()) else { return Err(none) };
     let next = layer + 1;
     if !decode
         || attn.unit != (UnitId::Attn { layer: next })
         || next_router.unit != (UnitId::Router { layer: next })
-        || !matches!(next_router.weights, WeightLoc::Pinned(_))
     {
-        return None;
+        return Err(none);
     }
-    let ring = match (attn.weights, attn.kv?) {
+    if !matches!(next_router.weights, WeightLoc::Pinned(_)) {
+        return Err(NotPreEnqueued::RouterNotPinned);
+    }
+    let ring = match (attn.weights, attn.kv.ok_or(none)?) {
         (WeightLoc::Pinned(_), KvLoc::Pinned(_)) => None,
         (WeightLoc::Streamed, KvLoc::Streamed) => Some(RingItem::AttnKv(next)),
         (WeightLoc::Streamed, KvLoc::Pinned(_)) => Some(RingItem::Weights(attn.unit)),
         (WeightLoc::Pinned(_), KvLoc::Streamed) => Some(RingItem::Kv(next)),
         // On the CPU, or staged with the KV on the host (op offload, prefill only).
-        _ => return None,
+        _ => return Err(NotPreEnqueued::AttentionOnHost),
     };
-    Some(NextLayer { attn, router: next_router, ring })
+    Ok(NextLayer { attn, router: next_router, ring })
 }
 
 impl Drop for GpuSide<'_> {
@@ -362,12 +419,24 @@ struct MoeIo {
     idx: usize,
     w: usize,
     part: usize,
+    /// The grouped experts' unit addresses (u64) and entry offsets (u32), `tokens × top_k` (+ 1).
+    gbase: usize,
+    gfirst: usize,
 }
 
 impl MoeIo {
     fn new(d: &Dims, tokens: usize) -> MoeIo {
         let Some(moe) = d.moe else {
-            return MoeIo { buf: HostBuf::zeroed(0), logits: 0, xn: 0, idx: 0, w: 0, part: 0 };
+            return MoeIo {
+                buf: HostBuf::zeroed(0),
+                logits: 0,
+                xn: 0,
+                idx: 0,
+                w: 0,
+                part: 0,
+                gbase: 0,
+                gfirst: 0,
+            };
         };
         let mut at = 0;
         let mut take = |bytes: usize| {
@@ -380,7 +449,9 @@ impl MoeIo {
         let idx = take(tokens * moe.top_k * 4);
         let w = take(tokens * moe.top_k * 4);
         let part = take(tokens * d.hidden * 4);
-        MoeIo { buf: HostBuf::zeroed(at), logits, xn, idx, w, part }
+        let gbase = take(tokens * moe.top_k * 8);
+        let gfirst = take((tokens * moe.top_k + 1) * 4);
+        MoeIo { buf: HostBuf::zeroed(at), logits, xn, idx, w, part, gbase, gfirst }
     }
 }
 
@@ -402,6 +473,8 @@ struct Exec<'a> {
     h_on_dev: bool,
     /// The layer whose attention and router were pre-enqueued ([`PreEnqueue`]): the step loop skips them.
     pre_enqueued: Option<u32>,
+    /// Decode layers with CPU experts, pre-enqueued or not (and why), with the gate in use.
+    pre_enqueue_count: (usize, BTreeMap<NotPreEnqueued, usize>),
 }
 
 /// Runs every GEMM shape a run will launch once, so that cuBLAS's first call of a shape (its heuristics, and
@@ -426,9 +499,11 @@ fn warm_up(
         (d.hidden, d.ffn, true),
     ];
     if let Some(moe) = d.moe {
+        // An expert's gate and up run as one matmul where they lie back to back (`Gpu::expert_ffn`).
+        let gate_up = if d.expert_gate_up_adjacent() { 2 * moe.expert_ffn } else { moe.expert_ffn };
         shapes.extend([
             (moe.n_experts, d.hidden, false),
-            (moe.expert_ffn, d.hidden, false),
+            (gate_up, d.hidden, false),
             (d.hidden, moe.expert_ffn, false),
         ]);
     }
@@ -712,6 +787,7 @@ pub fn run(w: &ModelWeights, plan: &Plan, gpu: Option<&Gpu>, opts: &RunOptions) 
         tl: Timeline { start: Instant::now(), spans: Vec::new(), gpu: Vec::new() },
         h_on_dev: false,
         pre_enqueued: None,
+        pre_enqueue_count: (0, BTreeMap::new()),
     };
     if needs_gpu {
         let gpu = gpu.ok_or_else(|| ExecError::NoCuda {
@@ -1023,11 +1099,20 @@ impl<'a> Exec<'a> {
             vram_peak_bytes: vram.as_ref().map_or(0, |v| v.peak_process_bytes),
             busy_ns: Resource::ALL.iter().copied().zip(busy).collect(),
         };
-        let warnings = self
+        let mut warnings: Vec<String> = self
             .gpu
             .as_ref()
             .map(|g| g.pageable.1.iter().chain(&g.gate_warning).cloned().collect())
             .unwrap_or_default();
+        let (layers, skipped) = &self.pre_enqueue_count;
+        if !skipped.is_empty() {
+            let why: Vec<String> = skipped.iter().map(|(k, n)| format!("{n} with {}", k.why())).collect();
+            warnings.push(format!(
+                "pre-enqueue: {} of {layers} decode layer steps with CPU experts queued ahead; not {}",
+                layers - skipped.values().sum::<usize>(),
+                why.join(", ")
+            ));
+        }
         Ok(RunOutput { tokens, logits, metrics, trace, vram, routes: self.routes, warnings })
     }
 
@@ -1504,10 +1589,24 @@ impl<'a> Exec<'a> {
         let (mut gpu_experts, cpu_experts) = (picked(true), picked(false));
         // Pinned experts first (a stable sort: ascending within each kind), so that they run under one timeline
         // span: a span costs two event creations and records of host time, and decode experts are host-bound
-        // (on the H200 a qwen3-30b-a3b expert took 53 µs under its own span against 40 µs for its six launches).
+        // (on the H200 a qwen3-30b-a3b expert took 53 µs under its own span against 40 µs for its six
+        // launches, when gate and up were two matmuls).
         gpu_experts.sort_by_key(|&e| !matches!(locs[e as usize], WeightLoc::Pinned(_)));
         let pinned =
             gpu_experts.iter().take_while(|&&e| matches!(locs[e as usize], WeightLoc::Pinned(_))).count();
+        // The pinned experts as two grouped launches ([`GroupedExperts`]) where the step is small enough and the
+        // scratch holds the grouped rows; they share one set of offsets in their units.
+        let offsets = |e: u32| match self.w.unit(UnitId::Expert { layer, expert: e }).map(|u| u.kind) {
+            Some(UnitKind::Expert(o)) => Some(o),
+            _ => None,
+        };
+        let grouped_offsets = (pinned > 0
+            && self.opts.grouped_experts == GroupedExperts::On
+            && lay.scratch.moe_grouped
+            && grouped_experts_fit(d.quant, m, hd, fe))
+        .then(|| offsets(gpu_experts[0]))
+        .flatten()
+        .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
         // 3. GPU experts' token lists (and the normed input, if the router ran on the CPU) go up, before the
         // streamed experts' copies are queued: behind them on the compute stream, the first pinned expert had
         // waited for the layer's last copy (run22/run23, pshard MoE prefill, 2.7-4.5 ms a layer-chunk).
@@ -1516,12 +1615,25 @@ impl<'a> Exec<'a> {
             let mio = &mut self.moe_io;
             let (io_idx, io_w, io_xn) = (mio.idx, mio.w, mio.xn);
             let buf = mio.buf.as_mut_slice();
+            let (io_gbase, io_gfirst) = (mio.gbase, mio.gfirst);
+            let arena = self.gpu.as_ref().expect("gpu").base();
             let mut n = 0;
-            for &e in &gpu_experts {
+            for (i, &e) in gpu_experts.iter().enumerate() {
+                if grouped_offsets.is_some() && i < pinned {
+                    // Expert i of the group: its unit's address and its first entry.
+                    let WeightLoc::Pinned(o) = locs[e as usize] else { unreachable!("pinned experts first") };
+                    let addr = arena + o as u64;
+                    buf[io_gbase + 8 * i..io_gbase + 8 * i + 8].copy_from_slice(&addr.to_le_bytes());
+                    buf[io_gfirst + 4 * i..io_gfirst + 4 * i + 4].copy_from_slice(&(n as u32).to_le_bytes());
+                }
                 for &(t, w) in &lists[e as usize] {
                     buf[io_idx + 4 * n..io_idx + 4 * n + 4].copy_from_slice(&t.to_le_bytes());
                     buf[io_w + 4 * n..io_w + 4 * n + 4].copy_from_slice(&w.to_le_bytes());
                     n += 1;
+                }
+                if grouped_offsets.is_some() && i + 1 == pinned {
+                    let end = 4 * pinned;
+                    buf[io_gfirst + end..io_gfirst + end + 4].copy_from_slice(&(n as u32).to_le_bytes());
                 }
             }
             if !xn_on_dev {
@@ -1539,6 +1651,12 @@ impl<'a> Exec<'a> {
                 if !xn_on_dev {
                     g.gpu.h2d(Stream::Compute, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
                 }
+                // moe_gbase/moe_gfirst hold m·top_k ≥ pinned (+ 1) entries (carved with `moe_grouped`).
+                if grouped_offsets.is_some() {
+                    let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
+                    g.gpu.h2d(Stream::Compute, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
+                    g.gpu.h2d(Stream::Compute, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
+                }
             }
         }
         self.tl.host(format!("route blk.{layer} ({m} tokens)"), Track::Host, t_route);
@@ -1549,7 +1667,10 @@ impl<'a> Exec<'a> {
         }
         // Pinned experts, then streamed ones as their ring slots free up.
         let enqueue_gpu_experts = |ex: &mut Self| -> Result<()> {
-            let first = ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?;
+            let first = match grouped_offsets {
+                Some(o) => ex.enqueue_grouped_experts(lay, layer, &lists, &gpu_experts[..pinned], o, m)?,
+                None => ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?,
+            };
             ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first).map(|_| ())
         };
         // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
@@ -1574,12 +1695,12 @@ impl<'a> Exec<'a> {
             let name = format!("cpu blk.{layer} experts ({})", cpu_experts.len());
             let (clock, t) = (self.tl.start, self.tl.now_ns());
             if self.h_on_dev {
+                let decode = matches!(pass_at, Pass::Decode { .. });
                 let next = self
                     .gpu
                     .as_ref()
                     .is_some_and(|g| g.gate.is_some())
-                    .then(|| pre_enqueue_steps(&lay.steps, router, matches!(pass_at, Pass::Decode { .. })))
-                    .flatten();
+                    .then(|| pre_enqueue_steps(&lay.steps, router, decode));
                 let mut part = vec![0f32; m * hd];
                 let (cpu_end_ns, enqueued) = pool.alongside(
                     || {
@@ -1590,7 +1711,23 @@ impl<'a> Exec<'a> {
                         enqueue_gpu_experts(self)?;
                         // After this layer's streamed experts took their slots, the attention's item must be
                         // the next in flight.
-                        next.filter(|n| n.ring.is_none() || n.ring == self.ring_front())
+                        let next = next.map(|n| {
+                            n.and_then(|n| {
+                                if n.ring.is_none() || n.ring == self.ring_front() {
+                                    Ok(n)
+                                } else {
+                                    Err(NotPreEnqueued::RingItemNotInFlight)
+                                }
+                            })
+                        });
+                        // Layers with no MoE layer next (the last one) could never be: they are not counted.
+                        if decode
+                            && let Some(r) = &next
+                            && r.as_ref().err() != Some(&NotPreEnqueued::NoNextMoeLayer)
+                        {
+                            self.count_pre_enqueue(r.as_ref().err().copied());
+                        }
+                        next.and_then(Result::ok)
                             .map(|n| self.pre_enqueue(lay, layer, &n, pass_at, pass, m))
                             .transpose()
                     },
@@ -1626,6 +1763,11 @@ impl<'a> Exec<'a> {
                 // thread's wake-up included.
                 self.tl.host(format!("cpu → gpu: blk.{layer} experts' sum"), Track::Host, cpu_end_ns);
             } else {
+                if matches!(pass_at, Pass::Decode { .. })
+                    && self.gpu.as_ref().is_some_and(|g| g.gate.is_some())
+                {
+                    self.count_pre_enqueue(Some(NotPreEnqueued::ResidualOnHost));
+                }
                 // No GPU expert ran (it would have moved the residual stream to the device).
                 cpu::experts_block(pool, d, fe, &xn, &units, self.h_host.f32s_mut());
                 self.tl.host(name, Track::Cpu, t);
@@ -1635,6 +1777,14 @@ impl<'a> Exec<'a> {
             g.gpu.record(&g.moe_uploaded, Stream::Compute)?;
         }
         Ok(())
+    }
+
+    /// Counts a decode layer with CPU experts: pre-enqueued (`None`) or not, and why.
+    fn count_pre_enqueue(&mut self, skipped: Option<NotPreEnqueued>) {
+        self.pre_enqueue_count.0 += 1;
+        if let Some(why) = skipped {
+            *self.pre_enqueue_count.1.entry(why).or_default() += 1;
+        }
     }
 
     /// Enqueues the GPU router of `step` over the pass's `m` rows: the normed input and the logits, and their
@@ -1783,13 +1933,12 @@ impl<'a> Exec<'a> {
                 idx: at(sc.moe_idx) + 4 * first as u64,
                 wts: at(sc.moe_w) + 4 * first as u64,
                 x: at(sc.moe_x),
-                gate: at(sc.moe_gate),
-                up: at(sc.moe_up),
+                gate_up: at(sc.moe_gate_up),
                 act: at(sc.moe_act),
                 y: at(sc.moe_y),
                 h: at(sc.h),
             };
-            // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate/moe_up/moe_act/moe_y (sized for m); idx/wts hold c
+            // SAFETY: c ≤ rows ≤ m rows fit moe_x/moe_gate_up/moe_act/moe_y (sized for m); idx/wts hold c
             // entries at `first`; the expert's slices are at wb with these offsets; token ids are < m rows of xb
             // and h.
             unsafe { g.gpu.expert_ffn(&g.k, d.quant, wb, o, &io, c, rows, hd, fe)? };
@@ -1812,6 +1961,46 @@ impl<'a> Exec<'a> {
             }
         }
         Ok(first)
+    }
+
+    /// Enqueues a layer's pinned picked experts as two grouped launches over the step's `m` tokens
+    /// (`Gpu::grouped_experts`, [`GroupedExperts`]): 2 launches instead of 5 an expert. Their entries are the
+    /// first of `moe_idx`/`moe_w`, and their unit addresses and entry offsets are in `moe_gbase`/`moe_gfirst`
+    /// (uploaded by `moe_layer`). Returns the number of entries, where the streamed experts' start.
+    fn enqueue_grouped_experts(
+        &mut self,
+        lay: &PhaseLayout,
+        layer: u32,
+        lists: &[Vec<(u32, f32)>],
+        experts: &[u32],
+        o: ExpertOffsets,
+        m: usize,
+    ) -> Result<usize> {
+        let d = self.d;
+        let (hd, fe) = (d.hidden, d.moe.expect("MoE layer").expert_ffn);
+        let entries: usize = experts.iter().map(|&e| lists[e as usize].len()).sum();
+        let g = self.gpu.as_ref().expect("gpu");
+        let (base, sc) = (g.base(), lay.scratch);
+        let at = |o: usize| base + o as u64;
+        let start = g.span_start(Stream::Compute)?;
+        let io = GroupedIo {
+            base: at(sc.moe_gbase),
+            first: at(sc.moe_gfirst),
+            idx: at(sc.moe_idx),
+            wts: at(sc.moe_w),
+            xn: at(sc.xb),
+            act: at(sc.moe_gact),
+            h: at(sc.h),
+        };
+        // SAFETY: `moe_grouped` carved moe_gbase/moe_gfirst for m·top_k ≥ experts.len() (+ 1) entries, uploaded
+        // before on the compute stream, and moe_gact for m·top_k ≥ `entries` rows of ffn; each pinned expert's
+        // list holds ≤ m ≤ EXACT_MAX_TOKENS distinct token rows (< m) of xb and h; the units are pinned in the
+        // arena at 256-byte aligned offsets, their tensors 16-byte aligned at `o` (every expert's, checked by
+        // the caller); rows are 16-byte aligned as `grouped_experts_fit` checked hidden and ffn.
+        unsafe { g.gpu.grouped_experts(&g.k, o, &io, experts.len(), m, hd, fe)? };
+        let name = format!("gpu blk.{layer} experts ({} pinned, grouped, {entries} tokens)", experts.len());
+        g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
+        Ok(entries)
     }
 
     /// Device address of a GPU step's weights, acquiring a ring slot or staging the unit as its location says.
@@ -2043,10 +2232,10 @@ impl<'a> Exec<'a> {
                         d.norm_eps,
                         ln,
                     )?;
-                    let (gate, up) = if let Some(gw) = gate_up {
+                    let (gate, up, ld) = if let Some(gw) = gate_up {
                         let ga = at(sc.up);
                         gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
-                        (Some(ga), ga + (d.ffn * 4) as u64)
+                        (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
                     } else {
                         let mm = |w_off: usize, y: usize| {
                             gpu.matmul(
@@ -2065,9 +2254,9 @@ impl<'a> Exec<'a> {
                         if let Some(gw) = o.gate {
                             mm(gw, sc.gate)?;
                         }
-                        (o.gate.map(|_| at(sc.gate)), at(sc.up))
+                        (o.gate.map(|_| at(sc.gate)), at(sc.up), d.ffn)
                     };
-                    gpu.ffn_act(k, gate, up, at(sc.act), m * d.ffn)?;
+                    gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
                     gpu.matmul(
                         k,
                         d.quant,
@@ -2201,7 +2390,10 @@ impl<'a> Exec<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{KvLoc, NextLayer, RingItem, Step, UnitId, WeightLoc, page_lock_choice, pre_enqueue_steps};
+    use super::{
+        KvLoc, NextLayer, NotPreEnqueued, RingItem, Step, UnitId, WeightLoc, page_lock_choice,
+        pre_enqueue_steps,
+    };
 
     /// Layer 0 and 1 of a MoE model, both with attention and router pinned (KV pinned) and two CPU experts, then
     /// the output head.
@@ -2232,17 +2424,18 @@ mod tests {
     /// attention or the router is on the CPU or the router streams.
     #[test]
     fn pre_enqueue_takes_the_next_gpu_attention_and_pinned_router_of_decode() {
+        use NotPreEnqueued::{AttentionOnHost, NoNextMoeLayer, RouterNotPinned};
         let steps = moe_steps();
-        let next = |s: &[Step]| Some(NextLayer { attn: s[4], router: s[5], ring: None });
+        let next = |s: &[Step]| Ok(NextLayer { attn: s[4], router: s[5], ring: None });
         assert_eq!(pre_enqueue_steps(&steps, 1, true), next(&steps));
-        assert_eq!(pre_enqueue_steps(&steps, 1, false), None, "prefill");
+        assert_eq!(pre_enqueue_steps(&steps, 1, false), Err(NoNextMoeLayer), "prefill");
         assert_eq!(
             pre_enqueue_steps(&steps, 5, true),
-            None,
+            Err(NoNextMoeLayer),
             "the last layer's router: the output head follows"
         );
-        assert_eq!(pre_enqueue_steps(&steps, 0, true), None, "an attention step");
-        assert_eq!(pre_enqueue_steps(&steps, 99, true), None, "past the steps");
+        assert_eq!(pre_enqueue_steps(&steps, 0, true), Err(NoNextMoeLayer), "an attention step");
+        assert_eq!(pre_enqueue_steps(&steps, 99, true), Err(NoNextMoeLayer), "past the steps");
         let with = |i: usize, weights: WeightLoc, kv: Option<KvLoc>| {
             let mut s = steps.clone();
             s[i] = Step { weights, kv, ..s[i] };
@@ -2257,21 +2450,29 @@ mod tests {
             let (got, s) = with(4, weights, Some(kv));
             assert_eq!(
                 got,
-                Some(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
+                Ok(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
                 "{weights:?}, {kv:?}"
             );
         }
-        assert_eq!(with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0, None, "attention on the CPU");
-        assert_eq!(with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0, None, "attention staged");
-        assert_eq!(with(5, WeightLoc::Streamed, None).0, None, "router streamed");
-        assert_eq!(with(5, WeightLoc::Cpu, None).0, None, "router on the CPU");
+        assert_eq!(
+            with(4, WeightLoc::Cpu, Some(KvLoc::Host)).0,
+            Err(AttentionOnHost),
+            "attention on the CPU"
+        );
+        assert_eq!(
+            with(4, WeightLoc::Staged(0), Some(KvLoc::Host)).0,
+            Err(AttentionOnHost),
+            "attention staged"
+        );
+        assert_eq!(with(5, WeightLoc::Streamed, None).0, Err(RouterNotPinned), "router streamed");
+        assert_eq!(with(5, WeightLoc::Cpu, None).0, Err(RouterNotPinned), "router on the CPU");
         // Experts of this layer on the GPU are skipped like CPU ones.
         let (got, s) = with(2, WeightLoc::Pinned(0), None);
         assert_eq!(got, next(&s));
         // A dense layer next (an FFN instead of a router).
         let mut dense = steps.clone();
         dense[5] = Step { unit: UnitId::Ffn { layer: 1 }, weights: WeightLoc::Pinned(0), kv: None };
-        assert_eq!(pre_enqueue_steps(&dense, 1, true), None, "the next layer is dense");
+        assert_eq!(pre_enqueue_steps(&dense, 1, true), Err(NoNextMoeLayer), "the next layer is dense");
     }
 
     /// Under a page-lock limit, streamed units are locked first, then the others in order while they fit;

@@ -15,6 +15,7 @@ use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
 use pipeshard_core::workload::attention_key_splits;
 
+use crate::cuda::grouped_experts_fit;
 use crate::error::{ExecError, Result};
 use crate::seqs::SeqKv;
 use crate::weights::{Dims, ModelWeights};
@@ -110,14 +111,21 @@ pub struct ScratchLayout {
     /// MoE: token permutation, `m × top_k` u32 token ids and f32 routing weights.
     pub moe_idx: usize,
     pub moe_w: usize,
-    /// MoE: one expert's gathered inputs `[m, hidden]` (activations), gate and up `[m, expert_ffn]` f32, their
-    /// SwiGLU `[m, expert_ffn]` (activations) and output `[m, hidden]` f32 (also where the CPU experts' partial
-    /// sum lands).
+    /// MoE: one expert's gathered inputs `[m, hidden]` (activations), gate and up `[m, 2·expert_ffn]` f32
+    /// (one GEMM's output, `cuda::ExpertIo::gate_up`), their SwiGLU `[m, expert_ffn]` (activations) and
+    /// output `[m, hidden]` f32 (also where the CPU experts' partial sum lands).
     pub moe_x: usize,
-    pub moe_gate: usize,
-    pub moe_up: usize,
+    pub moe_gate_up: usize,
     pub moe_act: usize,
     pub moe_y: usize,
+    /// MoE, steps the grouped expert kernels can run (`cuda::grouped_experts_fit`: f16/bf16, at most
+    /// `EXACT_MAX_TOKENS` tokens): `moe_grouped` says they were carved. Up to `m × top_k` experts' unit
+    /// addresses (u64) and entry offsets (`m × top_k + 1` u32), and a SwiGLU row (activations, `expert_ffn`)
+    /// per (expert, token) entry — the per-expert path's `moe_act` holds one expert's rows only.
+    pub moe_grouped: bool,
+    pub moe_gbase: usize,
+    pub moe_gfirst: usize,
+    pub moe_gact: usize,
     /// End of the attention temporaries (q, k, v, split partials) in the region they share with the FFN's.
     pub attn_end: usize,
     /// Op offload: a CPU-resident layer's `[K | V]` cache view, copied up for its attention on the GPU (after
@@ -194,10 +202,16 @@ fn carve_scratch(
         s.moe_idx = take(m * moe.top_k * 4);
         s.moe_w = take(m * moe.top_k * 4);
         s.moe_x = take(m * d.hidden * act);
-        s.moe_gate = take(m * moe.expert_ffn * 4);
-        s.moe_up = take(m * moe.expert_ffn * 4);
+        s.moe_gate_up = take(2 * m * moe.expert_ffn * 4);
         s.moe_act = take(m * moe.expert_ffn * act);
         s.moe_y = take(m * d.hidden * 4);
+        if grouped_experts_fit(d.quant, m, d.hidden, moe.expert_ffn) {
+            let entries = m * moe.top_k;
+            s.moe_grouped = true;
+            s.moe_gbase = take(entries * 8);
+            s.moe_gfirst = take((entries + 1) * 4);
+            s.moe_gact = take(entries * moe.expert_ffn * act);
+        }
     }
     s.q = q;
     s.k = k;
@@ -614,7 +628,17 @@ mod tests {
             sc.moe_logits >= sc.xb + 4 * w.dims.hidden * 2,
             "MoE temporaries leave the normed input alone"
         );
-        assert!(sc.moe_act >= sc.moe_up + 4 * moe.expert_ffn * 4);
+        assert!(sc.moe_act >= sc.moe_gate_up + 4 * 2 * moe.expert_ffn * 4);
+        // 4 tokens of f16 experts: the grouped path's arrays and SwiGLU rows follow, inside the scratch.
+        let entries = 4 * moe.top_k;
+        assert!(sc.moe_grouped);
+        assert!(sc.moe_gbase >= sc.moe_y + 4 * w.dims.hidden * 4);
+        assert!(sc.moe_gfirst >= sc.moe_gbase + 8 * entries);
+        assert!(sc.moe_gact >= sc.moe_gfirst + 4 * (entries + 1));
+        assert!(sc.moe_gact + entries * moe.expert_ffn * 2 <= sc.ids + sc.bytes);
+        assert!(sc.moe_gbase.is_multiple_of(16) && sc.moe_gact.is_multiple_of(16), "16-byte aligned rows");
+        let prefill = scratch_layout(&w.dims, 16, 1, 64, 0);
+        assert!(!prefill.moe_grouped, "more than EXACT_MAX_TOKENS tokens: per-expert only");
         let dense = scratch_layout(&crate::weights::Dims { dense_ffn: true, ..w.dims.clone() }, 4, 4, 64, 0);
         assert!(sc.bytes < dense.bytes, "no dense FFN temporaries when every layer is MoE");
     }

@@ -230,6 +230,18 @@ impl Dims {
         self.quant.map_or(rows * cols * self.mat.size_bytes(), |q| rows * q.row_bytes(cols))
     }
 
+    /// Whether an expert's up starts where its gate ends, so that the two are one `[2·expert_ffn, hidden]`
+    /// matrix ([`crate::cuda::Gpu::expert_ffn`] runs one matmul over it). The unit lays gate, up and down out
+    /// in that order, each at a multiple of [`TENSOR_ALIGN_BYTES`]: they are adjacent unless the gate's bytes
+    /// need padding. In a quantised format they never do (rows are whole blocks and `expert_ffn` is a
+    /// multiple of the block, 32 or 256 elements, so the gate is a multiple of 32 blocks of an even byte
+    /// count); in f16/bf16 they do where `expert_ffn × hidden` is not a multiple of 8. `false` for a dense
+    /// model.
+    #[must_use]
+    pub fn expert_gate_up_adjacent(&self) -> bool {
+        self.moe.is_some_and(|m| self.mat_bytes(m.expert_ffn, self.hidden).is_multiple_of(TENSOR_ALIGN_BYTES))
+    }
+
     /// Row `row` of a matrix of `cols` columns whose bytes start `mat`, as f32 (dequantised exactly).
     #[must_use]
     pub fn mat_row(&self, mat: &[u8], row: usize, cols: usize) -> Vec<f32> {
@@ -980,6 +992,43 @@ mod tests {
             };
             assert!(worst > 0.0 && worst < bound, "{q:?}: worst {worst}");
         }
+    }
+
+    /// `Dims::expert_gate_up_adjacent` says what the layout does: every expert's up starts where its gate
+    /// ends in every format, unless f16/bf16 rows leave the gate's bytes off the tensor alignment, and then
+    /// it does not.
+    #[test]
+    fn expert_gate_and_up_are_adjacent_as_dims_say() {
+        let moe = crate::testing::tiny_qwen3_moe_spec();
+        let moe_k = crate::testing::tiny_qwen3_moe_k_spec();
+        // 33 × 130 bf16 elements: 8580 bytes, 4 past a multiple of 16.
+        let mut padded = moe.clone().with_uniform_weights(DType::Bf16);
+        padded.text.hidden = 130;
+        padded.text.moe.as_mut().unwrap().expert_ffn = 33;
+        let mut specs =
+            vec![(moe.clone(), true), (moe.clone().with_uniform_weights(DType::Bf16), true), (padded, false)];
+        for q in QFormat::ALL {
+            let base = if q.block_elems() > 32 { &moe_k } else { &moe };
+            specs.push((base.clone().with_uniform_weights(q.dtype()), true));
+        }
+        let mut checked = 0;
+        for (spec, want) in specs {
+            let w = ModelWeights::zeroed(&spec).unwrap();
+            let (d, e) = (&w.dims, w.dims.moe.unwrap());
+            assert_eq!(d.expert_gate_up_adjacent(), want, "{} in {:?}/{:?}", spec.name, d.mat, d.quant);
+            for u in w.units() {
+                let UnitKind::Expert(o) = u.kind else { continue };
+                let adjacent = o.up == o.gate + d.mat_bytes(e.expert_ffn, d.hidden);
+                assert_eq!(adjacent, want, "{} {}: {o:?}", spec.name, u.id);
+                checked += 1;
+            }
+        }
+        assert!(checked > 100, "{checked} experts checked");
+        for d in [DType::Bf16, DType::Q4_0, DType::Q4K] {
+            let spec = catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(d);
+            assert!(Dims::new(&spec).unwrap().expert_gate_up_adjacent(), "qwen3-30b-a3b in {d}");
+        }
+        assert!(!Dims::new(&tiny()).unwrap().expert_gate_up_adjacent(), "a dense model has no experts");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::seqs::{GpuKeys, Pass, SeqKv};
-use pipeshard_exec::weights::{Dims, ExpertOffsets};
+use pipeshard_exec::weights::{Dims, ExpertOffsets, TENSOR_ALIGN_BYTES};
 
 use crate::cpu::{self, Background, dims_for, fill_random};
 use crate::shapes::{self, HeadLayout};
@@ -32,7 +32,7 @@ const SAMPLE_TARGET_NS: f64 = 50_000.0;
 /// A held stream's hold per queued call: several times what a cuBLAS call costs the host (≈ 10–15 µs).
 const HOLD_NS_PER_CALL: u64 = 50_000;
 /// Calls a sample of a host-paced row at least (routed experts, unheld). One call of ~70 µs, as the 50 µs
-/// target gives, timed the host's enqueueing of its six launches plus its last kernel's run; the executor
+/// target gives, timed the host's enqueueing of its launches plus its last kernel's run; the executor
 /// enqueues a layer's experts back to back, each at the host's pace alone: run27's q4_0 qwen3-30b-a3b@24L,
 /// all pinned, took 49 µs an expert in prefill (~64 tokens) against the row's 71.7 µs, 25.7 in decode against
 /// 32.8 (results/validation/2026-12-01-nvidia-h200). Eight is a decode layer's experts.
@@ -570,21 +570,14 @@ pub fn measure_all(
             progress,
         )?,
     };
-    // Two f32 elements for the launch and sync measurements.
+    // Two f32 elements for the sync measurement.
     let tiny = gpu.alloc(8)?;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
 
     // ---- Latencies and interference ----
     progress.section("launch, host sync, copies vs compute", 8);
-    let launches = 1000;
-    let s = b.events(Stream::Compute, None, &mut |_| {
-        for _ in 0..launches {
-            // SAFETY: one f32 element of x and b (regions 0 and 1).
-            unsafe { gpu.add_bias(&kn, tiny.ptr(), tiny.ptr() + 4, 1, 1)? };
-        }
-        Ok(())
-    })?;
-    let launch = Stat { median: s.median / f64::from(launches), ..s };
+    let launch_probe = LaunchProbe::new(&gpu)?;
+    let launch = sample(rule, || launch_probe.ns_per_launch(&gpu))?;
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
     progress.tick(&format!("launch {:.2} µs", launch.median / 1e3))?;
     let sync = sample(rule, || -> Result<f64> {
@@ -596,6 +589,18 @@ pub fn measure_all(
     })?;
     figures.add("host sync (launch a tiny kernel, wait for it on the host)", "ns", sync);
     progress.tick(&format!("host sync {:.1} µs", sync.median / 1e3))?;
+    let max_threads = *threads.iter().max().unwrap_or(&1) as usize;
+    let (to_cpu, to_gpu) = routing_round_trip(&gpu, &kn, &mut staging, rule, max_threads, tiny.ptr())?;
+    for (to, st) in [("CPU", to_cpu), ("GPU", to_gpu)] {
+        figures.add(
+            &format!(
+                "decode routing round trip, router kernels' end to the first {to} expert (exec, one token)"
+            ),
+            "ns",
+            st,
+        );
+        progress.tick(&format!("routing round trip to the {to}: {:.1} µs", st.median / 1e3))?;
+    }
 
     // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
@@ -756,11 +761,144 @@ pub fn measure_all(
         one_token_projections_fused: true,
         cpu_expert_ns: 0,
         host_route_ns_per_token: host.route_ns_per_token,
+        decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
+        decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
         notes: Vec::new(),
     })
+}
+
+/// The host's pace launching kernels: 1000 tiny kernels back to back on the compute stream, timed between
+/// two events (the device runs each in less than a launch takes, so the span is the host's). The profile's
+/// `launch_ns`, and the validation's check of it around each cell: host-paced work (a prefill chunk's GPU
+/// experts, launches after CPU work) slows with it.
+pub struct LaunchProbe {
+    kn: std::sync::Arc<Kernels>,
+    tiny: DevBuf,
+    ev: (Event, Event),
+}
+
+impl std::fmt::Debug for LaunchProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaunchProbe").field("launches", &Self::LAUNCHES).finish_non_exhaustive()
+    }
+}
+
+impl LaunchProbe {
+    const LAUNCHES: u32 = 1000;
+
+    /// # Errors
+    /// Device errors (allocation, kernel compilation, events).
+    pub fn new(gpu: &Gpu) -> Result<LaunchProbe> {
+        Ok(LaunchProbe {
+            kn: gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?,
+            tiny: gpu.alloc(8)?,
+            ev: (gpu.event(true)?, gpu.event(true)?),
+        })
+    }
+
+    /// Nanoseconds a launch, one sample.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn ns_per_launch(&self, gpu: &Gpu) -> Result<f64> {
+        gpu.record(&self.ev.0, Stream::Compute)?;
+        for _ in 0..Self::LAUNCHES {
+            // SAFETY: one f32 element of x and b (the buffer's two).
+            unsafe { gpu.add_bias(&self.kn, self.tiny.ptr(), self.tiny.ptr() + 4, 1, 1)? };
+        }
+        gpu.record(&self.ev.1, Stream::Compute)?;
+        gpu.sync(Stream::Compute)?;
+        Ok(f64::from(gpu.elapsed_ms(&self.ev.0, &self.ev.1)?) * 1e6 / f64::from(Self::LAUNCHES))
+    }
+}
+
+/// Our executor's routing round trip in a one-token decode step of qwen3-30b-a3b's MoE layer, router on the GPU,
+/// as `Exec::moe_layer` runs it: the router's norm and GEMV, the logits (and, for CPU experts, the normed
+/// input) copied down on the compute stream, the host's sync (the pool's workers polling, for CPU experts),
+/// the routing and per-expert token lists, then either a pool job's start or the token lists copied up and
+/// the first expert kernel. Returns the time from the router's kernels' end to the expert's start, to the CPU
+/// and to the GPU: the validation's MoE decode layers spent 40–60 µs there against the 10–12 µs a host sync
+/// and a small copy price (run29, qwen3-30b-a3b@4L bf16 with CPU experts). To the CPU it is the host's time
+/// from the enqueue to the job's start less the router kernels' device time, so it also holds the first
+/// kernel's launch latency (a few µs), which a decode step, whose router queues behind its attention, does
+/// not pay.
+fn routing_round_trip(
+    gpu: &Gpu,
+    kn: &Kernels,
+    staging: &mut HostBuf,
+    rule: Rule,
+    threads: usize,
+    expert_target: u64,
+) -> Result<(Stat, Stat)> {
+    use pipeshard_core::cost::{ROUTE_PROFILE_EXPERTS, ROUTE_PROFILE_TOP_K};
+    use pipeshard_exec::cpu::{CpuPool, Routing};
+    let spec = catalog::get("qwen3-30b-a3b").expect("catalog model");
+    let hidden = spec.text.hidden as usize;
+    let n_experts = ROUTE_PROFILE_EXPERTS as usize;
+    let pool = CpuPool::new(threads)?;
+    let (h, norm_w, router_w) =
+        (gpu.alloc(hidden * 4)?, gpu.alloc(hidden * 4)?, gpu.alloc(n_experts * hidden * 2)?);
+    let (xb, logits, lists) = (gpu.alloc(hidden * 2)?, gpu.alloc(n_experts * 4)?, gpu.alloc(4 * KIB)?);
+    upload_random(gpu, staging, Elem::F32, h.ptr(), hidden * 4, 60)?;
+    upload_random(gpu, staging, Elem::F32, norm_w.ptr(), hidden * 4, 61)?;
+    upload_random(gpu, staging, Elem::Bf16, router_w.ptr(), n_experts * hidden * 2, 62)?;
+    // Host side, registered as the executor's `moe_io`: logits, the normed input, the token lists.
+    let (lo, xo, io) = (0, 4 * KIB, 16 * KIB);
+    let mut host = HostBuf::zeroed(32 * KIB);
+    // SAFETY: `host` outlives the registration (dropped after it, at the end of this function).
+    let _hreg = unsafe { gpu.register(&host)? };
+    let (ev_a, ev_b, ev_c) = (gpu.event(true)?, gpu.event(true)?, gpu.event(true)?);
+    let mut round_trip = |to_cpu: bool| -> Result<f64> {
+        let t0 = Instant::now();
+        gpu.record(&ev_a, Stream::Compute)?;
+        // SAFETY: h and norm_w hold `hidden` f32, xb `hidden` activations, router_w `n_experts × hidden` bf16,
+        // logits `n_experts` f32; the host buffer is registered and read only after the sync below.
+        unsafe {
+            gpu.norm_act(kn, h.ptr(), norm_w.ptr(), 0, xb.ptr(), 1, hidden, 1e-6, false)?;
+            gpu.matmul(kn, None, router_w.ptr(), xb.ptr(), logits.ptr(), 1, n_experts, hidden, false)?;
+            gpu.record(&ev_b, Stream::Compute)?;
+            let buf = host.as_mut_slice();
+            gpu.d2h(Stream::Compute, &mut buf[lo..lo + n_experts * 4], logits.ptr())?;
+            if to_cpu {
+                gpu.d2h(Stream::Compute, &mut buf[xo..xo + hidden * 2], xb.ptr())?;
+            }
+        }
+        let warm = to_cpu.then(|| pool.keep_warm());
+        gpu.sync(Stream::Compute)?;
+        let routing =
+            Routing::from_logits(&pool, &host.f32s()[..n_experts], n_experts, ROUTE_PROFILE_TOP_K, true);
+        let per_expert = routing.per_expert(n_experts);
+        drop(warm);
+        let router_ns = f64::from(gpu.elapsed_ms(&ev_a, &ev_b)?) * 1e6;
+        if to_cpu {
+            let (started, ()) =
+                pool.alongside(|| (Instant::now(), std::hint::black_box(&per_expert)).0, || ());
+            return Ok((started - t0).as_nanos() as f64 - router_ns);
+        }
+        // The token ids and the routing weights, each copied up on its own as the executor does.
+        let n = per_expert.iter().map(Vec::len).sum::<usize>() * 4;
+        let buf = host.as_mut_slice();
+        for (i, &(t, w)) in per_expert.iter().flatten().enumerate() {
+            buf[io + 4 * i..io + 4 * i + 4].copy_from_slice(&t.to_le_bytes());
+            buf[io + n + 4 * i..io + n + 4 * i + 4].copy_from_slice(&w.to_le_bytes());
+        }
+        // SAFETY: `lists` holds 4 KiB ≥ both arrays (top-k entries each); `expert_target` one f32 pair (the
+        // launch measurements' `tiny`); the host buffer is registered and not rewritten before the sync.
+        unsafe {
+            gpu.h2d(Stream::Compute, lists.ptr(), &host.as_slice()[io..io + n])?;
+            gpu.h2d(Stream::Compute, lists.ptr() + n as u64, &host.as_slice()[io + n..io + 2 * n])?;
+            gpu.record(&ev_c, Stream::Compute)?;
+            gpu.add_bias(kn, expert_target, expert_target + 4, 1, 1)?;
+        }
+        gpu.sync(Stream::Compute)?;
+        Ok(f64::from(gpu.elapsed_ms(&ev_b, &ev_c)?) * 1e6)
+    };
+    let to_cpu = sample(rule, || round_trip(true))?;
+    let to_gpu = sample(rule, || round_trip(false))?;
+    Ok((to_cpu, to_gpu))
 }
 
 /// exec's GPU op rows: GEMM/GEMV and routed experts over the catalog shapes × tokens, attention (prefill chunks,
@@ -782,7 +920,7 @@ fn measure_gpu_ops(
     // The MoE scratch of one expert over up to max_m tokens; its token ids are 0..max_m, each picked once.
     let (e_ffn, e_hidden) = cat.experts.iter().fold((1, 1), |(f, h), s| (f.max(s.n), h.max(s.k)));
     let (e_ffn, e_hidden) = (e_ffn as usize, e_hidden as usize);
-    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * e_ffn, 4 * max_m * e_ffn]
+    let e_bufs = [4 * max_m, 4 * max_m, 2 * max_m * e_hidden, 4 * max_m * 2 * e_ffn]
         .into_iter()
         .chain([2 * max_m * e_ffn, 4 * max_m * e_hidden, 4 * max_m * e_hidden])
         .map(|bytes| gpu.alloc(bytes))
@@ -800,11 +938,10 @@ fn measure_gpu_ops(
         idx: e_bufs[0].ptr(),
         wts: e_bufs[1].ptr(),
         x: e_bufs[2].ptr(),
-        gate: e_bufs[3].ptr(),
-        up: e_bufs[4].ptr(),
-        act: e_bufs[5].ptr(),
-        y: e_bufs[6].ptr(),
-        h: e_bufs[7].ptr(),
+        gate_up: e_bufs[3].ptr(),
+        act: e_bufs[4].ptr(),
+        y: e_bufs[5].ptr(),
+        h: e_bufs[6].ptr(),
     };
     let mut gpu_rows: Vec<OpRow> = Vec::new();
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
@@ -839,11 +976,13 @@ fn measure_gpu_ops(
             let (n, k) = (shape.n as usize, shape.k as usize);
             let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
             let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
-            // An expert's gate, up and down lie together, as in exec's weights; each sample's matrices come from
+            // An expert's gate, up and down lie together, up right after gate (aligned) as in exec's weights,
+            // so the call takes exec's path (one matmul over gate|up); each sample's matrices come from
             // another slot so that none is read from L2.
             let unit_bytes = if experts { 3 * wbytes } else { wbytes };
             let copies = (rot_bytes / unit_bytes).max(1);
-            let expert = ExpertOffsets { gate: 0, up: wbytes, down: 2 * wbytes };
+            let up = (n * row_bytes(k)).next_multiple_of(TENSOR_ALIGN_BYTES);
+            let expert = ExpertOffsets { gate: 0, up, down: 2 * wbytes };
             for &m in &g.tokens {
                 let (hold, min_reps) = if experts { (None, HOST_PACED_MIN_REPS) } else { (Some(&*kn), 1) };
                 let s = b.events_min_reps(Stream::Compute, hold, min_reps, &mut |i| {
@@ -853,7 +992,8 @@ fn measure_gpu_ops(
                     // m distinct row ids.
                     unsafe {
                         if experts {
-                            // exec's whole per-expert sequence (six launches) over m tokens that all picked it.
+                            // exec's whole per-expert sequence (5 launches, 7 quantised above 8 tokens) over
+                            // m tokens that all picked it.
                             gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
                         } else {
                             gpu.matmul(&kn, quant, w, xbuf.ptr(), ybuf.ptr(), m, n, k, false)?;
@@ -900,8 +1040,9 @@ fn measure_gpu_ops(
     let chunk = g.prefill_chunk;
     let qbuf = gpu.alloc(chunk * max_q_dim * 4)?;
     let obuf = gpu.alloc(chunk * max_q_dim * 2)?;
-    let part_o = gpu.alloc(64 * max_q_dim * 4)?;
-    let part_ml = gpu.alloc(64 * max_q_dim / 32 * 2 * 4 + 4096)?;
+    let splits = pipeshard_core::workload::MAX_KEY_SPLITS as usize;
+    let part_o = gpu.alloc(splits * max_q_dim * 4)?;
+    let part_ml = gpu.alloc(splits * max_q_dim / 32 * 2 * 4 + 4096)?;
     upload_random(gpu, staging, Elem::F32, qbuf.ptr(), chunk * max_q_dim * 4, 30)?;
     for &kv_dtype in &g.kv_dtypes {
         let kv_e = elem(kv_dtype);
@@ -1011,7 +1152,7 @@ fn measure_gpu_ops(
             let f = f as usize;
             let s = b.events(Stream::Compute, Some(&kn), &mut |_| {
                 // SAFETY: g, u hold m·f f32 (regions 0, 1), out m·f activations (region 2).
-                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m * f) }
+                unsafe { gpu.ffn_act(&kn, Some(ew.ptr()), ew.ptr() + stride, ew.ptr() + 2 * stride, m, f, f) }
                     .map_err(Into::into)
             })?;
             gpu_rows.push(gpu_elementwise(OpClass::Activation, f as u64, m, s));

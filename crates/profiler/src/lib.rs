@@ -14,11 +14,15 @@
 //!   cuBLAS)
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
 //!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k; the fast mode bf16 and q4_0); routed experts as exec's
-//!   whole per-expert sequence (gather, gate and up GEMMs, SwiGLU, down GEMM, weighted scatter-add: six launches);
+//!   whole per-expert sequence (gather, one gate|up matmul, SwiGLU, down matmul, weighted scatter-add: five
+//!   launches, seven where a quantised matmul dequantises before cuBLAS);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
-//!   exec's norm, RoPE and SwiGLU kernels; launch overhead; host-sync latency; the runtime's VRAM.
+//!   exec's norm, RoPE and SwiGLU kernels; launch overhead ([`gpu::LaunchProbe`], which `validate` also runs
+//!   around each cell); host-sync latency; the runtime's VRAM.
+//! - **Executor sequences**: the decode routing round trip of a MoE layer after a GPU router, as exec runs it
+//!   (copies down, the sync with the pool polling, the routing, the first CPU or GPU expert's start).
 //! - **CPU ops**: exec's CPU matmul (bf16 and the quantised formats) and attention by thread count, alone and under DMA, and its elementwise
-//!   kernels.
+//!   kernels; the host's routing of a prefill chunk.
 //!
 //! Every figure is sampled until its spread (interquartile range / median) is small or its time budget is
 //! spent ([`stats`]); the median is kept and the spread recorded beside it.
@@ -204,7 +208,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          rows' efficiency in the cost model"
             .into(),
         "routed experts: no grouped kernel in exec yet; a GPU `experts` row is exec's whole sequence for one \
-         expert (gather, gate, up, SwiGLU, down, scatter-add: six launches), a CPU row exec's expert block"
+         expert (gather, gate|up, SwiGLU, down, scatter-add: five launches, seven quantised above 8 tokens), a \
+         CPU row exec's expert block"
             .into(),
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];
@@ -254,6 +259,9 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             p.dram = cpu.dram;
             p.cpu = cpu.device;
             p.host_route_ns_per_token = cpu.route_ns_per_token;
+            // The expert rows time whole expert blocks: a derived base's fitted per-expert cost would count
+            // it twice.
+            p.cpu_expert_ns = 0;
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
             p
         }

@@ -508,6 +508,14 @@ impl Builder<'_> {
         )
     }
 
+    /// Lengthens the last of `chain` (tasks that run one after another) so that the chain takes at least `ns`.
+    fn top_up(&mut self, chain: &[u32], ns: u64) {
+        let have: u64 = chain.iter().map(|&t| self.tasks[t as usize].duration_ns).sum();
+        if let Some(&last) = chain.last() {
+            self.hold(last, ns.saturating_sub(have));
+        }
+    }
+
     /// Lengthens task `task` (a GPU one, or a hand-off to the GPU) by `ns` of host work the device waits for.
     fn hold(&mut self, task: u32, ns: u64) {
         let t = &mut self.tasks[task as usize];
@@ -612,12 +620,23 @@ impl Builder<'_> {
         }
     }
 
-    /// What GPU expert work waits for: the routing, known on the host. Expert ids are read on the host (our
-    /// executor routes there), so a GPU router's logits come down with a sync, and a CPU router's routing goes
-    /// up. Streamed experts always need it: the host picks what to copy.
-    fn routing(&mut self, router: Option<u32>) -> Option<u32> {
+    /// The task after which the host knows a layer's routing: a GPU router's logits come down with a sync (the
+    /// hand-off to the host), a CPU router's are there. Our executor then routes on the host (the top-k and
+    /// the per-expert token lists) before any expert starts, on either side: `route_ns` of host work, held on
+    /// that task once per layer (a CPU router's own task, the host thread's work after it).
+    fn routed_on_host(&mut self, router: Option<u32>, route_ns: u64) -> Option<u32> {
         let r = router?;
         let host = if self.device(r) == Device::Gpu { self.on(router, Device::Cpu) } else { router };
+        if let Some(h) = host {
+            self.hold(h, route_ns);
+        }
+        host
+    }
+
+    /// What GPU expert work waits for: the routing, known on the host ([`Self::routed_on_host`]), then sent
+    /// up. Expert ids are read on the host (our executor routes there); streamed experts always need it: the
+    /// host picks what to copy.
+    fn routing(&mut self, host: Option<u32>) -> Option<u32> {
         self.on(host, Device::Gpu)
     }
 
@@ -638,12 +657,27 @@ impl Builder<'_> {
             router.filter(|&r| self.ctx.cost.expert_ids_on_device() && self.device(r) == Device::Gpu);
         let host_routed =
             counts[1] > 0 || (counts[2] > 0 && self.offloads(op)) || (counts[0] > 0 && on_device.is_none());
-        let routed = if host_routed { self.routing(router) } else { None };
-        // Our executor's host work between the routing sync and the first expert: the top-k and token lists.
-        if let Some(up) = routed
-            && self.ctx.runtime == crate::Runtime::Ours
+        // Our executor routes on the host for every expert, CPU ones too; llama.cpp's CPU backend routes inside
+        // its expert kernels, and its CUDA backend on the device or in its own host sort (below).
+        let ours = self.ctx.runtime == crate::Runtime::Ours;
+        let route_ns = if ours { self.ctx.cost.host_route_ns(n_experts, op.tokens) } else { 0 };
+        let on_host =
+            if host_routed || (ours && counts[2] > 0) { self.routed_on_host(router, route_ns) } else { None };
+        let routed = if host_routed { self.routing(on_host) } else { None };
+        // A decode step's round trip after a GPU router, where the profile measured our executor's: the copies
+        // down, the sync (with the pool's workers polling), the routing and the start of either side cost more
+        // than a sync and a small copy price.
+        if ours
+            && matches!(self.phase, Phase::Decode { .. })
+            && router.is_some_and(|r| self.device(r) == Device::Gpu)
         {
-            self.hold(up, self.ctx.cost.host_route_ns(n_experts, op.tokens));
+            let cost = self.ctx.cost;
+            if let (Some(h), true) = (on_host, counts[2] > 0 && !self.offloads(op)) {
+                self.top_up(&[h], cost.decode_routing_ns(Device::Cpu));
+            }
+            if let (Some(h), Some(up)) = (on_host, routed) {
+                self.top_up(&[h, up], cost.decode_routing_ns(Device::Gpu));
+            }
         }
         // The runtime's host-side routing sort, shared out over the GPU shares like the work.
         let sort_ns = self.ctx.runtime.expert_ids_host_ns(op, self.ctx.cost.host_sync_ns()) as f64;
@@ -708,7 +742,7 @@ impl Builder<'_> {
                 self.hold(t, held(share(counts[2])));
                 t
             } else {
-                let deps = Deps::from(self.on(router, Device::Cpu));
+                let deps = Deps::from(if ours { on_host } else { self.on(router, Device::Cpu) });
                 self.compute(i, OpShare::Experts(Placement::Cpu), &sop, Device::Cpu, deps.as_slice())
             };
             joins.push(t);

@@ -112,24 +112,71 @@ fn the_kv_upload_covers_the_cells_each_runtime_reads() {
     assert_eq!(streamed_kv_upload_ns(Runtime::Stock, 4096 - 256), last);
 }
 
-/// TTFT of a 256-token prefill chunk of a 2-layer qwen3-30b-a3b, experts pinned, free ops and copies, with our
-/// executor's host routing at `route_ns_per_token` a token.
-fn moe_prefill_ttft_ns(runtime: Runtime, route_ns_per_token: u64) -> u64 {
+/// TTFT of a 256-token prefill chunk of a 2-layer qwen3-30b-a3b, experts placed at `experts` and everything
+/// else pinned, free ops and copies, with our executor's host routing at `route_ns_per_token` a token.
+fn moe_prefill_ttft_ns(runtime: Runtime, experts: Placement, route_ns_per_token: u64) -> u64 {
     let spec = small("qwen3-30b-a3b", 2);
     let w = Workload::single(256, 1024, 1, 256);
-    let p = plan(&spec, &w, SHAPE, &|_| Placement::Pinned);
+    let p = plan(&spec, &w, SHAPE, &|u| {
+        if matches!(u, UnitId::Expert { .. }) { experts } else { Placement::Pinned }
+    });
     let cost = FixedCost { host_route_ns_per_token: route_ns_per_token, ..FixedCost::plain(0.0, 1.0) };
     let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
     sim.run(&pipeshard_sim::SimOptions::default()).metrics.ttft_ns
 }
 
-/// Our executor routes each layer's tokens on the host between the routing sync and the first expert, with
-/// the GPU waiting: 2 layers × 256 tokens at 500 ns a token. llama.cpp reads the ids on the device.
+/// Our executor routes each layer's tokens on the host between the routing sync and the first expert, GPU or
+/// CPU, the expert side waiting: 2 layers × 256 tokens at 500 ns a token. llama.cpp reads the ids on the
+/// device, and its CPU backend routes inside its expert kernels.
 #[test]
 fn our_host_routing_delays_each_layers_experts() {
-    let extra = moe_prefill_ttft_ns(Runtime::Ours, 500) - moe_prefill_ttft_ns(Runtime::Ours, 0);
-    assert_eq!(extra, 2 * 256 * 500);
-    for runtime in [Runtime::Stock, Runtime::Artifact] {
-        assert_eq!(moe_prefill_ttft_ns(runtime, 500), moe_prefill_ttft_ns(runtime, 0), "{runtime:?}");
+    for experts in [Placement::Pinned, Placement::Cpu] {
+        let extra =
+            moe_prefill_ttft_ns(Runtime::Ours, experts, 500) - moe_prefill_ttft_ns(Runtime::Ours, experts, 0);
+        assert_eq!(extra, 2 * 256 * 500, "{experts:?}");
+        for runtime in [Runtime::Stock, Runtime::Artifact] {
+            assert_eq!(
+                moe_prefill_ttft_ns(runtime, experts, 500),
+                moe_prefill_ttft_ns(runtime, experts, 0),
+                "{runtime:?} {experts:?}"
+            );
+        }
+    }
+}
+
+/// Decode step time of a 2-layer qwen3-30b-a3b with its experts at `experts` and everything else pinned, free
+/// ops and copies, 1 µs host syncs, with our executor's measured decode routing round trip `round_trip` (to the CPU, to the
+/// GPU experts).
+fn moe_decode_step_ns(runtime: Runtime, experts: Placement, round_trip: (u64, u64)) -> u64 {
+    let spec = small("qwen3-30b-a3b", 2);
+    let w = Workload::single(256, 1024, 2, 256);
+    let p = plan(&spec, &w, SHAPE, &|u| {
+        if matches!(u, UnitId::Expert { .. }) { experts } else { Placement::Pinned }
+    });
+    let cost = FixedCost { host_sync_ns: 1_000, decode_routing_ns: round_trip, ..FixedCost::plain(0.0, 1e9) };
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    sim.run(&pipeshard_sim::SimOptions::default()).metrics.decode_step_ns
+}
+
+/// Where the profile measured our executor's decode routing round trip (router kernels' end to the first
+/// expert's start), each MoE layer's routing takes at least that long, to whichever side runs the experts;
+/// where it did not (0), the sync and copy model stands; llama.cpp's runtimes never use it.
+#[test]
+fn a_measured_decode_routing_round_trip_sets_each_layers_hand_off() {
+    for (experts, round_trip, per_layer) in
+        [(Placement::Cpu, (50_000, 0), 50_000), (Placement::Pinned, (0, 30_000), 30_000)]
+    {
+        let base = moe_decode_step_ns(Runtime::Ours, experts, (0, 0));
+        let with = moe_decode_step_ns(Runtime::Ours, experts, round_trip);
+        // Without it a layer's hand-offs are the syncs: one to the CPU, one more back up for GPU experts.
+        let syncs = if experts == Placement::Cpu { 1_000 } else { 2_000 };
+        assert_eq!(with - base, 2 * (per_layer - syncs), "{experts:?}");
+        for runtime in [Runtime::Stock, Runtime::Artifact] {
+            assert_eq!(
+                moe_decode_step_ns(runtime, experts, round_trip),
+                moe_decode_step_ns(runtime, experts, (0, 0)),
+                "{runtime:?} {experts:?}"
+            );
+        }
     }
 }

@@ -174,6 +174,8 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 #define D HEAD_DIM
 #define PER (HEAD_DIM / 32)
 #define ATTN_WARPS 4
+// Cache rows a lane loads before using any of them (registers: KG × PER floats).
+#define KG (PER >= 8 ? 8 : 16)
 
 // The PER cache elements a lane owns (contiguous, aligned to their size: the launcher checks the cache pointers)
 // as f32, read with one vector load instead of PER scalar ones: scalar 2-byte loads had held decode attention
@@ -259,17 +261,23 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     float mx = NEG_INF, l = 0.f;
     for (int base = k_begin; base < k_end; base += 32) {
         const int cnt = min(32, k_end - base);
+        const int last = k_end - 1;
         float part[32];
+        // KG rows' loads are issued before any of their products, past the tile's end clamped to its last row
+        // (scored, then masked below): a load guarded per key had serialised a tile's 32 reads, and a 1K-key
+        // decode took 31 µs for 2 MB of KV on the H200 (ncu, session 13).
 #pragma unroll
-        for (int jj = 0; jj < 32; ++jj) {
-            float d = 0.f;
-            if (jj < cnt) {
-                float kr[PER];
-                load_kv_lane(kc + (u64)(base + jj) * kv_dim, kr);
+        for (int g = 0; g < 32; g += KG) {
+            float kr[KG][PER];
 #pragma unroll
-                for (int r = 0; r < PER; ++r) d += qr[r] * kr[r];
+            for (int i = 0; i < KG; ++i) load_kv_lane(kc + (u64)min(base + g + i, last) * kv_dim, kr[i]);
+#pragma unroll
+            for (int i = 0; i < KG; ++i) {
+                float d = 0.f;
+#pragma unroll
+                for (int r = 0; r < PER; ++r) d += qr[r] * kr[i][r];
+                part[g + i] = d;
             }
-            part[jj] = d;
         }
         fold_keys<16>(part, lane);
         fold_keys<8>(part, lane);
@@ -290,13 +298,19 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int r = 0; r < PER; ++r) acc[r] *= corr;
-#pragma unroll 8
-        for (int jj = 0; jj < cnt; ++jj) {
-            const float pj = __shfl_sync(FULL, p, jj);
-            float vr[PER];
-            load_kv_lane(vc + (u64)(base + jj) * kv_dim, vr);
+        // The same grouping for V; a key past the tile's end has p = 0 (its clamped row adds nothing).
 #pragma unroll
-            for (int r = 0; r < PER; ++r) acc[r] += pj * vr[r];
+        for (int g = 0; g < 32; g += KG) {
+            if (g >= cnt) break;
+            float vr[KG][PER];
+#pragma unroll
+            for (int i = 0; i < KG; ++i) load_kv_lane(vc + (u64)min(base + g + i, last) * kv_dim, vr[i]);
+#pragma unroll
+            for (int i = 0; i < KG; ++i) {
+                const float pj = __shfl_sync(FULL, p, g + i);
+#pragma unroll
+                for (int r = 0; r < PER; ++r) acc[r] += pj * vr[i][r];
+            }
         }
         mx = new_m;
     }
@@ -312,41 +326,80 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     }
 }
 
-// Merges the key splits of attention: one warp per (token, head).
-extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        act_t* __restrict__ out, int n_splits, long long rows) {
-    const long long th = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
+// Merges the key splits of attention (at most 256): one block of COMBINE_WARPS warps per (token, head). Every
+// warp finds the splits' largest max and the softmax denominator itself (lanes stride over the splits), then
+// warp w adds splits w, w + COMBINE_WARPS, … into its lanes' dimensions, and the warps' sums meet in shared
+// memory. One warp walking 16 splits one after another, each waiting for its loads, had taken 10 µs (H200).
+#define COMBINE_WARPS 16
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, act_t* __restrict__ out, int n_splits,
+    long long rows) {
+    __shared__ float sums[COMBINE_WARPS][D];
+    const long long th = blockIdx.x;
     if (th >= rows) return;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const float* ml = part_ml + th * n_splits * 2;
     float big = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) big = fmaxf(big, part_ml[(th * n_splits + s) * 2]);
-    float total = 0.f, acc[PER];
+    for (int s = lane; s < n_splits; s += 32) big = fmaxf(big, ml[2 * s]);
+    big = warp_max(big);
+    float total = 0.f;
+    for (int s = lane; s < n_splits; s += 32) {
+        const float l = ml[2 * s + 1];
+        if (l > 0.f) total += l * expf(ml[2 * s] - big);
+    }
+    total = warp_sum(total);
+    float acc[PER];
 #pragma unroll
     for (int r = 0; r < PER; ++r) acc[r] = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-        const long long w = th * n_splits + s;
-        const float ls = part_ml[w * 2 + 1];
-        if (ls <= 0.f) continue;
-        const float f = expf(part_ml[w * 2] - big);
-        total += ls * f;
+#pragma unroll 8
+    for (int s = w; s < n_splits; s += COMBINE_WARPS) {
+        // A split with no key (l = 0, max −inf) adds nothing.
+        const float l = ml[2 * s + 1];
+        const float f = l > 0.f ? expf(ml[2 * s] - big) : 0.f;
+        const float* po = part_o + (th * n_splits + s) * D + lane;
 #pragma unroll
-        for (int r = 0; r < PER; ++r) acc[r] += f * part_o[w * D + lane + 32 * r];
+        for (int r = 0; r < PER; ++r) acc[r] += f * po[32 * r];
     }
-    const float inv = 1.f / total;
 #pragma unroll
-    for (int r = 0; r < PER; ++r) out[th * D + lane + 32 * r] = ACT_STORE(acc[r] * inv);
+    for (int r = 0; r < PER; ++r) sums[w][lane + 32 * r] = acc[r];
+    __syncthreads();
+    if (w == 0) {
+        const float inv = 1.f / total;
+#pragma unroll
+        for (int r = 0; r < PER; ++r) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < COMBINE_WARPS; ++i) v += sums[i][lane + 32 * r];
+            out[th * D + lane + 32 * r] = ACT_STORE(v * inv);
+        }
+    }
 }
 
+// The FFN activations over `rows` rows of `cols`: g and u rows are `ld` elements apart (`cols` when they are
+// matrices of their own, 2·cols when one GEMM wrote gate|up side by side: g = y, u = y + cols), out's rows
+// `cols` apart. A thread takes one column: blocks span the columns (grid.x) and the rows (grid.y, striding
+// when there are more rows than grid.y), so no thread divides its index.
+
 // out = silu(g) * u, rounded to the activation type.
-extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { const float a = g[i]; out[i] = ACT_STORE(a / (1.f + expf(-a)) * u[i]); }
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u,
+                                  act_t* __restrict__ out, int cols, u64 ld, u64 rows) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    for (u64 t = blockIdx.y; t < rows; t += gridDim.y) {
+        const float a = g[t * ld + j];
+        out[t * cols + j] = ACT_STORE(a / (1.f + expf(-a)) * u[t * ld + j]);
+    }
 }
 
 // out = max(u, 0)^2, rounded to the activation type.
-extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict__ out, u64 n) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { const float r = fmaxf(u[i], 0.f); out[i] = ACT_STORE(r * r); }
+extern "C" __global__ void relu2(const float* __restrict__ u, act_t* __restrict__ out, int cols, u64 ld,
+                                 u64 rows) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    for (u64 t = blockIdx.y; t < rows; t += gridDim.y) {
+        const float r = fmaxf(u[t * ld + j], 0.f);
+        out[t * cols + j] = ACT_STORE(r * r);
+    }
 }
 
 // MoE token permutation: dst[i, :] = src[idx[i], :] (activation rows). One block per gathered row.
@@ -1040,4 +1093,116 @@ extern "C" __global__ void embed_q2_k(const u8* __restrict__ table, const u32* _
 extern "C" __global__ void embed_q3_k(const u8* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
     const u8* row = table + (u64)ids[blockIdx.x] * (hidden >> 8) * 110;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) h[(u64)blockIdx.x * hidden + i] = k23val<1>(row, i);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped routed experts (decode): one MoE layer's pinned picked experts in two launches, f16/bf16 matrices (the
+// activation type). Expert g (0 ≤ g < groups, ascending expert ids) has its unit at device address base[g] and
+// its entries first[g] .. first[g + 1] of idx (token rows of xn and h, ascending) and wts (routing weights): the
+// host's token permutation, at most QMAX_T entries an expert. Entry p's SwiGLU row is act[p, :] (ffn wide).
+// Rows are read 8 elements (16 bytes) a lane at a time, a warp's 32 lanes 512 contiguous bytes: hidden and ffn
+// are multiples of 8 and every row 16-byte aligned (the launcher checks).
+#define GX_WARPS 8  // warps a block
+
+// 8 values of the activation type at p (16-byte aligned), as f32.
+__device__ __forceinline__ void load8_act(const act_t* __restrict__ p, float* out) {
+    const uint4 v = *(const uint4*)p;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = ACT_LOAD((u16)(w[e >> 1] >> (16 * (e & 1))));
+}
+
+// Kernel A: act[p, j] = silu(gate_g[j, :] · xn[idx[p], :]) · (up_g[j, :] · xn[idx[p], :]), rounded to the
+// activation type as `swiglu` rounds, for every entry p of every expert g. One warp per (g, j): it reads gate
+// row j and up row j once for all of g's tokens (a register accumulator per token), every load of a step issued
+// before its math. Grid: groups × ffn warps.
+extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
+    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
+    const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off, u64 up_off, int hidden, int ffn,
+    int groups) {
+    const u64 wid = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const u64 g = wid / (u64)ffn;
+    if (g >= (u64)groups) return;
+    const u64 j = wid - g * (u64)ffn;
+    const u32 p0 = first[g];
+    const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
+    if (c <= 0) return;
+    const act_t* wg = (const act_t*)(base[g] + gate_off) + j * hidden;
+    const act_t* wu = (const act_t*)(base[g] + up_off) + j * hidden;
+    const act_t* xr[QMAX_T];
+    float ag[QMAX_T], au[QMAX_T];
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) {
+        xr[t] = xn + (u64)idx[p0 + min(t, c - 1)] * hidden;  // past c: re-read, unused
+        ag[t] = 0.f;
+        au[t] = 0.f;
+    }
+    for (int i = 8 * lane; i < hidden; i += 256) {
+        float gv[8], uv[8];
+        load8_act(wg + i, gv);
+        load8_act(wu + i, uv);
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) {
+            if (t < c) {
+                float xv[8];
+                load8_act(xr[t] + i, xv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    ag[t] = fmaf(xv[e], gv[e], ag[t]);
+                    au[t] = fmaf(xv[e], uv[e], au[t]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QMAX_T; ++t) {
+        if (t < c) {
+            const float a = warp_sum(ag[t]), u = warp_sum(au[t]);
+            if (lane == 0) act[(u64)(p0 + t) * ffn + j] = ACT_STORE(a / (1.f + expf(-a)) * u);
+        }
+    }
+}
+
+// Kernel B: h[t, j] += wts[p] · (down_g[j, :] · act[p, :]) for every entry p (token t = idx[p]) of every
+// expert g, experts in ascending order: exactly the sequence of `scatter_add_rows` launches, one an expert, and
+// no float atomics. One warp per hidden column j; lane t < m holds h[t, j] in a register for the whole launch.
+// For each expert the warp reads down row j once for all its tokens. Grid: hidden warps; m ≤ 32 tokens.
+extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
+    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
+    const float* __restrict__ wts, const act_t* __restrict__ act, float* __restrict__ h, u64 down_off,
+    int hidden, int ffn, int groups, int m) {
+    const u64 j = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (j >= (u64)hidden) return;
+    float hv = lane < m ? h[(u64)lane * hidden + j] : 0.f;
+    for (int g = 0; g < groups; ++g) {
+        const u32 p0 = first[g];
+        const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
+        const act_t* wd = (const act_t*)(base[g] + down_off) + j * ffn;
+        float acc[QMAX_T];
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) acc[t] = 0.f;
+        for (int i = 8 * lane; i < ffn; i += 256) {
+            float dv[8];
+            load8_act(wd + i, dv);
+#pragma unroll
+            for (int t = 0; t < QMAX_T; ++t) {
+                if (t < c) {
+                    float av[8];
+                    load8_act(act + (u64)(p0 + t) * ffn + i, av);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[t] = fmaf(av[e], dv[e], acc[t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < QMAX_T; ++t) {
+            if (t < c) {
+                const float s = warp_sum(acc[t]);
+                if (lane == (int)idx[p0 + t]) hv += wts[p0 + t] * s;
+            }
+        }
+    }
+    if (lane < m) h[(u64)lane * hidden + j] = hv;
 }

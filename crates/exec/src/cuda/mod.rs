@@ -20,6 +20,8 @@ use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use pipeshard_core::workload::MAX_KEY_SPLITS;
+
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
 use crate::quant::{EXACT_MAX_TOKENS, QFormat};
@@ -37,6 +39,8 @@ pub const DEQUANT_SCRATCH_BYTES: usize = 16 << 20;
 const GEMV_ROWS_PER_WARP: usize = 4;
 /// Rows one block of four warps of the tensor-core GEMV (q4_k) computes: the M of its mma.
 const TC_GEMV_ROWS: usize = 16;
+/// Threads of an `attn_combine` block (its `COMBINE_WARPS` warps), one block per query and head.
+const COMBINE_THREADS: u32 = 16 * 32;
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
@@ -113,6 +117,8 @@ pub struct Kernels {
     argmax: CudaFunction,
     gather_rows: CudaFunction,
     scatter_add_rows: CudaFunction,
+    moe_gate_up_grouped: CudaFunction,
+    moe_down_grouped: CudaFunction,
     gemv_q8_0: CudaFunction,
     gemv_q4_0: CudaFunction,
     gemv1_q8_0: CudaFunction,
@@ -575,6 +581,8 @@ impl Gpu {
             argmax: f("argmax")?,
             gather_rows: f("gather_rows")?,
             scatter_add_rows: f("scatter_add_rows")?,
+            moe_gate_up_grouped: f("moe_gate_up_grouped")?,
+            moe_down_grouped: f("moe_down_grouped")?,
             gemv_q8_0: f("gemv_q8_0")?,
             gemv_q4_0: f("gemv_q4_0")?,
             gemv1_q8_0: f("gemv1_q8_0")?,
@@ -820,15 +828,45 @@ pub struct ExpertIo {
     /// The expert's token rows (u32) and routing weights (f32).
     pub idx: u64,
     pub wts: u64,
-    /// Gathered rows (activations), gate and up outputs (f32), their SwiGLU product (activations), down output
-    /// (f32).
+    /// Gathered rows (activations); gate and up outputs (f32, `2 × rows × ffn`: each row's gate then its up
+    /// columns where one GEMM computes both, else gate's rows then up's); their SwiGLU product (activations);
+    /// down output (f32).
     pub x: u64,
-    pub gate: u64,
-    pub up: u64,
+    pub gate_up: u64,
     pub act: u64,
     pub y: u64,
     /// The residual stream (f32) the weighted outputs are added to.
     pub h: u64,
+}
+
+/// Device addresses of one MoE layer's grouped routed experts ([`Gpu::grouped_experts`]): the grouped part of
+/// the MoE scratch.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupedIo {
+    /// `groups` u64: each expert's unit address (its gate, up and down at the [`ExpertOffsets`] every expert of
+    /// the model shares).
+    pub base: u64,
+    /// `groups + 1` u32: expert g's entries of `idx`/`wts` are `first[g] .. first[g + 1]`.
+    pub first: u64,
+    /// The token permutation: token rows (u32, ascending within an expert) and routing weights (f32).
+    pub idx: u64,
+    pub wts: u64,
+    /// The layer's normed activations, a row per token.
+    pub xn: u64,
+    /// SwiGLU rows (activations), one per entry: `first[groups] × ffn`.
+    pub act: u64,
+    /// The residual stream (f32) the weighted outputs are added to.
+    pub h: u64,
+}
+
+/// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
+/// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices (the quantised formats'
+/// GEMV bodies take contiguous token rows and one matrix, so they keep the per-expert path), at most
+/// [`EXACT_MAX_TOKENS`] tokens (a register accumulator per token of an expert; a lane per token of the
+/// step), and rows of whole 16-byte vectors.
+#[must_use]
+pub fn grouped_experts_fit(quant: Option<QFormat>, tokens: usize, hidden: usize, ffn: usize) -> bool {
+    quant.is_none() && tokens <= EXACT_MAX_TOKENS && hidden.is_multiple_of(8) && ffn.is_multiple_of(8)
 }
 
 /// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
@@ -1073,6 +1111,11 @@ impl Gpu {
         let n_keys_max = keys.pos0 + (m - 1) * keys.pos_step + 1;
         // Scratch holds `n_splits` (sized for the whole context); one split per 32-key tile read is enough.
         let n_splits = n_splits.min(n_keys_max.div_ceil(32)).max(1);
+        if n_splits as u64 > MAX_KEY_SPLITS {
+            return Err(ExecError::Input(format!(
+                "attention: {n_splits} key splits, the kernels take at most {MAX_KEY_SPLITS}"
+            )));
+        }
         let keys_per_split = n_keys_max.div_ceil(n_splits).next_multiple_of(32) as i32;
         let warps = (m * n_heads * n_splits) as u64;
         let cfg = LaunchConfig {
@@ -1119,27 +1162,67 @@ impl Gpu {
                     .arg(&out)
                     .arg(&ns)
                     .arg(&rows)
-                    .launch(threads_for(rows as u64 * 32, 256))
+                    .launch(LaunchConfig {
+                        grid_dim: (rows as u32, 1, 1),
+                        block_dim: (COMBINE_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
             }
             .map_err(driver_err("cuLaunchKernel(attn_combine)"))?;
         }
         Ok(())
     }
 
-    /// `out = silu(g) · u` (or `relu(u)²` when `g` is `None`) over `n` elements, into activations.
+    /// `out[t, j] = silu(g[t, j]) · u[t, j]` (or `relu(u[t, j])²` when `g` is `None`) for `rows` rows of
+    /// `cols`, into activations. `g` and `u` rows are `ld` f32 apart: `cols` for matrices of their own,
+    /// `2·cols` where one GEMM wrote gate|up side by side (`g` the output, `u` `cols` further); `out`'s are
+    /// `cols` apart.
     ///
     /// # Safety
-    /// `g` (if any) and `u` hold `n` f32, `out` `n` activations.
-    pub unsafe fn ffn_act(&self, k: &Kernels, g: Option<u64>, u: u64, out: u64, n: usize) -> Result<()> {
-        let n64 = n as u64;
-        let cfg = threads_for(n64, 256);
+    /// `g` (if any) and `u` hold `(rows − 1) × ld + cols` f32, `out` `rows × cols` activations.
+    pub unsafe fn ffn_act(
+        &self,
+        k: &Kernels,
+        g: Option<u64>,
+        u: u64,
+        out: u64,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        // A block of 256 threads a 256-column slice of up to 65535 rows (the grid's y limit); the kernel
+        // strides over the rest.
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(256) as u32, rows.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols, ld, rows) = (cols as i32, ld as u64, rows as u64);
         // SAFETY: as documented.
         let r = unsafe {
             match g {
-                Some(g) => {
-                    self.compute.launch_builder(&k.swiglu).arg(&g).arg(&u).arg(&out).arg(&n64).launch(cfg)
-                }
-                None => self.compute.launch_builder(&k.relu2).arg(&u).arg(&out).arg(&n64).launch(cfg),
+                Some(g) => self
+                    .compute
+                    .launch_builder(&k.swiglu)
+                    .arg(&g)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
+                None => self
+                    .compute
+                    .launch_builder(&k.relu2)
+                    .arg(&u)
+                    .arg(&out)
+                    .arg(&cols)
+                    .arg(&ld)
+                    .arg(&rows)
+                    .launch(cfg),
             }
         };
         r.map(|_| ()).map_err(driver_err("cuLaunchKernel(ffn_act)"))
@@ -1201,16 +1284,29 @@ impl Gpu {
         .map_err(driver_err("cuLaunchKernel(scatter_add_rows)"))
     }
 
-    /// One routed expert over the `c` tokens that picked it: gather their rows of `io.xn`, gate and up
-    /// matmuls, SwiGLU, down matmul, and the weighted scatter-add into `io.h` — six launches. The matmuls run over
+    /// One routed expert over the `c` tokens that picked it: gather their rows of `io.xn`, one matmul over
+    /// gate and up, SwiGLU, down matmul, and the weighted scatter-add into `io.h`. The matmuls run over
     /// `rows ≥ c` rows (a warmed shape); rows past `c` are computed and dropped. This is the executor's whole
     /// per-expert sequence, and the profiler times this same call.
     ///
+    /// Launches: 5 (gather, gate|up, SwiGLU, down, scatter-add) in f16/bf16 and, up to [`EXACT_MAX_TOKENS`]
+    /// rows, in the quantised formats (their GEMV kernels dequantise as they read); 7 in quantised formats
+    /// above, where a matmul is a dequantisation into the scratch and a cuBLAS GEMM, one of each for gate|up
+    /// while it fits [`DEQUANT_SCRATCH_BYTES`] in the activation type (qwen3-30b-a3b's takes 6 MiB; larger
+    /// ones go in chunks). With gate and up as two matmuls it was 6 and 9, and in a prefill chunk, where the
+    /// host enqueues ~128 experts a layer, the enqueueing set the pace (ncu on the H200, qwen3-30b-a3b q4_0,
+    /// ~64 tokens an expert: 61 µs an expert against ~46 µs of kernels). Gate and up are one
+    /// `[2·ffn, hidden]` matrix because the unit stores them back to back
+    /// ([`crate::weights::Dims::expert_gate_up_adjacent`]): a token's output row holds its gate columns, then
+    /// its up columns, and the SwiGLU reads them `2·ffn` apart. Where alignment padding separates them
+    /// (f16/bf16 experts whose `ffn × hidden` is not a multiple of 8, never a quantised one) they stay two
+    /// matmuls.
+    ///
     /// # Safety
     /// `w` holds the expert's gate and up (`ffn × hidden`) and down (`hidden × ffn`) at `o`'s offsets in
-    /// `quant`'s format; `io.idx`/`io.wts` hold `c` distinct token rows of `io.xn` and `io.h` and their weights;
-    /// `io.x`, `io.act` hold `rows` activation rows (`hidden`, `ffn`), `io.gate`, `io.up`, `io.y` `rows` f32 rows
-    /// (`ffn`, `ffn`, `hidden`).
+    /// `quant`'s format; `io.idx`/`io.wts` hold `c` distinct token rows of `io.xn` and `io.h` and their
+    /// weights; `io.x`, `io.act` hold `rows` activation rows (`hidden`, `ffn`), `io.gate_up` `rows` f32 rows
+    /// of `2·ffn`, `io.y` `rows` f32 rows of `hidden`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn expert_ffn(
         &self,
@@ -1224,15 +1320,109 @@ impl Gpu {
         hidden: usize,
         ffn: usize,
     ) -> Result<()> {
-        // SAFETY: the sizes are the caller's, as documented.
+        let row_bytes = quant.map_or(hidden * k.key.act.size_bytes(), |q| q.row_bytes(hidden));
+        let one_matrix = o.up == o.gate + ffn * row_bytes;
+        // SAFETY: the sizes are the caller's, as documented; gate|up's 2·ffn rows are the unit's gate and up
+        // when `one_matrix` (whole rows of whole blocks, back to back), and its outputs fill `io.gate_up`.
         unsafe {
             self.gather_rows(k, io.xn, io.idx, io.x, c, hidden)?;
-            self.matmul(k, quant, w + o.gate as u64, io.x, io.gate, rows, ffn, hidden, false)?;
-            self.matmul(k, quant, w + o.up as u64, io.x, io.up, rows, ffn, hidden, false)?;
-            self.ffn_act(k, Some(io.gate), io.up, io.act, rows * ffn)?;
+            let (g, u, ld) = if one_matrix {
+                self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, 2 * ffn, hidden, false)?;
+                (io.gate_up, io.gate_up + (ffn * 4) as u64, 2 * ffn)
+            } else {
+                let up = io.gate_up + (rows * ffn * 4) as u64;
+                self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, ffn, hidden, false)?;
+                self.matmul(k, quant, w + o.up as u64, io.x, up, rows, ffn, hidden, false)?;
+                (io.gate_up, up, ffn)
+            };
+            self.ffn_act(k, Some(g), u, io.act, rows, ffn, ld)?;
             self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
             self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
         }
+    }
+
+    /// A MoE layer's pinned picked experts over a decode step's `m` ≤ [`EXACT_MAX_TOKENS`] tokens in two
+    /// launches, against [`Gpu::expert_ffn`]'s 5 an expert (40 for qwen3-30b-a3b's 8 experts a token, where
+    /// the host's launches, not the 75 MB of weights, set the pace: ~380 µs a layer on the H200 against ~20 µs
+    /// of HBM reads):
+    /// - `moe_gate_up_grouped`: for every (expert, ffn row j), a warp dots gate row j and up row j with each of
+    ///   the expert's tokens' rows of `io.xn` (read through `io.idx`, no gather) and writes
+    ///   `silu(g)·u` rounded to the activation type into the entry's row of `io.act`;
+    /// - `moe_down_grouped`: for every hidden column j, a warp keeps the `m` tokens' `h[t, j]` in lanes and adds,
+    ///   expert by expert in ascending order, `w · (down row j · act row)` for each of the expert's tokens —
+    ///   the same additions into `h`, in the same order, as the per-expert scatter-adds, with no float atomics.
+    ///
+    /// Each output is the per-expert path's dot product up to the order of its f32 additions. Only f16/bf16
+    /// matrices ([`grouped_experts_fit`]).
+    ///
+    /// # Safety
+    /// `io.base` holds `groups` u64 addresses of expert units with gate and up (`ffn × hidden`) and down
+    /// (`hidden × ffn`) in the activation type at `o`'s offsets, 16-byte aligned; `io.first` `groups + 1`
+    /// ascending u32 from 0, at most [`EXACT_MAX_TOKENS`] apart; `io.idx`/`io.wts` `first[groups]` entries,
+    /// an expert's token rows distinct and < `m`; `io.xn` `m` activation rows of `hidden`, `io.h` `m` f32 rows
+    /// of `hidden`; `io.act` `first[groups]` activation rows of `ffn`; every row 16-byte aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn grouped_experts(
+        &self,
+        k: &Kernels,
+        o: ExpertOffsets,
+        io: &GroupedIo,
+        groups: usize,
+        m: usize,
+        hidden: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        if groups == 0 || m == 0 {
+            return Ok(());
+        }
+        if !grouped_experts_fit(None, m, hidden, ffn) {
+            return Err(ExecError::Cuda {
+                call: "grouped_experts",
+                reason: format!(
+                    "{m} tokens of hidden {hidden}, ffn {ffn}: outside the grouped kernels' shapes"
+                ),
+            });
+        }
+        let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
+        let (hd, fe, gr, m32) = (hidden as i32, ffn as i32, groups as i32, m as i32);
+        // GX_WARPS (8) warps a block: a warp per (expert, ffn row), then a warp per hidden column.
+        let a_cfg = threads_for((groups * ffn * 32) as u64, 256);
+        let b_cfg = threads_for((hidden * 32) as u64, 256);
+        // SAFETY: argument types match the kernels; the sizes are the caller's, as documented: kernel A reads
+        // groups experts' gate/up rows and the entries' xn rows and writes first[groups] act rows; kernel B
+        // reads the down rows and act rows and writes h's m rows; kernels on the compute stream run in order.
+        unsafe {
+            self.compute
+                .launch_builder(&k.moe_gate_up_grouped)
+                .arg(&io.base)
+                .arg(&io.first)
+                .arg(&io.idx)
+                .arg(&io.xn)
+                .arg(&io.act)
+                .arg(&gate)
+                .arg(&up)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gr)
+                .launch(a_cfg)
+                .map_err(driver_err("cuLaunchKernel(moe_gate_up_grouped)"))?;
+            self.compute
+                .launch_builder(&k.moe_down_grouped)
+                .arg(&io.base)
+                .arg(&io.first)
+                .arg(&io.idx)
+                .arg(&io.wts)
+                .arg(&io.act)
+                .arg(&io.h)
+                .arg(&down)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gr)
+                .arg(&m32)
+                .launch(b_cfg)
+                .map_err(driver_err("cuLaunchKernel(moe_down_grouped)"))?;
+        }
+        Ok(())
     }
 
     /// `out[r] = argmax(logits[r])` for `rows` rows of `vocab`.

@@ -29,6 +29,8 @@ pub struct FixedCost {
     pub expert_ids_on_device: bool,
     /// Our executor's host routing, per token of a 128-expert router.
     pub host_route_ns_per_token: u64,
+    /// Our executor's decode routing round trip to the CPU and to the GPU experts (0: not measured).
+    pub decode_routing_ns: (u64, u64),
 }
 
 impl FixedCost {
@@ -46,6 +48,7 @@ impl FixedCost {
             dma_slowdown: 1.0,
             expert_ids_on_device: false,
             host_route_ns_per_token: 0,
+            decode_routing_ns: (0, 0),
         }
     }
 }
@@ -86,6 +89,12 @@ impl CostModel for FixedCost {
     }
     fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
         self.host_route_ns_per_token * tokens * u64::from(n_experts) / 128
+    }
+    fn decode_routing_ns(&self, to: Device) -> u64 {
+        match to {
+            Device::Cpu => self.decode_routing_ns.0,
+            Device::Gpu => self.decode_routing_ns.1,
+        }
     }
     fn expert_ids_on_device(&self) -> bool {
         self.expert_ids_on_device
