@@ -17,6 +17,7 @@ use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{PhaseKind, Placement, Plan};
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
+use pipeshard_exec::quant::QFormat;
 use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::{
     batched_vs_single, manual_plan, random_tokens, tiny_k_spec, tiny_nemotron_spec, tiny_qwen3_moe_k_spec,
@@ -279,7 +280,12 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             case.budget
         )
         .unwrap();
-        assert!(max_err < 1e-2, "{}: {name}: logits rel err {max_err}", spec.name);
+        // q2_k/q3_k GEMVs round their activations to 8 bits (`QFormat::rounds_activations`): where the two
+        // sides' inputs straddle a rounding step, whole-model logits move by ~1e-2 (docs/exec.md: 9.6e-3 to
+        // 1.8e-2 between two CPU ISA paths; 1.05e-2 on the H200, tinyk-llama-q2_k all pinned) while each GEMV
+        // agrees to 1e-6. A wrong kernel moves them by O(1).
+        let bound = if w.dims.quant.is_some_and(QFormat::rounds_activations) { 3e-2 } else { 1e-2 };
+        assert!(max_err < bound, "{}: {name}: logits rel err {max_err} (bound {bound})", spec.name);
         assert!(vram.peak_process_bytes <= case.budget);
         assert_eq!(out.logits.len(), case.n_gen + 1);
         ran += 1;
@@ -427,7 +433,6 @@ fn quantised_matmul_matches_the_cpu_for_every_token_count() {
     use pipeshard_exec::cpu::{CpuPool, matmul_quant};
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
-    use pipeshard_exec::quant::QFormat;
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let pool = CpuPool::new(4).unwrap();
@@ -550,7 +555,7 @@ fn k23_gemv_matches_every_cpu_isa() {
     use pipeshard_exec::cpu::{CpuPool, matmul_quant};
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
-    use pipeshard_exec::quant::{EXACT_MAX_TOKENS, QFormat};
+    use pipeshard_exec::quant::EXACT_MAX_TOKENS;
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let pools: Vec<CpuPool> =
@@ -764,7 +769,6 @@ fn attention_kernel_matches_the_cpu_across_splits_and_head_groups() {
 fn one_gemm_over_concatenated_rows_matches_separate_gemms() {
     use pipeshard_exec::cuda::{KernelKey, Stream};
     use pipeshard_exec::host::Elem;
-    use pipeshard_exec::quant::QFormat;
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
     let (k, parts) = (4096usize, [4096usize, 1024, 1024]);
@@ -839,7 +843,7 @@ fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
     use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant, swiglu};
     use pipeshard_exec::cuda::{DEQUANT_SCRATCH_BYTES, ExpertIo, KernelKey, Stream};
     use pipeshard_exec::host::Elem;
-    use pipeshard_exec::quant::{EXACT_MAX_TOKENS, QFormat};
+    use pipeshard_exec::quant::EXACT_MAX_TOKENS;
     use pipeshard_exec::weights::{ExpertOffsets, TENSOR_ALIGN_BYTES};
     let Some((_, gpu)) = device() else { return };
     let pool = CpuPool::new(4).unwrap();
