@@ -730,6 +730,24 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     let bar = ProgressBar::new(cells.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} cells {elapsed} {msg}").expect("a valid template"),
     );
+    // The simulator's trace of a cell's plan (with the overhead measured for it) beside the executor's.
+    let write_traces = |o: &Outcome, file: &Path| -> anyhow::Result<()> {
+        let (plan, measured) = o.run.as_ref().expect("a cell that ran");
+        let mut prof = profile.clone();
+        prof.runtime_overhead_bytes = o.runtime_overhead_bytes;
+        let cost = TableCostModel::new(&prof);
+        let predicted = Simulator::new(&specs[&o.cell.model], plan, &cost)?
+            .run(&SimOptions { trace: true, ..SimOptions::default() })
+            .trace
+            .unwrap_or_default();
+        std::fs::write(file, side_by_side(&predicted, measured).to_json())
+            .with_context(|| format!("writing {}", file.display()))
+    };
+    // Every cell's traces as soon as it ran (`--all-traces`): a grid stopped part-way keeps them.
+    let traces = dir.join("traces");
+    if a.all_traces {
+        std::fs::create_dir_all(&traces).with_context(|| format!("creating {}", traces.display()))?;
+    }
     let host = HostCheck::new(&profile, &gpu)?;
     let mut outcomes = Vec::with_capacity(cells.len());
     // Cells come model by model: the weights of one model at a time.
@@ -774,6 +792,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
                 host.expected_gbps
             ));
         };
+        if a.all_traces && outcome.run.is_some() && outcome.pred.is_some() {
+            write_traces(&outcome, &traces.join(format!("cell-{}.json", outcomes.len() + 1)))?;
+        }
         outcomes.push(outcome);
         // Rewritten after every cell: a run stopped part-way still leaves the cells it measured.
         write_csv(&outcomes, &dir.join("cells.csv"))?;
@@ -816,26 +837,6 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
     }
     scatter(&outcomes, &e.planners, &dir.join("scatter.png"))?;
 
-    // The simulator's trace of a cell's plan (with the overhead measured for it) beside the executor's.
-    let write_traces = |o: &Outcome, file: &Path| -> anyhow::Result<()> {
-        let (plan, measured) = o.run.as_ref().expect("a cell that ran");
-        let mut prof = profile.clone();
-        prof.runtime_overhead_bytes = o.runtime_overhead_bytes;
-        let cost = TableCostModel::new(&prof);
-        let predicted = Simulator::new(&specs[&o.cell.model], plan, &cost)?
-            .run(&SimOptions { trace: true, ..SimOptions::default() })
-            .trace
-            .unwrap_or_default();
-        std::fs::write(file, side_by_side(&predicted, measured).to_json())
-            .with_context(|| format!("writing {}", file.display()))
-    };
-    if a.all_traces {
-        let traces = dir.join("traces");
-        std::fs::create_dir_all(&traces).with_context(|| format!("creating {}", traces.display()))?;
-        for (i, o) in outcomes.iter().enumerate().filter(|(_, o)| o.run.is_some() && o.pred.is_some()) {
-            write_traces(o, &traces.join(format!("cell-{}.json", i + 1)))?;
-        }
-    }
     let mut ranked: Vec<&Outcome> = outcomes.iter().filter(|o| o.run.is_some() && o.pred.is_some()).collect();
     ranked.sort_by(|x, y| y.worst_error().total_cmp(&x.worst_error()));
     md.push_str("\n## Worst cells (largest TTFT or TPS error)\n\n");
