@@ -1200,7 +1200,7 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
             // The one layer that cannot be pre-enqueued is reported with its reason; nothing else is.
             match per_step {
                 p if p == n_layers - 1 => {
-                    assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings)
+                    assert!(on.warnings.is_empty(), "{name}, batch {batch}: {:?}", on.warnings);
                 }
                 _ => assert!(
                     on.warnings.len() == 1
