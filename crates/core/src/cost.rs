@@ -332,7 +332,7 @@ impl TableCostModel {
         let Some(fam) = self.family(op, ctx) else { return 1.0 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
         // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's;
-        // grouped, its `touched` experts are one launch pair, whose rows are timed by the experts in the group.
+        // grouped, its `touched` experts are one launch pair, whose rows are timed by experts in the group.
         // A CPU decode step's queries belong to separate sequences: ggml's CPU attention (flash or not) gives each
         // query row and head to one thread, which computes over that sequence's own cells only (a unified cache's
         // others are masked and skipped), so nothing is shared between sequences, and one sequence's 32+ rows
@@ -447,7 +447,7 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             4.0 * m * (2.0 * k + 3.0 * n),
             0.0,
         ),
-        // `tokens` experts of one token each: the expected work of a layer's pinned share whose `touched` is m.
+        // `tokens` experts of one token each: the work of a layer's pinned share whose `touched` is m.
         OpClass::ExpertsGrouped => (
             OpKind::Experts {
                 n_experts: u32::try_from(row.tokens).ok()?,
@@ -704,8 +704,8 @@ mod tests {
         }
     }
 
-    /// The measured H200 profile with its routed-experts rows replaced: 40 µs an expert at 1 and 64 tokens, and
-    /// (`grouped`) groups of 1, 2, 4 and 8 one-token experts at 8, 10, 14 and 20 µs.
+    /// The measured H200 profile with its routed-experts rows replaced: 40 µs an expert at 1 and 64 tokens,
+    /// and (`grouped`) groups of 1, 2, 4 and 8 one-token experts at 8, 10, 14 and 20 µs.
     fn expert_profile(grouped: bool) -> Profile {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
         let mut p = Profile::load(&path).unwrap();
@@ -762,7 +762,7 @@ mod tests {
         }
     }
 
-    /// A prefill chunk (more than GROUPED_EXPERTS_MAX_TOKENS tokens) keeps the per-expert rows, grouped or not.
+    /// A prefill chunk (over GROUPED_EXPERTS_MAX_TOKENS tokens) keeps the per-expert rows, grouped or not.
     #[test]
     fn prefill_experts_ignore_the_grouped_rows() {
         let m = TableCostModel::new(&expert_profile(true));

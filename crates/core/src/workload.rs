@@ -228,8 +228,8 @@ pub enum OpClass {
     /// [`OpClass::Attention`] rows.
     AttentionMaterialized,
     /// A MoE layer's pinned routed experts of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run as
-    /// one group (our executor's grouped decode kernels; GPU profile rows only, ops stay [`OpKind::Experts`]).
-    /// A row's `tokens` is the number of experts in the group, each with one token.
+    /// one group (our executor's grouped decode kernels). Profile rows only, GPU; ops stay
+    /// [`OpKind::Experts`]. A row's `tokens` is the number of experts in the group, each with one token.
     ExpertsGrouped,
 }
 
