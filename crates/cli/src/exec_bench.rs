@@ -77,9 +77,9 @@ pub struct BenchArgs {
     /// plan and the device allow it) or launch it after them (`off`); see `exec run --pre-enqueue`.
     #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: crate::exec::Toggle,
-    /// The bounds' decode runs: a MoE layer's pinned GPU experts as two grouped launches (`on`) or five an
-    /// expert (`off`); see `exec run --grouped-experts`.
-    #[arg(long, value_enum, default_value = "off")]
+    /// The bounds' decode runs: a MoE layer's pinned GPU experts as two grouped launches (`on`, the default)
+    /// or five an expert (`off`); see `exec run --grouped-experts`.
+    #[arg(long, value_enum, default_value = "on")]
     grouped_experts: crate::exec::Toggle,
     /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
     /// `bounds-moe-cpu-experts.json`).

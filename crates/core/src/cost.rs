@@ -11,6 +11,10 @@
 //! A decode step of several sequences runs their queries side by side in one kernel, which a prefill chunk's
 //! rows do not time: it takes the `attention_decode` rows (or `attention_decode_unified` for a unified cache's
 //! masked scan), with the one-token attention rows as their one-sequence end, where the profile has them.
+//! Routed experts run as `touched` separate expert GEMMs, each at one expert's efficiency at its tokens (the
+//! `experts` rows); where our executor groups a MoE layer's pinned GPU experts of a step of at most
+//! [`GROUPED_EXPERTS_MAX_TOKENS`] tokens into one launch pair ([`OpContext::grouped_experts`]), the
+//! `experts_grouped` rows time that group, interpolated in the number of experts instead.
 //! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
 //! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
 
@@ -19,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::dtype::DType;
 use crate::inventory::Inventory;
 use crate::profile::{OpRow, Profile, Provenance};
-use crate::workload::{Op, OpClass, OpKind, Workload};
+use crate::workload::{GROUPED_EXPERTS_MAX_TOKENS, Op, OpClass, OpKind, Workload};
 
 /// Experts of the router whose routing [`Profile::host_route_ns_per_token`] times (qwen3-30b-a3b's).
 pub const ROUTE_PROFILE_EXPERTS: u64 = 128;
@@ -44,22 +48,30 @@ pub struct OpContext {
     pub threads: u32,
     /// Whether a PCIe copy runs at the same time (it takes DRAM bandwidth on the host).
     pub under_dma: bool,
+    /// Whether a routed-experts op on the GPU runs as one group ([`OpClass::ExpertsGrouped`]) where its step
+    /// is small enough and the profile has grouped rows: our executor's pinned experts of a decode step.
+    pub grouped_experts: bool,
 }
 
 impl OpContext {
     #[must_use]
     pub fn gpu() -> OpContext {
-        OpContext { device: Device::Gpu, threads: 0, under_dma: false }
+        OpContext { device: Device::Gpu, threads: 0, under_dma: false, grouped_experts: false }
     }
 
     #[must_use]
     pub fn cpu(threads: u32) -> OpContext {
-        OpContext { device: Device::Cpu, threads, under_dma: false }
+        OpContext { device: Device::Cpu, threads, under_dma: false, grouped_experts: false }
     }
 
     #[must_use]
     pub fn with_dma(self, under_dma: bool) -> OpContext {
         OpContext { under_dma, ..self }
+    }
+
+    #[must_use]
+    pub fn with_grouped_experts(self, grouped_experts: bool) -> OpContext {
+        OpContext { grouped_experts, ..self }
     }
 }
 
@@ -162,7 +174,12 @@ impl TableCostModel {
         for (device, rows) in [(Device::Gpu, &profile.gpu.ops), (Device::Cpu, &profile.cpu.ops)] {
             for row in rows {
                 let Some(op) = op_of_row(row) else { continue };
-                let ctx = OpContext { device, threads: row.threads.max(1), under_dma: false };
+                let ctx = OpContext {
+                    device,
+                    threads: row.threads.max(1),
+                    under_dma: false,
+                    grouped_experts: false,
+                };
                 let roof = m.roofline_f(&op, ctx);
                 let eff = (roof / row.time_ns as f64).min(1.0);
                 let eff_dma = row
@@ -249,7 +266,10 @@ impl TableCostModel {
     /// own; a decode step's attention of several sequences borrows the attention rows when the profile did not
     /// time batched decode (on the GPU interpolated in tokens towards the prefill chunks', on the CPU at the
     /// one-query rows' efficiency: see [`TableCostModel::efficiency`]); a block-quantised format
-    /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so.
+    /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so. A GPU routed-experts op
+    /// of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens asked for as a group
+    /// ([`OpContext::grouped_experts`]) takes the `experts_grouped` rows of its format where the profile has
+    /// them (f16/bf16: the grouped kernels take no quantised format), else the per-expert rows as any other.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
         let group = head_group(&op.kind);
@@ -259,6 +279,14 @@ impl TableCostModel {
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| (f.group.abs_diff(group), f.threads.abs_diff(threads)))
         };
+        if ctx.grouped_experts
+            && ctx.device == Device::Gpu
+            && matches!(op.kind, OpKind::Experts { .. })
+            && op.tokens <= GROUPED_EXPERTS_MAX_TOKENS
+            && let Some(f) = find(OpClass::ExpertsGrouped, op.dtype)
+        {
+            return Some(f);
+        }
         // The CPU kernel reads a sequence's own cells of a unified cache, as of its own cache.
         let class = match (op.kind.row_class(op.tokens), ctx.device) {
             (OpClass::AttentionDecodeUnified, Device::Cpu) => OpClass::AttentionDecode,
@@ -303,7 +331,8 @@ impl TableCostModel {
     fn efficiency(&self, op: &Op, ctx: OpContext) -> f64 {
         let Some(fam) = self.family(op, ctx) else { return 1.0 };
         // A routed-experts op is `touched` separate expert GEMMs of `tokens_per_touched` tokens each, so it runs at
-        // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's.
+        // one expert's efficiency at that token count (latency-bound for small counts), not at the phase's;
+        // grouped, its `touched` experts are one launch pair, whose rows are timed by experts in the group.
         // A CPU decode step's queries belong to separate sequences: ggml's CPU attention (flash or not) gives each
         // query row and head to one thread, which computes over that sequence's own cells only (a unified cache's
         // others are masked and skipped), so nothing is shared between sequences, and one sequence's 32+ rows
@@ -312,6 +341,7 @@ impl TableCostModel {
         // queries share their keys (16 sequences had cost 8.3 one's on cli3). Measured in ggml b6097's CPU kernel
         // (`scripts/ggml-cpu-attention.c`): the same time a cell and head at 1, 4 and 16 sequences.
         let tokens = match op.kind {
+            OpKind::Experts { touched, .. } if fam.class == OpClass::ExpertsGrouped => touched.max(1.0),
             OpKind::Experts { tokens_per_touched, .. } => tokens_per_touched.max(1.0),
             OpKind::Attention { decode: true, .. }
                 if ctx.device == Device::Cpu
@@ -417,6 +447,20 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             4.0 * m * (2.0 * k + 3.0 * n),
             0.0,
         ),
+        // `tokens` experts of one token each: the work of a layer's pinned share whose `touched` is m.
+        OpClass::ExpertsGrouped => (
+            OpKind::Experts {
+                n_experts: u32::try_from(row.tokens).ok()?,
+                touched: m,
+                tokens_per_touched: 1.0,
+                ffn: row.n,
+                hidden: row.k,
+            },
+            6.0 * m * n * k,
+            3.0 * wb * m,
+            4.0 * m * (2.0 * k + 3.0 * n),
+            0.0,
+        ),
         OpClass::Norm
         | OpClass::Rope
         | OpClass::Activation
@@ -435,10 +479,16 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
             (kind, 3.0 * elems, 0.0, 8.0 * elems, 0.0)
         }
     };
+    // A grouped row's step has at most GROUPED_EXPERTS_MAX_TOKENS tokens, whatever its experts.
+    let tokens = if row.op == OpClass::ExpertsGrouped {
+        row.tokens.min(GROUPED_EXPERTS_MAX_TOKENS)
+    } else {
+        row.tokens
+    };
     Some(Op {
         kind,
         unit: UnitId::TokenEmbd,
-        tokens: row.tokens,
+        tokens,
         dtype: row.dtype,
         flops,
         weight_bytes,
@@ -547,7 +597,8 @@ mod tests {
         for (device, rows) in [(Device::Gpu, &m.profile.gpu.ops), (Device::Cpu, &m.profile.cpu.ops)] {
             for row in rows {
                 let op = op_of_row(row).unwrap();
-                let ctx = OpContext { device, threads: row.threads, under_dma: false };
+                let ctx =
+                    OpContext { device, threads: row.threads, under_dma: false, grouped_experts: false };
                 let t = m.op_ns(&op, ctx) as f64;
                 assert!(
                     (t - row.time_ns as f64).abs() / (row.time_ns as f64) < 0.01,
@@ -635,6 +686,103 @@ mod tests {
             let expect = touched * row_ns(tokens);
             assert!((t - expect).abs() / expect < 0.05, "{phase:?}: {t} vs {expect}");
         }
+    }
+
+    /// A GPU routed-experts row of qwen3-30b-a3b's expert shape (768 × 2048, bf16).
+    fn expert_row(op: OpClass, tokens: u64, time_ns: u64) -> OpRow {
+        OpRow {
+            op,
+            dtype: DType::Bf16,
+            n: 768,
+            k: 2048,
+            tokens,
+            threads: 0,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+            kv_heads: None,
+        }
+    }
+
+    /// The measured H200 profile with its routed-experts rows replaced: 40 µs an expert at 1 and 64 tokens,
+    /// and (`grouped`) groups of 1, 2, 4 and 8 one-token experts at 8, 10, 14 and 20 µs.
+    fn expert_profile(grouped: bool) -> Profile {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let mut p = Profile::load(&path).unwrap();
+        p.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
+        p.gpu.ops.extend([1, 64].map(|t| expert_row(OpClass::Experts, t, 40_000)));
+        if grouped {
+            p.gpu.ops.extend(
+                [(1, 8_000), (2, 10_000), (4, 14_000), (8, 20_000)]
+                    .map(|(e, t)| expert_row(OpClass::ExpertsGrouped, e, t)),
+            );
+        }
+        p
+    }
+
+    /// The routed-experts op of one qwen3-30b-a3b bf16 layer in `phase` of `w`.
+    fn experts_op(w: &Workload, phase: Phase) -> Op {
+        let spec =
+            catalog::get("qwen3-30b-a3b").unwrap().truncated(1).unwrap().with_uniform_weights(DType::Bf16);
+        let all = ops(&spec, &Inventory::new(&spec), w, phase);
+        *all.iter().find(|o| o.kind.class() == OpClass::Experts).unwrap()
+    }
+
+    /// A one-token step's 8 experts cost the grouped row of 8 experts when asked for as a group, 8 per-expert
+    /// rows otherwise; a share of them (a layer's pinned experts, `touched` scaled) costs the grouped row of
+    /// that many experts, as the row's own op does.
+    #[test]
+    fn grouped_decode_experts_take_the_grouped_rows() {
+        let m = TableCostModel::new(&expert_profile(true));
+        let w = Workload::single(1024, 4096, 10, 1024);
+        let op = experts_op(&w, w.decode_step(0));
+        let OpKind::Experts { touched, .. } = op.kind else { unreachable!() };
+        assert!((touched - 8.0).abs() < 1e-9, "{touched}");
+        let (grouped, apart) = (OpContext::gpu().with_grouped_experts(true), OpContext::gpu());
+        let near = |got: u64, want: f64| (got as f64 / want - 1.0).abs() < 0.02;
+        assert!(near(m.op_ns(&op, grouped), 20e3), "{}", m.op_ns(&op, grouped));
+        assert!(near(m.op_ns(&op, apart), 8.0 * 40e3), "{}", m.op_ns(&op, apart));
+        // The CPU has no grouped kernel.
+        let cpu = OpContext::cpu(16);
+        assert_eq!(m.op_ns(&op, cpu.with_grouped_experts(true)), m.op_ns(&op, cpu));
+        // A quarter of the layer's experts pinned: 2 expected experts, the 2-expert row.
+        let mut share = op;
+        if let OpKind::Experts { touched, .. } = &mut share.kind {
+            *touched *= 0.25;
+        }
+        share.flops *= 0.25;
+        share.weight_bytes *= 0.25;
+        share.act_bytes *= 0.25;
+        assert!(near(m.op_ns(&share, grouped), 10e3), "{}", m.op_ns(&share, grouped));
+        // Every grouped row comes back from its own op, at its roofline's efficiency.
+        for row in m.profile.gpu.ops.iter().filter(|r| r.op == OpClass::ExpertsGrouped) {
+            let row_op = op_of_row(row).unwrap();
+            assert!(near(m.op_ns(&row_op, grouped), row.time_ns as f64), "{row:?}");
+            assert!(m.roofline_ns(&row_op, grouped) <= row.time_ns);
+        }
+    }
+
+    /// A prefill chunk (over GROUPED_EXPERTS_MAX_TOKENS tokens) keeps the per-expert rows, grouped or not.
+    #[test]
+    fn prefill_experts_ignore_the_grouped_rows() {
+        let m = TableCostModel::new(&expert_profile(true));
+        let w = Workload::single(1024, 4096, 10, 1024);
+        for tokens in [GROUPED_EXPERTS_MAX_TOKENS + 1, 1024] {
+            let op = experts_op(&w, Phase::Prefill { tokens, start_pos: 0, last: false });
+            let grouped = OpContext::gpu().with_grouped_experts(true);
+            assert_eq!(m.op_ns(&op, grouped), m.op_ns(&op, OpContext::gpu()), "{tokens} tokens");
+        }
+    }
+
+    /// Without grouped rows, grouped experts are priced per expert.
+    #[test]
+    fn grouped_experts_without_grouped_rows_cost_the_per_expert_rows() {
+        let m = TableCostModel::new(&expert_profile(false));
+        let w = Workload::single(1024, 4096, 10, 1024);
+        let op = experts_op(&w, w.decode_step(0));
+        let grouped = m.op_ns(&op, OpContext::gpu().with_grouped_experts(true));
+        assert_eq!(grouped, m.op_ns(&op, OpContext::gpu()));
+        assert!((grouped as f64 / (8.0 * 40e3) - 1.0).abs() < 0.02, "{grouped}");
     }
 
     #[test]

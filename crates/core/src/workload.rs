@@ -227,6 +227,10 @@ pub enum OpClass {
     /// each KV head broadcast over its query heads). Only derived CPU rows time it; elsewhere it borrows the
     /// [`OpClass::Attention`] rows.
     AttentionMaterialized,
+    /// A MoE layer's pinned routed experts of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run as
+    /// one group (our executor's grouped decode kernels). Profile rows only, GPU; ops stay
+    /// [`OpKind::Experts`]. A row's `tokens` is the number of experts in the group, each with one token.
+    ExpertsGrouped,
 }
 
 /// What an op is, with the shape facts a cost model needs.
@@ -665,6 +669,10 @@ impl ScratchParts {
 
 /// The most key splits a GPU attention runs (the executor's split combine holds this many).
 pub const MAX_KEY_SPLITS: u64 = 256;
+
+/// The most tokens a step may have for our executor to run a MoE layer's pinned GPU experts as one group
+/// ([`OpClass::ExpertsGrouped`]): its grouped kernels keep a register accumulator per token of an expert.
+pub const GROUPED_EXPERTS_MAX_TOKENS: u64 = 8;
 
 /// Key splits of a GPU attention over a cache of `ctx` keys (flash decoding), as scratch is sized for it:
 /// steps of up to 8 query tokens split the keys into chunks of at least 64, at most 64 chunks or, where that

@@ -86,13 +86,17 @@ pub struct RunOptions {
 /// It applies to steps of at most `EXACT_MAX_TOKENS` token rows with f16/bf16 matrices
 /// (`cuda::grouped_experts_fit`); streamed experts keep the per-expert path (each waits for its own ring
 /// slot), after the grouped launches; quantised formats keep it entirely.
+///
+/// On by default: measured on the H200 (qwen3-30b-a3b@4L bf16, all experts pinned, 16 decode steps) a decode
+/// step took 1.05–1.35 ms grouped against 2.51–2.55 ms per expert, 17/17 tokens equal to the per-expert
+/// reference and logits within 1.75e-3 (relative) of it. The profiler times it (`experts_grouped` rows) and
+/// the simulator prices our pinned experts with them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GroupedExperts {
-    /// Where it applies. Not the default until it has run on a GPU (session 13: written and syntax-checked,
-    /// not yet compiled by NVRTC nor measured).
-    On,
-    /// Never: every GPU expert runs `Gpu::expert_ffn`.
+    /// Where it applies.
     #[default]
+    On,
+    /// Never: every GPU expert runs `Gpu::expert_ffn` (the per-expert reference).
     Off,
 }
 

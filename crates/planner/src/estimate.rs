@@ -27,7 +27,8 @@
 //! The model assumes streamed units are spread through the layers, as the planners that use it arrange them;
 //! it is optimistic for plans that bunch them behind a pinned prefix (pshard), which the simulator judges.
 //! Routed experts of a layer are placed by count: pinned and streamed experts run first on the GPU, then the
-//! CPU ones.
+//! CPU ones. Pinned experts are priced as one group where the cost model groups them
+//! ([`OpContext::grouped_experts`]: steps of few tokens, profiles with grouped rows), streamed ones apart.
 //!
 //! # VRAM
 //! [`Estimator::vram`] charges pinned weights, `depth × slot` for the ring (the slot holds the largest
@@ -56,6 +57,9 @@ pub const OP_OFFLOAD_MIN_TOKENS: u64 = 32;
 pub struct UnitCost {
     /// Its ops on the GPU, kernel launches included, summed over the steps.
     pub gpu_ns: f64,
+    /// What of `gpu_ns` a pinned unit saves: a routed expert's share of the layer's pinned experts run as one
+    /// group in steps of few tokens (our executor's grouped experts, where the profile has grouped rows).
+    pub pinned_saving_ns: f64,
     /// Its ops on the CPU at the machine's thread count, summed over the steps.
     pub cpu_ns: f64,
     /// CPU-resident under llama.cpp's op offload: matmuls run on the GPU after a serial copy of the weights in
@@ -65,6 +69,14 @@ pub struct UnitCost {
     pub copy_ns: f64,
     /// DRAM bytes its ops move when they run on the CPU, summed over the steps.
     pub cpu_dram_bytes: f64,
+}
+
+impl UnitCost {
+    /// Its ops on the GPU when pinned.
+    #[must_use]
+    pub fn pinned_gpu_ns(&self) -> f64 {
+        self.gpu_ns - self.pinned_saving_ns
+    }
 }
 
 /// Per-unit costs of one phase.
@@ -386,20 +398,31 @@ struct OpTimes<'a> {
     cost: &'a dyn CostModel,
     threads: u32,
     launch_ns: f64,
-    memo: FxHashMap<OpKey, (f64, f64)>,
+    memo: FxHashMap<OpKey, OpTime>,
+}
+
+/// An op's GPU time with its launch, and as one group of experts (the same for other ops), and its CPU time.
+#[derive(Debug, Clone, Copy)]
+struct OpTime {
+    gpu: f64,
+    grouped_gpu: f64,
+    cpu: f64,
 }
 
 impl OpTimes<'_> {
-    /// (GPU ns with launch, CPU ns).
-    fn of(&mut self, op: &Op) -> (f64, f64) {
+    fn of(&mut self, op: &Op) -> OpTime {
         let key = op_key(op);
         if let Some(&t) = self.memo.get(&key) {
             return t;
         }
-        let t = (
-            self.cost.op_ns(op, OpContext::gpu()) as f64 + self.launch_ns,
-            self.cost.op_ns(op, OpContext::cpu(self.threads)) as f64,
-        );
+        let gpu = self.cost.op_ns(op, OpContext::gpu()) as f64 + self.launch_ns;
+        let grouped_gpu = match op.kind {
+            OpKind::Experts { .. } => {
+                self.cost.op_ns(op, OpContext::gpu().with_grouped_experts(true)) as f64 + self.launch_ns
+            }
+            _ => gpu,
+        };
+        let t = OpTime { gpu, grouped_gpu, cpu: self.cost.op_ns(op, OpContext::cpu(self.threads)) as f64 };
         self.memo.insert(key, t);
         t
     }
@@ -609,7 +632,7 @@ impl Estimator {
         let steps = costs.steps as f64;
         let mut acc = Accumulator::default();
         let mut run = |c: &UnitCost, p: Placement, count: f64, bytes: f64| match p {
-            Placement::Pinned => acc.compute += count * c.gpu_ns,
+            Placement::Pinned => acc.compute += count * c.pinned_gpu_ns(),
             Placement::Streamed => {
                 acc.compute += count * c.gpu_ns;
                 acc.copy += count * steps * c.copy_ns;
@@ -770,12 +793,13 @@ impl Ctx<'_> {
         offload: bool,
         side: Side,
     ) {
-        let (gpu, cpu) = times.of(op);
+        let OpTime { gpu, grouped_gpu, cpu } = times.of(op);
         let offloaded = if offload && is_matmul(op) { gpu } else { cpu };
         let (on_gpu, on_cpu) = (side != Side::Cpu, side != Side::Gpu);
         let add = |u: &mut UnitCost, share: f64| {
             if on_gpu {
                 u.gpu_ns += count * gpu * share;
+                u.pinned_saving_ns += count * (gpu - grouped_gpu) * share;
             }
             if on_cpu {
                 u.cpu_ns += count * cpu * share;
@@ -877,7 +901,7 @@ impl Ctx<'_> {
                     .find(|o| o.kind.class() == OpClass::Attention)
                     .expect("every layer has attention")
             });
-            let (gpu, cpu) = times.of(&op);
+            let OpTime { gpu, cpu, .. } = times.of(&op);
             // Under op offload a CPU layer's attention runs on the GPU after a copy of the cache view it reads
             // (as the simulator models ggml's scheduler).
             let offloaded = (tokens >= OP_OFFLOAD_MIN_TOKENS).then(|| {
@@ -941,6 +965,7 @@ mod tests {
     use super::*;
     use pipeshard_core::catalog;
     use pipeshard_core::cost::TableCostModel;
+    use pipeshard_core::dtype::DType;
     use pipeshard_core::reference;
 
     fn setup(name: &str, layers: u32) -> (ModelSpec, Inventory, Workload, Estimator) {
@@ -1003,6 +1028,53 @@ mod tests {
             let groups = plan.stream_groups(&inv, w.kv_bytes_per_layer_of(&inv));
             assert_eq!(est.slot_bytes(&layout), groups.iter().map(|g| g.bytes).max().unwrap_or(0));
         }
+    }
+
+    /// Pinned routed experts of a decode step cost the grouped rows where the profile has them (as the
+    /// simulator prices our executor's), streamed ones and prefill chunks the per-expert rows.
+    #[test]
+    fn pinned_decode_experts_cost_the_grouped_rows() {
+        let spec =
+            catalog::get("qwen3-30b-a3b").unwrap().truncated(2).unwrap().with_uniform_weights(DType::Bf16);
+        let inv = Inventory::new(&spec);
+        let w = Workload::single(256, 1024, 16, 256);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+        let mut profile = pipeshard_core::profile::Profile::load(&path).unwrap();
+        profile.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
+        let row = |op, tokens, time_ns| pipeshard_core::profile::OpRow {
+            op,
+            dtype: DType::Bf16,
+            n: 768,
+            k: 2048,
+            tokens,
+            threads: 0,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+            kv_heads: None,
+        };
+        profile.gpu.ops.extend([1, 64].map(|t| row(OpClass::Experts, t, 40_000)));
+        let apart = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));
+        profile.gpu.ops.push(row(OpClass::ExpertsGrouped, 8, 20_000));
+        let grouped = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));
+        let st = &grouped.structure;
+        let mut layout = Layout::all_cpu(st, inv.units.len());
+        layout.placements.fill(Placement::Pinned);
+        let mut time = |est: &Estimator, experts: [u32; 3]| {
+            layout.experts.fill(experts);
+            layout.depth = u32::from(experts[1] > 0);
+            est.phase(PhaseKind::Decode, &layout, false).compute_ns
+        };
+        // Each layer's 8 experts a token: 8 × 40 µs apart, one 20 µs group pinned.
+        let saved = time(&apart, [128, 0, 0]) - time(&grouped, [128, 0, 0]);
+        let want = 2.0 * (8.0 * 40e3 - 20e3);
+        assert!((saved / want - 1.0).abs() < 0.02, "saved {saved} ns, want {want}");
+        assert_eq!(time(&apart, [0, 128, 0]).to_bits(), time(&grouped, [0, 128, 0]).to_bits());
+        let expert = st.layers[0].experts[0];
+        let saving = |est: &Estimator, phase| est.costs(phase).units[expert].pinned_saving_ns;
+        assert!(saving(&grouped, PhaseKind::Decode) > 0.0);
+        assert!(saving(&grouped, PhaseKind::Prefill).abs() < 1e-9, "prefill chunks are not grouped");
+        assert!(saving(&apart, PhaseKind::Decode).abs() < 1e-9, "no grouped rows");
     }
 
     #[test]

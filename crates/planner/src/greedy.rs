@@ -263,7 +263,7 @@ impl Candidates {
                 pins.push(Candidate {
                     mv: Move::Experts { layer: l, count, placement: Placement::Pinned },
                     price: bytes as f64,
-                    saving_ns: f64::from(count) * (per.cpu_ns - per.gpu_ns),
+                    saving_ns: f64::from(count) * (per.cpu_ns - per.pinned_gpu_ns()),
                     bytes,
                 });
             }

@@ -272,6 +272,7 @@ fn sum_costs(costs: &[UnitCost], units: &[usize]) -> UnitCost {
         let c = &costs[u];
         UnitCost {
             gpu_ns: a.gpu_ns + c.gpu_ns,
+            pinned_saving_ns: a.pinned_saving_ns + c.pinned_saving_ns,
             cpu_ns: a.cpu_ns + c.cpu_ns,
             offload_ns: a.offload_ns + c.offload_ns,
             copy_ns: a.copy_ns + c.copy_ns,
@@ -591,7 +592,8 @@ impl Terms {
     /// when streamed).
     fn add(&mut self, c: &UnitCost, counts: [Expression; 3], bytes: u64, steps: f64) {
         let [p, s, cpu] = counts;
-        self.compute += ms(c.gpu_ns) * (p.clone() + s.clone()) + ms(c.cpu_ns) * cpu.clone();
+        self.compute +=
+            ms(c.pinned_gpu_ns()) * p.clone() + ms(c.gpu_ns) * s.clone() + ms(c.cpu_ns) * cpu.clone();
         self.copy += ms(steps * c.copy_ns) * s.clone();
         self.streamed_gpu += ms(c.gpu_ns) * s.clone();
         self.dram_bytes += c.cpu_dram_bytes * cpu + steps * bytes as f64 * s;

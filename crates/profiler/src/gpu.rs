@@ -10,9 +10,11 @@ use rayon::prelude::*;
 use pipeshard_core::catalog;
 use pipeshard_core::dtype::DType;
 use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfile, Profile, Roofline};
-use pipeshard_core::workload::OpClass;
+use pipeshard_core::workload::{GROUPED_EXPERTS_MAX_TOKENS, OpClass};
 use pipeshard_exec::cpu::KvLayout;
-use pipeshard_exec::cuda::{DevBuf, Event, ExpertIo, Gpu, KernelKey, Kernels, Stream};
+use pipeshard_exec::cuda::{
+    DevBuf, Event, ExpertIo, Gpu, GroupedIo, KernelKey, Kernels, Stream, grouped_experts_fit,
+};
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
 use pipeshard_exec::quant::QFormat;
@@ -37,6 +39,9 @@ const HOLD_NS_PER_CALL: u64 = 50_000;
 /// all pinned, took 49 µs an expert in prefill (~64 tokens) against the row's 71.7 µs, 25.7 in decode against
 /// 32.8 (results/validation/2026-12-01-nvidia-h200). Eight is a decode layer's experts.
 const HOST_PACED_MIN_REPS: usize = 8;
+/// Experts of the grouped rows ([`OpClass::ExpertsGrouped`]): a one-token decode step's 8 of qwen3-30b-a3b
+/// and up to an 8-token step's 64.
+const GROUP_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// The longest hold (256 calls).
 const HOLD_MAX_NS: u64 = 15_000_000;
 
@@ -229,6 +234,34 @@ impl Background for DmaLoad<'_> {
             r.and(t)
         })
     }
+}
+
+/// The slot of an `n × k` matrix (or its transpose) in `quant`'s format, 256-byte aligned, and an expert's
+/// offsets in a unit of three slots: up right after gate (aligned) as in exec's weights, so that the calls
+/// take exec's path (one matmul over gate|up).
+fn expert_layout(n: usize, k: usize, quant: Option<QFormat>) -> (usize, ExpertOffsets) {
+    let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
+    let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
+    let up = (n * row_bytes(k)).next_multiple_of(TENSOR_ALIGN_BYTES);
+    (wbytes, ExpertOffsets { gate: 0, up, down: 2 * wbytes })
+}
+
+/// The experts of the grouped rows of an `n × k` (ffn × hidden) expert in f16/bf16: the [`GROUP_SIZES`] the
+/// grouped kernels take, up to the units `rot_bytes` holds (each sample's experts distinct).
+fn group_sizes(n: usize, k: usize, rot_bytes: usize) -> Vec<usize> {
+    let units = rot_bytes / (3 * expert_layout(n, k, None).0);
+    let max_tokens = GROUPED_EXPERTS_MAX_TOKENS as usize;
+    GROUP_SIZES
+        .into_iter()
+        .filter(|&e| e <= units && grouped_experts_fit(None, e.min(max_tokens), k, n))
+        .collect()
+}
+
+/// The unit addresses of `copies` samples of `groups` experts, little-endian u64: sample j takes the units
+/// `j·groups ..` of the `copies` in the buffer at `base` (`unit_bytes` apart), wrapping, so that sample i's
+/// array (i mod copies) continues where sample i − 1's stopped and nothing is read from L2.
+fn group_bases(base: u64, unit_bytes: usize, copies: usize, groups: usize) -> Vec<u8> {
+    (0..copies * groups).flat_map(|e| (base + ((e % copies) * unit_bytes) as u64).to_le_bytes()).collect()
 }
 
 fn elem(d: DType) -> Elem {
@@ -943,6 +976,24 @@ fn measure_gpu_ops(
         y: e_bufs[5].ptr(),
         h: e_bufs[6].ptr(),
     };
+    // The grouped experts' entries as exec lays them out: expert g's one entry at g (`first`), its token
+    // g mod m of the step's m = min(experts, 8) (the same as g mod 8), weight 0.125; a SwiGLU row an entry.
+    let max_group = GROUP_SIZES[GROUP_SIZES.len() - 1];
+    let max_tokens = GROUPED_EXPERTS_MAX_TOKENS as u32;
+    let (g_first, g_idx, g_wts) =
+        (gpu.alloc(4 * (max_group + 1))?, gpu.alloc(4 * max_group)?, gpu.alloc(4 * max_group)?);
+    let g_act = gpu.alloc(2 * max_group * e_ffn)?;
+    let first: Vec<u8> = (0..=max_group as u32).flat_map(u32::to_le_bytes).collect();
+    let tokens: Vec<u8> = (0..max_group as u32).flat_map(|g| (g % max_tokens).to_le_bytes()).collect();
+    let g_weights: Vec<u8> = (0..max_group).flat_map(|_| 0.125f32.to_le_bytes()).collect();
+    // SAFETY: the buffers hold max_group + 1, max_group and max_group 4-byte entries; the copies finish
+    // before the sources drop.
+    unsafe {
+        gpu.h2d(Stream::H2d, g_first.ptr(), &first)?;
+        gpu.h2d(Stream::H2d, g_idx.ptr(), &tokens)?;
+        gpu.h2d(Stream::H2d, g_wts.ptr(), &g_weights)?;
+    }
+    gpu.sync(Stream::H2d)?;
     let mut gpu_rows: Vec<OpRow> = Vec::new();
     // Quantised formats store whole 32-element blocks: shapes whose rows (or, for an expert's down, columns)
     // are not whole blocks have no quantised rows.
@@ -952,13 +1003,19 @@ fn measure_gpu_ops(
     };
     let shapes: Vec<(&shapes::MatShape, bool)> =
         cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
+    let grouped_rows: usize =
+        cat.experts.iter().map(|s| group_sizes(s.n as usize, s.k as usize, rot_bytes).len()).sum();
     let steps = g
         .dtypes
         .iter()
-        .map(|&d| shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len())
+        .map(|&d| {
+            let grouped = if QFormat::from_dtype(d).is_none() { grouped_rows } else { 0 };
+            shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len() + grouped
+        })
         .sum::<usize>();
     progress.section(
-        "GPU GEMM/GEMV (exec cuBLAS and quantised kernels) over catalog shapes × tokens",
+        "GPU GEMM/GEMV and routed experts (exec cuBLAS, quantised and grouped kernels) over catalog shapes × \
+         tokens",
         steps as u64,
     );
     for &dtype in &g.dtypes {
@@ -974,15 +1031,11 @@ fn measure_gpu_ops(
         upload_random(gpu, staging, e, xbuf.ptr(), xbuf.bytes(), 21)?;
         for &(shape, experts) in shapes.iter().filter(|(s, x)| fits(dtype, s.n, s.k, *x)) {
             let (n, k) = (shape.n as usize, shape.k as usize);
-            let row_bytes = |k: usize| quant.map_or(2 * k, |q| q.row_bytes(k));
-            let wbytes = (n * row_bytes(k)).max(k * row_bytes(n)).next_multiple_of(256);
-            // An expert's gate, up and down lie together, up right after gate (aligned) as in exec's weights,
-            // so the call takes exec's path (one matmul over gate|up); each sample's matrices come from
-            // another slot so that none is read from L2.
+            // An expert's gate, up and down lie together ([`expert_layout`]); each sample's matrices come
+            // from another slot so that none is read from L2.
+            let (wbytes, expert) = expert_layout(n, k, quant);
             let unit_bytes = if experts { 3 * wbytes } else { wbytes };
             let copies = (rot_bytes / unit_bytes).max(1);
-            let up = (n * row_bytes(k)).next_multiple_of(TENSOR_ALIGN_BYTES);
-            let expert = ExpertOffsets { gate: 0, up, down: 2 * wbytes };
             for &m in &g.tokens {
                 let (hold, min_reps) = if experts { (None, HOST_PACED_MIN_REPS) } else { (Some(&*kn), 1) };
                 let s = b.events_min_reps(Stream::Compute, hold, min_reps, &mut |i| {
@@ -1015,6 +1068,63 @@ fn measure_gpu_ops(
                 });
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
+            }
+        }
+        // A layer's pinned experts of a step of ≤ 8 tokens as exec's two grouped launches, one token an
+        // expert (f16/bf16 only: the grouped kernels take no quantised format). Unheld like the per-expert
+        // rows: the executor launches them right after the routing sync (whose round trip is measured apart).
+        if quant.is_some() {
+            continue;
+        }
+        for shape in &cat.experts {
+            let (n, k) = (shape.n as usize, shape.k as usize);
+            let sizes = group_sizes(n, k, rot_bytes);
+            let Some(&largest) = sizes.last() else { continue };
+            let (wbytes, expert) = expert_layout(n, k, None);
+            let unit_bytes = 3 * wbytes;
+            let copies = rot_bytes / unit_bytes;
+            let g_base = gpu.alloc(copies * largest * 8)?;
+            for groups in sizes {
+                let bases = group_bases(wbuf.ptr(), unit_bytes, copies, groups);
+                // SAFETY: g_base holds copies × largest ≥ bases.len() / 8 addresses; the copy finishes before
+                // `bases` drops.
+                unsafe { gpu.h2d(Stream::H2d, g_base.ptr(), &bases)? };
+                gpu.sync(Stream::H2d)?;
+                let m = groups.min(GROUPED_EXPERTS_MAX_TOKENS as usize);
+                let s = b.events_min_reps(Stream::Compute, None, HOST_PACED_MIN_REPS, &mut |i| {
+                    let io = GroupedIo {
+                        base: g_base.ptr() + ((i % copies) * groups * 8) as u64,
+                        first: g_first.ptr(),
+                        idx: g_idx.ptr(),
+                        wts: g_wts.ptr(),
+                        xn: xbuf.ptr(),
+                        act: g_act.ptr(),
+                        h: expert_io.h,
+                    };
+                    // SAFETY: each of the sample's `groups` addresses is a distinct unit of wbuf (3 slots
+                    // of `wbytes`, 256-byte aligned) with gate, up and down at `expert`'s offsets in the
+                    // activation type; `first` runs 0..=groups, one entry an expert, its token < m ≤ 8 rows
+                    // of xbuf (hidden k) and of h (f32, max_m ≥ 8 rows of e_hidden ≥ k); act holds
+                    // max_group ≥ groups rows of e_ffn ≥ n; group_sizes checked the kernels' shapes.
+                    unsafe { gpu.grouped_experts(&kn, expert, &io, groups, m, k, n)? };
+                    Ok(())
+                })?;
+                gpu_rows.push(OpRow {
+                    op: OpClass::ExpertsGrouped,
+                    dtype,
+                    n: n as u64,
+                    k: k as u64,
+                    tokens: groups as u64,
+                    threads: 0,
+                    time_ns: s.median.ceil() as u64,
+                    time_ns_under_dma: None,
+                    spread: Some(s.spread),
+                    kv_heads: None,
+                });
+                progress.tick(&format!(
+                    "{dtype:?} {n}×{k} grouped, {groups} experts: {:.1} µs",
+                    s.median / 1e3
+                ))?;
             }
         }
     }
@@ -1220,6 +1330,25 @@ mod tests {
         }
         let chunks: Vec<&[u8]> = src.buf.as_slice().chunks(16 * MIB).map(|c| &c[..64]).collect();
         assert!(chunks.windows(2).all(|w| w[0] != w[1]));
+    }
+
+    /// Grouped rows take up to as many experts as the rotating buffer holds units: qwen3-30b-a3b's 9 MiB
+    /// bf16 expert 56 of 512 MiB, qwen3-235b-a22b's 36 MiB 14; each sample's experts are distinct units and
+    /// the next sample's continue the rotation.
+    #[test]
+    fn grouped_samples_take_distinct_units_in_rotation() {
+        assert_eq!(group_sizes(768, 2048, 512 * MIB), [1, 2, 4, 8, 16, 32]);
+        assert_eq!(group_sizes(1536, 4096, 512 * MIB), [1, 2, 4, 8]);
+        assert!(group_sizes(768, 2044, 512 * MIB).is_empty(), "rows of whole 16-byte vectors only");
+        let (base, unit) = (1u64 << 40, 9 * MIB);
+        let bases = group_bases(base, unit, 5, 2);
+        let units: Vec<u64> = bases
+            .chunks(8)
+            .map(|b| (u64::from_le_bytes(b.try_into().unwrap()) - base) / unit as u64)
+            .collect();
+        assert_eq!(units, [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]);
+        let (wbytes, o) = expert_layout(768, 2048, None);
+        assert_eq!((wbytes, o.up, o.down), (3 * MIB, 3 * MIB, 6 * MIB), "gate|up one matrix");
     }
 
     /// Attention calls rotate over 256-byte-aligned regions of the K and V halves that together exceed the L2,

@@ -328,15 +328,17 @@ struct CostKey {
     tokens: u64,
     dtype: pipeshard_core::dtype::DType,
     device: Device,
+    /// Priced as one group of experts ([`OpContext::grouped_experts`]).
+    grouped: bool,
     amounts: [u64; 4],
 }
 
 impl std::hash::Hash for CostKey {
-    /// The words that tell ops apart (shape, tokens, FLOPs and weight bytes, the device), one `write_u64`
-    /// each: the memo is asked once per op of every simulated step, and hashing the whole key word by word
-    /// through slices was a tenth of a sweep. Equal keys still compare whole.
+    /// The words that tell ops apart (shape, tokens, FLOPs and weight bytes, the device and grouping), one
+    /// `write_u64` each: the memo is asked once per op of every simulated step, and hashing the whole key
+    /// word by word through slices was a tenth of a sweep. Equal keys still compare whole.
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        let device = u64::from(self.device == Device::Gpu);
+        let device = u64::from(self.device == Device::Gpu) | u64::from(self.grouped) << 1;
         for w in
             [self.kind[0], self.kind[1], self.kind[2], self.kind[3], self.tokens, self.amounts[0], device]
         {
@@ -346,7 +348,7 @@ impl std::hash::Hash for CostKey {
 }
 
 impl CostKey {
-    fn new(op: &Op, device: Device) -> CostKey {
+    fn new(op: &Op, ctx: OpContext) -> CostKey {
         let kind = match op.kind {
             OpKind::MatMul { n, k } => [1, n, k, 0, 0, 0],
             OpKind::Attention { q_heads, kv_heads, head_dim, keys, scanned_keys, decode, materialized } => {
@@ -367,7 +369,8 @@ impl CostKey {
             kind,
             tokens: op.tokens,
             dtype: op.dtype,
-            device,
+            device: ctx.device,
+            grouped: ctx.grouped_experts,
             amounts: [
                 op.flops.to_bits(),
                 op.weight_bytes.to_bits(),
@@ -469,10 +472,11 @@ impl Builder<'_> {
     }
 
     fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
-        self.compute_launching(op_index, share, op, dev, deps, self.ctx.runtime.launches(op))
+        self.compute_launching(op_index, share, op, dev, deps, self.ctx.runtime.launches(op), false)
     }
 
-    /// [`Self::compute`] issuing `launches` kernels on the GPU.
+    /// [`Self::compute`] issuing `launches` kernels on the GPU, routed experts there priced as one group
+    /// where `grouped_experts` ([`OpContext::grouped_experts`]).
     fn compute_launching(
         &mut self,
         op_index: usize,
@@ -481,14 +485,19 @@ impl Builder<'_> {
         dev: Device,
         deps: &[u32],
         launches: u32,
+        grouped_experts: bool,
     ) -> u32 {
         let cost = self.ctx.cost;
         let per_kernel_ns = if self.graphed { cost.graph_kernel_ns() } else { cost.launch_ns() };
         let (lane, ctx, launch) = match dev {
-            Device::Gpu => (Lane::Gpu, OpContext::gpu(), per_kernel_ns * u64::from(launches)),
+            Device::Gpu => (
+                Lane::Gpu,
+                OpContext::gpu().with_grouped_experts(grouped_experts),
+                per_kernel_ns * u64::from(launches),
+            ),
             Device::Cpu => (Lane::Cpu, OpContext::cpu(self.view.cpu_threads), 0),
         };
-        let key = CostKey::new(op, dev);
+        let key = CostKey::new(op, ctx);
         let (alone, dma) = if let Some(&times) = self.memo.get(&key) {
             times
         } else {
@@ -685,6 +694,8 @@ impl Builder<'_> {
         if counts[0] > 0 {
             let deps = Deps::from(on_device.or(routed));
             let sop = scaled(op, share(counts[0]));
+            // Our executor runs a small step's pinned experts as one group (exec's `GroupedExperts`, on by
+            // default); the cost model says where that applies (step size, format, the profile's rows).
             last_gpu = Some(self.compute_launching(
                 i,
                 OpShare::Experts(Placement::Pinned),
@@ -692,6 +703,7 @@ impl Builder<'_> {
                 Device::Gpu,
                 deps.as_slice(),
                 launches,
+                ours,
             ));
             self.hold(last_gpu.expect("just built"), held(share(counts[0])));
         }
@@ -716,6 +728,7 @@ impl Builder<'_> {
                     Device::Gpu,
                     deps.as_slice(),
                     launches.div_ceil(parts),
+                    false,
                 );
                 self.hold(t, held(share(counts[1]) / f64::from(parts)));
                 self.read(t, item);
@@ -738,6 +751,7 @@ impl Builder<'_> {
                     Device::Gpu,
                     deps.as_slice(),
                     launches,
+                    false,
                 );
                 self.hold(t, held(share(counts[2])));
                 t

@@ -3,9 +3,12 @@
 mod common;
 
 use common::{FixedCost, PhaseShape, plan, small};
+use pipeshard_core::cost::TableCostModel;
+use pipeshard_core::dtype::DType;
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::plan::{PhaseKind, Placement};
-use pipeshard_core::workload::{Phase, Workload};
+use pipeshard_core::profile::{OpRow, Profile};
+use pipeshard_core::workload::{OpClass, Phase, Workload};
 use pipeshard_sim::{Runtime, Simulator};
 
 const LAUNCH_NS: u64 = 1_000;
@@ -178,5 +181,66 @@ fn a_measured_decode_routing_round_trip_sets_each_layers_hand_off() {
                 "{runtime:?} {experts:?}"
             );
         }
+    }
+}
+
+/// A GPU routed-experts row of qwen3-30b-a3b's expert shape (768 × 2048, bf16).
+fn expert_row(op: OpClass, tokens: u64, time_ns: u64) -> OpRow {
+    OpRow {
+        op,
+        dtype: DType::Bf16,
+        n: 768,
+        k: 2048,
+        tokens,
+        threads: 0,
+        time_ns,
+        time_ns_under_dma: None,
+        spread: None,
+        kv_heads: None,
+    }
+}
+
+/// Decode step time of a 2-layer bf16 qwen3-30b-a3b with its experts at `experts` and everything else pinned,
+/// priced by the H200 profile whose routed-experts rows are 40 µs an expert and, with `grouped`, 8 µs for a
+/// group of one expert and 20 µs for 8.
+fn priced_moe_decode_step_ns(runtime: Runtime, experts: Placement, grouped: bool) -> u64 {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
+    let mut profile = Profile::load(&path).unwrap();
+    profile.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
+    profile.gpu.ops.extend([1, 64].map(|t| expert_row(OpClass::Experts, t, 40_000)));
+    if grouped {
+        profile
+            .gpu
+            .ops
+            .extend([(1, 8_000), (8, 20_000)].map(|(e, t)| expert_row(OpClass::ExpertsGrouped, e, t)));
+    }
+    let cost = TableCostModel::new(&profile);
+    let spec = small("qwen3-30b-a3b", 2).with_uniform_weights(DType::Bf16);
+    let w = Workload::single(256, 1024, 2, 256);
+    let p = plan(&spec, &w, SHAPE, &|u| {
+        if matches!(u, UnitId::Expert { .. }) { experts } else { Placement::Pinned }
+    });
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    sim.run(&pipeshard_sim::SimOptions::default()).metrics.decode_step_ns
+}
+
+/// Our executor runs a one-token step's pinned experts as one group: with grouped rows in the profile, each
+/// layer's 8 experts cost the 8-expert group's 20 µs instead of 8 × 40 µs. Streamed and CPU experts, and
+/// llama.cpp's runtimes, keep the per-expert rows.
+#[test]
+fn our_pinned_decode_experts_cost_the_grouped_rows() {
+    let step = |runtime, experts, grouped| priced_moe_decode_step_ns(runtime, experts, grouped);
+    let saved = step(Runtime::Ours, Placement::Pinned, false) - step(Runtime::Ours, Placement::Pinned, true);
+    let want = 2.0 * (8.0 * 40e3 - 20e3);
+    assert!((saved as f64 / want - 1.0).abs() < 0.02, "saved {saved} ns a step, want {want}");
+    for experts in [Placement::Streamed, Placement::Cpu] {
+        assert_eq!(step(Runtime::Ours, experts, true), step(Runtime::Ours, experts, false), "{experts:?}");
+    }
+    for runtime in [Runtime::Stock, Runtime::Artifact] {
+        assert_eq!(
+            step(runtime, Placement::Pinned, true),
+            step(runtime, Placement::Pinned, false),
+            "{runtime:?}"
+        );
     }
 }

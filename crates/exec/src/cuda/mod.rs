@@ -20,7 +20,7 @@ use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use pipeshard_core::workload::MAX_KEY_SPLITS;
+use pipeshard_core::workload::{GROUPED_EXPERTS_MAX_TOKENS, MAX_KEY_SPLITS};
 
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
@@ -858,6 +858,9 @@ pub struct GroupedIo {
     /// The residual stream (f32) the weighted outputs are added to.
     pub h: u64,
 }
+
+// The cost model prices a step's pinned experts as one group up to core's bound: the grouped kernels' own.
+const _: () = assert!(GROUPED_EXPERTS_MAX_TOKENS == EXACT_MAX_TOKENS as u64);
 
 /// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
 /// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices (the quantised formats'
