@@ -58,8 +58,9 @@ if [[ $PARTS == *validate* ]]; then
   timeout ${VALIDATE_TIMEOUT:-420} .bin/pipeshard validate --experiment "${VALIDATE_EXPERIMENT:-experiments/validate-h200.toml}" --profile "$profile" \
     --worst 4 --all-traces --out "$OUT/validation" > "$OUT/validate.log" 2>&1
   echo "validate exit $?" >> "$OUT/validate.log"
-  # Every cell's trace, compressed into one file (the device tool brings back 8 files at most).
-  (cd "$OUT/validation" && for d in */; do tar czf "${d%/}-traces.tgz" -C "$d" traces && rm -rf "$d/traces"; done)
+  # Everything validate wrote (cells.csv, summary, provenance, plots, worst cells, every cell's traces) in one
+  # file: the device tool brings back 8 files at most (run31 lost its summary and provenance to that limit).
+  tar czf "$OUT/validation.tgz" -C "$OUT" validation && rm -rf "$OUT/validation"
   tail -n 30 "$OUT/validate.log" | cut -c1-200
 fi
 if [[ $PARTS == *experts* ]]; then
