@@ -1670,12 +1670,24 @@ impl<'a> Exec<'a> {
             self.expand_experts(layer, &streamed)?;
         }
         // Pinned experts, then streamed ones as their ring slots free up.
+        // Under a host span: in run31 a layer's first streamed expert computed 2.5-3 ms after its copy (cell 69,
+        // q4_0 prefill), and the trace did not say how far the host's enqueue had got by then.
         let enqueue_gpu_experts = |ex: &mut Self| -> Result<()> {
+            let t = ex.tl.now_ns();
             let first = match grouped_offsets {
                 Some(o) => ex.enqueue_grouped_experts(lay, layer, &lists, &gpu_experts[..pinned], o, m)?,
                 None => ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?,
             };
-            ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first).map(|_| ())
+            ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first)?;
+            if !gpu_experts.is_empty() {
+                let n = gpu_experts.len();
+                ex.tl.host(
+                    format!("enqueue blk.{layer} experts ({pinned} pinned, {} streamed)", n - pinned),
+                    Track::Host,
+                    t,
+                );
+            }
+            Ok(())
         };
         // 4. CPU experts start first (they are the longer side) on the pool, while this thread enqueues the GPU
         // experts (and, where it can, pre-enqueues what follows the CPU experts); the CPU experts' sum joins the
