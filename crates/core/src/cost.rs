@@ -690,18 +690,7 @@ mod tests {
 
     /// A GPU routed-experts row of qwen3-30b-a3b's expert shape (768 × 2048, bf16).
     fn expert_row(op: OpClass, tokens: u64, time_ns: u64) -> OpRow {
-        OpRow {
-            op,
-            dtype: DType::Bf16,
-            n: 768,
-            k: 2048,
-            tokens,
-            threads: 0,
-            time_ns,
-            time_ns_under_dma: None,
-            spread: None,
-            kv_heads: None,
-        }
+        OpRow::gpu(op, DType::Bf16, (768, 2048), tokens, time_ns)
     }
 
     /// The measured H200 profile with its routed-experts rows replaced: 40 µs an expert at 1 and 64 tokens,

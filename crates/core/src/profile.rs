@@ -129,6 +129,25 @@ pub struct OpRow {
     pub kv_heads: Option<u32>,
 }
 
+impl OpRow {
+    /// A GPU row of `time_ns` for `tokens` through an `n × k` shape, without a DMA figure, spread or KV heads.
+    #[must_use]
+    pub fn gpu(op: OpClass, dtype: DType, (n, k): (u64, u64), tokens: u64, time_ns: u64) -> OpRow {
+        OpRow {
+            op,
+            dtype,
+            n,
+            k,
+            tokens,
+            threads: 0,
+            time_ns,
+            time_ns_under_dma: None,
+            spread: None,
+            kv_heads: None,
+        }
+    }
+}
+
 /// One scalar measurement a profile keeps beside its tables (slowdowns, latencies, section timings).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {

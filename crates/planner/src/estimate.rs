@@ -1041,17 +1041,8 @@ mod tests {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
         let mut profile = pipeshard_core::profile::Profile::load(&path).unwrap();
         profile.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
-        let row = |op, tokens, time_ns| pipeshard_core::profile::OpRow {
-            op,
-            dtype: DType::Bf16,
-            n: 768,
-            k: 2048,
-            tokens,
-            threads: 0,
-            time_ns,
-            time_ns_under_dma: None,
-            spread: None,
-            kv_heads: None,
+        let row = |op, tokens, time_ns| {
+            pipeshard_core::profile::OpRow::gpu(op, DType::Bf16, (768, 2048), tokens, time_ns)
         };
         profile.gpu.ops.extend([1, 64].map(|t| row(OpClass::Experts, t, 40_000)));
         let apart = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));

@@ -186,18 +186,7 @@ fn a_measured_decode_routing_round_trip_sets_each_layers_hand_off() {
 
 /// A GPU routed-experts row of qwen3-30b-a3b's expert shape (768 × 2048, bf16).
 fn expert_row(op: OpClass, tokens: u64, time_ns: u64) -> OpRow {
-    OpRow {
-        op,
-        dtype: DType::Bf16,
-        n: 768,
-        k: 2048,
-        tokens,
-        threads: 0,
-        time_ns,
-        time_ns_under_dma: None,
-        spread: None,
-        kv_heads: None,
-    }
+    OpRow::gpu(op, DType::Bf16, (768, 2048), tokens, time_ns)
 }
 
 /// Decode step time of a 2-layer bf16 qwen3-30b-a3b with its experts at `experts` and everything else pinned,
