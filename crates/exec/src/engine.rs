@@ -108,8 +108,9 @@ pub enum GroupedExperts {
 ///
 /// It applies where that is simple: decode passes whose residual stream is on the GPU, with layer L+1's
 /// attention on the GPU right after layer L's experts, its weights and KV pinned or streamed (the ring item
-/// already in flight, so that taking it only queues a device-side wait), and its router pinned
-/// (`pre_enqueue_steps`); the host syncs on nothing before it opens the gate. Elsewhere, and on devices
+/// already in flight, so that taking it only queues a device-side wait), and its router pinned or streamed (its
+/// ring item next after the attention's) (`pre_enqueue_steps`); the host syncs on nothing before it opens the
+/// gate. Elsewhere, and on devices
 /// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
@@ -291,8 +292,11 @@ struct NextLayer {
     attn: Step,
     router: Step,
     /// The ring item the attention takes first (its weights, its KV, or both in one slot), if it streams: it
-    /// must be in flight already, so that taking it only queues a device-side wait (`Exec::ring_front`).
+    /// must be in flight already, so that taking it only queues a device-side wait (`Exec::ring_leads_with`).
     ring: Option<RingItem>,
+    /// The router's ring item, if it streams: next after the attention's, in flight or issued once the
+    /// attention's slot is released — a device-side wait either way.
+    router_ring: Option<RingItem>,
 }
 
 /// Why the GPU work after a decode layer's CPU experts was not pre-enqueued ([`PreEnqueue`]); a run counts
@@ -301,12 +305,12 @@ struct NextLayer {
 enum NotPreEnqueued {
     /// A prefill pass, the last layer (the output head follows) or a dense layer next.
     NoNextMoeLayer,
-    /// The next layer's router is streamed or on the CPU.
-    RouterNotPinned,
+    /// The next layer's router is on the CPU.
+    RouterOnCpu,
     /// The next layer's attention or its KV is on the host (on the CPU, or staged).
     AttentionOnHost,
-    /// The next attention streams, and its ring item was not the next in flight.
-    RingItemNotInFlight,
+    /// The next attention or router streams, and their ring items were not the next in line.
+    RingItemsNotNext,
     /// The residual stream was on the host while the experts ran.
     ResidualOnHost,
 }
@@ -315,9 +319,11 @@ impl NotPreEnqueued {
     fn why(self) -> &'static str {
         match self {
             NotPreEnqueued::NoNextMoeLayer => "no MoE layer next",
-            NotPreEnqueued::RouterNotPinned => "the next router not pinned",
+            NotPreEnqueued::RouterOnCpu => "the next router on the CPU",
             NotPreEnqueued::AttentionOnHost => "the next attention or its KV on the host",
-            NotPreEnqueued::RingItemNotInFlight => "the next attention's ring item not in flight",
+            NotPreEnqueued::RingItemsNotNext => {
+                "the next attention's or router's ring items not next in line"
+            }
             NotPreEnqueued::ResidualOnHost => "the residual stream on the host",
         }
     }
@@ -326,7 +332,8 @@ impl NotPreEnqueued {
 /// The next layer's steps when the GPU work after layer L's CPU experts can be pre-enqueued ([`PreEnqueue`]):
 /// `router` is the index of layer L's router step in `steps`, `decode` whether the pass is a decode step. The
 /// attention must follow L's expert steps, on the GPU with its KV (pinned or streamed, not on the host), and
-/// the router must follow it, pinned: then the enqueue needs no host sync and at most the one ring item.
+/// the router must follow it, pinned or streamed: then the enqueue needs no host sync, only device-side waits
+/// for at most two ring items (the attention's, then the router's).
 fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<NextLayer, NotPreEnqueued> {
     let none = NotPreEnqueued::NoNextMoeLayer;
     let Some(UnitId::Router { layer }) = steps.get(router).map(|s| s.unit) else { return Err(none) };
@@ -341,9 +348,11 @@ fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<Next
     {
         return Err(none);
     }
-    if !matches!(next_router.weights, WeightLoc::Pinned(_)) {
-        return Err(NotPreEnqueued::RouterNotPinned);
-    }
+    let router_ring = match next_router.weights {
+        WeightLoc::Pinned(_) => None,
+        WeightLoc::Streamed => Some(RingItem::Weights(next_router.unit)),
+        WeightLoc::Cpu | WeightLoc::Staged(_) => return Err(NotPreEnqueued::RouterOnCpu),
+    };
     let ring = match (attn.weights, attn.kv.ok_or(none)?) {
         (WeightLoc::Pinned(_), KvLoc::Pinned(_)) => None,
         (WeightLoc::Streamed, KvLoc::Streamed) => Some(RingItem::AttnKv(next)),
@@ -352,7 +361,7 @@ fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<Next
         // On the CPU, or staged with the KV on the host (op offload, prefill only).
         _ => return Err(NotPreEnqueued::AttentionOnHost),
     };
-    Ok(NextLayer { attn, router: next_router, ring })
+    Ok(NextLayer { attn, router: next_router, ring, router_ring })
 }
 
 impl Drop for GpuSide<'_> {
@@ -1320,9 +1329,26 @@ impl<'a> Exec<'a> {
         ring.queued_through = Some(pass);
     }
 
-    /// The ring item copied (or being copied) next in line for a consumer, if any.
-    fn ring_front(&self) -> Option<RingItem> {
-        self.gpu.as_ref()?.ring.as_ref()?.in_flight.front().map(|&(item, _)| item)
+    /// Whether the next layer's ring items come next, so that taking them queues only device-side waits: the
+    /// attention's (if it streams) in flight already, then the router's (if it streams) in flight, or first in
+    /// line with a slot that the attention's release frees (or already free).
+    fn ring_leads_with(&self, n: &NextLayer) -> bool {
+        let items: Vec<RingItem> = n.ring.into_iter().chain(n.router_ring).collect();
+        if items.is_empty() {
+            return true;
+        }
+        let Some(ring) = self.gpu.as_ref().and_then(|g| g.ring.as_ref()) else { return false };
+        let mut line =
+            ring.in_flight.iter().map(|&(item, _)| item).chain(ring.pending.iter().map(|&(i, ..)| i));
+        if !items.iter().all(|&item| line.next() == Some(item)) {
+            return false;
+        }
+        let in_flight = ring.in_flight.iter().filter(|(item, _)| items.contains(item)).count();
+        let attn_in_flight = n.ring.is_some_and(|a| ring.in_flight.front().map(|f| f.0) == Some(a));
+        // A pending router item is issued by `pump` once a slot is free: the attention's release frees one.
+        n.ring.is_none_or(|_| attn_in_flight)
+            && (in_flight == items.len()
+                || ring.issued - ring.released - usize::from(attn_in_flight) < ring.slots.len())
     }
 
     /// Waits (on the compute stream) for the next ring item, which must be `item`; returns its slot.
@@ -1725,14 +1751,14 @@ impl<'a> Exec<'a> {
                     },
                     || -> Result<Option<Gate>> {
                         enqueue_gpu_experts(self)?;
-                        // After this layer's streamed experts took their slots, the attention's item must be
-                        // the next in flight.
+                        // After this layer's streamed experts took their slots, the next layer's ring items must
+                        // come next.
                         let next = next.map(|n| {
                             n.and_then(|n| {
-                                if n.ring.is_none() || n.ring == self.ring_front() {
+                                if self.ring_leads_with(&n) {
                                     Ok(n)
                                 } else {
-                                    Err(NotPreEnqueued::RingItemNotInFlight)
+                                    Err(NotPreEnqueued::RingItemsNotNext)
                                 }
                             })
                         });
@@ -2434,15 +2460,15 @@ mod tests {
         steps
     }
 
-    /// Pre-enqueue takes the next layer's attention and router in a decode step when the router is pinned and
-    /// the attention runs on the GPU with its KV, naming the ring item a streamed one takes first; nothing
-    /// else: not in prefill, not after the last layer, not from a step that is not a router, not where the
-    /// attention or the router is on the CPU or the router streams.
+    /// Pre-enqueue takes the next layer's attention and router in a decode step when both run on the GPU (the
+    /// attention with its KV), naming the ring items streamed ones take; nothing else: not in prefill, not
+    /// after the last layer, not from a step that is not a router, not where the attention or the router is on
+    /// the CPU.
     #[test]
-    fn pre_enqueue_takes_the_next_gpu_attention_and_pinned_router_of_decode() {
-        use NotPreEnqueued::{AttentionOnHost, NoNextMoeLayer, RouterNotPinned};
+    fn pre_enqueue_takes_the_next_gpu_attention_and_router_of_decode() {
+        use NotPreEnqueued::{AttentionOnHost, NoNextMoeLayer, RouterOnCpu};
         let steps = moe_steps();
-        let next = |s: &[Step]| Ok(NextLayer { attn: s[4], router: s[5], ring: None });
+        let next = |s: &[Step]| Ok(NextLayer { attn: s[4], router: s[5], ring: None, router_ring: None });
         assert_eq!(pre_enqueue_steps(&steps, 1, true), next(&steps));
         assert_eq!(pre_enqueue_steps(&steps, 1, false), Err(NoNextMoeLayer), "prefill");
         assert_eq!(
@@ -2466,7 +2492,7 @@ mod tests {
             let (got, s) = with(4, weights, Some(kv));
             assert_eq!(
                 got,
-                Ok(NextLayer { attn: s[4], router: s[5], ring: Some(ring) }),
+                Ok(NextLayer { attn: s[4], router: s[5], ring: Some(ring), router_ring: None }),
                 "{weights:?}, {kv:?}"
             );
         }
@@ -2480,8 +2506,14 @@ mod tests {
             Err(AttentionOnHost),
             "attention staged"
         );
-        assert_eq!(with(5, WeightLoc::Streamed, None).0, Err(RouterNotPinned), "router streamed");
-        assert_eq!(with(5, WeightLoc::Cpu, None).0, Err(RouterNotPinned), "router on the CPU");
+        let (got, s) = with(5, WeightLoc::Streamed, None);
+        let router_ring = Some(RingItem::Weights(UnitId::Router { layer: 1 }));
+        assert_eq!(
+            got,
+            Ok(NextLayer { attn: s[4], router: s[5], ring: None, router_ring }),
+            "router streamed"
+        );
+        assert_eq!(with(5, WeightLoc::Cpu, None).0, Err(RouterOnCpu), "router on the CPU");
         // Experts of this layer on the GPU are skipped like CPU ones.
         let (got, s) = with(2, WeightLoc::Pinned(0), None);
         assert_eq!(got, next(&s));

@@ -1238,8 +1238,8 @@ fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
 /// Pre-enqueue (decode with CPU experts: the GPU work after a layer's experts queued while they run, behind a
 /// host flag) computes what launching that work after them does: the same routing and logits (bit for bit
 /// where two runs without it agree bit for bit), with one and with two sequences; and it runs after every MoE
-/// layer but the last, whether the next attention is pinned or streams (weights, KV, or both in one slot),
-/// except before an attention on the CPU.
+/// layer but the last, whether the next attention and router are pinned or stream (weights, KV, or both in one
+/// slot; the router in the slot the attention frees), except before an attention on the CPU.
 #[test]
 fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
     use pipeshard_exec::PreEnqueue;
@@ -1251,7 +1251,7 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
     let prompt = random_tokens(prompt_len, w.dims.vocab, 5);
     // Layer 1's attention (and KV) placed as the case says; experts and the embedding on the CPU, the rest
     // pinned.
-    let cases: [(&str, u32, usize, Rule); 4] = [
+    let cases: [(&str, u32, usize, Rule); 7] = [
         ("attention pinned", 0, n_layers - 1, |_, u| match u {
             UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
             _ => Placement::Pinned,
@@ -1263,6 +1263,22 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
         }),
         ("layer 1's attention + KV streamed in one slot", 2, n_layers - 1, |_, u| match u {
             UnitId::Attn { layer: 1 } | UnitId::Kv { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("layer 1's router streamed", 1, n_layers - 1, |_, u| match u {
+            UnitId::Router { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        // One slot: the router's copy waits, on the copy stream, for the gated attention to release it.
+        ("layer 1's attention and router streamed, one slot", 1, n_layers - 1, |_, u| match u {
+            UnitId::Attn { layer: 1 } | UnitId::Router { layer: 1 } => Placement::Streamed,
+            UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
+            _ => Placement::Pinned,
+        }),
+        ("every attention + KV and router streamed", 2, n_layers - 1, |_, u| match u {
+            UnitId::Attn { .. } | UnitId::Kv { .. } | UnitId::Router { .. } => Placement::Streamed,
             UnitId::Expert { .. } | UnitId::TokenEmbd => Placement::Cpu,
             _ => Placement::Pinned,
         }),
