@@ -110,8 +110,8 @@ pub enum GroupedExperts {
 /// attention on the GPU right after layer L's experts, its weights and KV pinned or streamed (the ring item
 /// already in flight, so that taking it only queues a device-side wait), and its router pinned or streamed (its
 /// ring item next after the attention's) (`pre_enqueue_steps`); the host syncs on nothing before it opens the
-/// gate. Elsewhere, and on devices
-/// without stream memory operations ([`RunOutput::warnings`] says so), the host enqueues as it does with `Off`.
+/// gate. Elsewhere, and on devices without stream memory operations ([`RunOutput::warnings`] says so), the host
+/// enqueues as it does with `Off`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PreEnqueue {
     /// Where the plan and the device allow it. The default: on the H200 machine, qwen3-30b-a3b@4L bf16 at 2 GB
