@@ -24,5 +24,8 @@ cp target/release/examples/ring_wait .bin/exec-ring-wait
 strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
 xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
-git rev-parse --short=12 HEAD > .bin/commit
+# The binaries' commit, `-dirty` when built with uncommitted changes (outside results/ and profiles/, as
+# `pipeshard`'s own provenance counts them).
+dirty=$(git status --porcelain -- . ':!results' ':!profiles' | grep -q . && echo -dirty || true)
+echo "$(git rev-parse --short=12 HEAD)$dirty" > .bin/commit
 ls -la .bin

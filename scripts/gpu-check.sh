@@ -16,7 +16,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pipeshard-out}
 mkdir -p "$OUT"
 for f in .bin/*.xz; do [[ -e $f ]] && xz -d -f "$f" && chmod +x "${f%.xz}"; done
-export PIPESHARD_COMMIT="$(cat .bin/commit 2>/dev/null || echo unknown)-dirty"
+# The binaries' commit as build-gpu-bins.sh recorded it (with `-dirty` where they were built from changes).
+export PIPESHARD_COMMIT="$(cat .bin/commit 2>/dev/null || echo unknown)"
 PARTS=${PARTS:-"tests hf exec"}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt" 2>&1
 if [[ $PARTS == *tests* ]]; then
