@@ -228,8 +228,10 @@ impl Timeline {
 /// Copies the ring issues ahead of the units that consume them (ring depth permitting). A layer's 128 streamed
 /// experts issued at once (a depth-128 ring) ran every copy before the first expert's compute: q4_0
 /// qwen3-30b-a3b@24L, pshard at 4 GB, a layer's experts took 13.8 ms where 2 or 8 ahead took 10.9-11.6 ms
-/// (TTFT 360 -> 313-317 ms; results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). Why the compute waited
-/// for the last copy is open: bf16 experts, whose copies are slower than the host's enqueueing, still do.
+/// (TTFT 360 -> 313-317 ms; results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). The compute had
+/// waited for the layer's token lists, which went up only after the H2D stream's queue of copies
+/// (`expert_inputs_stream`): 8 ahead shortened that queue where the host paced it. Not re-measured since the
+/// lists go up on the H2D stream, ahead of the copies.
 const RING_ISSUE_AHEAD: usize = 8;
 
 /// The streaming ring of one phase.
@@ -259,6 +261,9 @@ struct GpuSide<'a> {
     kv_wb_pass: Vec<Option<usize>>,
     /// Recorded after the last upload from [`MoeIo`]; the host waits for it before rewriting that buffer.
     moe_uploaded: Event,
+    /// Recorded after a MoE layer's expert inputs went up on the H2D stream (`expert_inputs_stream`); the
+    /// compute stream waits for it.
+    expert_inputs: Event,
     mark: Event,
     t0: Event,
     t0_ns: u64,
@@ -362,6 +367,25 @@ fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<Next
         _ => return Err(NotPreEnqueued::AttentionOnHost),
     };
     Ok(NextLayer { attn, router: next_router, ring, router_ring })
+}
+
+/// The stream that takes a MoE layer's expert inputs up (token lists and weights; the normed input and the
+/// residual where they are on the host), given every expert's location and the picked GPU experts: the H2D
+/// stream, ahead of the streamed experts' copies, where any is picked; else the compute stream.
+///
+/// On the compute stream, a prefill chunk's inputs (32 KB lists and more) were copied only once the H2D
+/// stream's queue of expert copies, though queued after them, drained or stalled on a ring slot's release,
+/// and every expert waited behind them: in run31's cell 69 (q4_0, 55 slots) each layer's first expert ran
+/// 1.8–2.9 ms after its copy, once 35–55 copies had landed, and the layer's last expert ended 1.0–2.3 ms
+/// after its last copy (44.8 of 268.6 ms TTFT over 23 layers); bf16 layers with 8 or 128 slots waited for the
+/// 8th or the 128th copy. A decode step's few hundred bytes did not wait (cell 96); on the H2D stream they
+/// would queue behind copies of later units where the layer streams nothing.
+fn expert_inputs_stream(locs: &[WeightLoc], gpu_experts: &[u32]) -> Stream {
+    if gpu_experts.iter().any(|&e| locs[e as usize] == WeightLoc::Streamed) {
+        Stream::H2d
+    } else {
+        Stream::Compute
+    }
 }
 
 impl Drop for GpuSide<'_> {
@@ -919,6 +943,7 @@ impl<'a> Exec<'a> {
         let t0 = gpu.event(true)?;
         let mark = gpu.event(false)?;
         let moe_uploaded = gpu.event(false)?;
+        let expert_inputs = gpu.event(false)?;
         let mut side = GpuSide {
             gpu,
             k,
@@ -930,6 +955,7 @@ impl<'a> Exec<'a> {
             kv_wb,
             kv_wb_pass: vec![None; d.n_layers],
             moe_uploaded,
+            expert_inputs,
             mark,
             t0,
             t0_ns: 0,
@@ -1401,14 +1427,17 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn ensure_dev(&mut self, lay: &PhaseLayout, m: usize) -> Result<()> {
+    /// Brings the residual stream to the GPU on `on` (the compute stream, or the H2D stream ahead of work
+    /// that the compute stream orders after it by an event).
+    fn ensure_dev(&mut self, lay: &PhaseLayout, m: usize, on: Stream) -> Result<()> {
         if self.h_on_dev {
             return Ok(());
         }
         let g = self.gpu.as_ref().expect("gpu");
         let n = m * self.d.hidden * 4;
-        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered and not written until the next host sync.
-        unsafe { g.gpu.h2d(Stream::Compute, g.base() + lay.scratch.h as u64, &self.h_host.as_slice()[..n])? };
+        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered and not written until the next host
+        // sync of the compute stream, which the copy precedes.
+        unsafe { g.gpu.h2d(on, g.base() + lay.scratch.h as u64, &self.h_host.as_slice()[..n])? };
         self.h_on_dev = true;
         Ok(())
     }
@@ -1638,10 +1667,18 @@ impl<'a> Exec<'a> {
         .flatten()
         .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
         // 3. GPU experts' token lists (and the normed input, if the router ran on the CPU) go up, before the
-        // streamed experts' copies are queued: behind them on the compute stream, the first pinned expert had
-        // waited for the layer's last copy (run22/run23, pshard MoE prefill, 2.7-4.5 ms a layer-chunk).
+        // streamed experts' copies are queued, on the stream `expert_inputs_stream` says; on the H2D stream,
+        // the compute stream waits for them by an event.
+        let up = expert_inputs_stream(locs, &gpu_experts);
         if !gpu_experts.is_empty() {
-            self.ensure_dev(lay, m)?;
+            if up == Stream::H2d {
+                // The uploads overwrite what the compute stream read last: ordered by an event, though that
+                // stream is idle since the routing.
+                let g = self.gpu.as_ref().expect("gpu");
+                g.gpu.record(&g.mark, Stream::Compute)?;
+                g.gpu.wait(Stream::H2d, &g.mark)?;
+            }
+            self.ensure_dev(lay, m, up)?;
             let mio = &mut self.moe_io;
             let (io_idx, io_w, io_xn) = (mio.idx, mio.w, mio.xn);
             let buf = mio.buf.as_mut_slice();
@@ -1673,20 +1710,25 @@ impl<'a> Exec<'a> {
             let (base, sc) = (g.base(), lay.scratch);
             let at = |o: usize| base + o as u64;
             let buf = self.moe_io.buf.as_slice();
-            // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is registered and
-            // rewritten only after `moe_uploaded` (recorded below) has completed.
+            // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is
+            // registered and rewritten only after `moe_uploaded` (recorded below on the compute stream, which
+            // waits for these uploads) has completed.
             unsafe {
-                g.gpu.h2d(Stream::Compute, at(sc.moe_idx), &buf[io_idx..io_idx + 4 * n])?;
-                g.gpu.h2d(Stream::Compute, at(sc.moe_w), &buf[io_w..io_w + 4 * n])?;
+                g.gpu.h2d(up, at(sc.moe_idx), &buf[io_idx..io_idx + 4 * n])?;
+                g.gpu.h2d(up, at(sc.moe_w), &buf[io_w..io_w + 4 * n])?;
                 if !xn_on_dev {
-                    g.gpu.h2d(Stream::Compute, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
+                    g.gpu.h2d(up, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
                 }
                 // moe_gbase/moe_gfirst hold m·top_k ≥ pinned (+ 1) entries (carved with `moe_grouped`).
                 if grouped_offsets.is_some() {
                     let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
-                    g.gpu.h2d(Stream::Compute, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
-                    g.gpu.h2d(Stream::Compute, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
+                    g.gpu.h2d(up, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
+                    g.gpu.h2d(up, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
                 }
+            }
+            if up == Stream::H2d {
+                g.gpu.record(&g.expert_inputs, Stream::H2d)?;
+                g.gpu.wait(Stream::Compute, &g.expert_inputs)?;
             }
         }
         self.tl.host(format!("route blk.{layer} ({m} tokens)"), Track::Host, t_route);
@@ -1695,9 +1737,8 @@ impl<'a> Exec<'a> {
                 gpu_experts.iter().copied().filter(|&e| locs[e as usize] == WeightLoc::Streamed).collect();
             self.expand_experts(layer, &streamed)?;
         }
-        // Pinned experts, then streamed ones as their ring slots free up.
-        // Under a host span: in run31 a layer's first streamed expert computed 2.5-3 ms after its copy (cell 69,
-        // q4_0 prefill), and the trace did not say how far the host's enqueue had got by then.
+        // Pinned experts, then streamed ones as their ring slots free up, under a host span: the host's pace
+        // apart from the device's (run31's trace could not tell them apart; see `expert_inputs_stream`).
         let enqueue_gpu_experts = |ex: &mut Self| -> Result<()> {
             let t = ex.tl.now_ns();
             let first = match grouped_offsets {
@@ -1837,7 +1878,7 @@ impl<'a> Exec<'a> {
         let UnitKind::Router(roff) = self.w.unit(step.unit).expect("router unit").kind else {
             unreachable!("router unit kind")
         };
-        self.ensure_dev(lay, m)?;
+        self.ensure_dev(lay, m, Stream::Compute)?;
         let (wb, slot) = self.weights_base(lay, step)?;
         let g = self.gpu.as_ref().expect("gpu");
         let (base, sc) = (g.base(), lay.scratch);
@@ -2110,7 +2151,7 @@ impl<'a> Exec<'a> {
 
     fn gpu_block(&mut self, lay: &PhaseLayout, step: &Step, pass_at: Pass, pass: usize) -> Result<()> {
         let m = pass_at.tokens(self.kv.seqs);
-        self.ensure_dev(lay, m)?;
+        self.ensure_dev(lay, m, Stream::Compute)?;
         let d = self.d;
         let joint = matches!(
             (step.unit, step.weights, step.kv),
@@ -2358,7 +2399,7 @@ impl<'a> Exec<'a> {
         m: usize,
         rows: usize,
     ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
-        self.ensure_dev(lay, m)?;
+        self.ensure_dev(lay, m, Stream::Compute)?;
         let d = self.d;
         let (wb, slot) = self.weights_base(lay, step)?;
         let uw = self.w.unit(step.unit).expect("weight unit");
@@ -2433,8 +2474,8 @@ impl<'a> Exec<'a> {
 #[cfg(test)]
 mod tests {
     use super::{
-        KvLoc, NextLayer, NotPreEnqueued, RingItem, Step, UnitId, WeightLoc, page_lock_choice,
-        pre_enqueue_steps,
+        KvLoc, NextLayer, NotPreEnqueued, RingItem, Step, Stream, UnitId, WeightLoc, expert_inputs_stream,
+        page_lock_choice, pre_enqueue_steps,
     };
 
     /// Layer 0 and 1 of a MoE model, both with attention and router pinned (KV pinned) and two CPU experts, then
@@ -2521,6 +2562,18 @@ mod tests {
         let mut dense = steps.clone();
         dense[5] = Step { unit: UnitId::Ffn { layer: 1 }, weights: WeightLoc::Pinned(0), kv: None };
         assert_eq!(pre_enqueue_steps(&dense, 1, true), Err(NoNextMoeLayer), "the next layer is dense");
+    }
+
+    /// A MoE layer's expert inputs go up on the H2D stream, ahead of the copies, where a streamed expert is
+    /// picked for the GPU: on the compute stream, the H200 copied them only after the layer's queue of expert
+    /// copies. Where none is, they stay on the compute stream, clear of other units' copies.
+    #[test]
+    fn expert_inputs_go_up_ahead_of_the_streamed_experts_copies() {
+        let locs = [WeightLoc::Pinned(0), WeightLoc::Streamed, WeightLoc::Cpu, WeightLoc::Streamed];
+        assert_eq!(expert_inputs_stream(&locs, &[0, 1, 3]), Stream::H2d);
+        assert_eq!(expert_inputs_stream(&locs, &[3]), Stream::H2d, "streamed only");
+        assert_eq!(expert_inputs_stream(&locs, &[0]), Stream::Compute, "pinned only");
+        assert_eq!(expert_inputs_stream(&locs, &[]), Stream::Compute, "no GPU expert picked");
     }
 
     /// Under a page-lock limit, streamed units are locked first, then the others in order while they fit;

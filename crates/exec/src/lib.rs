@@ -53,7 +53,8 @@
 //! - MoE layers (docs/DESIGN-NOTES.md, "exec: MoE layers"): the router runs where it is placed, its logits
 //!   come to the host, which routes and permutes the tokens; only picked experts run — GPU experts as
 //!   per-expert cuBLAS calls (streamed ones copied only when picked, through a ring placeholder expanded once
-//!   the routing is known), CPU experts meanwhile on the host. In decode steps the host queues the GPU work
+//!   the routing is known, behind their token lists on the same H2D stream), CPU experts meanwhile on the
+//!   host. In decode steps the host queues the GPU work
 //!   that follows a layer's CPU experts (their sum, the next layer's attention and router) while they run,
 //!   behind a wait on a host flag it opens once the sum is written ([`PreEnqueue`]). By default
 //!   ([`GroupedExperts`]; 2.51 → 1.05–1.35 ms a qwen3-30b-a3b@4L bf16 decode step on the H200), steps of at

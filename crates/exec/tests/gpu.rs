@@ -1350,3 +1350,47 @@ fn pre_enqueued_decode_matches_launching_after_the_cpu_experts() {
         }
     }
 }
+
+/// A MoE prefill's streamed experts compute as their copies land: each layer's first expert starts before the
+/// layer's 4th expert copy has ended (here 16 slots). With its token lists (32 KB for a 1008-token chunk)
+/// uploaded on the compute stream, the first expert had waited until the H2D stream's queue of expert copies
+/// drained or stalled on a ring slot's release: in validation run31, after the 2nd to the 128th copy with
+/// rings of 2 to 128 slots (`engine::expert_inputs_stream`).
+#[test]
+fn streamed_experts_of_a_prefill_compute_as_their_copies_land() {
+    let Some((_, gpu)) = device() else { return };
+    let spec = catalog::get("qwen3-30b-a3b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
+    let plan = manual_plan(&spec, Workload::single(1008, 1024, 1, 1024), 8 * GIB, 0, 16, threads, |_, u| {
+        if matches!(u, UnitId::Expert { .. }) { Placement::Streamed } else { Placement::Pinned }
+    });
+    let prompt = random_tokens(1008, w.dims.vocab, 5);
+    let out = run(&w, &plan, Some(&gpu), &opts(&prompt, 1, None)).unwrap();
+    for layer in 0..w.dims.n_layers {
+        let spans = |prefix: String| {
+            let mut s: Vec<(f64, f64)> = out
+                .trace
+                .events
+                .iter()
+                .filter(|e| e.name.starts_with(&prefix))
+                .map(|e| (e.ts, e.ts + e.dur.unwrap_or(0.0)))
+                .collect();
+            s.sort_by(|a, b| a.0.total_cmp(&b.0));
+            s
+        };
+        // The prefill's come first: the decode step's copies and experts follow.
+        let copies = spans(format!("copy blk.{layer}.expert."));
+        let first = spans(format!("gpu blk.{layer}.expert."))[0].0;
+        assert!(copies.len() >= 4, "layer {layer}: {} expert copies", copies.len());
+        let landed = copies.iter().filter(|c| c.1 <= first).count();
+        eprintln!(
+            "layer {layer}: first expert {:.0} µs after its copy ({landed} copies landed by then)",
+            first - copies[0].1
+        );
+        assert!(
+            first < copies[3].1,
+            "layer {layer}: the first expert started after {landed} copies had landed"
+        );
+    }
+}
