@@ -261,6 +261,8 @@ struct GpuSide<'a> {
     kv_wb_pass: Vec<Option<usize>>,
     /// Recorded after the last upload from [`MoeIo`]; the host waits for it before rewriting that buffer.
     moe_uploaded: Event,
+    /// The device address of the mapped `h_host` ([`Gpu::register_mapped`]).
+    h_host_dev: u64,
     /// Recorded after a MoE layer's expert inputs went up on the H2D stream (`expert_inputs_stream`); the
     /// compute stream waits for it.
     expert_inputs: Event,
@@ -843,10 +845,14 @@ impl<'a> Exec<'a> {
         // VRAM (1/512 of the locked bytes on the H200), which then counts in the runtime overhead.
         let mut regs = Vec::new();
         // Staging buffers first: small, and the host reads them right after asynchronous copies.
-        for b in self.host_kv.iter().chain([&self.h_host, &self.io.buf, &self.moe_io.buf, &self.attn_io]) {
+        for b in self.host_kv.iter().chain([&self.io.buf, &self.moe_io.buf, &self.attn_io]) {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
+        // The residual stream's host copy is mapped too: `ensure_dev` reads it by a kernel (`Gpu::copy_mapped`).
+        // SAFETY: as above.
+        let (reg, h_host_dev) = unsafe { gpu.register_mapped(&self.h_host)? };
+        regs.push(reg);
         // Pre-enqueue gates the work after CPU experts, which only MoE decode plans with CPU experts have.
         let cpu_experts = plan
             .decode
@@ -955,6 +961,7 @@ impl<'a> Exec<'a> {
             kv_wb,
             kv_wb_pass: vec![None; d.n_layers],
             moe_uploaded,
+            h_host_dev,
             expert_inputs,
             mark,
             t0,
@@ -1427,17 +1434,26 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    /// Brings the residual stream to the GPU on `on` (the compute stream, or the H2D stream ahead of work
-    /// that the compute stream orders after it by an event).
+    /// Brings the residual stream to the GPU on `on`: on the compute stream by a kernel reading the mapped
+    /// host copy, or as a copy on the H2D stream ahead of work that the compute stream orders after it by an
+    /// event. A copy on the compute stream waited for the H2D stream's queue of weight copies to drain: in
+    /// run31 a prefill chunk's embedding reached the GPU 5-10 ms late behind streamed FFNs (nemo-8b@8L at 3 GB:
+    /// TTFT 9-15 % over the prediction).
     fn ensure_dev(&mut self, lay: &PhaseLayout, m: usize, on: Stream) -> Result<()> {
         if self.h_on_dev {
             return Ok(());
         }
         let g = self.gpu.as_ref().expect("gpu");
         let n = m * self.d.hidden * 4;
-        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered and not written until the next host
-        // sync of the compute stream, which the copy precedes.
-        unsafe { g.gpu.h2d(on, g.base() + lay.scratch.h as u64, &self.h_host.as_slice()[..n])? };
+        let dst = g.base() + lay.scratch.h as u64;
+        // SAFETY: scratch.h holds ≥ m·hidden f32; h_host is registered (and mapped at h_host_dev) and not
+        // written until the next host sync of the compute stream, which the copy precedes.
+        unsafe {
+            match on {
+                Stream::Compute => g.gpu.copy_mapped(&g.k, dst, g.h_host_dev, n)?,
+                _ => g.gpu.h2d(on, dst, &self.h_host.as_slice()[..n])?,
+            }
+        }
         self.h_on_dev = true;
         Ok(())
     }

@@ -1394,3 +1394,40 @@ fn streamed_experts_of_a_prefill_compute_as_their_copies_land() {
         );
     }
 }
+
+/// A prefill chunk's embedding, computed on the CPU, reaches the GPU while streamed FFNs are being copied: the
+/// first attention starts before the first FFN copy (283 MB, ≈ 5 ms) has ended. Uploaded by a copy on the
+/// compute stream, it had waited until the H2D stream's queue drained: in validation run31 (nemo-8b@8L at 3 GB,
+/// FFNs streamed through 1 or 2 slots) the first attention started after one or two whole FFN copies, 5-10 ms
+/// late (`Exec::ensure_dev` now reads the host copy by a kernel).
+#[test]
+fn a_cpu_embedding_reaches_the_gpu_while_ffns_stream() {
+    let Some((_, gpu)) = device() else { return };
+    let spec = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(4).unwrap();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
+    let plan =
+        manual_plan(&spec, Workload::single(1008, 1024, 1, 1024), 8 * GIB, 0, 2, threads, |_, u| match u {
+            UnitId::TokenEmbd => Placement::Cpu,
+            UnitId::Ffn { layer } if layer >= 2 => Placement::Streamed,
+            _ => Placement::Pinned,
+        });
+    let prompt = random_tokens(1008, w.dims.vocab, 5);
+    let out = run(&w, &plan, Some(&gpu), &opts(&prompt, 1, None)).unwrap();
+    let first = |prefix: &str| {
+        out.trace
+            .events
+            .iter()
+            .filter(|e| e.name.starts_with(prefix))
+            .map(|e| (e.ts, e.ts + e.dur.unwrap_or(0.0)))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap_or_else(|| panic!("no `{prefix}` span"))
+    };
+    let (attn, copy) = (first("gpu blk.0.attn"), first("copy blk.2.ffn"));
+    eprintln!(
+        "blk.0 attention starts {:.0} µs after the first FFN copy did, {:.0} µs before it ends",
+        attn.0 - copy.0,
+        copy.1 - attn.0
+    );
+    assert!(attn.0 < copy.1, "blk.0's attention waited for the FFN copy: starts {attn:?}, copy {copy:?}");
+}

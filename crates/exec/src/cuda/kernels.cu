@@ -137,6 +137,29 @@ extern "C" __global__ void spin(u64 ns) {
 }
 
 // x[i] += b[i % dim] for n elements.
+// Copies n bytes from host memory mapped into the device's address space (a buffer registered with
+// CU_MEMHOSTREGISTER_DEVICEMAP) to device memory, with the SMs' loads over PCIe, in the stream's order and
+// outside the copy engines: an upload on the compute stream waits there until the H2D stream's queue of weight
+// copies drains or stalls. Four 16-byte loads in flight a thread, as reads over PCIe are latency-bound.
+extern "C" __global__ void copy_mapped(unsigned char* __restrict__ dst, const unsigned char* __restrict__ src,
+                                       u64 n) {
+    const u64 n16 = n / 16;
+    const uint4* s = (const uint4*)src;
+    uint4* d = (uint4*)dst;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 i = t;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+        d[i] = a;
+        d[i + stride] = b;
+        d[i + 2 * stride] = c;
+        d[i + 3 * stride] = e;
+    }
+    for (; i < n16; i += stride) d[i] = s[i];
+    if (t < n % 16) dst[n16 * 16 + t] = src[n16 * 16 + t];
+}
+
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int dim, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % dim];

@@ -107,6 +107,7 @@ pub struct Kernels {
     norm_act: CudaFunction,
     rmsnorm_rows_f32: CudaFunction,
     add_bias: CudaFunction,
+    copy_mapped: CudaFunction,
     spin: CudaFunction,
     rope: CudaFunction,
     store_kv: CudaFunction,
@@ -383,6 +384,22 @@ impl Gpu {
         unsafe { self.register_with(buf, 0) }
     }
 
+    /// [`Gpu::register`], and maps `buf` into the device's address space: the device address of its first
+    /// byte comes back, for kernels that read it over PCIe ([`Gpu::copy_mapped`]).
+    ///
+    /// # Safety
+    /// As [`Gpu::register`].
+    pub unsafe fn register_mapped(&self, buf: &HostBuf) -> Result<(HostRegistration, u64)> {
+        // SAFETY: forwarded from the caller.
+        let reg = unsafe { self.register_with(buf, sys::CU_MEMHOSTREGISTER_DEVICEMAP) }?;
+        let mut dev = 0;
+        // SAFETY: `buf` was registered with DEVICEMAP just above; `dev` is a live out-parameter.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut dev, buf.as_ptr().cast(), 0) }
+            .result()
+            .map_err(driver_err("cuMemHostGetDevicePointer"))?;
+        Ok((reg, dev))
+    }
+
     /// [`Gpu::register`] with `cuMemHostRegister` flags.
     ///
     /// # Safety
@@ -406,12 +423,7 @@ impl Gpu {
         let buf = HostBuf::zeroed(4);
         // SAFETY: the flag owns `buf` and declares the guard first, so it unregisters before the buffer is freed;
         // the buffer is new, so registered once.
-        let reg = unsafe { self.register_with(&buf, sys::CU_MEMHOSTREGISTER_DEVICEMAP) }?;
-        let mut dev = 0;
-        // SAFETY: `buf` was registered with DEVICEMAP just above; `dev` is a live out-parameter.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut dev, buf.as_ptr().cast(), 0) }
-            .result()
-            .map_err(driver_err("cuMemHostGetDevicePointer"))?;
+        let (reg, dev) = unsafe { self.register_mapped(&buf) }?;
         let flag = HostFlag { _reg: reg, buf, dev };
         // SAFETY: the flag lives past the sync below, and holds 0, which the wait for ≥ 0 is satisfied by.
         unsafe { self.wait_flag(Stream::Compute, &flag, 0)? };
@@ -571,6 +583,7 @@ impl Gpu {
             norm_act: f("norm_act")?,
             rmsnorm_rows_f32: f("rmsnorm_rows_f32")?,
             add_bias: f("add_bias")?,
+            copy_mapped: f("copy_mapped")?,
             spin: f("spin")?,
             rope: f("rope")?,
             store_kv: f("store_kv")?,
@@ -995,6 +1008,23 @@ impl Gpu {
         }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel(add_bias)"))
+    }
+
+    /// Copies `bytes` from mapped host memory (`src`, a device address from [`Gpu::register_mapped`]) to `dst`
+    /// on the compute stream, by a kernel rather than a copy engine (see `copy_mapped` in kernels.cu).
+    ///
+    /// # Safety
+    /// `src..src + bytes` must lie in a live mapped registration, `dst..dst + bytes` in a live device
+    /// allocation, and the host must not write the source until the copy has run.
+    pub unsafe fn copy_mapped(&self, k: &Kernels, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let n = bytes as u64;
+        // Enough threads for four 16-byte loads each, up to 8 blocks an SM of the largest parts.
+        let mut cfg = threads_for(n.div_ceil(64), 256);
+        cfg.grid_dim.0 = cfg.grid_dim.0.min(132 * 8);
+        // SAFETY: as documented.
+        unsafe { self.compute.launch_builder(&k.copy_mapped).arg(&dst).arg(&src).arg(&n).launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(copy_mapped)"))
     }
 
     /// Holds the compute stream for `ns` nanoseconds, so that what the host enqueues meanwhile runs back to
