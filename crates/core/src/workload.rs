@@ -695,6 +695,79 @@ pub fn attention_key_splits(ctx: u64, tokens: u64, decode: bool, q_heads: u32) -
     }
 }
 
+/// Alignment of the executor's scratch regions (`pipeshard-exec`'s `REGION_ALIGN_BYTES`).
+pub const EXEC_REGION_ALIGN_BYTES: u64 = 256;
+
+/// The scratch our executor carves for a phase of `tokens` tokens a step, `logit_rows` of which produce a token
+/// (1 in prefill, every sequence's in decode), over a context of `ctx` keys, region by region as
+/// `pipeshard-exec`'s `layout::carve_scratch` lays it out (a test there holds the two equal): the residual
+/// stream in f32, the normed input in the activation type (bf16 or f16; quantised models compute in bf16),
+/// the logits rows, then the largest of the attention temporaries (q, k, v in f32 and the split partials), a
+/// dense FFN's (up and gate in f32, the activation in the activation type) and a MoE layer's. The simulator
+/// predicts our runtime's VRAM with it; planners keep [`scratch_parts`], which covers it.
+#[must_use]
+pub fn exec_scratch_bytes(spec: &ModelSpec, tokens: u64, logit_rows: u64, ctx: u64) -> u64 {
+    let t = &spec.text;
+    let (m, act) = (tokens, 2);
+    let (q_dim, kv_dim) = (u64::from(t.n_heads) * t.head_dim, u64::from(t.n_kv_heads) * t.head_dim);
+    let splits = attention_key_splits(ctx, m, logit_rows == m, t.n_heads);
+    let align = |x: u64| x.next_multiple_of(EXEC_REGION_ALIGN_BYTES);
+    let rot_dims = {
+        let r = (t.head_dim as f64 * t.partial_rotary).round() as u64;
+        r - r % 2
+    };
+    let fixed = [
+        m * 4,
+        (logit_rows * 4).max(16),
+        rot_dims / 2 * 4 + 4,
+        m * t.hidden * 4,
+        m * t.hidden.max(q_dim) * act,
+        logit_rows * t.vocab * 4,
+    ]
+    .into_iter()
+    .map(align)
+    .sum::<u64>();
+    let mut attn = align(m * q_dim * 4) + 2 * align(m * kv_dim * 4);
+    if splits > 1 {
+        let heads = m * u64::from(t.n_heads) * splits;
+        attn += align(heads * t.head_dim * 4) + align(heads * 2 * 4);
+    }
+    let dense_ffn = (0..t.n_layers).any(|l| !spec.layer_is_moe(l));
+    let ffn = if dense_ffn {
+        let gate = if t.ffn_kind == FfnKind::SwiGlu { align(m * t.ffn * 4) } else { 0 };
+        align(m * t.ffn * 4) + gate + align(m * t.ffn * act)
+    } else {
+        0
+    };
+    let moe = t.moe.as_ref().map_or(0, |e| {
+        let fe = e.expert_ffn;
+        let k = u64::from(e.top_k);
+        let mut b = [
+            m * u64::from(e.n_experts) * 4,
+            m * k * 4,
+            m * k * 4,
+            m * t.hidden * act,
+            2 * m * fe * 4,
+            m * fe * act,
+            m * t.hidden * 4,
+        ]
+        .into_iter()
+        .map(align)
+        .sum::<u64>();
+        // The grouped decode experts' entries (`grouped_experts_fit` in the executor).
+        let grouped = !spec.weights.attn_q.is_quantized()
+            && m <= GROUPED_EXPERTS_MAX_TOKENS
+            && t.hidden.is_multiple_of(8)
+            && fe.is_multiple_of(8);
+        if grouped {
+            let entries = m * k;
+            b += align(entries * 8) + align((entries + 1) * 4) + align(entries * fe * act);
+        }
+        b
+    });
+    fixed + attn.max(ffn).max(moe)
+}
+
 /// The terms of the scratch a phase needs (see [`scratch_bytes`]).
 #[must_use]
 pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchParts {

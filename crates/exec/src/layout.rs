@@ -21,7 +21,7 @@ use crate::seqs::SeqKv;
 use crate::weights::{Dims, ModelWeights};
 
 /// Alignment of every region in the arena.
-pub const REGION_ALIGN_BYTES: usize = 256;
+pub const REGION_ALIGN_BYTES: usize = pipeshard_core::workload::EXEC_REGION_ALIGN_BYTES as usize;
 
 fn align(x: usize) -> usize {
     x.next_multiple_of(REGION_ALIGN_BYTES)
@@ -761,6 +761,30 @@ mod tests {
         assert!(d.pinned_offset(UnitId::Expert { layer: 0, expert: 0 }).is_some());
         assert_ne!(p.kv_offset(0), d.kv_offset(0), "only layer 1's KV is shared");
     }
+    /// Core's `exec_scratch_bytes`, with which the simulator predicts our runtime's VRAM, is this carve's size.
+    #[test]
+    fn core_predicts_the_carved_scratch() {
+        use pipeshard_core::dtype::DType;
+        for name in ["nemo-8b", "qwen3-30b-a3b", "nemo-4b", "llama-3.1-8b", "qwen3-235b-a22b"] {
+            for dtype in [DType::Bf16, DType::F16, DType::Q4_0] {
+                let spec = pipeshard_core::catalog::get(name).unwrap().with_uniform_weights(dtype);
+                let d = crate::weights::Dims::new(&spec).unwrap();
+                // Prefill chunks (one logits row) and decode steps of 1 to 64 sequences.
+                let shapes = [(1024, 1), (512, 1), (37, 1), (1, 1), (4, 4), (8, 8), (16, 16), (64, 64)];
+                for ((m, rows), ctx) in shapes.into_iter().flat_map(|s| [1024, 8192, 32768].map(|c| (s, c))) {
+                    let carved = scratch_layout(&d, m, rows, ctx, 0).bytes as u64;
+                    let core = pipeshard_core::workload::exec_scratch_bytes(
+                        &spec,
+                        m as u64,
+                        rows as u64,
+                        ctx as u64,
+                    );
+                    assert_eq!(core, carved, "{name} {dtype}: {m} tokens, {rows} logits rows, ctx {ctx}");
+                }
+            }
+        }
+    }
+
     /// The planner's scratch line (core's `scratch_bytes`) covers the executor's scratch in decode, where the
     /// split-attention partials grow with the context (a nemo-8b 8K decode plan was refused for them).
     #[test]

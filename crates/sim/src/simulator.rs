@@ -780,13 +780,25 @@ impl<'a> Simulator<'a> {
         }
         busy[1] += switch_ns;
 
-        // GPU scratch: the largest step's activations (core's `scratch_parts`), counting only the terms of
-        // the work that runs on the GPU: attention temporaries (the score matrix without flash attention) stay
-        // on the host when every attention runs on the CPU, as llama.cpp keeps KQ of CPU layers there.
+        // GPU scratch: the largest step's activations. Our executor's as it carves them (core's
+        // `exec_scratch_bytes`: 46 MiB less than `scratch_parts` for nemo-8b's 1024-token chunk, which had put
+        // 15 of validation run32's cells 4-6 % over their measured peak); llama.cpp's from `scratch_parts`,
+        // counting only the terms of the work that runs on the GPU: attention temporaries (the score matrix
+        // without flash attention) stay on the host when every attention runs on the CPU, as llama.cpp keeps KQ
+        // of CPU layers there.
         let scratch = |view: &PhaseView, phases: &[Phase]| {
             phases
                 .iter()
-                .map(|&p| view.gpu_scratch_bytes(&workload::scratch_parts(self.spec, w, p)))
+                .map(|&p| match self.runtime {
+                    Runtime::Ours if view.uses_gpu() => {
+                        let rows = if matches!(p, Phase::Prefill { .. }) { 1 } else { p.tokens() };
+                        workload::exec_scratch_bytes(self.spec, p.tokens(), rows, w.ctx)
+                    }
+                    Runtime::Ours => 0,
+                    Runtime::Stock | Runtime::Artifact => {
+                        view.gpu_scratch_bytes(&workload::scratch_parts(self.spec, w, p))
+                    }
+                })
                 .max()
                 .unwrap_or(0)
         };

@@ -8,7 +8,7 @@ use pipeshard_core::inventory::{Inventory, UnitId};
 use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::workload::{self, Op, Phase, Workload};
 use pipeshard_sim::graph::TaskKind;
-use pipeshard_sim::{Lane, Simulator};
+use pipeshard_sim::{Lane, Runtime, Simulator};
 
 const SHAPE: PhaseShape = PhaseShape { pipeline_depth: 0, op_offload: false, cpu_threads: 8 };
 
@@ -417,7 +417,7 @@ fn decode_steps_overlap_the_next_steps_copies() {
 }
 
 /// Without flash attention the score matrix is the largest temporary at long context; it is GPU scratch only
-/// when some attention runs on the GPU (llama.cpp keeps KQ of CPU layers on the host).
+/// when some attention runs on the GPU (llama.cpp keeps KQ of CPU layers on the host): llama.cpp's runtimes.
 #[test]
 fn attention_scratch_counts_only_where_attention_runs() {
     let cost = FixedCost::plain(0.01, 20.0);
@@ -439,6 +439,7 @@ fn attention_scratch_counts_only_where_attention_runs() {
         let p = plan(&spec, &w, SHAPE, place);
         Simulator::new(&spec, &p, &cost)
             .unwrap()
+            .with_runtime(Runtime::Stock)
             .run(&pipeshard_sim::SimOptions::default())
             .metrics
             .vram_peak
@@ -454,7 +455,7 @@ fn attention_scratch_counts_only_where_attention_runs() {
 }
 
 /// A MoE layer's router on the GPU beside its attention (pshard's ATTN_PRIO strategies) makes no FFN
-/// intermediates there while its experts run on the CPU.
+/// intermediates there while its experts run on the CPU: the artifact's runtime.
 #[test]
 fn a_router_alone_on_the_gpu_needs_no_ffn_scratch() {
     let cost = FixedCost::plain(0.01, 20.0);
@@ -467,6 +468,7 @@ fn a_router_alone_on_the_gpu_needs_no_ffn_scratch() {
     let p = plan(&spec, &w, SHAPE, &attn_and_router);
     let scratch = Simulator::new(&spec, &p, &cost)
         .unwrap()
+        .with_runtime(Runtime::Artifact)
         .run(&pipeshard_sim::SimOptions::default())
         .metrics
         .vram_peak
@@ -486,6 +488,35 @@ fn a_router_alone_on_the_gpu_needs_no_ffn_scratch() {
         "the test needs FFN to dominate"
     );
     assert_eq!(scratch, peak);
+}
+
+/// Our runtime's scratch is what our executor carves for the largest step (core's `exec_scratch_bytes`): a
+/// prefill chunk of 1024 tokens with one logits row, whatever runs where, and the same in every phase that uses
+/// the GPU; a phase all on the CPU takes none.
+#[test]
+fn our_scratch_is_the_executors_carve_of_the_largest_step() {
+    let cost = FixedCost::plain(0.01, 20.0);
+    for name in ["nemo-4b", "qwen3-30b-a3b"] {
+        let spec = small(name, 2);
+        let w = Workload::single(3000, 4096, 4, 1024);
+        let chunk = workload::exec_scratch_bytes(&spec, 1024, 1, w.ctx);
+        let decode = workload::exec_scratch_bytes(&spec, 1, 1, w.ctx);
+        for (what, place) in
+            [("all pinned", uniform(Placement::Pinned)), ("all streamed", uniform(Placement::Streamed))]
+        {
+            let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &place);
+            let sim = Simulator::new(&spec, &p, &cost).unwrap().run(&pipeshard_sim::SimOptions::default());
+            assert_eq!(sim.vram_used[0].scratch_bytes, chunk, "{name} {what}: prefill");
+            assert_eq!(sim.vram_used[1].scratch_bytes, decode, "{name} {what}: decode");
+        }
+        let p = plan(&spec, &w, SHAPE, &uniform(Placement::Cpu));
+        let sim = Simulator::new(&spec, &p, &cost).unwrap().run(&pipeshard_sim::SimOptions::default());
+        assert_eq!(sim.vram_used[0].scratch_bytes, 0, "{name}: all on the CPU");
+        assert!(
+            chunk < workload::scratch_bytes(&spec, &w, w.prefill_chunks()[0]),
+            "{name}: planners cover it"
+        );
+    }
 }
 
 /// One phase simulated alone takes what the whole run reports for it.
