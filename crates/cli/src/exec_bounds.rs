@@ -377,8 +377,7 @@ pub fn decode_bounds(
     });
     // The plan's streamed units are read from the same DRAM by the copy engine while the CPU reads its
     // experts, so the host's whole read per token bounds the step too.
-    let streamed_bytes =
-        h2d_in_steps(&out.trace).bytes as f64 / steady_steps(&out.trace).len().max(1) as f64;
+    let streamed_bytes = h2d_in_steps(&out.trace).bytes as f64 / steady_steps(&out.trace).len().max(1) as f64;
     rows.push(BoundRow {
         bound: "DRAM read ÷ host bytes per token (CPU reads + H2D copies)".into(),
         workload,
