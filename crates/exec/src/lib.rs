@@ -46,6 +46,10 @@
 //!   from the top, slots/staging/scratch between: a unit keeps its address across phases when both pin it.
 //! - The ring follows the core's `PhasePlan::stream_groups`: a streamed attention carries its streamed KV in
 //!   the same slot; slots are reused round-robin and released in issue order; only events order the streams.
+//! - Activations never queue behind weight copies: on the H200 a copy on the compute stream ran only once the
+//!   H2D stream's queue of copies drained or stalled, so the residual stream goes up by a kernel reading its
+//!   mapped host copy ([`cuda::Gpu::copy_mapped`]) and a MoE layer's expert inputs ahead of its expert copies
+//!   on the H2D stream.
 //! - `op_offload` (llama.cpp's baseline): the weights of CPU-placed attention/FFN of a prefill ubatch ≥ 32
 //!   tokens are staged whole into a staging area on the compute stream and their matmuls run on the GPU — not
 //!   overlapped, as in llama.cpp; attention itself stays with the host KV cache on the CPU (q, k, v come down,
