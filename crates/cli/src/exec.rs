@@ -345,7 +345,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         }
         (None, None) => bail!("--model or --plan is required"),
     };
-    let spec = spec_for(args, &model_name)?;
+    let mut spec = spec_for(args, &model_name)?;
     let prompt_tokens = parse_tokens(&args.prompt_tokens)?;
     let pinned_limit_bytes = args
         .page_lock_limit
@@ -401,6 +401,28 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
             let json =
                 std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             plans.push(Ok(Plan::from_json(&path.display().to_string(), &json).map_err(anyhow::Error::msg)?));
+        }
+        // A saved plan's unit bytes follow from the formats it was made for (`Plan::weights`): run those, not
+        // the catalog's (a file's own formats are converted as `spec_for` says).
+        let mut adopted: Option<&Plan> = None;
+        for plan in plans.iter().flatten() {
+            let Some(recorded) =
+                plan.weights.as_ref().filter(|w| **w != spec.weights && spec.stored.is_empty())
+            else {
+                continue;
+            };
+            if let Some(w) = &args.weights {
+                bail!(
+                    "--weights {w}: {} was planned with {} matrices; drop --weights, or plan again with it",
+                    plan.model,
+                    recorded.attn_q
+                );
+            }
+            if let Some(first) = adopted {
+                bail!("the plans were made for different formats ({} and {})", first.model, plan.model);
+            }
+            spec = spec.with_weights(recorded.clone());
+            adopted = Some(plan);
         }
     }
     let t = Instant::now();

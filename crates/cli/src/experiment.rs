@@ -616,6 +616,17 @@ pub fn resolve_model(name: &str) -> anyhow::Result<ModelSpec> {
     }
 }
 
+/// The model a saved plan was made for: its `model` resolved and stored in the formats the plan records (a
+/// plan's unit bytes follow from them: a plan made with `--weights bf16` for a catalog model whose paper
+/// formats are q4_0 had been simulated again in q4_0).
+pub fn plan_model(plan: &pipeshard_core::plan::Plan) -> anyhow::Result<ModelSpec> {
+    let spec = resolve_model(&plan.model)?;
+    Ok(match &plan.weights {
+        Some(recorded) if *recorded != spec.weights => spec.with_weights(recorded.clone()),
+        _ => spec,
+    })
+}
+
 /// One point of a grid: a workload, a budget and a planner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cell {
@@ -671,6 +682,31 @@ impl Cell {
 mod tests {
     use super::*;
     use pipeshard_core::inventory::Inventory;
+
+    /// A saved plan is simulated in the formats it was made for, not in the catalog's (qwen3-30b-a3b's are
+    /// the paper's Q4_0 mix): a bf16 plan read back resolves to bf16 units of the plan's bytes; one saved before the formats
+    /// were recorded resolves to the model's own.
+    #[test]
+    fn a_saved_plan_resolves_to_the_formats_it_was_made_for() {
+        use pipeshard_core::cost::TableCostModel;
+        let spec = resolve_model("qwen3-30b-a3b@2L").unwrap().with_uniform_weights(DType::Bf16);
+        let cost = TableCostModel::new(&crate::args::load_profile("cli3").unwrap());
+        let plan = pipeshard_planner::by_name("pshard")
+            .unwrap()
+            .plan(&spec, &Workload::single(1000, 2048, 16, 1024), &cost, 8 << 30)
+            .unwrap();
+        let json = serde_json::to_string(&plan).unwrap();
+        let read = pipeshard_core::plan::Plan::from_json("plan.json", &json).unwrap();
+        let resolved = plan_model(&read).unwrap();
+        assert_eq!(resolved.weights, spec.weights);
+        assert_eq!(Inventory::new(&resolved).total_bytes(), Inventory::new(&spec).total_bytes());
+        let mut old: serde_json::Value = serde_json::from_str(&json).unwrap();
+        old.as_object_mut().unwrap().remove("weights");
+        let old = pipeshard_core::plan::Plan::from_json("old.json", &old.to_string()).unwrap();
+        let own = resolve_model("qwen3-30b-a3b@2L").unwrap().weights;
+        assert_ne!(own, spec.weights);
+        assert_eq!(plan_model(&old).unwrap().weights, own);
+    }
 
     #[test]
     fn experiment_files_parse_and_expand() {

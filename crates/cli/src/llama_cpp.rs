@@ -458,6 +458,7 @@ impl Flags {
             schema_version: PLAN_SCHEMA_VERSION,
             planner: "llama.cpp".into(),
             model: spec.name.clone(),
+            weights: Some(spec.weights.clone()),
             budget_bytes,
             workload,
             prefill: phase(PhaseKind::Prefill),

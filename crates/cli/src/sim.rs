@@ -186,7 +186,14 @@ fn run_one(a: &RunArgs) -> anyhow::Result<()> {
     let (spec, plan) = if let Some(path) = &a.plan {
         let json = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let plan = Plan::from_json(&path.display().to_string(), &json).map_err(anyhow::Error::msg)?;
-        (resolve_model(&plan.model)?, plan)
+        if plan.weights.is_none() {
+            eprintln!(
+                "note: {} records no weight formats (saved before they were recorded); simulating {} in its own",
+                path.display(),
+                plan.model
+            );
+        }
+        (crate::experiment::plan_model(&plan)?, plan)
     } else {
         let model = a.model.as_deref().expect("clap requires --model without --plan");
         let spec = model_with_weights(model, a.weights.as_deref())?;
@@ -467,6 +474,7 @@ mod tests {
             schema_version: PLAN_SCHEMA_VERSION,
             planner: "hand".into(),
             model: spec.name.clone(),
+            weights: Some(spec.weights.clone()),
             budget_bytes: 4 << 30,
             workload: w,
             prefill: phase(PhaseKind::Prefill, 512, prefill_scratch),

@@ -289,7 +289,13 @@ impl ModelSpec {
     /// The same architecture with every matrix stored as `dtype` (norms f32), forgetting the file's formats.
     #[must_use]
     pub fn with_uniform_weights(&self, dtype: DType) -> ModelSpec {
-        ModelSpec { weights: WeightFormat::uniform(dtype), stored: Vec::new(), ..self.clone() }
+        self.with_weights(WeightFormat::uniform(dtype))
+    }
+
+    /// The same model stored in `weights` (what a file's tensors say of their formats no longer applies).
+    #[must_use]
+    pub fn with_weights(&self, weights: WeightFormat) -> ModelSpec {
+        ModelSpec { weights, stored: Vec::new(), ..self.clone() }
     }
 }
 

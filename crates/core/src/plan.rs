@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::inventory::{Inventory, UnitId};
+use crate::model::WeightFormat;
 use crate::workload::Workload;
 
 /// The plan schema version this build reads and writes.
@@ -199,6 +200,11 @@ pub struct Plan {
     pub schema_version: u32,
     pub planner: String,
     pub model: String,
+    /// The storage formats the plan was made for: `model` resolves to its own formats (a catalog model's are
+    /// the paper's), which `--weights` may have replaced, and every unit's bytes follow from them. `None` in
+    /// plans saved before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightFormat>,
     pub budget_bytes: u64,
     pub workload: Workload,
     pub prefill: PhasePlan,
@@ -423,6 +429,7 @@ mod tests {
             schema_version: PLAN_SCHEMA_VERSION,
             planner: "test".into(),
             model: spec.name.clone(),
+            weights: Some(spec.weights.clone()),
             budget_bytes: GIB,
             workload: Workload::single(1000, 2048, 100, 512),
             prefill: phase(&inv, PhaseKind::Prefill, |_| Placement::Cpu),

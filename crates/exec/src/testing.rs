@@ -165,6 +165,7 @@ pub fn manual_plan(
         schema_version: PLAN_SCHEMA_VERSION,
         planner: "manual".into(),
         model: spec.name.clone(),
+        weights: Some(spec.weights.clone()),
         budget_bytes,
         workload,
         prefill: phase_plan(PhaseKind::Prefill),

@@ -252,6 +252,7 @@ pub(crate) fn assemble(
         schema_version: PLAN_SCHEMA_VERSION,
         planner: planner.into(),
         model: spec.name.clone(),
+        weights: Some(spec.weights.clone()),
         budget_bytes,
         workload: *workload,
         prefill: est.phase_plan(inv, PhaseKind::Prefill, &d.prefill, d.prefill_vram, d.prefill_op_offload),

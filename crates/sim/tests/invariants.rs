@@ -234,6 +234,7 @@ proptest! {
             schema_version: PLAN_SCHEMA_VERSION,
             planner: "random".into(),
             model: spec.name.clone(),
+            weights: Some(spec.weights.clone()),
             budget_bytes: prefill.vram.total().max(decode.vram.total()),
             workload: w,
             prefill,

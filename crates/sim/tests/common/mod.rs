@@ -206,6 +206,7 @@ pub fn plan(spec: &ModelSpec, w: &Workload, shape: PhaseShape, place: &dyn Fn(Un
         schema_version: PLAN_SCHEMA_VERSION,
         planner: "hand".into(),
         model: spec.name.clone(),
+        weights: Some(spec.weights.clone()),
         budget_bytes,
         workload: *w,
         prefill,
