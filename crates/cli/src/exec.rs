@@ -131,9 +131,14 @@ pub struct RunArgs {
     /// five launches an expert (`off`). `--check`'s all-pinned reference always runs them per expert.
     #[arg(long, value_enum, default_value = "on")]
     grouped_experts: Toggle,
+    /// One-token steps over bf16/f16 matrices: run their GEMVs as exec's decode GEMV, with a unit's input norm
+    /// and FFN activation folded in (`on`, the default), or as cuBLAS GEMMs with the norm and activation as
+    /// kernels of their own (`off`). `--check`'s all-pinned reference always runs them on cuBLAS.
+    #[arg(long, value_enum, default_value = "on")]
+    decode_gemv: Toggle,
 }
 
-/// `--pre-enqueue`, `--grouped-experts`: on or off.
+/// `--pre-enqueue`, `--grouped-experts`, `--decode-gemv`: on or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Toggle {
     On,
@@ -482,6 +487,8 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         let plan = pipeshard_exec::testing::manual_plan(&spec, workload, big, 0, 0, threads, |_, _| {
             Placement::Pinned
         });
+        // The cuBLAS path is the reference the decode GEMV is checked against.
+        g.set_decode_gemv(false);
         let opts = RunOptions {
             prompt: prompt.clone(),
             other_prompts: Vec::new(),
@@ -508,6 +515,9 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
     } else {
         None
     };
+    if let Some(g) = &gpu {
+        g.set_decode_gemv(args.decode_gemv == Toggle::On);
+    }
     let mut first_tokens: Option<Vec<u32>> = reference.as_ref().map(|r| r.tokens.clone());
     let mut failures = 0;
     for plan in plans {
@@ -530,6 +540,9 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         }
         if args.grouped_experts == Toggle::Off {
             label.push_str(" / grouped experts off");
+        }
+        if args.decode_gemv == Toggle::Off {
+            label.push_str(" / decode GEMV off");
         }
         println!("{label}");
         if let Some(p) = &profile_used {

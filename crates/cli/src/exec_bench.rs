@@ -10,9 +10,12 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use pipeshard_core::dtype::DType;
+use pipeshard_core::model::FfnKind;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::quant::QFormat;
-use pipeshard_profiler::bench::{BenchConfig, BenchRow, gemv_bandwidth};
+use pipeshard_profiler::bench::{
+    BenchConfig, BenchRow, LayerKernelRow, LayerShapes, decode_layer_kernels, gemv_bandwidth,
+};
 use pipeshard_profiler::machine::cpu_model;
 use pipeshard_profiler::stats::Rule;
 
@@ -81,10 +84,35 @@ pub struct BenchArgs {
     /// or five an expert (`off`); see `exec run --grouped-experts`.
     #[arg(long, value_enum, default_value = "on")]
     grouped_experts: crate::exec::Toggle,
+    /// One-token bf16 GEMVs of every part: exec's decode GEMV with the norm and activation folded in (`on`,
+    /// the default) or cuBLAS (`off`); see `exec run --decode-gemv`.
+    #[arg(long, value_enum, default_value = "on")]
+    decode_gemv: crate::exec::Toggle,
     /// With --bounds and --out, also write the runs' Chrome traces (`bounds-pinned.json`, `bounds-streamed.json`,
     /// `bounds-moe-cpu-experts.json`).
     #[arg(long)]
     trace: bool,
+}
+
+/// The decode-layer kernel rows as a markdown table.
+fn layer_table(model: &str, rows: &[LayerKernelRow]) -> String {
+    let mut t = format!(
+        "{model}: a decode layer's GEMVs\n\n| part | rows × cols | variant | µs | GB/s | max rel err |\n|---|---|---|---:|---:|---:|\n"
+    );
+    for r in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} × {} | {} | {:.1} | {:.0} | {:.1e} |",
+            r.part,
+            r.rows,
+            r.cols,
+            r.variant,
+            r.time_ns / 1e3,
+            r.gbps,
+            r.max_rel_err
+        );
+    }
+    t
 }
 
 fn table(rows: &[BenchRow]) -> String {
@@ -141,7 +169,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         None
     } else {
         match probe() {
-            Ok(_) => Some(Gpu::new().context("opening the CUDA device")?),
+            Ok(_) => {
+                let g = Gpu::new().context("opening the CUDA device")?;
+                g.set_decode_gemv(args.decode_gemv == crate::exec::Toggle::On);
+                Some(g)
+            }
             Err(reason) => {
                 eprintln!("no CUDA device ({reason}): CPU only");
                 None
@@ -166,6 +198,24 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let bars = Bars::new();
     let rows = gemv_bandwidth(&cfg, gpu.as_ref(), &bars)?;
+    let layer = match &gpu {
+        Some(g) => {
+            let t = &crate::experiment::resolve_model(&args.dense_model)
+                .with_context(|| format!("--dense-model {}", args.dense_model))?
+                .text;
+            let shapes = LayerShapes {
+                hidden: t.hidden as usize,
+                qkv: (u64::from(t.n_heads + 2 * t.n_kv_heads) * t.head_dim) as usize,
+                q_dim: (u64::from(t.n_heads) * t.head_dim) as usize,
+                ffn: t.ffn as usize,
+                gated: t.ffn_kind == FfnKind::SwiGlu,
+            };
+            let lt = layer_table(&args.dense_model, &decode_layer_kernels(g, shapes, cfg.rule, &bars)?);
+            println!("{lt}");
+            Some(lt)
+        }
+        None => None,
+    };
     let machine =
         format!("{} + {} ({threads} threads)", gpu.as_ref().map_or("no GPU", |g| g.name()), cpu_model());
     let t = table(&rows);
@@ -242,6 +292,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             );
         }
         std::fs::write(dir.join("gemv.csv"), csv).with_context(|| format!("writing {}", dir.display()))?;
+        if let Some(lt) = &layer {
+            let md = format!(
+                "# A decode layer's GEMVs: cuBLAS against the decode GEMV\n\nmachine: {machine}  \ncommit: \
+                 {commit}  \ndate: {date}  \ncommand: `{command}`\n\nEach part as the executor runs it with \
+                 `--decode-gemv off` (cuBLAS, the norm and activation kernels of their own) and `on` at each rows \
+                 a warp the kernel has; device time of back-to-back sequences over copies of the matrix that L2 \
+                 cannot hold. GB/s counts weight bytes; max rel err is against the cuBLAS variant's output.\n\n{lt}"
+            );
+            std::fs::write(dir.join("decode-kernels.md"), md)
+                .with_context(|| format!("writing {}", dir.display()))?;
+        }
         eprintln!("wrote {}/gemv.md and gemv.csv", dir.display());
     }
     Ok(())

@@ -113,6 +113,11 @@ pub trait CostModel: Send + Sync {
     fn one_token_projections_fused(&self) -> bool {
         false
     }
+    /// Whether GPU units of a one-token step fold their input norm and FFN activation into their projections
+    /// ([`crate::profile::Profile::one_token_norm_act_fused`]).
+    fn one_token_norm_act_fused(&self) -> bool {
+        false
+    }
     /// VRAM held by the runtime before any weight.
     fn runtime_overhead_bytes(&self) -> u64;
     /// VRAM the driver takes to map `locked_bytes` of page-locked host memory for the GPU.
@@ -557,6 +562,10 @@ impl CostModel for TableCostModel {
 
     fn one_token_projections_fused(&self) -> bool {
         self.profile.one_token_projections_fused
+    }
+
+    fn one_token_norm_act_fused(&self) -> bool {
+        self.profile.one_token_norm_act_fused
     }
 
     fn runtime_overhead_bytes(&self) -> u64 {

@@ -215,6 +215,12 @@ pub struct Profile {
     /// (llama.cpp, the derived profiles: false, the default). See [`crate::workload::fuse_one_token_projections`].
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub one_token_projections_fused: bool,
+    /// Whether the runtime folds a one-token GPU attention or FFN unit's input norm into its (merged) first
+    /// projection, and the FFN's activation into gate|up, for matrices in the activation type (our executor's
+    /// decode GEMV, measured profiles: true; false, the default, prices them as kernels of their own). See
+    /// [`crate::workload::fuse_one_token_projections`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub one_token_norm_act_fused: bool,
     /// Fixed CPU cost of one touched routed expert, beyond its bytes: ggml's `mul_mat_id` runs each touched
     /// expert as a small product of its own (rows split over the threads, a barrier after), which the matmul
     /// rows of large shapes do not show. Derived profiles fit it; measured ones time whole expert blocks.

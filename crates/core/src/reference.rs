@@ -477,6 +477,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         expert_ids_on_device: true,
         // llama.cpp runs one GEMM a matrix.
         one_token_projections_fused: false,
+        one_token_norm_act_fused: false,
         cpu_expert_ns: (e.cpu_expert_us * 1e3).round() as u64,
         host_route_ns_per_token: 0,
         decode_routing_to_cpu_ns: 0,

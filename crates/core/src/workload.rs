@@ -611,8 +611,10 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
 /// GEMM: in a one-token step, adjacent matmuls of one attention or FFN unit with the same inner size and
 /// format (q|k|v, gate|up, stored back to back) for which `fused(unit)` holds (the executor fuses on the GPU
 /// only). The merged op reads the input once. The RoPE of q and of k, back to back in the merged output, merge
-/// into one launch too.
-pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> bool) {
+/// into one launch too. With `fold_norm_act` ([`crate::profile::Profile::one_token_norm_act_fused`]) the
+/// unit's input norm goes into its merged first matmul, and the FFN's activation into gate|up (or up), where
+/// the matrices are in the activation type: the executor's decode GEMV computes both in the same launch.
+pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> bool, fold_norm_act: bool) {
     let fusable = |o: &Op| o.tokens == 1 && matches!(o.unit, UnitId::Attn { .. } | UnitId::Ffn { .. });
     ops.dedup_by(|next, prev| {
         let (kind, shared_input_bytes) = match (prev.kind, next.kind) {
@@ -634,6 +636,44 @@ pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> b
             prev.act_bytes += next.act_bytes - shared_input_bytes;
         }
         merge
+    });
+    if !fold_norm_act {
+        return;
+    }
+    // A matmul of `unit` that the decode GEMV runs.
+    let gemv = |o: Option<&Op>, unit: UnitId| {
+        o.is_some_and(|o| {
+            o.unit == unit
+                && matches!(o.kind, OpKind::MatMul { .. })
+                && matches!(o.dtype, DType::F16 | DType::Bf16)
+                && fusable(o)
+                && fused(unit)
+        })
+    };
+    let is_matmul_of = |o: Option<&Op>, unit: UnitId| {
+        o.is_some_and(|o| o.unit == unit && matches!(o.kind, OpKind::MatMul { .. }))
+    };
+    let folded: Vec<bool> = (0..ops.len())
+        .map(|i| {
+            let (op, at) = (&ops[i], |j: Option<usize>| j.and_then(|j| ops.get(j)));
+            match op.kind {
+                // The input norm before the first matmul, if q|k|v (or gate|up) merged into it: the op after it
+                // is no matmul of the unit.
+                OpKind::Norm => gemv(at(Some(i + 1)), op.unit) && !is_matmul_of(at(Some(i + 2)), op.unit),
+                // The FFN's activation after one (merged) matmul.
+                OpKind::Activation => {
+                    matches!(op.unit, UnitId::Ffn { .. })
+                        && gemv(at(i.checked_sub(1)), op.unit)
+                        && !is_matmul_of(at(i.checked_sub(2)), op.unit)
+                }
+                _ => false,
+            }
+        })
+        .collect();
+    let mut i = 0;
+    ops.retain(|_| {
+        i += 1;
+        !folded[i - 1]
     });
 }
 
@@ -807,6 +847,7 @@ pub fn scratch_parts(spec: &ModelSpec, w: &Workload, phase: Phase) -> ScratchPar
 mod tests {
     use super::*;
     use crate::catalog;
+    use crate::model::WeightFormat;
 
     #[test]
     fn attention_splits_keep_enough_warps_and_bounded_scratch() {
@@ -900,7 +941,7 @@ mod tests {
         };
         let decode = ops(&spec, &inv, &w, w.decode_step(0));
         let mut fused = decode.clone();
-        fuse_one_token_projections(&mut fused, |u| u != UnitId::Attn { layer: 1 });
+        fuse_one_token_projections(&mut fused, |u| u != UnitId::Attn { layer: 1 }, false);
         let (attn, ffn) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 });
         assert_eq!(matmuls(&decode, attn), [4096, 1024, 1024, 4096]);
         assert_eq!(matmuls(&fused, attn), [6144, 4096]);
@@ -925,8 +966,48 @@ mod tests {
         // Steps of more tokens keep one GEMM a matrix.
         let prefill = ops(&spec, &inv, &w, w.prefill_chunks()[0]);
         let mut unfused = prefill.clone();
-        fuse_one_token_projections(&mut unfused, |_| true);
+        fuse_one_token_projections(&mut unfused, |_| true, true);
         assert_eq!(unfused.len(), prefill.len());
+    }
+
+    #[test]
+    fn the_decode_gemv_folds_a_units_input_norm_and_ffn_activation() {
+        let w = Workload::single(128, 1024, 16, 128);
+        let kinds = |ops: &[Op], unit: UnitId| -> Vec<OpKind> {
+            ops.iter().filter(|o| o.unit == unit).map(|o| o.kind).collect()
+        };
+        let norms_acts = |ops: &[Op]| {
+            ops.iter().filter(|o| matches!(o.kind, OpKind::Norm | OpKind::Activation)).count()
+        };
+        let (attn, ffn) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 });
+        let mm = |n, k| OpKind::MatMul { n, k };
+        for (dtype, folds) in [(DType::Bf16, true), (DType::F16, true), (DType::Q4_0, false)] {
+            let spec = catalog::get("nemo-8b").unwrap().with_weights(WeightFormat::uniform(dtype));
+            let inv = Inventory::new(&spec);
+            let decode = ops(&spec, &inv, &w, w.decode_step(0));
+            let mut fused = decode.clone();
+            fuse_one_token_projections(&mut fused, |u| u != UnitId::Ffn { layer: 1 }, true);
+            if folds {
+                // gate|up with the SwiGLU, then down; q|k|v with the norm, RoPE, …, o.
+                assert_eq!(kinds(&fused, ffn), [mm(2 * 11520, 4096), mm(4096, 11520), OpKind::Add], "{dtype}");
+                assert_eq!(kinds(&fused, attn)[0], mm(6144, 4096), "{dtype}");
+                // 40 attention norms, 39 FFN norms and activations (layer 1's FFN is not fused), the output norm.
+                assert_eq!(norms_acts(&decode) - norms_acts(&fused), 40 + 2 * 39, "{dtype}");
+                assert_eq!(kinds(&fused, UnitId::Ffn { layer: 1 })[0], OpKind::Norm);
+            } else {
+                assert_eq!(norms_acts(&decode), norms_acts(&fused), "{dtype}");
+            }
+        }
+        // Without the flag, or with the matrices not merged, the norm stays.
+        let spec = catalog::get("nemo-8b").unwrap().with_weights(WeightFormat::uniform(DType::Bf16));
+        let inv = Inventory::new(&spec);
+        let decode = ops(&spec, &inv, &w, w.decode_step(0));
+        let mut merged_only = decode.clone();
+        fuse_one_token_projections(&mut merged_only, |_| true, false);
+        assert_eq!(norms_acts(&decode), norms_acts(&merged_only));
+        let mut unmerged = decode.clone();
+        fuse_one_token_projections(&mut unmerged, |_| false, true);
+        assert_eq!(unmerged.len(), decode.len());
     }
 
     #[test]

@@ -32,8 +32,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{
-    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostFlag, HostRegistration, KernelKey, Kernels, Stream,
-    grouped_experts_fit,
+    DevBuf, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration, KernelKey,
+    Kernels, Stream, decode_gemv_fits, grouped_experts_fit,
 };
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
@@ -263,6 +263,8 @@ struct GpuSide<'a> {
     moe_uploaded: Event,
     /// The device address of the mapped `h_host` ([`Gpu::register_mapped`]).
     h_host_dev: u64,
+    /// The device address of the mapped [`MoeIo`] buffer: CPU experts' sums are added from it by a kernel.
+    moe_io_dev: u64,
     /// Recorded after a MoE layer's expert inputs went up on the H2D stream (`expert_inputs_stream`); the
     /// compute stream waits for it.
     expert_inputs: Event,
@@ -845,13 +847,17 @@ impl<'a> Exec<'a> {
         // VRAM (1/512 of the locked bytes on the H200), which then counts in the runtime overhead.
         let mut regs = Vec::new();
         // Staging buffers first: small, and the host reads them right after asynchronous copies.
-        for b in self.host_kv.iter().chain([&self.io.buf, &self.moe_io.buf, &self.attn_io]) {
+        for b in self.host_kv.iter().chain([&self.io.buf, &self.attn_io]) {
             // SAFETY: these buffers are fields of Exec declared after `gpu`, so they drop after the guards.
             regs.push(unsafe { gpu.register(b)? });
         }
         // The residual stream's host copy is mapped too: `ensure_dev` reads it by a kernel (`Gpu::copy_mapped`).
         // SAFETY: as above.
         let (reg, h_host_dev) = unsafe { gpu.register_mapped(&self.h_host)? };
+        regs.push(reg);
+        // So is MoE's staging buffer: `Gpu::add_mapped` adds CPU experts' sums from it.
+        // SAFETY: as above.
+        let (reg, moe_io_dev) = unsafe { gpu.register_mapped(&self.moe_io.buf)? };
         regs.push(reg);
         // Pre-enqueue gates the work after CPU experts, which only MoE decode plans with CPU experts have.
         let cpu_experts = plan
@@ -962,6 +968,7 @@ impl<'a> Exec<'a> {
             kv_wb_pass: vec![None; d.n_layers],
             moe_uploaded,
             h_host_dev,
+            moe_io_dev,
             expert_inputs,
             mark,
             t0,
@@ -1846,17 +1853,9 @@ impl<'a> Exec<'a> {
                     let g = self.gpu.as_ref().expect("gpu");
                     let at = |o: usize| g.base() + o as u64;
                     let sc = lay.scratch;
-                    // SAFETY: moe_y holds m·hidden f32 and is free again in stream order (the last expert's
-                    // scatter precedes this copy on the compute stream); h holds m·hidden f32; moe_io is
-                    // registered.
-                    unsafe {
-                        g.gpu.h2d(
-                            Stream::Compute,
-                            at(sc.moe_y),
-                            &self.moe_io.buf.as_slice()[po..po + m * hd * 4],
-                        )?;
-                        g.gpu.add_bias(&g.k, at(sc.h), at(sc.moe_y), m * hd, m * hd)?;
-                    }
+                    // SAFETY: h holds m·hidden f32; moe_io is mapped at moe_io_dev and holds the sum at `po`,
+                    // which the host rewrites only after `moe_uploaded`, recorded after this kernel.
+                    unsafe { g.gpu.add_mapped(&g.k, at(sc.h), g.moe_io_dev + po as u64, m * hd)? };
                 }
                 // From the pool's last expert to the sum's upload enqueued or its gate opened: the host
                 // thread's wake-up included.
@@ -1969,18 +1968,10 @@ impl<'a> Exec<'a> {
         let (n, po) = (m * self.d.hidden, self.moe_io.part);
         // Starts when the device has seen the gate open.
         let start = g.span_start(Stream::Compute)?;
-        // SAFETY: moe_y and h hold m·hidden f32 (moe_y is free again in stream order: the layer's last GPU expert
-        // precedes this copy); moe_io is registered, and the copy reads its `part` only after the gate opens,
-        // which the host does after writing the sum there (HostFlag::release orders the two); the host next
-        // rewrites it after `moe_uploaded`, recorded after this copy.
-        unsafe {
-            g.gpu.h2d(
-                Stream::Compute,
-                base + sc.moe_y as u64,
-                &self.moe_io.buf.as_slice()[po..po + n * 4],
-            )?;
-            g.gpu.add_bias(&g.k, base + sc.h as u64, base + sc.moe_y as u64, n, n)?;
-        }
+        // SAFETY: h holds m·hidden f32; moe_io is mapped at moe_io_dev, and the kernel reads its `part` only
+        // after the gate opens, which the host does after writing the sum there (HostFlag::release orders the
+        // two); the host next rewrites it after `moe_uploaded`, recorded after this kernel.
+        unsafe { g.gpu.add_mapped(&g.k, base + sc.h as u64, g.moe_io_dev + po as u64, n)? };
         let name = format!("gpu blk.{layer} experts' sum (gated)");
         g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
         // The layer's last upload from the staging buffer (its GPU experts' token lists precede it).
@@ -2205,6 +2196,18 @@ impl<'a> Exec<'a> {
         let k = &g.k;
         let ln = d.norm == pipeshard_core::model::NormKind::LayerNorm;
         let opt = |o: Option<usize>| o.map_or(0, |o| wb + o as u64);
+        // A one-token step folds the unit's input norm into its first GEMV (and the FFN's activation into
+        // gate|up's), where the decode GEMV runs this step's matrices.
+        let decode_gemv = m == 1 && d.quant.is_none() && gpu.decode_gemv_on();
+        let normed = |norm_w: usize, norm_b: Option<usize>, w: u64| {
+            (decode_gemv && decode_gemv_fits(d.hidden, &[w])).then_some(GemvInput::Norm {
+                h: at(sc.h),
+                w: wb + norm_w as u64,
+                b: opt(norm_b),
+                eps: d.norm_eps,
+                layer_norm: ln,
+            })
+        };
         let mut start = g.span_start(Stream::Compute)?;
         match uw.kind {
             UnitKind::Attn(o) => {
@@ -2223,23 +2226,30 @@ impl<'a> Exec<'a> {
                 // inventory shapes), scratch buffers sized by scratch_layout for ≤ scratch.tokens ≥ m tokens, and the
                 // layer's [K|V] of whole.bytes() at kv_base holding every row of every sequence (seqs::SeqKv).
                 unsafe {
-                    gpu.norm_act(
-                        k,
-                        at(sc.h),
-                        wb + o.norm_w as u64,
-                        opt(o.norm_b),
-                        at(sc.xb),
-                        m,
-                        d.hidden,
-                        d.norm_eps,
-                        ln,
-                    )?;
-                    if qkv {
+                    let qkv_normed = if qkv { normed(o.norm_w, o.norm_b, wb + o.q as u64) } else { None };
+                    if let Some(input) = qkv_normed {
                         let n = d.q_dim + 2 * d.kv_dim;
-                        gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), qa, m, n, d.hidden, false)?;
+                        let y = GemvOutput::Y { y: qa, accumulate: false };
+                        gpu.decode_gemv(k, wb + o.q as u64, n, d.hidden, input, y)?;
                     } else {
-                        for (w_off, y, n) in [(o.q, qa, d.q_dim), (o.k, ka, d.kv_dim), (o.v, va, d.kv_dim)] {
-                            gpu.matmul(k, d.quant, wb + w_off as u64, at(sc.xb), y, m, n, d.hidden, false)?;
+                        gpu.norm_act(
+                            k,
+                            at(sc.h),
+                            wb + o.norm_w as u64,
+                            opt(o.norm_b),
+                            at(sc.xb),
+                            m,
+                            d.hidden,
+                            d.norm_eps,
+                            ln,
+                        )?;
+                        if qkv {
+                            let n = d.q_dim + 2 * d.kv_dim;
+                            gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), qa, m, n, d.hidden, false)?;
+                        } else {
+                            for (w_off, y, n) in [(o.q, qa, d.q_dim), (o.k, ka, d.kv_dim), (o.v, va, d.kv_dim)] {
+                                gpu.matmul(k, d.quant, wb + w_off as u64, at(sc.xb), y, m, n, d.hidden, false)?;
+                            }
                         }
                     }
                     for (b, x, dim) in
@@ -2318,44 +2328,59 @@ impl<'a> Exec<'a> {
                 // One GEMM writes gate|up back to back from up's scratch, which has room for both (the gate's
                 // region follows it).
                 let gate_up = o.gate.filter(|&gw| one_gemm_rows(d, m, &[(gw, d.ffn), (o.up, d.ffn)]));
+                // One decode GEMV runs the norm, gate|up (or up alone) and the activation.
+                let folded = match (o.gate, gate_up) {
+                    (Some(_), None) => None,
+                    (_, first) => normed(o.norm_w, o.norm_b, wb + first.unwrap_or(o.up) as u64)
+                        .map(|input| (input, first.unwrap_or(o.up))),
+                };
                 // SAFETY: as above; up/gate/act hold m·ffn elements.
                 unsafe {
-                    gpu.norm_act(
-                        k,
-                        at(sc.h),
-                        wb + o.norm_w as u64,
-                        opt(o.norm_b),
-                        at(sc.xb),
-                        m,
-                        d.hidden,
-                        d.norm_eps,
-                        ln,
-                    )?;
-                    let (gate, up, ld) = if let Some(gw) = gate_up {
-                        let ga = at(sc.up);
-                        gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
-                        (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
-                    } else {
-                        let mm = |w_off: usize, y: usize| {
-                            gpu.matmul(
-                                k,
-                                d.quant,
-                                wb + w_off as u64,
-                                at(sc.xb),
-                                at(y),
-                                m,
-                                d.ffn,
-                                d.hidden,
-                                false,
-                            )
+                    if let Some((input, w_off)) = folded {
+                        let out = if gate_up.is_some() {
+                            GemvOutput::SwiGlu { act: at(sc.act) }
+                        } else {
+                            GemvOutput::Relu2 { act: at(sc.act) }
                         };
-                        mm(o.up, sc.up)?;
-                        if let Some(gw) = o.gate {
-                            mm(gw, sc.gate)?;
-                        }
-                        (o.gate.map(|_| at(sc.gate)), at(sc.up), d.ffn)
-                    };
-                    gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
+                        gpu.decode_gemv(k, wb + w_off as u64, d.ffn, d.hidden, input, out)?;
+                    } else {
+                        gpu.norm_act(
+                            k,
+                            at(sc.h),
+                            wb + o.norm_w as u64,
+                            opt(o.norm_b),
+                            at(sc.xb),
+                            m,
+                            d.hidden,
+                            d.norm_eps,
+                            ln,
+                        )?;
+                        let (gate, up, ld) = if let Some(gw) = gate_up {
+                            let ga = at(sc.up);
+                            gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
+                            (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
+                        } else {
+                            let mm = |w_off: usize, y: usize| {
+                                gpu.matmul(
+                                    k,
+                                    d.quant,
+                                    wb + w_off as u64,
+                                    at(sc.xb),
+                                    at(y),
+                                    m,
+                                    d.ffn,
+                                    d.hidden,
+                                    false,
+                                )
+                            };
+                            mm(o.up, sc.up)?;
+                            if let Some(gw) = o.gate {
+                                mm(gw, sc.gate)?;
+                            }
+                            (o.gate.map(|_| at(sc.gate)), at(sc.up), d.ffn)
+                        };
+                        gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
+                    }
                     gpu.matmul(
                         k,
                         d.quant,

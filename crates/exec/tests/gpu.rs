@@ -1431,3 +1431,103 @@ fn a_cpu_embedding_reaches_the_gpu_while_ffns_stream() {
     );
     assert!(attn.0 < copy.1, "blk.0's attention waited for the FFN copy: starts {attn:?}, copy {copy:?}");
 }
+
+/// The decode GEMV, at every rows-a-warp it has, against what it replaces: the input norm (`norm_act`), a cuBLAS
+/// GEMM and the FFN activation (`ffn_act`) as kernels of their own. Rows not a multiple of a block's warps and a
+/// row length not a multiple of a warp's 256-element stride exercise the edges; accumulating adds to what y
+/// held. The norm's sums run in another order than `norm_act`'s, so a normed input may round to the
+/// neighbouring bf16 value, and so may an activation output.
+#[test]
+fn decode_gemv_matches_norm_cublas_and_activation() {
+    use pipeshard_exec::cuda::{GemvInput, GemvOutput, KernelKey, Stream};
+    use pipeshard_exec::host::Elem;
+    let Some((_, gpu)) = device() else { return };
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
+    let (n, k) = (1000usize, 2056usize);
+    let bf16s = |v: &[f32]| {
+        let mut b = vec![0u8; 2 * v.len()];
+        v.iter().enumerate().for_each(|(i, &x)| Elem::Bf16.write(&mut b, i, x));
+        b
+    };
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let wf: Vec<f32> = (0..2 * n * k).map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.05).collect();
+    let h: Vec<f32> = (0..k).map(|i| ((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 3.0).collect();
+    let (nw, nb): (Vec<f32>, Vec<f32>) =
+        (0..k).map(|i| (1.0 + (i % 13) as f32 / 26.0, (i % 7) as f32 / 70.0 - 0.05)).unzip();
+    let y0: Vec<f32> = (0..2 * n).map(|i| (i % 11) as f32 / 11.0).collect();
+    let alloc = |b: &[u8]| {
+        let d = gpu.alloc(b.len()).unwrap();
+        // SAFETY: d holds b.
+        unsafe { gpu.h2d(Stream::Compute, d.ptr(), b).unwrap() };
+        d
+    };
+    let (wd, hd, nwd, nbd) = (alloc(&bf16s(&wf)), alloc(&f32s(&h)), alloc(&f32s(&nw)), alloc(&f32s(&nb)));
+    let xd = alloc(&bf16s(&h));
+    let (yd, actd, xnd) = (gpu.alloc(8 * n).unwrap(), gpu.alloc(2 * n).unwrap(), gpu.alloc(2 * k).unwrap());
+    // (input normed, layer norm, output: 0 y, 1 y +=, 2 SwiGLU, 3 squared ReLU)
+    for (normed, ln, out) in
+        [(false, false, 0), (false, false, 1), (true, false, 0), (true, true, 1), (true, false, 2), (true, true, 3)]
+    {
+        let rows_sets: &[usize] = match out {
+            2 => &[2, 4],
+            3 => &[1, 2],
+            _ => &[1, 2, 4],
+        };
+        let act_out = out >= 2;
+        // One sequence from y = y0: rows 0 runs the unfused kernels, else the decode GEMV at `rows`.
+        let result = |rows: usize| -> Vec<f32> {
+            let mut got = vec![0u8; if act_out { 2 * n } else { 4 * n }];
+            // SAFETY: w holds 2n rows of k bf16; h, nw, nb k f32; x and xn k activations; y 2n f32; act n
+            // activations; synchronised before the host reads.
+            unsafe {
+                gpu.h2d(Stream::Compute, yd.ptr(), &f32s(&y0)).unwrap();
+                let b = if ln { nbd.ptr() } else { 0 };
+                if rows == 0 {
+                    let x = if normed {
+                        gpu.norm_act(&kn, hd.ptr(), nwd.ptr(), b, xnd.ptr(), 1, k, 1e-5, ln).unwrap();
+                        xnd.ptr()
+                    } else {
+                        xd.ptr()
+                    };
+                    let m_rows = if out == 2 { 2 * n } else { n };
+                    gpu.gemm(Elem::Bf16, wd.ptr(), x, yd.ptr(), 1, m_rows, k, out == 1).unwrap();
+                    match out {
+                        2 => gpu.ffn_act(&kn, Some(yd.ptr()), yd.ptr() + (4 * n) as u64, actd.ptr(), 1, n, 2 * n),
+                        3 => gpu.ffn_act(&kn, None, yd.ptr(), actd.ptr(), 1, n, n),
+                        _ => Ok(()),
+                    }
+                    .unwrap();
+                } else {
+                    let input = if normed {
+                        GemvInput::Norm { h: hd.ptr(), w: nwd.ptr(), b, eps: 1e-5, layer_norm: ln }
+                    } else {
+                        GemvInput::Act(xd.ptr())
+                    };
+                    let output = match out {
+                        2 => GemvOutput::SwiGlu { act: actd.ptr() },
+                        3 => GemvOutput::Relu2 { act: actd.ptr() },
+                        o => GemvOutput::Y { y: yd.ptr(), accumulate: o == 1 },
+                    };
+                    gpu.decode_gemv_with(&kn, wd.ptr(), n, k, input, output, rows).unwrap();
+                }
+                gpu.d2h(Stream::Compute, &mut got, if act_out { actd.ptr() } else { yd.ptr() }).unwrap();
+            }
+            gpu.sync(Stream::Compute).unwrap();
+            if act_out {
+                (0..n).map(|i| Elem::Bf16.read(&got, i)).collect()
+            } else {
+                got.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+            }
+        };
+        let want: Vec<f64> = result(0).iter().map(|&v| f64::from(v)).collect();
+        for &rows in rows_sets {
+            let got = result(rows);
+            let err = rel_err(&got, &want);
+            eprintln!("normed {normed} layer norm {ln} output {out} rows {rows}: rel err {err:.1e}");
+            assert!(got.iter().all(|v| v.is_finite()), "output {out} rows {rows}: not finite");
+            // One bf16 ulp of an activation near the largest is 3.9e-3 of it.
+            let bound = if act_out { 8e-3 } else { 2e-3 };
+            assert!(err < bound, "normed {normed} layer norm {ln} output {out} rows {rows}: rel err {err}");
+        }
+    }
+}

@@ -936,7 +936,7 @@ impl Ctx<'_> {
             // The runtime fuses one-token q|k|v and gate|up on the GPU only, as the simulator prices it: a
             // unit's GPU time comes from the fused ops, its CPU time from the plain ones.
             let mut fused = plain.clone();
-            fuse_one_token_projections(&mut fused, |_| true);
+            fuse_one_token_projections(&mut fused, |_| true, self.cost.one_token_norm_act_fused());
             for op in &plain {
                 self.charge(&mut units, times, op, 1.0, false, Side::Cpu);
             }

@@ -404,6 +404,7 @@ fn gpu_rows(
             kernel: match quant {
                 Some(QFormat::Q4K) => "exec gemv_q (NVRTC, tensor cores)".into(),
                 Some(_) => "exec gemv_q (NVRTC)".into(),
+                None if gpu.decode_gemv_on() => "exec decode_gemv (NVRTC)".into(),
                 None => "cuBLAS GemmEx".into(),
             },
             rows: n,
@@ -484,6 +485,178 @@ fn gpu_prefill_rows(
             max_rel_err: 0.0,
         });
         progress.tick(&format!("{}: {gflops:.0} GFLOP/s", fmt.name()))?;
+    }
+    Ok(rows)
+}
+
+/// A decode layer's matrices, by the shapes of its one-token GEMVs.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerShapes {
+    pub hidden: usize,
+    /// q|k|v rows (q_dim + 2·kv_dim), read as one matrix.
+    pub qkv: usize,
+    pub q_dim: usize,
+    pub ffn: usize,
+    /// SwiGLU over gate|up (else squared ReLU over up).
+    pub gated: bool,
+}
+
+/// One timed variant of one of a decode layer's GEMVs (`exec bench`'s decode-kernel table).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerKernelRow {
+    /// `norm + q|k|v`, `o (+= h)`, `norm + gate|up + SwiGLU`, `down (+= h)`.
+    pub part: String,
+    /// Weight rows × row length.
+    pub rows: usize,
+    pub cols: usize,
+    /// `cuBLAS` (with the norm and activation kernels of their own where the part has them) or
+    /// `decode_gemv Rr` (the rows a warp streams).
+    pub variant: String,
+    /// Device time a launch sequence takes, back to back.
+    pub time_ns: f64,
+    /// Weight bytes over that time.
+    pub gbps: f64,
+    /// Largest difference from the cuBLAS variant's output over that output's largest value.
+    pub max_rel_err: f64,
+}
+
+/// Times a decode layer's four one-token GEMVs as the executor runs them with the decode GEMV off (cuBLAS,
+/// the norm and the activation as kernels of their own) and on, at each rows-a-warp the kernel has, back to back
+/// on the compute stream over enough copies of each matrix that L2 holds none of them (HBM-bound, as in decode).
+///
+/// # Errors
+/// Device errors.
+pub fn decode_layer_kernels(
+    gpu: &Gpu,
+    shapes: LayerShapes,
+    rule: Rule,
+    progress: &dyn Progress,
+) -> Result<Vec<LayerKernelRow>> {
+    use pipeshard_exec::cuda::{GemvInput, GemvOutput};
+    const REPS: usize = 40;
+    const ROTATE_BYTES: usize = 512 << 20;
+    let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
+    let LayerShapes { hidden, qkv, q_dim, ffn, gated } = shapes;
+    let up_rows = if gated { 2 * ffn } else { ffn };
+    // (part, weight rows, row length, norm input, activation output, accumulate)
+    let parts = [
+        ("norm + q|k|v", qkv, hidden, true, false, false),
+        ("o (+= h)", hidden, q_dim, false, false, true),
+        (if gated { "norm + gate|up + SwiGLU" } else { "norm + up + squared ReLU" }, up_rows, hidden, true, true, false),
+        ("down (+= h)", hidden, ffn, false, false, true),
+    ];
+    progress.section("GPU: a decode layer's GEMVs, cuBLAS against the decode GEMV", parts.len() as u64);
+    let widest = hidden.max(q_dim).max(ffn);
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let ramp = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| (((i * 37 + seed * 11) % 101) as f32 - 50.0) / 50.0).collect()
+    };
+    let (h, nw) = (ramp(widest, 1), ramp(widest, 2).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<_>>());
+    let hd = gpu.alloc(4 * widest)?;
+    let nwd = gpu.alloc(4 * widest)?;
+    let xd = gpu.alloc(2 * widest)?;
+    let yd = gpu.alloc(4 * up_rows)?;
+    let actd = gpu.alloc(2 * up_rows)?;
+    let mut xb = vec![0u8; 2 * widest];
+    for (i, &v) in ramp(widest, 3).iter().enumerate() {
+        Elem::Bf16.write(&mut xb, i, v);
+    }
+    // SAFETY: the buffers hold what is written; synchronised below before use.
+    unsafe {
+        gpu.h2d(Stream::Compute, hd.ptr(), &f32s(&h))?;
+        gpu.h2d(Stream::Compute, nwd.ptr(), &f32s(&nw))?;
+        gpu.h2d(Stream::Compute, xd.ptr(), &xb)?;
+    }
+    let (start, end) = (gpu.event(true)?, gpu.event(true)?);
+    let mut rows = Vec::new();
+    for (part, n, k, norm, act_out, acc) in parts {
+        let bytes = n * k * 2;
+        let copies = ROTATE_BYTES.div_ceil(bytes).max(2);
+        let w = gpu.alloc(bytes * copies)?;
+        let one = random_matrix(Fmt::Bf16, n, k);
+        for c in 0..copies {
+            // SAFETY: copy c lies inside w.
+            unsafe { gpu.h2d(Stream::Compute, w.ptr() + (c * bytes) as u64, &one)? };
+        }
+        gpu.sync(Stream::Compute)?;
+        let out_n = if act_out && gated { n / 2 } else { n };
+        // One launch sequence over copy c: cuBLAS (rows 0) or the decode GEMV at `r` rows a warp.
+        let run = |c: usize, r: usize| -> pipeshard_exec::Result<()> {
+            let wc = w.ptr() + (c * bytes) as u64;
+            // SAFETY: every buffer holds the shapes above (widest ≥ k, up_rows ≥ n).
+            unsafe {
+                if r == 0 {
+                    if norm {
+                        gpu.norm_act(&kn, hd.ptr(), nwd.ptr(), 0, xd.ptr(), 1, k, 1e-5, false)?;
+                    }
+                    gpu.gemm(Elem::Bf16, wc, xd.ptr(), yd.ptr(), 1, n, k, acc)?;
+                    if act_out {
+                        let (g, u) = if gated { (Some(yd.ptr()), yd.ptr() + (4 * out_n) as u64) } else { (None, yd.ptr()) };
+                        gpu.ffn_act(&kn, g, u, actd.ptr(), 1, out_n, n)?;
+                    }
+                    Ok(())
+                } else {
+                    let input = if norm {
+                        GemvInput::Norm { h: hd.ptr(), w: nwd.ptr(), b: 0, eps: 1e-5, layer_norm: false }
+                    } else {
+                        GemvInput::Act(xd.ptr())
+                    };
+                    let output = match (act_out, gated) {
+                        (true, true) => GemvOutput::SwiGlu { act: actd.ptr() },
+                        (true, false) => GemvOutput::Relu2 { act: actd.ptr() },
+                        (false, _) => GemvOutput::Y { y: yd.ptr(), accumulate: acc },
+                    };
+                    gpu.decode_gemv_with(&kn, wc, out_n, k, input, output, r)
+                }
+            }
+        };
+        // The part's output after one sequence from a zeroed y (accumulating parts add into it).
+        let output = |r: usize| -> Result<Vec<f32>> {
+            let zeros = vec![0u8; 4 * n];
+            let mut got = vec![0u8; if act_out { 2 * out_n } else { 4 * out_n }];
+            // SAFETY: yd holds n f32, actd out_n activations; synchronised before reading.
+            unsafe {
+                gpu.h2d(Stream::Compute, yd.ptr(), &zeros)?;
+                run(0, r)?;
+                gpu.d2h(Stream::Compute, &mut got, if act_out { actd.ptr() } else { yd.ptr() })?;
+            }
+            gpu.sync(Stream::Compute)?;
+            Ok(if act_out {
+                (0..out_n).map(|i| Elem::Bf16.read(&got, i)).collect()
+            } else {
+                got.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4"))).collect()
+            })
+        };
+        let reference = output(0)?;
+        let top = reference.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        let variants: &[usize] = match (act_out, gated) {
+            (true, true) => &[0, 2, 4],
+            (true, false) => &[0, 1, 2],
+            (false, _) => &[0, 1, 2, 4],
+        };
+        for &r in variants {
+            let got = output(r)?;
+            let err = got.iter().zip(&reference).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / top;
+            let t = sample(rule, || -> Result<f64> {
+                gpu.record(&start, Stream::Compute)?;
+                for i in 0..REPS {
+                    run(i % copies, r)?;
+                }
+                gpu.record(&end, Stream::Compute)?;
+                gpu.sync_event(&end)?;
+                Ok(f64::from(gpu.elapsed_ms(&start, &end)?) / 1e3 / REPS as f64)
+            })?;
+            rows.push(LayerKernelRow {
+                part: part.into(),
+                rows: n,
+                cols: k,
+                variant: if r == 0 { "cuBLAS".into() } else { format!("decode_gemv R{r}") },
+                time_ns: t.median * 1e9,
+                gbps: bytes as f64 / t.median / 1e9,
+                max_rel_err: f64::from(err),
+            });
+        }
+        progress.tick(part)?;
     }
     Ok(rows)
 }

@@ -792,6 +792,9 @@ pub fn measure_all(
         expert_ids_on_device: false,
         // exec's one-token steps run q|k|v and gate|up as one GEMM each.
         one_token_projections_fused: true,
+        // …and fold the unit's input norm and FFN activation into them (the decode GEMV, which the one-token
+        // matmul rows above measured).
+        one_token_norm_act_fused: gpu.decode_gemv_on(),
         cpu_expert_ns: 0,
         host_route_ns_per_token: host.route_ns_per_token,
         decode_routing_to_cpu_ns: to_cpu.median.round() as u64,

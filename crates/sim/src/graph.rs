@@ -899,7 +899,11 @@ pub(crate) fn build_with(
                 let mut ops = workload::ops(ctx.spec, ctx.inv, ctx.workload, phase);
                 if ctx.cost.one_token_projections_fused() {
                     // The executor fuses on the GPU only (pinned or streamed units).
-                    workload::fuse_one_token_projections(&mut ops, |u| view.placement(u) != Placement::Cpu);
+                    workload::fuse_one_token_projections(
+                        &mut ops,
+                        |u| view.placement(u) != Placement::Cpu,
+                        ctx.cost.one_token_norm_act_fused(),
+                    );
                 }
                 ops
             }

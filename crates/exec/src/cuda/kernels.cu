@@ -160,6 +160,13 @@ extern "C" __global__ void copy_mapped(unsigned char* __restrict__ dst, const un
     if (t < n % 16) dst[n16 * 16 + t] = src[n16 * 16 + t];
 }
 
+// x[i] += src[i] for n f32, src in host memory mapped into the device (as copy_mapped reads it): a MoE layer's
+// CPU experts' sum goes into the residual stream in one kernel, with no copy queued behind the H2D stream's.
+extern "C" __global__ void add_mapped(float* __restrict__ x, const float* __restrict__ src, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += src[i];
+}
+
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int dim, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % dim];
@@ -1229,3 +1236,125 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
     }
     if (lane < m) h[(u64)lane * hidden + j] = hv;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// One-token decode GEMV over f16/bf16 rows (the activation type), with the unit's neighbours folded in:
+//   prologue PRO: 0 the input is x (activations); 1 it is the unit's input norm of the f32 residual h, computed
+//     as `norm_act` computes it (mean and sum of squares over the row, then (h - mean)·inv·nw + nb, rounded
+//     to the activation type), so the norm's own launch and its round trip through memory go;
+//   epilogue EPI: 0 y[r] (+)= w[r, :] · x; 1 SwiGLU over gate|up stored back to back (rows o and n + o):
+//     act[o] = silu(gate) · up, rounded as `swiglu` rounds; 2 squared ReLU of row o, as `relu2`.
+// Each block first stages the k input activations in shared memory (every block computes the same norm, in the
+// same order, so all agree), then each warp streams R weight rows together, 16 bytes a lane and DG_U loads of
+// every row in flight, and sums its lanes: no split-K partials, so the output projections add straight into
+// the residual stream. Rows are 16-byte aligned and k a multiple of 8 (the launcher checks).
+#define DG_WARPS 8  // cuda::DECODE_GEMV_WARPS
+#define DG_U 4
+
+__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+template <int PRO, int EPI, int R>
+__device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const act_t* __restrict__ x,
+                                            const float* __restrict__ h, const float* __restrict__ nw,
+                                            const float* __restrict__ nb, float eps, int layer_norm,
+                                            float* __restrict__ y, act_t* __restrict__ out, int n, int k,
+                                            int accumulate) {
+    extern __shared__ uint4 dg_smem[];
+    act_t* xs = (act_t*)dg_smem;
+    const int k8 = k >> 3;
+    if (PRO == 0) {
+        for (int i = threadIdx.x; i < k8; i += blockDim.x) dg_smem[i] = ((const uint4*)x)[i];
+    } else {
+        float mean = 0.f;
+        if (layer_norm) {
+            float s = 0.f;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) s += h[i];
+            mean = block_sum(s) / k;
+        }
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < k; i += blockDim.x) {
+            const float d = h[i] - mean;
+            ss += d * d;
+        }
+        const float inv = 1.f / sqrtf(block_sum(ss) / k + eps);
+        for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = ACT_STORE((h[i] - mean) * inv * nw[i] + (nb ? nb[i] : 0.f));
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int job = blockIdx.x * DG_WARPS + (threadIdx.x >> 5);
+    // Outputs of this warp: R rows (EPI 0, 2) or R/2 gate|up pairs (EPI 1).
+    constexpr int OUTS = EPI == 1 ? R / 2 : R;
+    const int o0 = job * OUTS;
+    if (o0 >= n) return;
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int o = min(o0 + (EPI == 1 ? r % OUTS : r), n - 1);  // past n: re-read, not stored
+        const int row = EPI == 1 && r >= OUTS ? n + o : o;
+        wr[r] = (const uint4*)(w + (u64)row * k);
+    }
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int c = lane; c < k8; c += 32 * DG_U) {
+        uint4 wv[DG_U][R];
+#pragma unroll
+        for (int u = 0; u < DG_U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                wv[u][r] = c + 32 * u < k8 ? ld_stream16(wr[r] + c + 32 * u) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < DG_U; ++u) {
+            if (c + 32 * u < k8) {
+                float xv[8];
+                load8_act(xs + 8 * (c + 32 * u), xv);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 ww[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r] = fmaf(xv[e], ACT_LOAD((u16)(ww[e >> 1] >> (16 * (e & 1)))), acc[r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < OUTS; ++j) {
+        const int o = o0 + j;
+        if (o >= n) break;
+        if (EPI == 0) {
+            y[o] = accumulate ? y[o] + acc[j] : acc[j];
+        } else if (EPI == 1) {
+            const float a = acc[j];
+            out[o] = ACT_STORE(a / (1.f + expf(-a)) * acc[j + OUTS]);
+        } else {
+            const float v = fmaxf(acc[j], 0.f);
+            out[o] = ACT_STORE(v * v);
+        }
+    }
+}
+
+#define DECODE_GEMV(name, PRO, EPI, R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(DG_WARPS * 32) name(                                              \
+        const act_t* w, const act_t* x, const float* h, const float* nw, const float* nb, float eps,               \
+        int layer_norm, float* y, act_t* out, int n, int k, int acc) {                                              \
+        decode_gemv<PRO, EPI, R>(w, x, h, nw, nb, eps, layer_norm, y, out, n, k, acc);                              \
+    }
+DECODE_GEMV(decode_gemv_x1, 0, 0, 1)
+DECODE_GEMV(decode_gemv_x2, 0, 0, 2)
+DECODE_GEMV(decode_gemv_x4, 0, 0, 4)
+DECODE_GEMV(decode_gemv_norm1, 1, 0, 1)
+DECODE_GEMV(decode_gemv_norm2, 1, 0, 2)
+DECODE_GEMV(decode_gemv_norm4, 1, 0, 4)
+DECODE_GEMV(decode_gemv_norm_swiglu2, 1, 1, 2)
+DECODE_GEMV(decode_gemv_norm_swiglu4, 1, 1, 4)
+DECODE_GEMV(decode_gemv_norm_relu2_1, 1, 2, 1)
+DECODE_GEMV(decode_gemv_norm_relu2_2, 1, 2, 2)

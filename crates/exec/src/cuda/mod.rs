@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
@@ -108,6 +108,7 @@ pub struct Kernels {
     rmsnorm_rows_f32: CudaFunction,
     add_bias: CudaFunction,
     copy_mapped: CudaFunction,
+    add_mapped: CudaFunction,
     spin: CudaFunction,
     rope: CudaFunction,
     store_kv: CudaFunction,
@@ -145,6 +146,12 @@ pub struct Kernels {
     embed_q2_k: CudaFunction,
     embed_q3_k: CudaFunction,
     round_k23_x: CudaFunction,
+    /// `decode_gemv` instances by rows a warp streams (1, 2, 4): plain input, normed input; normed input with
+    /// SwiGLU (2, 4 rows: 1, 2 gate|up pairs) and with squared ReLU (1, 2 rows).
+    decode_gemv_x: [CudaFunction; 3],
+    decode_gemv_norm: [CudaFunction; 3],
+    decode_gemv_norm_swiglu: [CudaFunction; 2],
+    decode_gemv_norm_relu2: [CudaFunction; 2],
 }
 
 impl Kernels {
@@ -266,6 +273,7 @@ pub struct Gpu {
     arch: Option<&'static str>,
     kernels: Mutex<HashMap<KernelKey, Arc<Kernels>>>,
     dequant_scratch: Mutex<Option<DevBuf>>,
+    decode_gemv: AtomicBool,
 }
 
 // SAFETY: the cuBLAS handle is only used from the thread that drives the executor, with the context bound; the
@@ -279,6 +287,56 @@ impl Drop for Gpu {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: the handle was created in `new` and is destroyed once.
         let _ = unsafe { cublas_result::destroy_handle(self.cublas) };
+    }
+}
+
+/// The input of a one-token decode GEMV ([`Gpu::decode_gemv`]).
+#[derive(Debug, Clone, Copy)]
+pub enum GemvInput {
+    /// `k` activations of the kernels' type at this address.
+    Act(u64),
+    /// The unit's input norm of the f32 residual row at `h`, as [`Gpu::norm_act`] computes it: f32 weight `w`,
+    /// f32 bias `b` (0: none), LayerNorm or RMSNorm.
+    Norm { h: u64, w: u64, b: u64, eps: f32, layer_norm: bool },
+}
+
+/// What a one-token decode GEMV writes ([`Gpu::decode_gemv`]).
+#[derive(Debug, Clone, Copy)]
+pub enum GemvOutput {
+    /// `n` f32 at `y`, set or added to.
+    Y { y: u64, accumulate: bool },
+    /// `n` activations at `act`: silu(gate) · up from `2n` rows, gate's `n` then up's, as [`Gpu::ffn_act`].
+    SwiGlu { act: u64 },
+    /// `n` activations at `act`: max(up, 0)², as [`Gpu::ffn_act`] without a gate.
+    Relu2 { act: u64 },
+}
+
+/// Warps a block of the decode GEMV (`DG_WARPS` in kernels.cu).
+const DECODE_GEMV_WARPS: usize = 8;
+/// The widest input the decode GEMV stages in a block's shared memory (48 KiB, the default limit).
+pub const DECODE_GEMV_MAX_K: usize = 24 * 1024;
+/// Below this many rows a one-token matmul stays with cuBLAS, whose split-K keeps the SMs busy (a router's
+/// 128 rows would give the decode GEMV 16 blocks).
+const DECODE_GEMV_MIN_ROWS: usize = 1024;
+
+/// Whether [`Gpu::decode_gemv`] takes rows of `k` elements with these device addresses (rows and a plain input
+/// are read 16 bytes at a time).
+#[must_use]
+pub fn decode_gemv_fits(k: usize, addrs: &[u64]) -> bool {
+    k.is_multiple_of(8) && k <= DECODE_GEMV_MAX_K && addrs.iter().all(|a| a.is_multiple_of(16))
+}
+
+/// Rows a warp of the decode GEMV streams together for `n` outputs.
+fn decode_gemv_rows(n: usize, output: GemvOutput) -> usize {
+    match output {
+        GemvOutput::SwiGlu { .. } => 2,
+        GemvOutput::Y { .. } | GemvOutput::Relu2 { .. } => {
+            if n <= 8192 {
+                1
+            } else {
+                2
+            }
+        }
     }
 }
 
@@ -335,6 +393,7 @@ impl Gpu {
             arch,
             kernels: Mutex::new(HashMap::new()),
             dequant_scratch: Mutex::new(None),
+            decode_gemv: AtomicBool::new(true),
         })
     }
 
@@ -584,6 +643,7 @@ impl Gpu {
             rmsnorm_rows_f32: f("rmsnorm_rows_f32")?,
             add_bias: f("add_bias")?,
             copy_mapped: f("copy_mapped")?,
+            add_mapped: f("add_mapped")?,
             spin: f("spin")?,
             rope: f("rope")?,
             store_kv: f("store_kv")?,
@@ -621,6 +681,10 @@ impl Gpu {
             embed_q2_k: f("embed_q2_k")?,
             embed_q3_k: f("embed_q3_k")?,
             round_k23_x: f("round_k23_x")?,
+            decode_gemv_x: [f("decode_gemv_x1")?, f("decode_gemv_x2")?, f("decode_gemv_x4")?],
+            decode_gemv_norm: [f("decode_gemv_norm1")?, f("decode_gemv_norm2")?, f("decode_gemv_norm4")?],
+            decode_gemv_norm_swiglu: [f("decode_gemv_norm_swiglu2")?, f("decode_gemv_norm_swiglu4")?],
+            decode_gemv_norm_relu2: [f("decode_gemv_norm_relu2_1")?, f("decode_gemv_norm_relu2_2")?],
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -698,6 +762,116 @@ impl Gpu {
         .map_err(cublas_err("cublasGemmEx"))
     }
 
+    /// Whether one-token matmuls over matrices in the activation type take [`Gpu::decode_gemv`] (the default)
+    /// rather than cuBLAS, and the executor folds a unit's input norm and FFN activation into them: the
+    /// `exec run --decode-gemv` A/B.
+    pub fn set_decode_gemv(&self, on: bool) {
+        self.decode_gemv.store(on, Ordering::Relaxed);
+    }
+
+    /// See [`Gpu::set_decode_gemv`].
+    #[must_use]
+    pub fn decode_gemv_on(&self) -> bool {
+        self.decode_gemv.load(Ordering::Relaxed)
+    }
+
+    /// One token's `w[n', k] · x` over rows in the activation type, with the unit's input norm as `input` and
+    /// an activation as `output` where they are folded in (see `decode_gemv` in kernels.cu), at the rows a warp
+    /// streams that suit `n` ([`decode_gemv_rows`]).
+    ///
+    /// # Safety
+    /// `w` holds the rows `output` reads (`n`, or `2n` for SwiGLU), `input`'s addresses `k` elements (f32 for
+    /// the norm's row, weight and bias), `output`'s `n` elements, all in live allocations;
+    /// [`decode_gemv_fits`] holds for `k`, `w` and a plain input's address.
+    pub unsafe fn decode_gemv(
+        &self,
+        kn: &Kernels,
+        w: u64,
+        n: usize,
+        k: usize,
+        input: GemvInput,
+        output: GemvOutput,
+    ) -> Result<()> {
+        // SAFETY: forwarded.
+        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, decode_gemv_rows(n, output)) }
+    }
+
+    /// [`Gpu::decode_gemv`] with `rows` rows a warp (1, 2 or 4; SwiGLU 2 or 4, squared ReLU 1 or 2): the
+    /// bench's variants.
+    ///
+    /// # Safety
+    /// As [`Gpu::decode_gemv`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_gemv_with(
+        &self,
+        kn: &Kernels,
+        w: u64,
+        n: usize,
+        k: usize,
+        input: GemvInput,
+        output: GemvOutput,
+        rows: usize,
+    ) -> Result<()> {
+        let plain = match input {
+            GemvInput::Act(x) => x,
+            GemvInput::Norm { .. } => 0,
+        };
+        if !decode_gemv_fits(k, &[w, plain]) {
+            return Err(ExecError::Input(format!(
+                "decode_gemv: rows of {k} elements at {w:#x} (input {plain:#x}): k must be a multiple of 8 up \
+                 to {DECODE_GEMV_MAX_K}, addresses 16-byte aligned"
+            )));
+        }
+        let r = rows.trailing_zeros() as usize;
+        let f = match (input, output, rows) {
+            (GemvInput::Act(_), GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_x[r],
+            (GemvInput::Norm { .. }, GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_norm[r],
+            (GemvInput::Norm { .. }, GemvOutput::SwiGlu { .. }, 2 | 4) => &kn.decode_gemv_norm_swiglu[r - 1],
+            (GemvInput::Norm { .. }, GemvOutput::Relu2 { .. }, 1 | 2) => &kn.decode_gemv_norm_relu2[r],
+            _ => {
+                return Err(ExecError::Input(format!(
+                    "decode_gemv: no instance for {input:?} → {output:?} at {rows} rows a warp"
+                )));
+            }
+        };
+        let (h, nw, nb, eps, ln) = match input {
+            GemvInput::Act(_) => (0u64, 0u64, 0u64, 0f32, 0i32),
+            GemvInput::Norm { h, w, b, eps, layer_norm } => (h, w, b, eps, i32::from(layer_norm)),
+        };
+        let (y, act, acc) = match output {
+            GemvOutput::Y { y, accumulate } => (y, 0u64, i32::from(accumulate)),
+            GemvOutput::SwiGlu { act } | GemvOutput::Relu2 { act } => (0, act, 0),
+        };
+        let outs_per_warp = if matches!(output, GemvOutput::SwiGlu { .. }) { rows / 2 } else { rows };
+        let warps = n.div_ceil(outs_per_warp);
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(DECODE_GEMV_WARPS) as u32, 1, 1),
+            block_dim: ((DECODE_GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (2 * k) as u32,
+        };
+        let (n, k) = (n as i32, k as i32);
+        // SAFETY: argument types match the kernel; sizes and alignment as documented and checked above.
+        unsafe {
+            self.compute
+                .launch_builder(f)
+                .arg(&w)
+                .arg(&plain)
+                .arg(&h)
+                .arg(&nw)
+                .arg(&nb)
+                .arg(&eps)
+                .arg(&ln)
+                .arg(&y)
+                .arg(&act)
+                .arg(&n)
+                .arg(&k)
+                .arg(&acc)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(decode_gemv)"))
+    }
+
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`):
     /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
     /// more tokens dequantise chunks of rows into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation type)
@@ -720,6 +894,12 @@ impl Gpu {
     ) -> Result<()> {
         let act = kn.key.act;
         let Some(fmt) = quant else {
+            if m == 1 && n >= DECODE_GEMV_MIN_ROWS && self.decode_gemv_on() && decode_gemv_fits(k, &[w, x]) {
+                // SAFETY: forwarded; fits checked.
+                return unsafe {
+                    self.decode_gemv(kn, w, n, k, GemvInput::Act(x), GemvOutput::Y { y, accumulate })
+                };
+            }
             // SAFETY: forwarded.
             return unsafe { self.gemm(act, w, x, y, m, n, k, accumulate) };
         };
@@ -1025,6 +1205,20 @@ impl Gpu {
         unsafe { self.compute.launch_builder(&k.copy_mapped).arg(&dst).arg(&src).arg(&n).launch(cfg) }
             .map(|_| ())
             .map_err(driver_err("cuLaunchKernel(copy_mapped)"))
+    }
+
+    /// `x[i] += src[i]` for `n` f32 on the compute stream, `src` the device address of mapped host memory
+    /// ([`Gpu::register_mapped`]) read over PCIe by the kernel.
+    ///
+    /// # Safety
+    /// `x` holds `n` f32 on the device, `src` `n` f32 of a live mapped registration that the host does not
+    /// write until the kernel has run.
+    pub unsafe fn add_mapped(&self, k: &Kernels, x: u64, src: u64, n: usize) -> Result<()> {
+        let n = n as u64;
+        // SAFETY: as documented.
+        unsafe { self.compute.launch_builder(&k.add_mapped).arg(&x).arg(&src).arg(&n).launch(threads_for(n, 256)) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(add_mapped)"))
     }
 
     /// Holds the compute stream for `ns` nanoseconds, so that what the host enqueues meanwhile runs back to
