@@ -613,7 +613,8 @@ pub fn ops(spec: &ModelSpec, inv: &Inventory, w: &Workload, phase: Phase) -> Vec
 /// only). The merged op reads the input once. The RoPE of q and of k, back to back in the merged output, merge
 /// into one launch too. With `fold_norm_act` ([`crate::profile::Profile::one_token_norm_act_fused`]) the
 /// unit's input norm goes into its merged first matmul, and the FFN's activation into gate|up (or up), where
-/// the matrices are in the activation type: the executor's decode GEMV computes both in the same launch.
+/// the matrices are in the activation type: the executor's decode GEMV computes both in the same launch; such
+/// an attention stores its K/V rows in its RoPE launch.
 pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> bool, fold_norm_act: bool) {
     let fusable = |o: &Op| o.tokens == 1 && matches!(o.unit, UnitId::Attn { .. } | UnitId::Ffn { .. });
     ops.dedup_by(|next, prev| {
@@ -653,23 +654,31 @@ pub fn fuse_one_token_projections(ops: &mut Vec<Op>, fused: impl Fn(UnitId) -> b
     let is_matmul_of = |o: Option<&Op>, unit: UnitId| {
         o.is_some_and(|o| o.unit == unit && matches!(o.kind, OpKind::MatMul { .. }))
     };
-    let folded: Vec<bool> = (0..ops.len())
-        .map(|i| {
-            let (op, at) = (&ops[i], |j: Option<usize>| j.and_then(|j| ops.get(j)));
-            match op.kind {
-                // The input norm before the first matmul, if q|k|v (or gate|up) merged into it: the op after it
-                // is no matmul of the unit.
-                OpKind::Norm => gemv(at(Some(i + 1)), op.unit) && !is_matmul_of(at(Some(i + 2)), op.unit),
-                // The FFN's activation after one (merged) matmul.
-                OpKind::Activation => {
-                    matches!(op.unit, UnitId::Ffn { .. })
-                        && gemv(at(i.checked_sub(1)), op.unit)
-                        && !is_matmul_of(at(i.checked_sub(2)), op.unit)
-                }
-                _ => false,
+    let mut folded = vec![false; ops.len()];
+    for i in 0..ops.len() {
+        let (op, at) = (&ops[i], |j: Option<usize>| j.and_then(|j| ops.get(j)));
+        folded[i] = match op.kind {
+            // The input norm before the first matmul, if q|k|v (or gate|up) merged into it: the op after it is
+            // no matmul of the unit.
+            OpKind::Norm => gemv(at(Some(i + 1)), op.unit) && !is_matmul_of(at(Some(i + 2)), op.unit),
+            // The FFN's activation after one (merged) matmul.
+            OpKind::Activation => {
+                matches!(op.unit, UnitId::Ffn { .. })
+                    && gemv(at(i.checked_sub(1)), op.unit)
+                    && !is_matmul_of(at(i.checked_sub(2)), op.unit)
             }
-        })
-        .collect();
+            // The K/V store goes with the RoPE launch of an attention whose norm folded.
+            OpKind::KvStore => {
+                let UnitId::Kv { layer } = op.unit else { continue };
+                let attn = UnitId::Attn { layer };
+                i > 0
+                    && ops[i - 1].kind == OpKind::Rope
+                    && ops[i - 1].unit == attn
+                    && (0..i).rev().take_while(|&j| ops[j].unit == attn).any(|j| folded[j])
+            }
+            _ => false,
+        };
+    }
     let mut i = 0;
     ops.retain(|_| {
         i += 1;
@@ -976,9 +985,9 @@ mod tests {
         let kinds = |ops: &[Op], unit: UnitId| -> Vec<OpKind> {
             ops.iter().filter(|o| o.unit == unit).map(|o| o.kind).collect()
         };
-        let norms_acts = |ops: &[Op]| {
-            ops.iter().filter(|o| matches!(o.kind, OpKind::Norm | OpKind::Activation)).count()
-        };
+        let norms_acts =
+            |ops: &[Op]| ops.iter().filter(|o| matches!(o.kind, OpKind::Norm | OpKind::Activation)).count();
+        let stores = |ops: &[Op]| ops.iter().filter(|o| o.kind == OpKind::KvStore).count();
         let (attn, ffn) = (UnitId::Attn { layer: 0 }, UnitId::Ffn { layer: 0 });
         let mm = |n, k| OpKind::MatMul { n, k };
         for (dtype, folds) in [(DType::Bf16, true), (DType::F16, true), (DType::Q4_0, false)] {
@@ -989,13 +998,20 @@ mod tests {
             fuse_one_token_projections(&mut fused, |u| u != UnitId::Ffn { layer: 1 }, true);
             if folds {
                 // gate|up with the SwiGLU, then down; q|k|v with the norm, RoPE, …, o.
-                assert_eq!(kinds(&fused, ffn), [mm(2 * 11520, 4096), mm(4096, 11520), OpKind::Add], "{dtype}");
+                assert_eq!(
+                    kinds(&fused, ffn),
+                    [mm(2 * 11520, 4096), mm(4096, 11520), OpKind::Add],
+                    "{dtype}"
+                );
                 assert_eq!(kinds(&fused, attn)[0], mm(6144, 4096), "{dtype}");
                 // 40 attention norms, 39 FFN norms and activations (layer 1's FFN is not fused), the output norm.
                 assert_eq!(norms_acts(&decode) - norms_acts(&fused), 40 + 2 * 39, "{dtype}");
                 assert_eq!(kinds(&fused, UnitId::Ffn { layer: 1 })[0], OpKind::Norm);
+                // Every attention stores its K/V rows in its RoPE launch.
+                assert_eq!((stores(&decode), stores(&fused)), (40, 0), "{dtype}");
             } else {
                 assert_eq!(norms_acts(&decode), norms_acts(&fused), "{dtype}");
+                assert_eq!(stores(&fused), 40, "{dtype}");
             }
         }
         // Without the flag, or with the matrices not merged, the norm stays.
@@ -1005,6 +1021,7 @@ mod tests {
         let mut merged_only = decode.clone();
         fuse_one_token_projections(&mut merged_only, |_| true, false);
         assert_eq!(norms_acts(&decode), norms_acts(&merged_only));
+        assert_eq!(stores(&merged_only), 40);
         let mut unmerged = decode.clone();
         fuse_one_token_projections(&mut unmerged, |_| false, true);
         assert_eq!(unmerged.len(), decode.len());

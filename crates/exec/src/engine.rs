@@ -2225,8 +2225,8 @@ impl<'a> Exec<'a> {
                 // SAFETY: every pointer is inside the arena: weights at wb with the unit's layout (offsets from the
                 // inventory shapes), scratch buffers sized by scratch_layout for ≤ scratch.tokens ≥ m tokens, and the
                 // layer's [K|V] of whole.bytes() at kv_base holding every row of every sequence (seqs::SeqKv).
+                let qkv_normed = if qkv { normed(o.norm_w, o.norm_b, wb + o.q as u64) } else { None };
                 unsafe {
-                    let qkv_normed = if qkv { normed(o.norm_w, o.norm_b, wb + o.q as u64) } else { None };
                     if let Some(input) = qkv_normed {
                         let n = d.q_dim + 2 * d.kv_dim;
                         let y = GemvOutput::Y { y: qa, accumulate: false };
@@ -2247,8 +2247,20 @@ impl<'a> Exec<'a> {
                             let n = d.q_dim + 2 * d.kv_dim;
                             gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), qa, m, n, d.hidden, false)?;
                         } else {
-                            for (w_off, y, n) in [(o.q, qa, d.q_dim), (o.k, ka, d.kv_dim), (o.v, va, d.kv_dim)] {
-                                gpu.matmul(k, d.quant, wb + w_off as u64, at(sc.xb), y, m, n, d.hidden, false)?;
+                            for (w_off, y, n) in
+                                [(o.q, qa, d.q_dim), (o.k, ka, d.kv_dim), (o.v, va, d.kv_dim)]
+                            {
+                                gpu.matmul(
+                                    k,
+                                    d.quant,
+                                    wb + w_off as u64,
+                                    at(sc.xb),
+                                    y,
+                                    m,
+                                    n,
+                                    d.hidden,
+                                    false,
+                                )?;
                             }
                         }
                     }
@@ -2266,13 +2278,27 @@ impl<'a> Exec<'a> {
                         gpu.rmsnorm_rows(k, ka, wb + kn as u64, m * d.n_kv_heads, d.head_dim, d.norm_eps)?;
                     }
                     let pos = pass_at.positions();
-                    if qkv {
-                        // One token's q and k heads lie back to back: one launch rotates both.
-                        let heads = d.n_heads + d.n_kv_heads;
-                        gpu.rope(k, qa, at(sc.inv_freq), m, heads, d.head_dim, d.rot_dims / 2, pos)?;
-                    } else {
-                        gpu.rope(k, qa, at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
-                        gpu.rope(k, ka, at(sc.inv_freq), m, d.n_kv_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                    // After the decode GEMV, RoPE runs with the K/V store below.
+                    match (qkv_normed, qkv) {
+                        (Some(_), _) => {}
+                        (None, true) => {
+                            // One token's q and k heads lie back to back: one launch rotates both.
+                            let heads = d.n_heads + d.n_kv_heads;
+                            gpu.rope(k, qa, at(sc.inv_freq), m, heads, d.head_dim, d.rot_dims / 2, pos)?;
+                        }
+                        (None, false) => {
+                            gpu.rope(k, qa, at(sc.inv_freq), m, d.n_heads, d.head_dim, d.rot_dims / 2, pos)?;
+                            gpu.rope(
+                                k,
+                                ka,
+                                at(sc.inv_freq),
+                                m,
+                                d.n_kv_heads,
+                                d.head_dim,
+                                d.rot_dims / 2,
+                                pos,
+                            )?;
+                        }
                     }
                 }
                 if step.kv == Some(KvLoc::Host) {
@@ -2301,7 +2327,20 @@ impl<'a> Exec<'a> {
                     // SAFETY: as above; every row the store and the attention touch is one of the cache's
                     // seqs × ctx rows (seqs::SeqKv).
                     unsafe {
-                        gpu.store_kv(k, ka, va, kv_base, kv_base + half, d.kv_dim, rows, m)?;
+                        if qkv_normed.is_some() {
+                            gpu.rope_store_kv(
+                                k,
+                                (qa, ka, va),
+                                at(sc.inv_freq),
+                                (kv_base, kv_base + half),
+                                m,
+                                (d.n_heads, d.n_kv_heads, d.head_dim, d.rot_dims / 2),
+                                pass_at.positions(),
+                                rows,
+                            )?;
+                        } else {
+                            gpu.store_kv(k, ka, va, kv_base, kv_base + half, d.kv_dim, rows, m)?;
+                        }
                         gpu.attention(
                             k,
                             qa,
@@ -2357,7 +2396,17 @@ impl<'a> Exec<'a> {
                         )?;
                         let (gate, up, ld) = if let Some(gw) = gate_up {
                             let ga = at(sc.up);
-                            gpu.matmul(k, d.quant, wb + gw as u64, at(sc.xb), ga, m, 2 * d.ffn, d.hidden, false)?;
+                            gpu.matmul(
+                                k,
+                                d.quant,
+                                wb + gw as u64,
+                                at(sc.xb),
+                                ga,
+                                m,
+                                2 * d.ffn,
+                                d.hidden,
+                                false,
+                            )?;
                             (Some(ga), ga + (d.ffn * 4) as u64, 2 * d.ffn)
                         } else {
                             let mm = |w_off: usize, y: usize| {

@@ -1465,9 +1465,14 @@ fn decode_gemv_matches_norm_cublas_and_activation() {
     let xd = alloc(&bf16s(&h));
     let (yd, actd, xnd) = (gpu.alloc(8 * n).unwrap(), gpu.alloc(2 * n).unwrap(), gpu.alloc(2 * k).unwrap());
     // (input normed, layer norm, output: 0 y, 1 y +=, 2 SwiGLU, 3 squared ReLU)
-    for (normed, ln, out) in
-        [(false, false, 0), (false, false, 1), (true, false, 0), (true, true, 1), (true, false, 2), (true, true, 3)]
-    {
+    for (normed, ln, out) in [
+        (false, false, 0),
+        (false, false, 1),
+        (true, false, 0),
+        (true, true, 1),
+        (true, false, 2),
+        (true, true, 3),
+    ] {
         let rows_sets: &[usize] = match out {
             2 => &[2, 4],
             3 => &[1, 2],
@@ -1492,7 +1497,15 @@ fn decode_gemv_matches_norm_cublas_and_activation() {
                     let m_rows = if out == 2 { 2 * n } else { n };
                     gpu.gemm(Elem::Bf16, wd.ptr(), x, yd.ptr(), 1, m_rows, k, out == 1).unwrap();
                     match out {
-                        2 => gpu.ffn_act(&kn, Some(yd.ptr()), yd.ptr() + (4 * n) as u64, actd.ptr(), 1, n, 2 * n),
+                        2 => gpu.ffn_act(
+                            &kn,
+                            Some(yd.ptr()),
+                            yd.ptr() + (4 * n) as u64,
+                            actd.ptr(),
+                            1,
+                            n,
+                            2 * n,
+                        ),
                         3 => gpu.ffn_act(&kn, None, yd.ptr(), actd.ptr(), 1, n, n),
                         _ => Ok(()),
                     }

@@ -542,7 +542,14 @@ pub fn decode_layer_kernels(
     let parts = [
         ("norm + q|k|v", qkv, hidden, true, false, false),
         ("o (+= h)", hidden, q_dim, false, false, true),
-        (if gated { "norm + gate|up + SwiGLU" } else { "norm + up + squared ReLU" }, up_rows, hidden, true, true, false),
+        (
+            if gated { "norm + gate|up + SwiGLU" } else { "norm + up + squared ReLU" },
+            up_rows,
+            hidden,
+            true,
+            true,
+            false,
+        ),
         ("down (+= h)", hidden, ffn, false, false, true),
     ];
     progress.section("GPU: a decode layer's GEMVs, cuBLAS against the decode GEMV", parts.len() as u64);
@@ -591,7 +598,11 @@ pub fn decode_layer_kernels(
                     }
                     gpu.gemm(Elem::Bf16, wc, xd.ptr(), yd.ptr(), 1, n, k, acc)?;
                     if act_out {
-                        let (g, u) = if gated { (Some(yd.ptr()), yd.ptr() + (4 * out_n) as u64) } else { (None, yd.ptr()) };
+                        let (g, u) = if gated {
+                            (Some(yd.ptr()), yd.ptr() + (4 * out_n) as u64)
+                        } else {
+                            (None, yd.ptr())
+                        };
                         gpu.ffn_act(&kn, g, u, actd.ptr(), 1, out_n, n)?;
                     }
                     Ok(())
@@ -634,13 +645,24 @@ pub fn decode_layer_kernels(
             (true, false) => &[0, 1, 2],
             (false, _) => &[0, 1, 2, 4],
         };
-        for &r in variants {
+        // Each variant, then the last one again with two timing events recorded around every launch sequence
+        // (the executor's unit spans), which shows what they cost.
+        let mut timed_variants: Vec<(usize, bool)> = variants.iter().map(|&r| (r, false)).collect();
+        timed_variants.push((*variants.last().expect("variants"), true));
+        let marks = (gpu.event(true)?, gpu.event(true)?);
+        for (r, spans) in timed_variants {
             let got = output(r)?;
             let err = got.iter().zip(&reference).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / top;
             let t = sample(rule, || -> Result<f64> {
                 gpu.record(&start, Stream::Compute)?;
                 for i in 0..REPS {
+                    if spans {
+                        gpu.record(&marks.0, Stream::Compute)?;
+                    }
                     run(i % copies, r)?;
+                    if spans {
+                        gpu.record(&marks.1, Stream::Compute)?;
+                    }
                 }
                 gpu.record(&end, Stream::Compute)?;
                 gpu.sync_event(&end)?;
@@ -650,7 +672,11 @@ pub fn decode_layer_kernels(
                 part: part.into(),
                 rows: n,
                 cols: k,
-                variant: if r == 0 { "cuBLAS".into() } else { format!("decode_gemv R{r}") },
+                variant: match (r, spans) {
+                    (0, _) => "cuBLAS".into(),
+                    (r, false) => format!("decode_gemv R{r}"),
+                    (r, true) => format!("decode_gemv R{r}, 2 timing events around it"),
+                },
                 time_ns: t.median * 1e9,
                 gbps: bytes as f64 / t.median / 1e9,
                 max_rel_err: f64::from(err),

@@ -190,6 +190,49 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     p[i + half] = bb * c + a * s;
 }
 
+// `rope` of q's and k's heads and `store_kv` of the rotated K and of V in one launch (a one-token decode step,
+// whose q|k|v the decode GEMV wrote back to back). Per token: (heads + kv_heads)·half threads rotate a pair
+// each (a K pair goes to the cache too), kv_heads·(head_dim - 2·half) store K's unrotated dimensions, kv_heads·
+// head_dim store V.
+extern "C" __global__ void rope_store_kv(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v,
+                                         const float* __restrict__ inv_freq, kv_t* __restrict__ kc,
+                                         kv_t* __restrict__ vc, int m, int heads, int kv_heads, int head_dim,
+                                         int half, int pos0, int pos_step, long long row0, long long row_step) {
+    const int kv_dim = kv_heads * head_dim, rot = (heads + kv_heads) * half, plain = kv_heads * (head_dim - 2 * half);
+    const u64 per = (u64)rot + plain + kv_dim;
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)m * per) return;
+    const int t = (int)(idx / per);
+    int i = (int)(idx - (u64)t * per);
+    const u64 dst = (u64)(row0 + (long long)t * row_step) * kv_dim;
+    if (i < rot) {
+        const int hh = i / half, d = i % half;
+        float s, c;
+        sincosf((float)(pos0 + t * pos_step) * inv_freq[d], &s, &c);
+        const bool is_k = hh >= heads;
+        float* p = is_k ? k + (u64)t * kv_dim + (u64)(hh - heads) * head_dim : q + ((u64)t * heads + hh) * head_dim;
+        const float a = p[d], bb = p[d + half];
+        const float ra = a * c - bb * s, rb = bb * c + a * s;
+        p[d] = ra;
+        p[d + half] = rb;
+        if (is_k) {
+            kv_t* o = kc + dst + (u64)(hh - heads) * head_dim;
+            o[d] = KV_STORE(ra);
+            o[d + half] = KV_STORE(rb);
+        }
+        return;
+    }
+    i -= rot;
+    if (i < plain) {
+        const int width = head_dim - 2 * half;
+        const int e = (i / width) * head_dim + 2 * half + i % width;
+        kc[dst + e] = KV_STORE(k[(u64)t * kv_dim + e]);
+        return;
+    }
+    i -= plain;
+    vc[dst + i] = KV_STORE(v[(u64)t * kv_dim + i]);
+}
+
 // Writes K and V rows of m tokens into the cache, token t at row row0 + t*row_step, rounded to the cache type.
 extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v, kv_t* __restrict__ kc,
                                     kv_t* __restrict__ vc, int kv_dim, long long row0, long long row_step, int m) {
@@ -1239,17 +1282,19 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
 
 // ---------------------------------------------------------------------------------------------------------------
 // One-token decode GEMV over f16/bf16 rows (the activation type), with the unit's neighbours folded in:
-//   prologue PRO: 0 the input is x (activations); 1 it is the unit's input norm of the f32 residual h, computed
-//     as `norm_act` computes it (mean and sum of squares over the row, then (h - mean)·inv·nw + nb, rounded
-//     to the activation type), so the norm's own launch and its round trip through memory go;
+//   prologue PRO: 0 the input is x (activations, read through L1 by every warp); 1 it is the unit's input norm
+//     of the f32 residual h, computed as `norm_act` computes it (mean and sum of squares over the row, then
+//     (h - mean)·inv·nw + nb, rounded to the activation type) into shared memory, once a block (every block
+//     sums in the same order, so all agree), so the norm's own launch and its round trip through memory go;
 //   epilogue EPI: 0 y[r] (+)= w[r, :] · x; 1 SwiGLU over gate|up stored back to back (rows o and n + o):
 //     act[o] = silu(gate) · up, rounded as `swiglu` rounds; 2 squared ReLU of row o, as `relu2`.
-// Each block first stages the k input activations in shared memory (every block computes the same norm, in the
-// same order, so all agree), then each warp streams R weight rows together, 16 bytes a lane and DG_U loads of
-// every row in flight, and sums its lanes: no split-K partials, so the output projections add straight into
-// the residual stream. Rows are 16-byte aligned and k a multiple of 8 (the launcher checks).
+// Each warp streams R weight rows together, 16 bytes a lane and DG_U loads of every row in flight, and sums its
+// lanes: no split-K partials, so the output projections add straight into the residual stream. A warp issues
+// its first loads before the prologue (weights do not depend on the input), so the norm runs under them.
+// Rows are 16-byte aligned and k a multiple of 8 (the launcher checks).
 #define DG_WARPS 8  // cuda::DECODE_GEMV_WARPS
 #define DG_U 4
+#define DG_NP 2  // float4 loads of the norm's row a thread keeps in flight
 
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
     uint4 v;
@@ -1259,6 +1304,58 @@ __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
     return v;
 }
 
+// The norm of the f32 row h (k elements, k/4 float4) into xs, as `norm_act`: its loads DG_NP float4 at a time.
+__device__ __forceinline__ void norm_into(const float* __restrict__ h, const float* __restrict__ nw,
+                                          const float* __restrict__ nb, float eps, int layer_norm, int k,
+                                          act_t* xs) {
+    const float4* h4 = (const float4*)h;
+    const int k4 = k >> 2, nt = blockDim.x;
+    float mean = 0.f;
+    if (layer_norm) {
+        float s = 0.f;
+        for (int i0 = threadIdx.x; i0 < k4; i0 += DG_NP * nt) {
+            float4 v[DG_NP];
+#pragma unroll
+            for (int j = 0; j < DG_NP; ++j) v[j] = i0 + j * nt < k4 ? h4[i0 + j * nt] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < DG_NP; ++j) s += v[j].x + v[j].y + v[j].z + v[j].w;
+        }
+        mean = block_sum(s) / k;
+    }
+    float ss = 0.f;
+    for (int i0 = threadIdx.x; i0 < k4; i0 += DG_NP * nt) {
+        float4 v[DG_NP];
+#pragma unroll
+        for (int j = 0; j < DG_NP; ++j) v[j] = i0 + j * nt < k4 ? h4[i0 + j * nt] : make_float4(mean, mean, mean, mean);
+#pragma unroll
+        for (int j = 0; j < DG_NP; ++j) {
+            const float a = v[j].x - mean, b = v[j].y - mean, c = v[j].z - mean, d = v[j].w - mean;
+            ss += a * a + b * b + c * c + d * d;
+        }
+    }
+    const float inv = 1.f / sqrtf(block_sum(ss) / k + eps);
+    for (int i0 = threadIdx.x; i0 < k4; i0 += DG_NP * nt) {
+        float4 v[DG_NP], g[DG_NP], b[DG_NP];
+#pragma unroll
+        for (int j = 0; j < DG_NP; ++j) {
+            const int i = min(i0 + j * nt, k4 - 1);  // past k4: recomputed, not stored
+            v[j] = h4[i];
+            g[j] = ((const float4*)nw)[i];
+            b[j] = nb ? ((const float4*)nb)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < DG_NP; ++j) {
+            if (i0 + j * nt < k4) {
+                const u32 lo = (u32)ACT_STORE((v[j].x - mean) * inv * g[j].x + b[j].x) |
+                               ((u32)ACT_STORE((v[j].y - mean) * inv * g[j].y + b[j].y) << 16);
+                const u32 hi = (u32)ACT_STORE((v[j].z - mean) * inv * g[j].z + b[j].z) |
+                               ((u32)ACT_STORE((v[j].w - mean) * inv * g[j].w + b[j].w) << 16);
+                ((uint2*)xs)[i0 + j * nt] = make_uint2(lo, hi);
+            }
+        }
+    }
+}
+
 template <int PRO, int EPI, int R>
 __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const act_t* __restrict__ x,
                                             const float* __restrict__ h, const float* __restrict__ nw,
@@ -1266,32 +1363,12 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
                                             float* __restrict__ y, act_t* __restrict__ out, int n, int k,
                                             int accumulate) {
     extern __shared__ uint4 dg_smem[];
-    act_t* xs = (act_t*)dg_smem;
     const int k8 = k >> 3;
-    if (PRO == 0) {
-        for (int i = threadIdx.x; i < k8; i += blockDim.x) dg_smem[i] = ((const uint4*)x)[i];
-    } else {
-        float mean = 0.f;
-        if (layer_norm) {
-            float s = 0.f;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) s += h[i];
-            mean = block_sum(s) / k;
-        }
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            const float d = h[i] - mean;
-            ss += d * d;
-        }
-        const float inv = 1.f / sqrtf(block_sum(ss) / k + eps);
-        for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = ACT_STORE((h[i] - mean) * inv * nw[i] + (nb ? nb[i] : 0.f));
-    }
-    __syncthreads();
     const int lane = threadIdx.x & 31;
     const int job = blockIdx.x * DG_WARPS + (threadIdx.x >> 5);
     // Outputs of this warp: R rows (EPI 0, 2) or R/2 gate|up pairs (EPI 1).
     constexpr int OUTS = EPI == 1 ? R / 2 : R;
     const int o0 = job * OUTS;
-    if (o0 >= n) return;
     const uint4* wr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -1299,29 +1376,46 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
         const int row = EPI == 1 && r >= OUTS ? n + o : o;
         wr[r] = (const uint4*)(w + (u64)row * k);
     }
+    uint4 wv[DG_U][R];
+#pragma unroll
+    for (int u = 0; u < DG_U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            wv[u][r] = lane + 32 * u < k8 && o0 < n ? ld_stream16(wr[r] + lane + 32 * u) : make_uint4(0, 0, 0, 0);
+    const uint4* xv4 = (const uint4*)x;
+    if (PRO == 1) {
+        norm_into(h, nw, nb, eps, layer_norm, k, (act_t*)dg_smem);
+        __syncthreads();
+        xv4 = dg_smem;
+    }
+    if (o0 >= n) return;
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int c = lane; c < k8; c += 32 * DG_U) {
-        uint4 wv[DG_U][R];
+    for (int c = lane;;) {
+#pragma unroll
+        for (int u = 0; u < DG_U; ++u) {
+            if (c + 32 * u < k8) {
+                float xf[8];
+                const uint4 xw = xv4[c + 32 * u];
+                const u32 xs4[4] = {xw.x, xw.y, xw.z, xw.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) xf[e] = ACT_LOAD((u16)(xs4[e >> 1] >> (16 * (e & 1))));
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 ww[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r] = fmaf(xf[e], ACT_LOAD((u16)(ww[e >> 1] >> (16 * (e & 1)))), acc[r]);
+                }
+            }
+        }
+        c += 32 * DG_U;
+        if (c >= k8) break;
 #pragma unroll
         for (int u = 0; u < DG_U; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r)
                 wv[u][r] = c + 32 * u < k8 ? ld_stream16(wr[r] + c + 32 * u) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int u = 0; u < DG_U; ++u) {
-            if (c + 32 * u < k8) {
-                float xv[8];
-                load8_act(xs + 8 * (c + 32 * u), xv);
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const u32 ww[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[r] = fmaf(xv[e], ACT_LOAD((u16)(ww[e >> 1] >> (16 * (e & 1)))), acc[r]);
-                }
-            }
-        }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
@@ -1342,8 +1436,11 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
     }
 }
 
+// Blocks an SM keeps resident at R rows a warp: the registers a thread may use (R1 51, R2 85, R4 128), so that
+// enough loads are in flight on every SM.
+#define DG_BLOCKS(R) ((R) == 1 ? 5 : (R) == 2 ? 3 : 2)
 #define DECODE_GEMV(name, PRO, EPI, R)                                                                              \
-    extern "C" __global__ void __launch_bounds__(DG_WARPS * 32) name(                                              \
+    extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, DG_BLOCKS(R)) name(                                \
         const act_t* w, const act_t* x, const float* h, const float* nw, const float* nb, float eps,               \
         int layer_norm, float* y, act_t* out, int n, int k, int acc) {                                              \
         decode_gemv<PRO, EPI, R>(w, x, h, nw, nb, eps, layer_norm, y, out, n, k, acc);                              \

@@ -111,6 +111,7 @@ pub struct Kernels {
     add_mapped: CudaFunction,
     spin: CudaFunction,
     rope: CudaFunction,
+    rope_store_kv: CudaFunction,
     store_kv: CudaFunction,
     attention: CudaFunction,
     attn_combine: CudaFunction,
@@ -329,7 +330,7 @@ pub fn decode_gemv_fits(k: usize, addrs: &[u64]) -> bool {
 /// Rows a warp of the decode GEMV streams together for `n` outputs.
 fn decode_gemv_rows(n: usize, output: GemvOutput) -> usize {
     match output {
-        GemvOutput::SwiGlu { .. } => 2,
+        GemvOutput::SwiGlu { .. } => 4,
         GemvOutput::Y { .. } | GemvOutput::Relu2 { .. } => {
             if n <= 8192 {
                 1
@@ -646,6 +647,7 @@ impl Gpu {
             add_mapped: f("add_mapped")?,
             spin: f("spin")?,
             rope: f("rope")?,
+            rope_store_kv: f("rope_store_kv")?,
             store_kv: f("store_kv")?,
             attention: f("attention")?,
             attn_combine: f("attn_combine")?,
@@ -847,7 +849,8 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (warps.div_ceil(DECODE_GEMV_WARPS) as u32, 1, 1),
             block_dim: ((DECODE_GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (2 * k) as u32,
+            // A normed input is staged in shared memory; a plain one is read through L1.
+            shared_mem_bytes: if plain == 0 { (2 * k) as u32 } else { 0 },
         };
         let (n, k) = (n as i32, k as i32);
         // SAFETY: argument types match the kernel; sizes and alignment as documented and checked above.
@@ -1216,9 +1219,11 @@ impl Gpu {
     pub unsafe fn add_mapped(&self, k: &Kernels, x: u64, src: u64, n: usize) -> Result<()> {
         let n = n as u64;
         // SAFETY: as documented.
-        unsafe { self.compute.launch_builder(&k.add_mapped).arg(&x).arg(&src).arg(&n).launch(threads_for(n, 256)) }
-            .map(|_| ())
-            .map_err(driver_err("cuLaunchKernel(add_mapped)"))
+        unsafe {
+            self.compute.launch_builder(&k.add_mapped).arg(&x).arg(&src).arg(&n).launch(threads_for(n, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(add_mapped)"))
     }
 
     /// Holds the compute stream for `ns` nanoseconds, so that what the host enqueues meanwhile runs back to
@@ -1303,6 +1308,53 @@ impl Gpu {
         }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel(store_kv)"))
+    }
+
+    /// [`Gpu::rope`] of `q`'s and `k`'s heads and [`Gpu::store_kv`] of the rotated K and of V, in one launch.
+    ///
+    /// # Safety
+    /// As the two calls: `q` holds `m × n_heads × head_dim` f32, `k` and `v` `m × n_kv_heads × head_dim` f32,
+    /// `inv_freq` `half` f32 with `2 × half ≤ head_dim`, and `kc`/`vc` every row `rows` names.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_store_kv(
+        &self,
+        kn: &Kernels,
+        (q, k, v): (u64, u64, u64),
+        inv_freq: u64,
+        (kc, vc): (u64, u64),
+        m: usize,
+        (n_heads, n_kv_heads, head_dim, half): (usize, usize, usize, usize),
+        pos: (usize, usize),
+        rows: (usize, usize),
+    ) -> Result<()> {
+        let per = (n_heads + n_kv_heads) * half + n_kv_heads * (head_dim - 2 * half) + n_kv_heads * head_dim;
+        let n = (m * per) as u64;
+        let (m, heads, kv_heads, hd, half) =
+            (m as i32, n_heads as i32, n_kv_heads as i32, head_dim as i32, half as i32);
+        let (pos0, pos_step, row0, row_step) = (pos.0 as i32, pos.1 as i32, rows.0 as i64, rows.1 as i64);
+        // SAFETY: as documented.
+        unsafe {
+            self.compute
+                .launch_builder(&kn.rope_store_kv)
+                .arg(&q)
+                .arg(&k)
+                .arg(&v)
+                .arg(&inv_freq)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&m)
+                .arg(&heads)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&half)
+                .arg(&pos0)
+                .arg(&pos_step)
+                .arg(&row0)
+                .arg(&row_step)
+                .launch(threads_for(n, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(rope_store_kv)"))
     }
 
     /// Attention of `m` queries over the cache rows `keys` describes (causal over one sequence, one query per
