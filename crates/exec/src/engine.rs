@@ -32,8 +32,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{
-    DevBuf, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration, KernelKey,
-    Kernels, Stream, decode_gemv_fits, grouped_experts_fit,
+    DevBuf, EarlyStart, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration,
+    KernelKey, Kernels, Stream, decode_gemv_fits, grouped_experts_fit,
 };
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
@@ -2208,6 +2208,13 @@ impl<'a> Exec<'a> {
                 layer_norm: ln,
             })
         };
+        // A unit's first decode GEMV may start under the kernel before it where its weights are resident; the
+        // rest of the unit's follow its own kernels, after any wait for its weights.
+        let first_start = if matches!(step.weights, WeightLoc::Pinned(_)) {
+            EarlyStart::UnderPrevious
+        } else {
+            EarlyStart::AfterPrevious
+        };
         let mut start = g.span_start(Stream::Compute)?;
         match uw.kind {
             UnitKind::Attn(o) => {
@@ -2230,7 +2237,7 @@ impl<'a> Exec<'a> {
                     if let Some(input) = qkv_normed {
                         let n = d.q_dim + 2 * d.kv_dim;
                         let y = GemvOutput::Y { y: qa, accumulate: false };
-                        gpu.decode_gemv(k, wb + o.q as u64, n, d.hidden, input, y)?;
+                        gpu.decode_gemv(k, wb + o.q as u64, n, d.hidden, input, y, first_start)?;
                     } else {
                         gpu.norm_act(
                             k,
@@ -2359,8 +2366,21 @@ impl<'a> Exec<'a> {
                     }
                 }
                 // SAFETY: as above; xb holds the m·q_dim attention output.
+                // SAFETY: as above; the output projection follows the attention's kernels in the unit.
                 unsafe {
-                    gpu.matmul(k, d.quant, wb + o.o as u64, at(sc.xb), at(sc.h), m, d.hidden, d.q_dim, true)?;
+                    let (w, x, y) = (wb + o.o as u64, at(sc.xb), at(sc.h));
+                    gpu.matmul_early(
+                        k,
+                        d.quant,
+                        w,
+                        x,
+                        y,
+                        m,
+                        d.hidden,
+                        d.q_dim,
+                        true,
+                        EarlyStart::UnderPrevious,
+                    )?;
                 }
             }
             UnitKind::Ffn(o) => {
@@ -2381,7 +2401,7 @@ impl<'a> Exec<'a> {
                         } else {
                             GemvOutput::Relu2 { act: at(sc.act) }
                         };
-                        gpu.decode_gemv(k, wb + w_off as u64, d.ffn, d.hidden, input, out)?;
+                        gpu.decode_gemv(k, wb + w_off as u64, d.ffn, d.hidden, input, out, first_start)?;
                     } else {
                         gpu.norm_act(
                             k,
@@ -2430,16 +2450,19 @@ impl<'a> Exec<'a> {
                         };
                         gpu.ffn_act(k, gate, up, at(sc.act), m, d.ffn, ld)?;
                     }
-                    gpu.matmul(
+                    // The down projection follows the unit's first kernels.
+                    let (w, x, y) = (wb + o.down as u64, at(sc.act), at(sc.h));
+                    gpu.matmul_early(
                         k,
                         d.quant,
-                        wb + o.down as u64,
-                        at(sc.act),
-                        at(sc.h),
+                        w,
+                        x,
+                        y,
                         m,
                         d.hidden,
                         d.ffn,
                         true,
+                        EarlyStart::UnderPrevious,
                     )?;
                 }
             }

@@ -532,7 +532,7 @@ pub fn decode_layer_kernels(
     rule: Rule,
     progress: &dyn Progress,
 ) -> Result<Vec<LayerKernelRow>> {
-    use pipeshard_exec::cuda::{GemvInput, GemvOutput};
+    use pipeshard_exec::cuda::{EarlyStart, GemvInput, GemvOutput};
     const REPS: usize = 40;
     const ROTATE_BYTES: usize = 512 << 20;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
@@ -617,7 +617,8 @@ pub fn decode_layer_kernels(
                         (true, false) => GemvOutput::Relu2 { act: actd.ptr() },
                         (false, _) => GemvOutput::Y { y: yd.ptr(), accumulate: acc },
                     };
-                    gpu.decode_gemv_with(&kn, wc, out_n, k, input, output, r)
+                    // As the executor launches them: each under the kernel before (the weights are resident).
+                    gpu.decode_gemv_with(&kn, wc, out_n, k, input, output, r, EarlyStart::UnderPrevious)
                 }
             }
         };

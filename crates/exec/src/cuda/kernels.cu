@@ -70,6 +70,21 @@ __device__ float block_sum(float v) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with it may start while the one before it in the
+// stream runs; it waits here before touching that kernel's outputs. Launched without, or before sm_90, no-ops.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel, if launched with programmatic dependence, start (it still waits for this one's end
+// before reading its outputs).
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // h[t, :] = table[ids[t], :] (one block per token).
 extern "C" __global__ void embed(const act_t* __restrict__ table, const u32* __restrict__ ids, float* __restrict__ h, int hidden) {
     const u64 row = (u64)ids[blockIdx.x] * hidden;
@@ -200,6 +215,7 @@ extern "C" __global__ void rope_store_kv(float* __restrict__ q, float* __restric
                                          int half, int pos0, int pos_step, long long row0, long long row_step) {
     const int kv_dim = kv_heads * head_dim, rot = (heads + kv_heads) * half, plain = kv_heads * (head_dim - 2 * half);
     const u64 per = (u64)rot + plain + kv_dim;
+    griddep_launch_dependents();
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)m * per) return;
     const int t = (int)(idx / per);
@@ -311,6 +327,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
     float scale, int n_splits, int keys_per_split, long long seq_rows, int pos_step, int mask_prompt,
     int mask_seqs) {
+    // A one-token step's output projection (the decode GEMV) may start fetching its weights meanwhile.
+    griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const long long warp = (long long)blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (warp >= (long long)m * n_heads * n_splits) return;
@@ -408,6 +426,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, act_t* __restrict__ out, int n_splits,
     long long rows) {
     __shared__ float sums[COMBINE_WARPS][D];
+    griddep_launch_dependents();
     const long long th = blockIdx.x;
     if (th >= rows) return;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -1282,7 +1301,7 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
 
 // ---------------------------------------------------------------------------------------------------------------
 // One-token decode GEMV over f16/bf16 rows (the activation type), with the unit's neighbours folded in:
-//   prologue PRO: 0 the input is x (activations, read through L1 by every warp); 1 it is the unit's input norm
+//   prologue PRO: 0 the input is x (activations, staged in shared memory); 1 it is the unit's input norm
 //     of the f32 residual h, computed as `norm_act` computes it (mean and sum of squares over the row, then
 //     (h - mean)·inv·nw + nb, rounded to the activation type) into shared memory, once a block (every block
 //     sums in the same order, so all agree), so the norm's own launch and its round trip through memory go;
@@ -1382,12 +1401,23 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
 #pragma unroll
         for (int r = 0; r < R; ++r)
             wv[u][r] = lane + 32 * u < k8 && o0 < n ? ld_stream16(wr[r] + lane + 32 * u) : make_uint4(0, 0, 0, 0);
-    const uint4* xv4 = (const uint4*)x;
+    // Everything above reads only the weights; the input comes from the kernels before this one.
+    griddep_wait();
+    griddep_launch_dependents();
     if (PRO == 1) {
         norm_into(h, nw, nb, eps, layer_norm, k, (act_t*)dg_smem);
-        __syncthreads();
-        xv4 = dg_smem;
+    } else {
+        for (int i0 = threadIdx.x; i0 < k8; i0 += DG_NP * blockDim.x) {
+            uint4 v[DG_NP];
+#pragma unroll
+            for (int j = 0; j < DG_NP; ++j) v[j] = ((const uint4*)x)[min(i0 + j * (int)blockDim.x, k8 - 1)];
+#pragma unroll
+            for (int j = 0; j < DG_NP; ++j)
+                if (i0 + j * (int)blockDim.x < k8) dg_smem[i0 + j * blockDim.x] = v[j];
+        }
     }
+    __syncthreads();
+    const uint4* xv4 = dg_smem;
     if (o0 >= n) return;
     float acc[R];
 #pragma unroll

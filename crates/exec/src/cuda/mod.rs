@@ -327,11 +327,24 @@ pub fn decode_gemv_fits(k: usize, addrs: &[u64]) -> bool {
     k.is_multiple_of(8) && k <= DECODE_GEMV_MAX_K && addrs.iter().all(|a| a.is_multiple_of(16))
 }
 
-/// Rows a warp of the decode GEMV streams together for `n` outputs.
-fn decode_gemv_rows(n: usize, output: GemvOutput) -> usize {
-    match output {
-        GemvOutput::SwiGlu { .. } => 4,
-        GemvOutput::Y { .. } | GemvOutput::Relu2 { .. } => {
+/// When a decode GEMV may start ([`Gpu::decode_gemv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EarlyStart {
+    /// After the previous kernel in the stream ends, as any launch.
+    AfterPrevious,
+    /// While the previous kernel runs (programmatic dependent launch): the GEMV fetches its first weights,
+    /// then waits for that kernel before it reads its input. Only for weights no earlier kernel writes and no
+    /// copy still fills: pinned ones, or any after the unit's first kernel.
+    UnderPrevious,
+}
+
+/// Rows a warp of the decode GEMV streams together for `n` outputs: measured on the H200 at nemo-8b's shapes
+/// (results/exec/bounds/, decode-kernels.md), two rows where the norm runs first (its registers leave fewer
+/// warps an SM, each then needs more loads in flight), else one up to 8192 rows.
+fn decode_gemv_rows(n: usize, input: GemvInput, output: GemvOutput) -> usize {
+    match (input, output) {
+        (GemvInput::Norm { .. }, _) | (_, GemvOutput::SwiGlu { .. } | GemvOutput::Relu2 { .. }) => 2,
+        (GemvInput::Act(_), GemvOutput::Y { .. }) => {
             if n <= 8192 {
                 1
             } else {
@@ -793,9 +806,11 @@ impl Gpu {
         k: usize,
         input: GemvInput,
         output: GemvOutput,
+        early: EarlyStart,
     ) -> Result<()> {
+        let rows = decode_gemv_rows(n, input, output);
         // SAFETY: forwarded.
-        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, decode_gemv_rows(n, output)) }
+        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, rows, early) }
     }
 
     /// [`Gpu::decode_gemv`] with `rows` rows a warp (1, 2 or 4; SwiGLU 2 or 4, squared ReLU 1 or 2): the
@@ -813,6 +828,7 @@ impl Gpu {
         input: GemvInput,
         output: GemvOutput,
         rows: usize,
+        early: EarlyStart,
     ) -> Result<()> {
         let plain = match input {
             GemvInput::Act(x) => x,
@@ -852,30 +868,76 @@ impl Gpu {
             // A normed input is staged in shared memory; a plain one is read through L1.
             shared_mem_bytes: if plain == 0 { (2 * k) as u32 } else { 0 },
         };
-        let (n, k) = (n as i32, k as i32);
-        // SAFETY: argument types match the kernel; sizes and alignment as documented and checked above.
-        unsafe {
-            self.compute
-                .launch_builder(f)
-                .arg(&w)
-                .arg(&plain)
-                .arg(&h)
-                .arg(&nw)
-                .arg(&nb)
-                .arg(&eps)
-                .arg(&ln)
-                .arg(&y)
-                .arg(&act)
-                .arg(&n)
-                .arg(&k)
-                .arg(&acc)
-                .launch(cfg)
-        }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel(decode_gemv)"))
+        let (mut n, mut k) = (n as i32, k as i32);
+        let (mut w, mut plain, mut h, mut nw, mut nb, mut eps, mut ln, mut y, mut act, mut acc) =
+            (w, plain, h, nw, nb, eps, ln, y, act, acc);
+        let mut params: [*mut c_void; 12] = [
+            (&raw mut w).cast(),
+            (&raw mut plain).cast(),
+            (&raw mut h).cast(),
+            (&raw mut nw).cast(),
+            (&raw mut nb).cast(),
+            (&raw mut eps).cast(),
+            (&raw mut ln).cast(),
+            (&raw mut y).cast(),
+            (&raw mut act).cast(),
+            (&raw mut n).cast(),
+            (&raw mut k).cast(),
+            (&raw mut acc).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's, in order, and live through the call; sizes and alignment
+        // as documented and checked above; with `early`, the caller's weights are complete before the previous
+        // kernel (the kernel reads nothing else before its `griddepcontrol.wait`).
+        unsafe { self.launch_ex(f, cfg, &mut params, early == EarlyStart::UnderPrevious, "decode_gemv") }
     }
 
-    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`):
+    /// Launches `f` on the compute stream through `cuLaunchKernelEx`, with programmatic stream serialization
+    /// where `programmatic`: the kernel may begin while the one before it runs (sm_90; the driver ignores the
+    /// attribute elsewhere).
+    ///
+    /// # Safety
+    /// `params` point to the kernel's parameters, in order; the kernel waits (`griddepcontrol.wait`) before it
+    /// touches anything the previous kernel writes.
+    unsafe fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+        programmatic: bool,
+        kernel: &'static str,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a zeroed attribute is a valid plain-data value; its id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.compute.cu_stream(),
+            attrs: &raw mut attr,
+            numAttrs: u32::from(programmatic),
+        };
+        // SAFETY: forwarded from the caller; config and attr live through the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &raw const config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| ExecError::Cuda { call: "cuLaunchKernelEx", reason: format!("{kernel}: {e:?}") })
+    }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`: one
+    /// token's product of at least 1024 rows through [`Gpu::decode_gemv`] where it is on, else cuBLAS):
     /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
     /// more tokens dequantise chunks of rows into [`DEQUANT_SCRATCH_BYTES`] (rounded to the activation type)
     /// and run cuBLAS on each.
@@ -895,12 +957,36 @@ impl Gpu {
         k: usize,
         accumulate: bool,
     ) -> Result<()> {
+        // SAFETY: forwarded.
+        unsafe { self.matmul_early(kn, quant, w, x, y, m, n, k, accumulate, EarlyStart::AfterPrevious) }
+    }
+
+    /// [`Gpu::matmul`], a one-token product through the decode GEMV starting as `early` says (the other paths
+    /// start after the previous kernel).
+    ///
+    /// # Safety
+    /// As [`Gpu::matmul`], and as [`EarlyStart`] says for its weights.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_early(
+        &self,
+        kn: &Kernels,
+        quant: Option<QFormat>,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+        early: EarlyStart,
+    ) -> Result<()> {
         let act = kn.key.act;
         let Some(fmt) = quant else {
             if m == 1 && n >= DECODE_GEMV_MIN_ROWS && self.decode_gemv_on() && decode_gemv_fits(k, &[w, x]) {
                 // SAFETY: forwarded; fits checked.
                 return unsafe {
-                    self.decode_gemv(kn, w, n, k, GemvInput::Act(x), GemvOutput::Y { y, accumulate })
+                    let y = GemvOutput::Y { y, accumulate };
+                    self.decode_gemv(kn, w, n, k, GemvInput::Act(x), y, early)
                 };
             }
             // SAFETY: forwarded.
