@@ -104,6 +104,11 @@ pub trait CostModel: Send + Sync {
     fn decode_routing_ns(&self, _to: Device) -> u64 {
         0
     }
+    /// Our executor's host time per streamed unit beyond its kernels' launches (see
+    /// [`crate::profile::Profile::ring_copy_issue_ns`]); 0 where not measured.
+    fn ring_copy_issue_ns(&self) -> u64 {
+        0
+    }
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
     fn expert_ids_on_device(&self) -> bool {
         false
@@ -554,6 +559,10 @@ impl CostModel for TableCostModel {
             Device::Cpu => self.profile.decode_routing_to_cpu_ns,
             Device::Gpu => self.profile.decode_routing_to_gpu_ns,
         }
+    }
+
+    fn ring_copy_issue_ns(&self) -> u64 {
+        self.profile.ring_copy_issue_ns
     }
 
     fn expert_ids_on_device(&self) -> bool {

@@ -16,6 +16,16 @@ use crate::workload::Workload;
 /// The plan schema version this build reads and writes.
 pub const PLAN_SCHEMA_VERSION: u32 = 1;
 
+/// Copies our executor's ring issues ahead of the units that consume them (ring depth permitting); the
+/// simulator's host enqueue of streamed units follows it. A layer's 128 streamed experts issued at once (a
+/// depth-128 ring) ran every copy before the first expert's compute: q4_0 qwen3-30b-a3b@24L, pshard at 4 GB,
+/// a layer's experts took 13.8 ms where 2 or 8 ahead took 10.9-11.6 ms (TTFT 360 -> 313-317 ms;
+/// results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). The compute had waited for the layer's
+/// token lists, which went up only after the H2D stream's queue of copies (exec's `expert_inputs_stream`): 8
+/// ahead shortened that queue where the host paced it. Not re-measured since the lists go up on the H2D
+/// stream, ahead of the copies.
+pub const RING_ISSUE_AHEAD: usize = 8;
+
 /// Where a unit lives and runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

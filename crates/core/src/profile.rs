@@ -242,6 +242,14 @@ pub struct Profile {
     /// token lists copied up. 0: not measured.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub decode_routing_to_gpu_ns: u64,
+    /// Host time our executor spends on each streamed unit beyond its kernels' launches: the ring's copy
+    /// issue (the H2D stream's wait for the slot's release, the copy between two timing events, its
+    /// completion event), the compute stream's wait for it, the unit's own timing span and the slot's
+    /// release (exec's `RingSlot`, timed by the profiler's `RingIssueProbe` behind a held compute stream).
+    /// The host thread does this unit after unit, so where it exceeds the copy (q4_0 experts on the H200
+    /// machine) the host, not PCIe, paces a layer's streamed experts. 0: not measured, and not priced.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ring_copy_issue_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// VRAM the driver takes to map page-locked host memory into the GPU's address space, per GiB locked:

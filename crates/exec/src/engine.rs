@@ -26,14 +26,14 @@ use std::time::Instant;
 use pipeshard_core::inventory::UnitId;
 use pipeshard_core::metrics::{Metrics, Resource};
 use pipeshard_core::model::FfnKind;
-use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, VramBreakdown};
+use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, RING_ISSUE_AHEAD, VramBreakdown};
 use pipeshard_core::trace::Trace;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{
     DevBuf, EarlyStart, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration,
-    KernelKey, Kernels, Stream, decode_gemv_fits, grouped_experts_fit,
+    KernelKey, Kernels, RingSlot, Stream, decode_gemv_fits, grouped_experts_fit,
 };
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
@@ -225,20 +225,11 @@ impl Timeline {
     }
 }
 
-/// Copies the ring issues ahead of the units that consume them (ring depth permitting). A layer's 128 streamed
-/// experts issued at once (a depth-128 ring) ran every copy before the first expert's compute: q4_0
-/// qwen3-30b-a3b@24L, pshard at 4 GB, a layer's experts took 13.8 ms where 2 or 8 ahead took 10.9-11.6 ms
-/// (TTFT 360 -> 313-317 ms; results/validation/2026-12-01-nvidia-h200/s12-exec-experiments). The compute had
-/// waited for the layer's token lists, which went up only after the H2D stream's queue of copies
-/// (`expert_inputs_stream`): 8 ahead shortened that queue where the host paced it. Not re-measured since the
-/// lists go up on the H2D stream, ahead of the copies.
-const RING_ISSUE_AHEAD: usize = 8;
-
 /// The streaming ring of one phase.
 struct Ring {
     slots: Vec<u64>,
-    copy_done: Vec<Event>,
-    slot_free: Vec<Event>,
+    /// Each slot's events ([`RingSlot`]).
+    events: Vec<RingSlot>,
     issued: usize,
     released: usize,
     /// Items queued for copying: (item, pass index, the pass's tokens, whose KV cells they upload).
@@ -411,9 +402,7 @@ impl GpuSide<'_> {
 
     /// A timing event recorded on `on` (a staged copy runs on the compute stream but is an H2D span).
     fn span_start(&self, on: Stream) -> Result<Event> {
-        let ev = self.gpu.event(true)?;
-        self.gpu.record(&ev, on)?;
-        Ok(ev)
+        self.gpu.mark(on)
     }
 
     fn span_end(
@@ -424,8 +413,7 @@ impl GpuSide<'_> {
         on: Stream,
         start: Event,
     ) -> Result<()> {
-        let end = self.gpu.event(true)?;
-        self.gpu.record(&end, on)?;
+        let end = self.gpu.mark(on)?;
         tl.gpu.push(GpuSpan { name, track, start, end, bytes: 0 });
         Ok(())
     }
@@ -1258,8 +1246,7 @@ impl<'a> Exec<'a> {
         } else {
             Some(Ring {
                 slots: lay.slots.iter().map(|&o| base + o as u64).collect(),
-                copy_done: (0..lay.slots.len()).map(|_| gpu.event(false)).collect::<Result<_>>()?,
-                slot_free: (0..lay.slots.len()).map(|_| gpu.event(false)).collect::<Result<_>>()?,
+                events: (0..lay.slots.len()).map(|_| RingSlot::new(gpu)).collect::<Result<_>>()?,
                 issued: 0,
                 released: 0,
                 pending: VecDeque::new(),
@@ -1292,62 +1279,58 @@ impl<'a> Exec<'a> {
                 break;
             }
             let slot = ring.issued % depth;
-            if ring.issued >= depth {
-                g.gpu.wait(Stream::H2d, &ring.slot_free[slot])?;
-            }
             let dst = ring.slots[slot];
-            let start = g.gpu.event(true)?;
-            g.gpu.record(&start, Stream::H2d)?;
-            let mut bytes = 0;
-            let name = match item {
-                RingItem::Weights(u) => {
-                    let uw = self.w.unit(u).expect("weight unit");
-                    // SAFETY: a slot holds slot_bytes ≥ every streamed unit; the weights are registered and outlive
-                    // the run; the slot is free (waited above).
-                    unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
-                    bytes = uw.bytes as u64;
-                    format!("copy {u}")
-                }
-                RingItem::Kv(l) | RingItem::AttnKv(l) => {
-                    let dst = if let RingItem::AttnKv(_) = item {
-                        let uw = self.w.unit(UnitId::Attn { layer: l }).expect("attention unit");
-                        // SAFETY: the slot holds align(attention bytes) + kv.bytes() (layout_phase sized it).
-                        unsafe { g.gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
-                        bytes = uw.bytes as u64;
-                        dst + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
-                    } else {
-                        dst
-                    };
-                    g.gpu.wait(Stream::H2d, &g.kv_wb[l as usize])?;
-                    let hb = self.host_kv[l as usize].as_slice();
-                    let whole = self.kv.whole();
-                    let half = whole.half_bytes();
-                    // One copy per run of filled cells: one per sequence unless the cache is unified.
-                    let runs = self.kv.filled(at);
-                    for &(r, n) in &runs {
-                        let (o, n) = (whole.row_offset(r), whole.row_offset(n));
-                        // SAFETY: a slot holds ≥ whole.bytes() and the runs lie in it; the host rows were written
-                        // back (waited above) and stay unmodified until the slot's release (no CPU unit uses a
-                        // streamed layer's KV in this phase).
-                        unsafe {
-                            g.gpu.h2d(Stream::H2d, dst + o as u64, &hb[o..o + n])?;
-                            g.gpu.h2d(Stream::H2d, dst + (half + o) as u64, &hb[half + o..half + o + n])?;
+            let (gpu, kv_wb) = (g.gpu, &g.kv_wb);
+            // The slot is free once the copies run: they wait for its previous tenant's release.
+            let (start, end, (name, bytes)) = ring.events[slot].issue(gpu, ring.issued >= depth, || {
+                Ok(match item {
+                    RingItem::Weights(u) => {
+                        let uw = self.w.unit(u).expect("weight unit");
+                        // SAFETY: a slot holds slot_bytes ≥ every streamed unit; the weights are registered and
+                        // outlive the run; the slot is free (see above).
+                        unsafe { gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                        (format!("copy {u}"), uw.bytes as u64)
+                    }
+                    RingItem::Kv(l) | RingItem::AttnKv(l) => {
+                        let mut bytes = 0;
+                        let dst = if let RingItem::AttnKv(_) = item {
+                            let uw = self.w.unit(UnitId::Attn { layer: l }).expect("attention unit");
+                            // SAFETY: the slot holds align(attention bytes) + kv.bytes() (layout_phase sized it).
+                            unsafe { gpu.h2d(Stream::H2d, dst, &uw.buf.as_slice()[..uw.bytes])? };
+                            bytes = uw.bytes as u64;
+                            dst + uw.bytes.next_multiple_of(crate::layout::REGION_ALIGN_BYTES) as u64
+                        } else {
+                            dst
+                        };
+                        gpu.wait(Stream::H2d, &kv_wb[l as usize])?;
+                        let hb = self.host_kv[l as usize].as_slice();
+                        let whole = self.kv.whole();
+                        let half = whole.half_bytes();
+                        // One copy per run of filled cells: one per sequence unless the cache is unified.
+                        let runs = self.kv.filled(at);
+                        for &(r, n) in &runs {
+                            let (o, n) = (whole.row_offset(r), whole.row_offset(n));
+                            // SAFETY: a slot holds ≥ whole.bytes() and the runs lie in it; the host rows were
+                            // written back (waited above) and stay unmodified until the slot's release (no CPU
+                            // unit uses a streamed layer's KV in this phase).
+                            unsafe {
+                                gpu.h2d(Stream::H2d, dst + o as u64, &hb[o..o + n])?;
+                                gpu.h2d(Stream::H2d, dst + (half + o) as u64, &hb[half + o..half + o + n])?;
+                            }
+                            bytes += 2 * n as u64;
                         }
-                        bytes += 2 * n as u64;
+                        let rows: usize = runs.iter().map(|r| r.1).sum();
+                        let what = if let RingItem::AttnKv(_) = item { "attn + kv" } else { "kv" };
+                        let name = match runs.len() {
+                            0 | 1 => format!("copy blk.{l}.{what} ({rows} rows)"),
+                            n => format!("copy blk.{l}.{what} ({rows} rows, {n} copies)"),
+                        };
+                        (name, bytes)
                     }
-                    let rows: usize = runs.iter().map(|r| r.1).sum();
-                    let what = if let RingItem::AttnKv(_) = item { "attn + kv" } else { "kv" };
-                    match runs.len() {
-                        0 | 1 => format!("copy blk.{l}.{what} ({rows} rows)"),
-                        n => format!("copy blk.{l}.{what} ({rows} rows, {n} copies)"),
-                    }
-                }
-                RingItem::Experts(_) => unreachable!("placeholders are expanded before they are issued"),
-            };
-            let end = g.gpu.event(true)?;
-            g.gpu.record(&end, Stream::H2d)?;
+                    RingItem::Experts(_) => unreachable!("placeholders are expanded before they are issued"),
+                })
+            })?;
             self.tl.gpu.push(GpuSpan { name, track: Track::H2d, start, end, bytes });
-            g.gpu.record(&ring.copy_done[slot], Stream::H2d)?;
             ring.in_flight.push_back((item, slot));
             ring.pending.pop_front();
             ring.issued += 1;
@@ -1401,7 +1384,7 @@ impl<'a> Exec<'a> {
             .pop_front()
             .ok_or_else(|| ExecError::Input(format!("ring stalled before {item:?}")))?;
         assert_eq!(it, item, "ring items are consumed in order");
-        g.gpu.wait(Stream::Compute, &ring.copy_done[slot])?;
+        ring.events[slot].acquire(g.gpu, Stream::Compute)?;
         let addr = ring.slots[slot];
         self.pump()?;
         Ok((slot, addr))
@@ -1412,7 +1395,7 @@ impl<'a> Exec<'a> {
             let g = self.gpu.as_mut().expect("gpu");
             let ring = g.ring.as_mut().expect("ring");
             assert_eq!(slot, ring.released % ring.slots.len(), "ring slots are released in issue order");
-            g.gpu.record(&ring.slot_free[slot], on)?;
+            ring.events[slot].release(g.gpu, on)?;
             ring.released += 1;
         }
         self.pump()

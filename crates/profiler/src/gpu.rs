@@ -13,7 +13,8 @@ use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfil
 use pipeshard_core::workload::{GROUPED_EXPERTS_MAX_TOKENS, OpClass};
 use pipeshard_exec::cpu::KvLayout;
 use pipeshard_exec::cuda::{
-    DevBuf, Event, ExpertIo, Gpu, GroupedIo, KernelKey, Kernels, Stream, grouped_experts_fit,
+    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostRegistration, KernelKey, Kernels, RingSlot, Stream,
+    grouped_experts_fit,
 };
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
@@ -608,11 +609,20 @@ pub fn measure_all(
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
 
     // ---- Latencies and interference ----
-    progress.section("launch, host sync, copies vs compute", 8);
+    progress.section("launch, ring copy issue, host sync, copies vs compute", 9);
     let launch_probe = LaunchProbe::new(&gpu)?;
     let launch = sample(rule, || launch_probe.ns_per_launch(&gpu))?;
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
     progress.tick(&format!("launch {:.2} µs", launch.median / 1e3))?;
+    let issue_probe = RingIssueProbe::new(&gpu)?;
+    let issue = sample(rule, || issue_probe.ns_per_unit(&gpu))?;
+    drop(issue_probe);
+    figures.add(
+        "ring copy issue per streamed unit (exec's ring protocol and span, host time, stream held)",
+        "ns",
+        issue,
+    );
+    progress.tick(&format!("ring copy issue {:.2} µs a unit", issue.median / 1e3))?;
     let sync = sample(rule, || -> Result<f64> {
         let t0 = Instant::now();
         // SAFETY: as above.
@@ -799,6 +809,7 @@ pub fn measure_all(
         host_route_ns_per_token: host.route_ns_per_token,
         decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
         decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
+        ring_copy_issue_ns: issue.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
@@ -848,6 +859,81 @@ impl LaunchProbe {
         gpu.record(&self.ev.1, Stream::Compute)?;
         gpu.sync(Stream::Compute)?;
         Ok(f64::from(gpu.elapsed_ms(&self.ev.0, &self.ev.1)?) * 1e6 / f64::from(Self::LAUNCHES))
+    }
+}
+
+/// Our executor's host time per streamed unit beyond its kernels' launches, the profile's
+/// `ring_copy_issue_ns`: `UNITS` (64) units back to back through a ring of `DEPTH` (8) slots, each as
+/// the executor enqueues a streamed unit — its copy issued into its slot by exec's [`RingSlot`] (behind the
+/// slot's previous release, between two timing events, then its completion), the compute stream's wait for
+/// it, the unit's timing span (two timing events on the compute stream, where its kernels would run) and the
+/// slot's release — timed on the host with the compute stream held ([`Gpu::hold_compute`]), so that the
+/// compute stream runs none of it meanwhile and the time is the host's alone. A copy moves `COPY_BYTES` (4 MiB) of
+/// page-locked memory, about a q4_0 expert of qwen3-30b-a3b (2.7 MB). On the H200 machine the executor took
+/// 57–61 µs to enqueue a q4_0 prefill expert, of which its kernels (the expert row, timed unheld) ≈ 45
+/// (results/validation/2026-12-01-nvidia-h200, "host paces").
+pub struct RingIssueProbe {
+    kn: std::sync::Arc<Kernels>,
+    slots: Vec<RingSlot>,
+    dev: DevBuf,
+    // Declared before `src`: unregistered before its memory is freed.
+    _reg: HostRegistration,
+    src: HostBuf,
+}
+
+impl std::fmt::Debug for RingIssueProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingIssueProbe").field("units", &Self::UNITS).finish_non_exhaustive()
+    }
+}
+
+impl RingIssueProbe {
+    const UNITS: usize = 64;
+    /// Fewer slots than units: most copies wait for a release, as in the executor's steady state.
+    const DEPTH: usize = 8;
+    const COPY_BYTES: usize = 4 * MIB;
+
+    /// # Errors
+    /// Device errors (allocation, registration, kernel compilation, events).
+    pub fn new(gpu: &Gpu) -> Result<RingIssueProbe> {
+        let mut src = HostBuf::zeroed(Self::COPY_BYTES);
+        fill_random(src.as_mut_slice(), Elem::F32, 70);
+        // SAFETY: `src` moves into the probe, which drops the registration first; registered once.
+        let reg = unsafe { gpu.register(&src)? };
+        Ok(RingIssueProbe {
+            kn: gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?,
+            slots: (0..Self::DEPTH).map(|_| RingSlot::new(gpu)).collect::<std::result::Result<_, _>>()?,
+            dev: gpu.alloc(Self::DEPTH * Self::COPY_BYTES)?,
+            _reg: reg,
+            src,
+        })
+    }
+
+    /// Host nanoseconds a unit, one sample.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn ns_per_unit(&self, gpu: &Gpu) -> Result<f64> {
+        gpu.hold_compute(&self.kn, HOLD_NS_PER_CALL * (Self::UNITS as u64 + 1))?;
+        // The timing events live until the sample's end, as the executor's live until its run's.
+        let mut spans = Vec::with_capacity(4 * Self::UNITS);
+        let t0 = Instant::now();
+        for i in 0..Self::UNITS {
+            let slot = &self.slots[i % Self::DEPTH];
+            let dst = self.dev.ptr() + ((i % Self::DEPTH) * Self::COPY_BYTES) as u64;
+            // SAFETY: the slot's COPY_BYTES lie in `dev`, free once the copy runs (it waits for the slot's
+            // release); `src` is page-locked and outlives the sync below.
+            let (start, end, ()) = slot
+                .issue(gpu, i >= Self::DEPTH, || unsafe { gpu.h2d(Stream::H2d, dst, self.src.as_slice()) })?;
+            slot.acquire(gpu, Stream::Compute)?;
+            let span = (gpu.mark(Stream::Compute)?, gpu.mark(Stream::Compute)?);
+            slot.release(gpu, Stream::Compute)?;
+            spans.push((start, end, span));
+        }
+        let ns = t0.elapsed().as_nanos() as f64 / Self::UNITS as f64;
+        gpu.sync_all()?;
+        drop(spans);
+        Ok(ns)
     }
 }
 
@@ -1315,6 +1401,20 @@ fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a device, the ring issue probe times the host's enqueueing, not the copies it enqueues (64 × 4 MiB
+    /// take ≈ 76 µs a unit at PCIe gen5's 55 GB/s). Skips without one.
+    #[test]
+    fn the_ring_issue_probe_times_the_host_not_the_copies() {
+        if let Err(reason) = pipeshard_exec::cuda::probe() {
+            eprintln!("skipped: no CUDA device: {reason}");
+            return;
+        }
+        let gpu = Gpu::new().unwrap();
+        let probe = RingIssueProbe::new(&gpu).unwrap();
+        let ns = probe.ns_per_unit(&gpu).unwrap();
+        assert!((100.0..60_000.0).contains(&ns), "{ns} ns a unit");
+    }
 
     /// Copies read the executor's kind of buffer (page-aligned, random), each the next region, wrapping
     /// before the end.

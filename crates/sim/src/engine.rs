@@ -5,7 +5,7 @@
 //! number of copies in flight. Events are one enum, [`Event`], handled in one `match` (`Engine::handle`)
 //! that pushes follow-up events. After every event of an instant, a dispatch starts whatever can start: copies
 //! first, since a copy starting changes the rate of the computes that start with it, then computes, then
-//! hand-offs. The dispatch is not queued: it is the instant's last step (as an event it would rank after
+//! latency-only tasks (hand-offs, the host's enqueues). The dispatch is not queued: it is the instant's last step (as an event it would rank after
 //! every other), so the loop runs it once the queue holds nothing more at that time — half the queue's
 //! traffic, as every completion asked for one.
 //!
@@ -24,8 +24,8 @@ use crate::queue::{EventQueue, Ranked};
 pub enum Event {
     /// A copy (stream, offload or KV write-back) finished.
     CopyDone { task: u32 },
-    /// A hand-off finished.
-    HandoffDone { task: u32 },
+    /// A latency-only task (a hand-off, the host's enqueue of a streamed part) finished.
+    LatencyDone { task: u32 },
     /// A compute finished, unless a rate change has since rescheduled it (a newer `generation`).
     ComputeDone { task: u32, generation: u32 },
 }
@@ -34,7 +34,7 @@ impl Ranked for Event {
     fn rank(&self) -> u8 {
         match self {
             Event::CopyDone { .. } => 0,
-            Event::HandoffDone { .. } => 1,
+            Event::LatencyDone { .. } => 1,
             Event::ComputeDone { .. } => 2,
         }
     }
@@ -112,7 +112,8 @@ pub struct Workspace {
     fill: Vec<u32>,
     /// FIFO per exclusive lane.
     fifo: [Vec<u32>; 4],
-    ready_handoffs: Vec<u32>,
+    /// Latency-only tasks ready to start.
+    ready_latency: Vec<u32>,
     slot_holder: Vec<Option<(u32, u64)>>,
     item_readers_left: Vec<u32>,
     start_ns: Vec<u64>,
@@ -186,7 +187,7 @@ impl Engine<'_> {
                 }
                 self.finish(now, task);
             }
-            Event::HandoffDone { task } => self.finish(now, task),
+            Event::LatencyDone { task } => self.finish(now, task),
             Event::ComputeDone { task, generation } => {
                 let lane = usize::from(self.g.tasks[task as usize].lane == Lane::Cpu);
                 match self.running[lane] {
@@ -209,8 +210,8 @@ impl Engine<'_> {
         for i in a..b {
             let s = self.ws.succ[i];
             self.ws.pending[s as usize] -= 1;
-            if self.ws.pending[s as usize] == 0 && self.g.tasks[s as usize].lane == Lane::Handoff {
-                self.ws.ready_handoffs.push(s);
+            if self.ws.pending[s as usize] == 0 && self.g.tasks[s as usize].lane.exclusive_index().is_none() {
+                self.ws.ready_latency.push(s);
             }
         }
         let t = &self.g.tasks[task as usize];
@@ -291,12 +292,12 @@ impl Engine<'_> {
             self.ws.start_ns[t as usize] = now;
             q.push(now + d, Event::ComputeDone { task: t, generation: 0 });
         }
-        for i in 0..self.ws.ready_handoffs.len() {
-            let t = self.ws.ready_handoffs[i];
+        for i in 0..self.ws.ready_latency.len() {
+            let t = self.ws.ready_latency[i];
             self.ws.start_ns[t as usize] = now;
-            q.push(now + self.g.tasks[t as usize].duration_ns, Event::HandoffDone { task: t });
+            q.push(now + self.g.tasks[t as usize].duration_ns, Event::LatencyDone { task: t });
         }
-        self.ws.ready_handoffs.clear();
+        self.ws.ready_latency.clear();
     }
 
     /// Carries running computes over to the rate with (`under_dma`) or without concurrent copies.
@@ -364,11 +365,11 @@ pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSumm
     for f in &mut ws.fifo {
         f.clear();
     }
-    ws.ready_handoffs.clear();
+    ws.ready_latency.clear();
     for (i, t) in graph.tasks.iter().enumerate() {
         match t.lane.exclusive_index() {
             Some(l) => ws.fifo[l].push(i as u32),
-            None if ws.pending[i] == 0 => ws.ready_handoffs.push(i as u32),
+            None if ws.pending[i] == 0 => ws.ready_latency.push(i as u32),
             None => {}
         }
     }

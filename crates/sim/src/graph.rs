@@ -1,16 +1,18 @@
 //! Steps of a workload (prefill chunks or decode steps) as a task graph.
 //!
 //! `build` walks each step's ops (core's [`workload::ops`], in execution order) and emits [`Task`]s, each on
-//! one [`Lane`]: a compute on the GPU stream or the CPU pool, a copy on the H2D or D2H engine, or a hand-off
-//! (activations crossing between host and device, with a host synchronisation). Lanes other than hand-offs
-//! run their tasks one at a time in creation order, like a CUDA stream or ggml's CPU backend.
+//! one [`Lane`]: a compute on the GPU stream or the CPU pool, a copy on the H2D or D2H engine, a hand-off
+//! (activations crossing between host and device, with a host synchronisation) or our host's enqueue of a
+//! streamed expert. Lanes other than hand-offs and enqueues run their tasks one at a time in creation order,
+//! like a CUDA stream or ggml's CPU backend; a layer's enqueues wait each for the previous.
 //!
 //! Streaming, slot by slot as core's [`PhasePlan::stream_groups`](pipeshard_core::plan::PhasePlan::stream_groups)
 //! defines it: the reads of a `Streamed` unit within one layer share one [`RingItem`], and a layer whose
 //! attention and KV are both streamed carries both in one item (two copies into one slot: the q/k/v
 //! projections start when the weights are in, the attention when the KV is); a layer's touched streamed
 //! experts are `⌈streamed × touched / E⌉` items of at most one expert each, each computed as soon as it
-//! arrives. Item `i` goes to slot `i mod pipeline_depth`; its first copy starts when item `i − depth` has been
+//! arrives (on our runtime, once the host thread has enqueued it: [`Lane::Host`], [`TaskKind::Enqueue`]).
+//! Item `i` goes to slot `i mod pipeline_depth`; its first copy starts when item `i − depth` has been
 //! released — all its readers done, including the write-back of the new KV cells of a streamed KV — and every
 //! op waits for the copy of what it reads. Several steps in one graph continue the ring across the boundary
 //! (the executor issues the next decode step's copies as soon as slots free up), and a layer's KV upload
@@ -22,7 +24,7 @@
 use pipeshard_core::cost::{CostModel, Device, OpContext};
 use pipeshard_core::fxhash::FxHashMap;
 use pipeshard_core::inventory::{Inventory, UnitId};
-use pipeshard_core::plan::{PhaseKind, Placement};
+use pipeshard_core::plan::{PhaseKind, Placement, RING_ISSUE_AHEAD};
 use pipeshard_core::workload::{self, ACT_BYTES, Op, OpKind, Phase, Workload};
 
 /// Marks "none" in index vectors.
@@ -41,6 +43,9 @@ pub enum Lane {
     D2h,
     /// A CPU↔GPU hand-off: latency only, no exclusive resource.
     Handoff,
+    /// Our executor's host thread enqueueing streamed experts: latency only, one task after another (each
+    /// waits for the previous), so it runs one at a time without an exclusive resource.
+    Host,
 }
 
 impl Lane {
@@ -55,7 +60,7 @@ impl Lane {
             Lane::H2d => Some(1),
             Lane::D2h => Some(2),
             Lane::Cpu => Some(3),
-            Lane::Handoff => None,
+            Lane::Handoff | Lane::Host => None,
         }
     }
 }
@@ -84,6 +89,9 @@ pub enum TaskKind {
     /// Activations handed to `to` (host sync plus copy); at a step's start, token ids (no sync), and at its
     /// end, the sampled tokens.
     Handoff { to: Device },
+    /// The host enqueueing ring item `item`'s reader: the previous reader's kernels, then the ring's copy
+    /// issue and span ([`CostModel::ring_copy_issue_ns`]).
+    Enqueue { item: u32 },
 }
 
 /// One task.
@@ -207,6 +215,7 @@ impl StepGraph {
             TaskKind::KvWriteback { op } => format!("kv cells {}", self.ops[op as usize].unit),
             TaskKind::Handoff { to: Device::Gpu } => "hand-off to gpu".to_string(),
             TaskKind::Handoff { to: Device::Cpu } => "hand-off to cpu".to_string(),
+            TaskKind::Enqueue { item } => format!("enqueue {}", self.item_label(item)),
         }
     }
 }
@@ -717,10 +726,36 @@ impl Builder<'_> {
             let parts = (expected.ceil() as u32).clamp(1, counts[1]);
             let bytes = (expected * expert_bytes as f64 / f64::from(parts)).ceil() as u64;
             let sop = scaled(op, share(counts[1]) / f64::from(parts));
+            // Our executor's host thread enqueues the parts one after another (exec's `enqueue_experts`), each
+            // after the previous part's kernels — whose time the expert rows give at the host's pace, as the
+            // profiler times them unheld — then the ring's copy issue and span (`ring_copy_issue_ns`). A part's
+            // copy was issued while the host enqueued the part `ahead` before it (the ring's depth permitting),
+            // the first `ahead` right after the routing; its kernels run once enqueued. Where the host's part
+            // takes longer than a copy (q4_0 experts on the H200 machine), the host paces the layer. Not priced
+            // where not measured (0), nor on llama.cpp's runtimes.
+            let issue_ns = if ours { self.ctx.cost.ring_copy_issue_ns() } else { 0 };
+            let ahead = RING_ISSUE_AHEAD.min(self.view.pipeline_depth.max(1) as usize - 1);
+            let mut enqueues: Vec<u32> = Vec::new();
+            // What the host did last before the first part: the routing, then the pinned experts' launches.
+            let mut host = Deps::from(routed);
+            host.push_some(last_gpu);
+            let mut launching_ns = 0;
             for part in 0..parts {
-                let item = self.item(StreamKey::Experts { layer, part }, bytes, routed);
+                let next_item = self.items.len() as u32;
+                let enqueue = (issue_ns > 0).then(|| {
+                    let d = launching_ns + issue_ns;
+                    self.push(TaskKind::Enqueue { item: next_item }, Lane::Host, (d, d), 0, host.as_slice())
+                });
+                enqueues.extend(enqueue);
+                let issued = match (part as usize).checked_sub(ahead) {
+                    Some(p) if issue_ns > 0 => Some(enqueues[p]),
+                    _ => routed,
+                };
+                let item = self.item(StreamKey::Experts { layer, part }, bytes, issued);
+                debug_assert_eq!(item, next_item, "the enqueue names its part's item");
                 let mut deps = Deps::from(routed);
                 deps.push(self.items[item as usize].copy);
+                deps.push_some(enqueue);
                 let t = self.compute_launching(
                     i,
                     OpShare::Experts(Placement::Streamed),
@@ -733,6 +768,8 @@ impl Builder<'_> {
                 self.hold(t, held(share(counts[1]) / f64::from(parts)));
                 self.read(t, item);
                 last_gpu = Some(t);
+                host = Deps::from(enqueue);
+                launching_ns = self.tasks[t as usize].duration_ns;
             }
         }
         let mut joins: Vec<u32> = last_gpu.into_iter().collect();

@@ -48,7 +48,11 @@
 //!   only if touched (expected bytes), once the router has run; under [`Runtime::Artifact`] (the paper's
 //!   runtime) all of them. The GPU and CPU shares run concurrently and join before the residual add. On
 //!   llama.cpp (stock and the artifact) a GPU experts op of several tokens also waits for the host to sort its
-//!   routing before each `mul_mat_id` ([`Runtime::expert_ids_host_ns`]).
+//!   routing before each `mul_mat_id` ([`Runtime::expert_ids_host_ns`]). On ours the host thread enqueues
+//!   the streamed parts one after another, each its ring copy issue and span (the profile's
+//!   `ring_copy_issue_ns`, where measured) after the previous part's kernels, on a latency-only `Host` lane:
+//!   a part's copy waits for the host to have issued it, its kernels for the host to have launched them, so
+//!   a host slower than PCIe paces the layer (q4_0 experts on the H200 machine).
 //! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
 //!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
 //!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each

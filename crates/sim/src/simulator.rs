@@ -850,12 +850,21 @@ impl<'a> Simulator<'a> {
         tr.name_track(PCIE, "PCIe", 2, "D2H copy engine");
         tr.name_track(PCIE, "PCIe", 3, "hand-offs (host sync + activations)");
         tr.name_track(CPU, "CPU", 1, &format!("worker pool ({threads} threads)"));
+        let enqueues = prefill
+            .iter()
+            .chain(decode)
+            .filter_map(|s| s.outcome.as_ref())
+            .any(|(o, ..)| o.graph.tasks.iter().any(|t| t.lane == Lane::Host));
+        if enqueues {
+            tr.name_track(CPU, "CPU", 2, "host thread (streamed experts' enqueue)");
+        }
         let track = |lane: Lane| match lane {
             Lane::Gpu => (GPU, 1),
             Lane::H2d => (PCIE, 1),
             Lane::D2h => (PCIE, 2),
             Lane::Handoff => (PCIE, 3),
             Lane::Cpu => (CPU, 1),
+            Lane::Host => (CPU, 2),
         };
         let mut t0 = 0u64;
         let emit = |tr: &mut Trace, steps: &[StepTime], what: &str, t0: &mut u64| {
@@ -875,6 +884,7 @@ impl<'a> Simulator<'a> {
                         let cat = match task.kind {
                             TaskKind::Compute { .. } => "compute",
                             TaskKind::Handoff { .. } => "sync",
+                            TaskKind::Enqueue { .. } => "host",
                             _ => "copy",
                         };
                         let label = o.graph.label(t as u32);

@@ -9,7 +9,8 @@ use pipeshard_core::inventory::UnitId;
 use pipeshard_core::plan::{PhaseKind, Placement};
 use pipeshard_core::profile::{OpRow, Profile};
 use pipeshard_core::workload::{OpClass, Phase, Workload};
-use pipeshard_sim::{Runtime, Simulator};
+use pipeshard_sim::graph::TaskKind;
+use pipeshard_sim::{Lane, Runtime, Simulator};
 
 const LAUNCH_NS: u64 = 1_000;
 const GRAPH_NS: u64 = 300;
@@ -231,5 +232,77 @@ fn our_pinned_decode_experts_cost_the_grouped_rows() {
             step(runtime, Placement::Pinned, false),
             "{runtime:?}"
         );
+    }
+}
+
+/// One 1024-token prefill chunk (every expert touched) and one decode step of a 1-layer qwen3-30b-a3b whose
+/// routed experts all stream through a 4-slot ring, everything else pinned; a GPU op at 1 ps a weight byte
+/// (an expert ≈ 9.4 µs), copies at 100 bytes a ns (an expert ≈ 94 µs), our executor's host at `issue_ns` a
+/// streamed part beyond its kernels.
+fn streamed_experts(runtime: Runtime, issue_ns: u64) -> [pipeshard_sim::StepOutcome; 2] {
+    let spec = small("qwen3-30b-a3b", 1);
+    let w = Workload::single(1024, 2048, 1, 1024);
+    let shape = PhaseShape { pipeline_depth: 4, ..SHAPE };
+    let p = plan(&spec, &w, shape, &|u| {
+        if matches!(u, UnitId::Expert { .. }) { Placement::Streamed } else { Placement::Pinned }
+    });
+    let cost = FixedCost { ring_copy_issue_ns: issue_ns, ..FixedCost::plain(0.001, 100.0) };
+    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    [sim.step(PhaseKind::Prefill, w.prefill_chunks()[0]), sim.step(PhaseKind::Decode, w.decode_step(0))]
+}
+
+/// The streamed experts' tasks of a step: the hand-off that brought the routing up, and each part's compute.
+fn streamed_parts(o: &pipeshard_sim::StepOutcome) -> (u32, Vec<u32>) {
+    let g = &o.graph;
+    let routed = g.deps(g.items[0].copy)[0];
+    assert!(matches!(g.tasks[routed as usize].kind, TaskKind::Handoff { .. }));
+    (routed, g.items.iter().map(|i| i.last_reader).collect())
+}
+
+/// Where our executor's host takes longer to enqueue a streamed expert (its ring copy issue and span, then its
+/// kernels) than PCIe takes to copy one, the host paces the layer: from the routing's arrival to the last
+/// streamed expert's end, each part costs the issue plus its kernels, whatever the copies.
+#[test]
+fn a_host_slower_than_the_copies_paces_a_layers_streamed_experts() {
+    let issue_ns = 200_000;
+    let [prefill, decode] = streamed_experts(Runtime::Ours, issue_ns);
+    let (routed, parts) = streamed_parts(&prefill);
+    assert_eq!(parts.len(), 128, "every expert touched, one part each");
+    let g = &prefill.graph;
+    let kernels_ns = g.tasks[parts[0] as usize].duration_ns;
+    let copy_ns = g.tasks[g.items[0].copy as usize].duration_ns;
+    assert!(issue_ns + kernels_ns > copy_ns, "the regime assumed: {kernels_ns} + {issue_ns} vs {copy_ns}");
+    let span = prefill.end_ns[*parts.last().unwrap() as usize] - prefill.end_ns[routed as usize];
+    assert_eq!(span, 128 * (issue_ns + kernels_ns));
+    let free = streamed_experts(Runtime::Ours, 0)[0].makespan_ns;
+    assert!(prefill.makespan_ns > free + 128 * issue_ns / 2, "{} vs {free}", prefill.makespan_ns);
+    // The host enqueues every part, one at a time, and no copy starts before the host issued it.
+    for o in [&prefill, &decode] {
+        let g = &o.graph;
+        let host: Vec<usize> = (0..g.tasks.len()).filter(|&t| g.tasks[t].lane == Lane::Host).collect();
+        assert_eq!(host.len(), g.items.len());
+        assert!(host.windows(2).all(|w| o.end_ns[w[0]] <= o.start_ns[w[1]]), "one enqueue at a time");
+        for (item, &e) in g.items.iter().zip(&host).skip(3) {
+            assert!(matches!(g.tasks[e].kind, TaskKind::Enqueue { .. }));
+            assert!(g.deps(item.copy).iter().any(|&d| g.tasks[d as usize].lane == Lane::Host));
+        }
+    }
+}
+
+/// Where the host enqueues faster than PCIe copies, the copies pace the layer, as without the issue priced;
+/// unmeasured (0), it is not priced at all, and llama.cpp's runtimes never pay it.
+#[test]
+fn a_host_faster_than_the_copies_leaves_the_layer_copy_paced() {
+    let makespans = |runtime: Runtime, issue_ns: u64| {
+        streamed_experts(runtime, issue_ns).map(|o| (o.makespan_ns, o.graph.tasks.len()))
+    };
+    let [(free, free_tasks), (free_decode, _)] = makespans(Runtime::Ours, 0);
+    let [(fast, fast_tasks), (fast_decode, _)] = makespans(Runtime::Ours, 20_000);
+    assert_eq!((fast, fast_decode), (free, free_decode));
+    assert_eq!(fast_tasks, free_tasks + 128, "one enqueue a part");
+    let [prefill, _] = streamed_experts(Runtime::Ours, 0);
+    assert!(prefill.graph.tasks.iter().all(|t| t.lane != Lane::Host), "not priced at 0");
+    for runtime in [Runtime::Stock, Runtime::Artifact] {
+        assert_eq!(makespans(runtime, 200_000), makespans(runtime, 0), "{runtime:?}");
     }
 }

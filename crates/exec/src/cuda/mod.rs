@@ -214,6 +214,52 @@ impl Drop for Event {
     }
 }
 
+/// The events that order one slot of a streaming ring between the H2D stream, which copies into it, and the
+/// stream that reads it: the executor's protocol for every streamed unit, which the profiler times as the
+/// host's cost of a streamed unit (`RingIssueProbe`).
+#[derive(Debug)]
+pub struct RingSlot {
+    /// Recorded on the H2D stream after the slot's copies; the reader waits for it.
+    copy_done: Event,
+    /// Recorded by the reader after its last use; the next copy into the slot waits for it.
+    slot_free: Event,
+}
+
+impl RingSlot {
+    pub fn new(gpu: &Gpu) -> Result<RingSlot> {
+        Ok(RingSlot { copy_done: gpu.event(false)?, slot_free: gpu.event(false)? })
+    }
+
+    /// Enqueues copies into the slot on the H2D stream: behind the previous tenant's release where the slot
+    /// held one (`reused`), between two timing events (the copies' span, returned with what `copy` returns),
+    /// then their completion. `copy` enqueues the copies themselves on the H2D stream.
+    pub fn issue<T>(
+        &self,
+        gpu: &Gpu,
+        reused: bool,
+        copy: impl FnOnce() -> Result<T>,
+    ) -> Result<(Event, Event, T)> {
+        if reused {
+            gpu.wait(Stream::H2d, &self.slot_free)?;
+        }
+        let start = gpu.mark(Stream::H2d)?;
+        let out = copy()?;
+        let end = gpu.mark(Stream::H2d)?;
+        gpu.record(&self.copy_done, Stream::H2d)?;
+        Ok((start, end, out))
+    }
+
+    /// Makes `reader` wait for the slot's copies.
+    pub fn acquire(&self, gpu: &Gpu, reader: Stream) -> Result<()> {
+        gpu.wait(reader, &self.copy_done)
+    }
+
+    /// Frees the slot for its next copies once what `reader` has queued so far has run.
+    pub fn release(&self, gpu: &Gpu, reader: Stream) -> Result<()> {
+        gpu.record(&self.slot_free, reader)
+    }
+}
+
 /// Host memory page-locked in place; unregistered on drop, which must happen before the buffer is freed.
 #[derive(Debug)]
 pub struct HostRegistration {
@@ -542,6 +588,13 @@ impl Gpu {
         // SAFETY: both handles are live.
         unsafe { result::event::record(ev.raw, self.stream(s).cu_stream()) }
             .map_err(driver_err("cuEventRecord"))
+    }
+
+    /// A new timing event recorded on stream `s`: one end of a timeline span.
+    pub fn mark(&self, s: Stream) -> Result<Event> {
+        let ev = self.event(true)?;
+        self.record(&ev, s)?;
+        Ok(ev)
     }
 
     /// Makes stream `s` wait for the last recording of `ev`.

@@ -31,6 +31,8 @@ pub struct FixedCost {
     pub host_route_ns_per_token: u64,
     /// Our executor's decode routing round trip to the CPU and to the GPU experts (0: not measured).
     pub decode_routing_ns: (u64, u64),
+    /// Our executor's host time per streamed unit beyond its kernels (0: not measured).
+    pub ring_copy_issue_ns: u64,
 }
 
 impl FixedCost {
@@ -49,6 +51,7 @@ impl FixedCost {
             expert_ids_on_device: false,
             host_route_ns_per_token: 0,
             decode_routing_ns: (0, 0),
+            ring_copy_issue_ns: 0,
         }
     }
 }
@@ -95,6 +98,9 @@ impl CostModel for FixedCost {
             Device::Cpu => self.decode_routing_ns.0,
             Device::Gpu => self.decode_routing_ns.1,
         }
+    }
+    fn ring_copy_issue_ns(&self) -> u64 {
+        self.ring_copy_issue_ns
     }
     fn expert_ids_on_device(&self) -> bool {
         self.expert_ids_on_device
