@@ -18,7 +18,7 @@ use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::Gpu;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
-use pipeshard_exec::{GroupedExperts, PreEnqueue, RunOptions, RunOutput};
+use pipeshard_exec::{GroupedExperts, PreEnqueue, RunOptions, RunOutput, UnitSpans};
 use pipeshard_planner::PlannerOptions;
 use pipeshard_profiler::Progress;
 
@@ -178,6 +178,7 @@ fn run_plan(
     routes: bool,
     pre_enqueue: PreEnqueue,
     grouped_experts: GroupedExperts,
+    unit_spans: UnitSpans,
 ) -> anyhow::Result<RunOutput> {
     let opts = RunOptions {
         prompt: random_tokens(wl.prompt_tokens as usize, w.dims.vocab, 1),
@@ -185,6 +186,7 @@ fn run_plan(
         keep_logits: routes,
         pre_enqueue,
         grouped_experts,
+        unit_spans,
         ..RunOptions::default()
     };
     let what = format!("{} / {} / {}", w.dims.model, plan.planner, format_bytes(plan.budget_bytes));
@@ -206,7 +208,8 @@ pub fn decode_bounds(
     let wl = Workload::single(cfg.prompt_tokens, ctx, cfg.gen_tokens, cfg.prompt_tokens);
     wl.validate()?;
     let mut rows = Vec::new();
-    progress.section("decode bounds: weights, all pinned, streamed, MoE experts on the CPU", 5);
+    progress
+        .section("decode bounds: weights, all pinned (untimed, timed), streamed, MoE experts on the CPU", 6);
 
     let dense = spec(cfg.dense_model, "--dense-model")?;
     // Both models are checked before the first one's weights are generated.
@@ -221,39 +224,44 @@ pub fn decode_bounds(
     let big = w.total_bytes() + wl.kv_bytes_per_layer(&dense) * u64::from(dense.text.n_layers) + (8 << 30);
     let pinned =
         pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, 0, cfg.threads, |_, _| Placement::Pinned);
-    let out = run_plan(&w, &pinned, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts)?;
-    cfg.save_trace("pinned", &out)?;
-    let step = step_ns(&out, "all pinned")?;
     // Steady steps 1..G: the weights once each, and the cells filled at that step.
     let kv = kv_cell_bytes(&dense, &wl) * f64::from(dense.text.n_layers);
     let mean_bytes = weight_bytes as f64
         + (1..cfg.gen_tokens).map(|i| kv * filled(&wl, i)).sum::<f64>() / (cfg.gen_tokens - 1) as f64;
     let bound_tps = cfg.device_gbps * 1e9 / mean_bytes;
-    progress.tick(&format!("all pinned: {:.1} tok/s, roofline {bound_tps:.1}", 1e9 / step))?;
-    rows.push(BoundRow {
-        bound: "HBM roofline".into(),
-        workload: format!(
-            "{} bf16, all pinned, decode after {} prompt tokens",
-            dense.name, cfg.prompt_tokens
-        ),
-        measured: 1e9 / step,
-        bound_value: bound_tps,
-        unit: "tok/s",
-        goal_pct: 75.0,
-        how: format!(
-            "{:.2} GB read per token (every matrix but the embedding, plus the KV cells) ÷ {:.0} GB/s device \
-             copy (read + write bytes of a device-to-device copy)",
-            mean_bytes / 1e9,
-            cfg.device_gbps
-        ),
-    });
+    // As a user runs it (no per-unit timing), then with every unit timed for the trace (UnitSpans).
+    for (spans, timed) in [(UnitSpans::Off, ""), (UnitSpans::On, ", every unit timed (the trace's spans)")] {
+        let out = run_plan(&w, &pinned, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts, spans)?;
+        if spans == UnitSpans::On {
+            cfg.save_trace("pinned", &out)?;
+        }
+        let step = step_ns(&out, "all pinned")?;
+        progress.tick(&format!("all pinned{timed}: {:.1} tok/s, roofline {bound_tps:.1}", 1e9 / step))?;
+        rows.push(BoundRow {
+            bound: "HBM roofline".into(),
+            workload: format!(
+                "{} bf16, all pinned, decode after {} prompt tokens{timed}",
+                dense.name, cfg.prompt_tokens
+            ),
+            measured: 1e9 / step,
+            bound_value: bound_tps,
+            unit: "tok/s",
+            goal_pct: 75.0,
+            how: format!(
+                "{:.2} GB read per token (every matrix but the embedding, plus the KV cells) ÷ {:.0} GB/s \
+                 device copy (read + write bytes of a device-to-device copy)",
+                mean_bytes / 1e9,
+                cfg.device_gbps
+            ),
+        });
+    }
 
     // Planners rarely stream in decode (the CPU is faster than PCIe for a unit read once per token), so the
     // streaming bound runs a plan by rule: every layer's FFN streamed through the ring, the rest pinned.
     let plan = pipeshard_exec::testing::manual_plan(&dense, wl, big, 0, STREAM_DEPTH, cfg.threads, |_, u| {
         if matches!(u, UnitId::Ffn { .. }) { Placement::Streamed } else { Placement::Pinned }
     });
-    let out = run_plan(&w, &plan, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts)?;
+    let out = run_plan(&w, &plan, gpu, &wl, false, cfg.pre_enqueue, cfg.grouped_experts, UnitSpans::On)?;
     cfg.save_trace("streamed", &out)?;
     drop(w);
     let steps = steady_steps(&out.trace);
@@ -288,7 +296,7 @@ pub fn decode_bounds(
     let Some(m) = w.dims.moe.as_ref() else { unreachable!("checked above") };
     let (top_k, n_experts) = (m.top_k, m.n_experts);
     let plan = plan_with(gpu, cfg, &moe, &wl, cfg.moe_planner, cfg.moe_budget_bytes)?;
-    let out = run_plan(&w, &plan, gpu, &wl, true, cfg.pre_enqueue, cfg.grouped_experts)?;
+    let out = run_plan(&w, &plan, gpu, &wl, true, cfg.pre_enqueue, cfg.grouped_experts, UnitSpans::On)?;
     cfg.save_trace("moe-cpu-experts", &out)?;
     let step = step_ns(&out, "experts on the CPU")?;
     let moe_layers: Vec<u32> = w

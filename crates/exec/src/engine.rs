@@ -75,6 +75,22 @@ pub struct RunOptions {
     /// Whether steps of at most `EXACT_MAX_TOKENS` tokens run a MoE layer's pinned GPU experts as two grouped
     /// launches ([`GroupedExperts`]).
     pub grouped_experts: GroupedExperts,
+    /// Whether every unit's kernels are timed on the device ([`UnitSpans`]).
+    pub unit_spans: UnitSpans,
+}
+
+/// Timed spans around each unit's kernels on the compute stream: the measured trace's GPU compute track and
+/// [`RunOutput`]'s GPU busy time. Each span records two timing events, and each event makes the stream drain
+/// before the next kernel starts: on the H200 a pair cost ~3.2 µs of device time around a decode GEMV
+/// (results/exec/bounds/run10, decode-kernels.md), ~4 % of an all-pinned nemo-8b decode step. Copies keep their
+/// spans either way (they run on the copy streams).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum UnitSpans {
+    /// Timed: the trace shows every unit.
+    #[default]
+    On,
+    /// Not recorded: the trace's compute track and GPU busy time are empty; decode runs at full speed.
+    Off,
 }
 
 /// Grouped routed experts (decode): a MoE layer's pinned picked GPU experts run as two launches
@@ -270,6 +286,8 @@ struct GpuSide<'a> {
     gate_seq: u32,
     /// Why pre-enqueue is off although asked for.
     gate_warning: Option<String>,
+    /// Whether units' kernels are timed ([`UnitSpans`]).
+    unit_spans: UnitSpans,
     _regs: Vec<HostRegistration>,
 }
 
@@ -401,8 +419,12 @@ impl GpuSide<'_> {
     }
 
     /// A timing event recorded on `on` (a staged copy runs on the compute stream but is an H2D span).
-    fn span_start(&self, on: Stream) -> Result<Event> {
-        self.gpu.mark(on)
+    /// A timing event recorded on `on`, unless the compute stream's spans are off ([`UnitSpans`]).
+    fn span_start(&self, on: Stream) -> Result<Option<Event>> {
+        if on == Stream::Compute && self.unit_spans == UnitSpans::Off {
+            return Ok(None);
+        }
+        self.gpu.mark(on).map(Some)
     }
 
     fn span_end(
@@ -411,10 +433,12 @@ impl GpuSide<'_> {
         name: String,
         track: Track,
         on: Stream,
-        start: Event,
+        start: Option<Event>,
     ) -> Result<()> {
-        let end = self.gpu.mark(on)?;
-        tl.gpu.push(GpuSpan { name, track, start, end, bytes: 0 });
+        if let Some(start) = start {
+            let end = self.gpu.mark(on)?;
+            tl.gpu.push(GpuSpan { name, track, start, end, bytes: 0 });
+        }
         Ok(())
     }
 }
@@ -647,7 +671,7 @@ fn offloaded_attention(
     tl: &mut Timeline,
     sc: &ScratchLayout,
     pass: Pass,
-) -> Result<Event> {
+) -> Result<Option<Event>> {
     let Pass::Prefill { seq, pos0, tokens: m } = pass else {
         unreachable!("op offload runs prefill chunks only")
     };
@@ -965,6 +989,7 @@ impl<'a> Exec<'a> {
             gate,
             gate_seq: 0,
             gate_warning,
+            unit_spans: self.opts.unit_spans,
             _regs: regs,
         };
         side.sample_vram()?;
@@ -2191,9 +2216,10 @@ impl<'a> Exec<'a> {
                 layer_norm: ln,
             })
         };
-        // A unit's first decode GEMV may start under the kernel before it where its weights are resident; the
-        // rest of the unit's follow its own kernels, after any wait for its weights.
-        let first_start = if matches!(step.weights, WeightLoc::Pinned(_)) {
+        // A unit's first decode GEMV may start under the kernel before it where nothing it waits for is in
+        // flight (weights and KV resident); the unit's later ones follow its own kernels, after any such wait.
+        let first_start = if matches!(step.weights, WeightLoc::Pinned(_)) && step.kv != Some(KvLoc::Streamed)
+        {
             EarlyStart::UnderPrevious
         } else {
             EarlyStart::AfterPrevious
