@@ -918,8 +918,8 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (warps.div_ceil(DECODE_GEMV_WARPS) as u32, 1, 1),
             block_dim: ((DECODE_GEMV_WARPS * 32) as u32, 1, 1),
-            // A normed input is staged in shared memory; a plain one is read through L1.
-            shared_mem_bytes: if plain == 0 { (2 * k) as u32 } else { 0 },
+            // The input, normed or not, is staged in shared memory.
+            shared_mem_bytes: (2 * k) as u32,
         };
         let (mut n, mut k) = (n as i32, k as i32);
         let (mut w, mut plain, mut h, mut nw, mut nb, mut eps, mut ln, mut y, mut act, mut acc) =
