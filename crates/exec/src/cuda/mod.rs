@@ -384,21 +384,10 @@ pub enum EarlyStart {
     UnderPrevious,
 }
 
-/// Rows a warp of the decode GEMV streams together for `n` outputs: measured on the H200 at nemo-8b's shapes
-/// (results/exec/bounds/, decode-kernels.md), two rows where the norm runs first (its registers leave fewer
-/// warps an SM, each then needs more loads in flight), else one up to 8192 rows.
-fn decode_gemv_rows(n: usize, input: GemvInput, output: GemvOutput) -> usize {
-    match (input, output) {
-        (GemvInput::Norm { .. }, _) | (_, GemvOutput::SwiGlu { .. } | GemvOutput::Relu2 { .. }) => 2,
-        (GemvInput::Act(_), GemvOutput::Y { .. }) => {
-            if n <= 8192 {
-                1
-            } else {
-                2
-            }
-        }
-    }
-}
+/// Rows a warp of the decode GEMV streams together: two, the fastest (or within 2 %) of 1, 2 and 4 at every
+/// part of nemo-8b's decode layer on the H200, each launched under the kernel before
+/// (results/exec/bounds/run10/decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.5, down 26.1 µs).
+const DECODE_GEMV_ROWS: usize = 2;
 
 /// The widest row `norm_act` takes: 16 elements a thread in registers, 1024 threads.
 pub const NORM_MAX_DIM: usize = 16 * 1024;
@@ -844,8 +833,7 @@ impl Gpu {
     }
 
     /// One token's `w[n', k] · x` over rows in the activation type, with the unit's input norm as `input` and
-    /// an activation as `output` where they are folded in (see `decode_gemv` in kernels.cu), at the rows a warp
-    /// streams that suit `n` ([`decode_gemv_rows`]).
+    /// an activation as `output` where they are folded in (see `decode_gemv` in kernels.cu), two rows a warp.
     ///
     /// # Safety
     /// `w` holds the rows `output` reads (`n`, or `2n` for SwiGLU), `input`'s addresses `k` elements (f32 for
@@ -861,9 +849,8 @@ impl Gpu {
         output: GemvOutput,
         early: EarlyStart,
     ) -> Result<()> {
-        let rows = decode_gemv_rows(n, input, output);
         // SAFETY: forwarded.
-        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, rows, early) }
+        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, DECODE_GEMV_ROWS, early) }
     }
 
     /// [`Gpu::decode_gemv`] with `rows` rows a warp (1, 2 or 4; SwiGLU 2 or 4, squared ReLU 1 or 2): the
