@@ -59,6 +59,20 @@ pub enum ProfileCommand {
         #[arg(long)]
         plot: Option<PathBuf>,
     },
+    /// Write a profile of this machine from two of its measured profiles, running nothing: the DRAM and CPU
+    /// rows of `--host-from` in `--device-from` (for a profile whose host was disturbed while its CPU section
+    /// ran; both profiles' provenance goes into the notes).
+    Combine {
+        /// The profile whose GPU, PCIe, launch and sync figures are kept.
+        #[arg(long)]
+        device_from: PathBuf,
+        /// The profile whose DRAM and CPU rows replace the other's.
+        #[arg(long)]
+        host_from: PathBuf,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Print a profile's summary and plot its curves as PNG.
     Show {
         /// The profile (JSON).
@@ -210,6 +224,16 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             let profile = Profile::load(&out)?;
             println!("wrote {}", out.display());
             show(&profile, &plot.unwrap_or_else(|| out.with_extension("png")))
+        }
+        ProfileCommand::Combine { device_from, host_from, out } => {
+            let load =
+                |p: &Path, flag: &str| Profile::load(p).with_context(|| format!("{flag} {}", p.display()));
+            let (device, host) = (load(&device_from, "--device-from")?, load(&host_from, "--host-from")?);
+            let (commit, date, command) = crate::exec::provenance();
+            let profile = pipeshard_profiler::combine(&device, &host, command, commit, date)?;
+            crate::interrupt::write_atomic(&out, (profile.to_json() + "\n").as_bytes())?;
+            println!("wrote {}", out.display());
+            show(&Profile::load(&out)?, &out.with_extension("png"))
         }
         ProfileCommand::Show { profile, plot } => {
             let p = Profile::load(&profile)?;

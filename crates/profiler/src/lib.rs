@@ -194,6 +194,47 @@ fn provenance_line(p: &Provenance) -> String {
     }
 }
 
+/// A profile of one machine from two of its measurements, without running anything: `host`'s DRAM and CPU
+/// rows (and the host's routing cost) in `device`'s profile, whose GPU, PCIe, launch and sync figures stay.
+/// For a run whose host was disturbed while its CPU section ran (the GPU machine's host is shared): the CPU
+/// figures of a steadier run of the same machine, as a `--cpu-only` run measures them, recorded in the notes.
+///
+/// # Errors
+/// The two profiles describe different CPUs or thread counts.
+pub fn combine(
+    device: &Profile,
+    host: &Profile,
+    command: String,
+    commit: String,
+    date: String,
+) -> Result<Profile> {
+    if device.machine.cpu != host.machine.cpu || device.machine.cpu_threads != host.machine.cpu_threads {
+        return Err(ProfilerError::Input(format!(
+            "the host profile `{}` was measured on {} ({} threads), the device profile `{}` on {} ({} threads): \
+             combine two profiles of the same machine",
+            host.machine.name,
+            host.machine.cpu,
+            host.machine.cpu_threads,
+            device.machine.name,
+            device.machine.cpu,
+            device.machine.cpu_threads
+        )));
+    }
+    let mut p = device.clone();
+    p.dram = host.dram.clone();
+    p.cpu = host.cpu.clone();
+    p.host_route_ns_per_token = host.host_route_ns_per_token;
+    p.notes.push(format!(
+        "combined: DRAM and CPU rows and the host's routing cost from `{}` ({}); everything else from `{}` ({})",
+        host.machine.name,
+        provenance_line(&host.provenance),
+        device.machine.name,
+        provenance_line(&device.provenance)
+    ));
+    p.provenance = Provenance::Measured { command, commit, date };
+    Ok(p)
+}
+
 /// Measures this machine.
 pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     let started = Instant::now();
@@ -312,4 +353,33 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
     profile.measurements = figures.0;
     profile.notes = notes;
     Ok(profile)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn combine_takes_the_host_rows_of_one_profile_and_the_rest_of_the_other() {
+        let device = pipeshard_core::reference::derived("cli3").unwrap();
+        let mut host = device.clone();
+        host.dram.iter_mut().for_each(|d| d.gbps *= 1.5);
+        host.cpu.ops.iter_mut().for_each(|r| r.time_ns /= 2);
+        host.host_route_ns_per_token += 7;
+        host.launch_ns += 1000;
+        let p = combine(&device, &host, "cmd".into(), "abc".into(), "2026-12-02".into()).unwrap();
+        assert_eq!((p.dram.clone(), p.cpu.clone()), (host.dram.clone(), host.cpu.clone()));
+        assert_eq!(p.host_route_ns_per_token, host.host_route_ns_per_token);
+        // The device side stays: GPU rows, PCIe, launches.
+        assert_eq!(
+            (p.gpu.clone(), p.pcie.clone(), p.launch_ns),
+            (device.gpu.clone(), device.pcie.clone(), device.launch_ns)
+        );
+        assert!(matches!(p.provenance, Provenance::Measured { ref command, .. } if command == "cmd"));
+        assert!(p.notes.last().unwrap().starts_with("combined: DRAM and CPU rows"));
+        // Another CPU's rows are refused.
+        host.machine.cpu = "another CPU".into();
+        let err = combine(&device, &host, String::new(), String::new(), String::new()).unwrap_err();
+        assert!(err.to_string().contains("combine two profiles of the same machine"), "{err}");
+    }
 }
