@@ -221,8 +221,8 @@ pub fn combine(
         )));
     }
     let mut p = device.clone();
-    p.dram = host.dram.clone();
-    p.cpu = host.cpu.clone();
+    p.dram.clone_from(&host.dram);
+    p.cpu.clone_from(&host.cpu);
     p.host_route_ns_per_token = host.host_route_ns_per_token;
     p.notes.push(format!(
         "combined: DRAM and CPU rows and the host's routing cost from `{}` ({}); everything else from `{}` ({})",
