@@ -2224,6 +2224,23 @@ impl<'a> Exec<'a> {
         } else {
             EarlyStart::AfterPrevious
         };
+        // The unit's input norm into xb, where no decode GEMV folds it in.
+        let norm_into_xb = |norm_w: usize, norm_b: Option<usize>| {
+            // SAFETY: h and xb hold m·hidden elements (scratch_layout); the unit's norm weights lie at wb.
+            unsafe {
+                gpu.norm_act(
+                    k,
+                    at(sc.h),
+                    wb + norm_w as u64,
+                    opt(norm_b),
+                    at(sc.xb),
+                    m,
+                    d.hidden,
+                    d.norm_eps,
+                    ln,
+                )
+            }
+        };
         let mut start = g.span_start(Stream::Compute)?;
         match uw.kind {
             UnitKind::Attn(o) => {
@@ -2248,17 +2265,7 @@ impl<'a> Exec<'a> {
                         let y = GemvOutput::Y { y: qa, accumulate: false };
                         gpu.decode_gemv(k, wb + o.q as u64, n, d.hidden, input, y, first_start)?;
                     } else {
-                        gpu.norm_act(
-                            k,
-                            at(sc.h),
-                            wb + o.norm_w as u64,
-                            opt(o.norm_b),
-                            at(sc.xb),
-                            m,
-                            d.hidden,
-                            d.norm_eps,
-                            ln,
-                        )?;
+                        norm_into_xb(o.norm_w, o.norm_b)?;
                         if qkv {
                             let n = d.q_dim + 2 * d.kv_dim;
                             gpu.matmul(k, d.quant, wb + o.q as u64, at(sc.xb), qa, m, n, d.hidden, false)?;
@@ -2412,17 +2419,7 @@ impl<'a> Exec<'a> {
                         };
                         gpu.decode_gemv(k, wb + w_off as u64, d.ffn, d.hidden, input, out, first_start)?;
                     } else {
-                        gpu.norm_act(
-                            k,
-                            at(sc.h),
-                            wb + o.norm_w as u64,
-                            opt(o.norm_b),
-                            at(sc.xb),
-                            m,
-                            d.hidden,
-                            d.norm_eps,
-                            ln,
-                        )?;
+                        norm_into_xb(o.norm_w, o.norm_b)?;
                         let (gate, up, ld) = if let Some(gw) = gate_up {
                             let ga = at(sc.up);
                             gpu.matmul(
