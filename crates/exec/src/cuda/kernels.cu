@@ -215,6 +215,7 @@ extern "C" __global__ void rope_store_kv(float* __restrict__ q, float* __restric
                                          int half, int pos0, int pos_step, long long row0, long long row_step) {
     const int kv_dim = kv_heads * head_dim, rot = (heads + kv_heads) * half, plain = kv_heads * (head_dim - 2 * half);
     const u64 per = (u64)rot + plain + kv_dim;
+    griddep_wait();
     griddep_launch_dependents();
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)m * per) return;
@@ -327,7 +328,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
     float scale, int n_splits, int keys_per_split, long long seq_rows, int pos_step, int mask_prompt,
     int mask_seqs) {
-    // A one-token step's output projection (the decode GEMV) may start fetching its weights meanwhile.
+    // Launched under the kernel before it (programmatic launch): its inputs are that kernel's outputs. A
+    // one-token step's output projection (the decode GEMV) may start fetching its weights meanwhile.
+    griddep_wait();
     griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const long long warp = (long long)blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
@@ -426,6 +429,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, act_t* __restrict__ out, int n_splits,
     long long rows) {
     __shared__ float sums[COMBINE_WARPS][D];
+    griddep_wait();
     griddep_launch_dependents();
     const long long th = blockIdx.x;
     if (th >= rows) return;

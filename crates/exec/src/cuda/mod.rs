@@ -42,6 +42,11 @@ const TC_GEMV_ROWS: usize = 16;
 /// Threads of an `attn_combine` block (its `COMBINE_WARPS` warps), one block per query and head.
 const COMBINE_THREADS: u32 = 16 * 32;
 
+/// The kernel parameter array `cuLaunchKernelEx` takes: a pointer to each (mutable) local, in order.
+macro_rules! kernel_params {
+    ($($x:ident),* $(,)?) => { [$((&raw mut $x).cast::<c_void>()),*] };
+}
+
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
 }
@@ -911,20 +916,7 @@ impl Gpu {
         let (mut n, mut k) = (n as i32, k as i32);
         let (mut w, mut plain, mut h, mut nw, mut nb, mut eps, mut ln, mut y, mut act, mut acc) =
             (w, plain, h, nw, nb, eps, ln, y, act, acc);
-        let mut params: [*mut c_void; 12] = [
-            (&raw mut w).cast(),
-            (&raw mut plain).cast(),
-            (&raw mut h).cast(),
-            (&raw mut nw).cast(),
-            (&raw mut nb).cast(),
-            (&raw mut eps).cast(),
-            (&raw mut ln).cast(),
-            (&raw mut y).cast(),
-            (&raw mut act).cast(),
-            (&raw mut n).cast(),
-            (&raw mut k).cast(),
-            (&raw mut acc).cast(),
-        ];
+        let mut params = kernel_params![w, plain, h, nw, nb, eps, ln, y, act, n, k, acc];
         // SAFETY: the parameters match the kernel's, in order, and live through the call; sizes and alignment
         // as documented and checked above; with `early`, the caller's weights are complete before the previous
         // kernel (the kernel reads nothing else before its `griddepcontrol.wait`).
@@ -1455,32 +1447,16 @@ impl Gpu {
     ) -> Result<()> {
         let per = (n_heads + n_kv_heads) * half + n_kv_heads * (head_dim - 2 * half) + n_kv_heads * head_dim;
         let n = (m * per) as u64;
-        let (m, heads, kv_heads, hd, half) =
+        let (mut m, mut heads, mut kv_heads, mut hd, mut half) =
             (m as i32, n_heads as i32, n_kv_heads as i32, head_dim as i32, half as i32);
-        let (pos0, pos_step, row0, row_step) = (pos.0 as i32, pos.1 as i32, rows.0 as i64, rows.1 as i64);
-        // SAFETY: as documented.
-        unsafe {
-            self.compute
-                .launch_builder(&kn.rope_store_kv)
-                .arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&inv_freq)
-                .arg(&kc)
-                .arg(&vc)
-                .arg(&m)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&hd)
-                .arg(&half)
-                .arg(&pos0)
-                .arg(&pos_step)
-                .arg(&row0)
-                .arg(&row_step)
-                .launch(threads_for(n, 256))
-        }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel(rope_store_kv)"))
+        let (mut pos0, mut pos_step, mut row0, mut row_step) =
+            (pos.0 as i32, pos.1 as i32, rows.0 as i64, rows.1 as i64);
+        let (mut q, mut k, mut v, mut inv_freq, mut kc, mut vc) = (q, k, v, inv_freq, kc, vc);
+        let mut params = kernel_params![
+            q, k, v, inv_freq, kc, vc, m, heads, kv_heads, hd, half, pos0, pos_step, row0, row_step
+        ];
+        // SAFETY: as documented; the kernel waits for the kernel before it first thing.
+        unsafe { self.launch_ex(&kn.rope_store_kv, threads_for(n, 256), &mut params, true, "rope_store_kv") }
     }
 
     /// Attention of `m` queries over the cache rows `keys` describes (causal over one sequence, one query per
@@ -1528,52 +1504,44 @@ impl Gpu {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (mi, p0, nh, nkv, ns) =
+        let (mut mi, mut p0, mut nh, mut nkv, mut ns) =
             (m as i32, keys.pos0 as i32, n_heads as i32, n_kv_heads as i32, n_splits as i32);
-        let (seq_rows, pos_step) = (keys.seq_rows as i64, keys.pos_step as i32);
-        let (mask_prompt, mask_seqs) = (keys.mask_prompt as i32, keys.mask_seqs as i32);
+        let (mut seq_rows, mut pos_step) = (keys.seq_rows as i64, keys.pos_step as i32);
+        let (mut mask_prompt, mut mask_seqs) = (keys.mask_prompt as i32, keys.mask_seqs as i32);
+        let (mut q, mut kc, mut vc, mut out, mut part_o, mut part_ml, mut scale, mut keys_per_split) =
+            (q, kc, vc, out, part_o, part_ml, scale, keys_per_split);
+        let mut params = kernel_params![
+            q,
+            kc,
+            vc,
+            out,
+            part_o,
+            part_ml,
+            mi,
+            p0,
+            nh,
+            nkv,
+            scale,
+            ns,
+            keys_per_split,
+            seq_rows,
+            pos_step,
+            mask_prompt,
+            mask_seqs,
+        ];
+        // Both kernels wait for the kernel before them first thing, so they launch under it.
         // SAFETY: as documented.
-        unsafe {
-            self.compute
-                .launch_builder(&k.attention)
-                .arg(&q)
-                .arg(&kc)
-                .arg(&vc)
-                .arg(&out)
-                .arg(&part_o)
-                .arg(&part_ml)
-                .arg(&mi)
-                .arg(&p0)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&scale)
-                .arg(&ns)
-                .arg(&keys_per_split)
-                .arg(&seq_rows)
-                .arg(&pos_step)
-                .arg(&mask_prompt)
-                .arg(&mask_seqs)
-                .launch(cfg)
-        }
-        .map_err(driver_err("cuLaunchKernel(attention)"))?;
+        unsafe { self.launch_ex(&k.attention, cfg, &mut params, true, "attention")? };
         if n_splits > 1 {
-            let rows = (m * n_heads) as i64;
+            let mut rows = (m * n_heads) as i64;
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut params = kernel_params![part_o, part_ml, out, ns, rows];
             // SAFETY: as documented.
-            unsafe {
-                self.compute
-                    .launch_builder(&k.attn_combine)
-                    .arg(&part_o)
-                    .arg(&part_ml)
-                    .arg(&out)
-                    .arg(&ns)
-                    .arg(&rows)
-                    .launch(LaunchConfig {
-                        grid_dim: (rows as u32, 1, 1),
-                        block_dim: (COMBINE_THREADS, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            }
-            .map_err(driver_err("cuLaunchKernel(attn_combine)"))?;
+            unsafe { self.launch_ex(&k.attn_combine, cfg, &mut params, true, "attn_combine")? };
         }
         Ok(())
     }
