@@ -154,10 +154,10 @@ pub struct Kernels {
     round_k23_x: CudaFunction,
     /// `decode_gemv` instances by rows a warp streams (1, 2, 4): plain input, normed input; normed input with
     /// SwiGLU (2, 4 rows: 1, 2 gate|up pairs) and with squared ReLU (1, 2 rows).
-    decode_gemv_x: [CudaFunction; 3],
-    decode_gemv_norm: [CudaFunction; 3],
-    decode_gemv_norm_swiglu: [CudaFunction; 2],
-    decode_gemv_norm_relu2: [CudaFunction; 2],
+    decode_gemv_x: [CudaFunction; 4],
+    decode_gemv_norm: [CudaFunction; 4],
+    decode_gemv_norm_swiglu: [CudaFunction; 3],
+    decode_gemv_norm_relu2: [CudaFunction; 3],
 }
 
 impl Kernels {
@@ -389,10 +389,49 @@ pub enum EarlyStart {
     UnderPrevious,
 }
 
-/// Rows a warp of the decode GEMV streams together: two, the fastest (or within 2 %) of 1, 2 and 4 at every
-/// part of nemo-8b's decode layer on the H200, each launched under the kernel before
-/// (results/exec/bounds/run10/decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.5, down 26.1 µs).
-const DECODE_GEMV_ROWS: usize = 2;
+/// How a warp of the decode GEMV streams its rows: `rows` together, `loads` 16-byte loads of each in flight
+/// (kernels.cu's instances `…_{rows}x{loads}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvShape {
+    pub rows: usize,
+    pub loads: usize,
+}
+
+impl GemvShape {
+    /// Every instance of a plain or normed input with a plain output, in kernels.cu's order.
+    pub const ALL: [GemvShape; 4] = [
+        GemvShape { rows: 1, loads: 4 },
+        GemvShape { rows: 2, loads: 4 },
+        GemvShape { rows: 4, loads: 4 },
+        GemvShape { rows: 2, loads: 8 },
+    ];
+    /// SwiGLU's instances (its rows come in gate|up pairs).
+    pub const PAIRS: [GemvShape; 3] =
+        [GemvShape { rows: 2, loads: 4 }, GemvShape { rows: 4, loads: 4 }, GemvShape { rows: 2, loads: 8 }];
+    /// Squared ReLU's instances.
+    pub const ONE_OUTPUT_A_ROW: [GemvShape; 3] =
+        [GemvShape { rows: 1, loads: 4 }, GemvShape { rows: 2, loads: 4 }, GemvShape { rows: 2, loads: 8 }];
+    /// The default: two rows a warp, four loads each, the fastest (or within 2 %) of 1, 2 and 4 rows at every
+    /// part of nemo-8b's decode layer on the H200, each launched under the kernel before
+    /// (results/exec/bounds/run10/decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.5, down 26.1 µs).
+    pub const DEFAULT: GemvShape = GemvShape { rows: 2, loads: 4 };
+}
+
+/// The decode GEMV's instances `{prefix}_{shape}` for `shapes`, in their order.
+fn kernel_set<const N: usize>(
+    shapes: [GemvShape; N],
+    prefix: &str,
+    f: impl Fn(&str) -> Result<CudaFunction>,
+) -> Result<[CudaFunction; N]> {
+    let fs = shapes.iter().map(|s| f(&format!("{prefix}_{s}"))).collect::<Result<Vec<_>>>()?;
+    Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a shape")))
+}
+
+impl std::fmt::Display for GemvShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.rows, self.loads)
+    }
+}
 
 /// The widest row `norm_act` takes: 16 elements a thread in registers, 1024 threads.
 pub const NORM_MAX_DIM: usize = 16 * 1024;
@@ -743,10 +782,10 @@ impl Gpu {
             embed_q2_k: f("embed_q2_k")?,
             embed_q3_k: f("embed_q3_k")?,
             round_k23_x: f("round_k23_x")?,
-            decode_gemv_x: [f("decode_gemv_x1")?, f("decode_gemv_x2")?, f("decode_gemv_x4")?],
-            decode_gemv_norm: [f("decode_gemv_norm1")?, f("decode_gemv_norm2")?, f("decode_gemv_norm4")?],
-            decode_gemv_norm_swiglu: [f("decode_gemv_norm_swiglu2")?, f("decode_gemv_norm_swiglu4")?],
-            decode_gemv_norm_relu2: [f("decode_gemv_norm_relu2_1")?, f("decode_gemv_norm_relu2_2")?],
+            decode_gemv_x: kernel_set(GemvShape::ALL, "decode_gemv_x", f)?,
+            decode_gemv_norm: kernel_set(GemvShape::ALL, "decode_gemv_norm", f)?,
+            decode_gemv_norm_swiglu: kernel_set(GemvShape::PAIRS, "decode_gemv_norm_swiglu", f)?,
+            decode_gemv_norm_relu2: kernel_set(GemvShape::ONE_OUTPUT_A_ROW, "decode_gemv_norm_relu2", f)?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -855,7 +894,7 @@ impl Gpu {
         early: EarlyStart,
     ) -> Result<()> {
         // SAFETY: forwarded.
-        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, DECODE_GEMV_ROWS, early) }
+        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, GemvShape::DEFAULT, early) }
     }
 
     /// [`Gpu::decode_gemv`] with `rows` rows a warp (1, 2 or 4; SwiGLU 2 or 4, squared ReLU 1 or 2): the
@@ -872,7 +911,7 @@ impl Gpu {
         k: usize,
         input: GemvInput,
         output: GemvOutput,
-        rows: usize,
+        shape: GemvShape,
         early: EarlyStart,
     ) -> Result<()> {
         let plain = match input {
@@ -885,18 +924,24 @@ impl Gpu {
                  to {DECODE_GEMV_MAX_K}, addresses 16-byte aligned"
             )));
         }
-        let r = rows.trailing_zeros() as usize;
-        let f = match (input, output, rows) {
-            (GemvInput::Act(_), GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_x[r],
-            (GemvInput::Norm { .. }, GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_norm[r],
-            (GemvInput::Norm { .. }, GemvOutput::SwiGlu { .. }, 2 | 4) => &kn.decode_gemv_norm_swiglu[r - 1],
-            (GemvInput::Norm { .. }, GemvOutput::Relu2 { .. }, 1 | 2) => &kn.decode_gemv_norm_relu2[r],
-            _ => {
-                return Err(ExecError::Input(format!(
-                    "decode_gemv: no instance for {input:?} → {output:?} at {rows} rows a warp"
-                )));
+        let at = |shapes: &[GemvShape]| shapes.iter().position(|&s| s == shape);
+        let f = match (input, output) {
+            (GemvInput::Act(_), GemvOutput::Y { .. }) => at(&GemvShape::ALL).map(|i| &kn.decode_gemv_x[i]),
+            (GemvInput::Norm { .. }, GemvOutput::Y { .. }) => {
+                at(&GemvShape::ALL).map(|i| &kn.decode_gemv_norm[i])
             }
-        };
+            (GemvInput::Norm { .. }, GemvOutput::SwiGlu { .. }) => {
+                at(&GemvShape::PAIRS).map(|i| &kn.decode_gemv_norm_swiglu[i])
+            }
+            (GemvInput::Norm { .. }, GemvOutput::Relu2 { .. }) => {
+                at(&GemvShape::ONE_OUTPUT_A_ROW).map(|i| &kn.decode_gemv_norm_relu2[i])
+            }
+            (GemvInput::Act(_), _) => None,
+        }
+        .ok_or_else(|| {
+            ExecError::Input(format!("decode_gemv: no instance for {input:?} → {output:?} at {shape}"))
+        })?;
+        let rows = shape.rows;
         let (h, nw, nb, eps, ln) = match input {
             GemvInput::Act(_) => (0u64, 0u64, 0u64, 0f32, 0i32),
             GemvInput::Norm { h, w, b, eps, layer_norm } => (h, w, b, eps, i32::from(layer_norm)),
