@@ -1432,6 +1432,46 @@ fn a_cpu_embedding_reaches_the_gpu_while_ffns_stream() {
     assert!(attn.0 < copy.1, "blk.0's attention waited for the FFN copy: starts {attn:?}, copy {copy:?}");
 }
 
+/// Decode without per-unit timing spans (`UnitSpans::Off`) computes exactly what it computes timed, through the
+/// decode GEMV's path (nemo-8b's shapes: ≥ 1024 rows, the norm and SwiGLU folded in), with and without the
+/// decode GEMV against cuBLAS; the untimed trace has no compute spans while copies and host spans stay.
+#[test]
+fn decode_without_unit_spans_matches_the_timed_run() {
+    use pipeshard_exec::UnitSpans;
+    let Some((_, gpu)) = device() else { return };
+    let spec = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
+    let plan = manual_plan(&spec, Workload::single(40, 256, 6, 64), 8 * GIB, 0, 0, threads, |_, _| {
+        Placement::Pinned
+    });
+    let prompt = random_tokens(40, w.dims.vocab, 5);
+    let force = random_tokens(6, w.dims.vocab, 7);
+    let run_with = |spans: UnitSpans, decode_gemv: bool| {
+        gpu.set_decode_gemv(decode_gemv);
+        let o = RunOptions { unit_spans: spans, ..opts(&prompt, 6, Some(force.clone())) };
+        let out = run(&w, &plan, Some(&gpu), &o).unwrap();
+        gpu.set_decode_gemv(true);
+        out
+    };
+    let compute_spans =
+        |out: &RunOutput| out.trace.events.iter().filter(|e| e.name.starts_with("gpu blk.")).count();
+    let (timed, untimed, cublas) =
+        (run_with(UnitSpans::On, true), run_with(UnitSpans::Off, true), run_with(UnitSpans::On, false));
+    assert!(compute_spans(&timed) > 0, "the timed run has no unit spans");
+    assert_eq!(compute_spans(&untimed), 0, "the untimed run recorded unit spans");
+    assert!(untimed.trace.events.iter().any(|e| e.name.starts_with("decode step")), "host spans stay");
+    assert_eq!(timed.logits, untimed.logits, "timing spans changed what decode computed");
+    let flat = |o: &RunOutput| o.logits.iter().flatten().copied().collect::<Vec<f32>>();
+    let want: Vec<f64> = flat(&cublas).iter().map(|&v| f64::from(v)).collect();
+    let err = rel_err(&flat(&untimed), &want);
+    eprintln!(
+        "decode GEMV untimed vs cuBLAS: logits rel err {err:.1e}; TPS timed {:.1}, untimed {:.1}, cuBLAS {:.1}",
+        timed.metrics.tps, untimed.metrics.tps, cublas.metrics.tps
+    );
+    assert!(err < 1e-2, "decode GEMV against cuBLAS: logits rel err {err}");
+}
+
 /// The decode GEMV, at every rows-a-warp it has, against what it replaces: the input norm (`norm_act`), a cuBLAS
 /// GEMM and the FFN activation (`ffn_act`) as kernels of their own. Rows not a multiple of a block's warps and a
 /// row length not a multiple of a warp's 256-element stride exercise the edges; accumulating adds to what y
