@@ -411,9 +411,9 @@ impl GemvShape {
     /// Squared ReLU's instances.
     pub const ONE_OUTPUT_A_ROW: [GemvShape; 3] =
         [GemvShape { rows: 1, loads: 4 }, GemvShape { rows: 2, loads: 4 }, GemvShape { rows: 2, loads: 8 }];
-    /// The default: two rows a warp, four loads each, the fastest (or within 2 %) of 1, 2 and 4 rows at every
-    /// part of nemo-8b's decode layer on the H200, each launched under the kernel before
-    /// (results/exec/bounds/run10/decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.5, down 26.1 µs).
+    /// The default: two rows a warp, four loads each, the fastest of these shapes at every part of nemo-8b's
+    /// decode layer on the H200, each launched under the kernel before (results/exec/bounds/run11/
+    /// decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.4, down 26.1 µs; 2 × 8 18–19, 11.1, 48.8, 26.6).
     pub const DEFAULT: GemvShape = GemvShape { rows: 2, loads: 4 };
 }
 
