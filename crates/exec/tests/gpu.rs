@@ -1432,6 +1432,46 @@ fn a_cpu_embedding_reaches_the_gpu_while_ffns_stream() {
     assert!(attn.0 < copy.1, "blk.0's attention waited for the FFN copy: starts {attn:?}, copy {copy:?}");
 }
 
+/// Decode without per-unit timing spans (`UnitSpans::Off`) computes exactly what it computes timed, through the
+/// decode GEMV's path (nemo-8b's shapes: ≥ 1024 rows, the norm and SwiGLU folded in), with and without the
+/// decode GEMV against cuBLAS; the untimed trace has no compute spans while copies and host spans stay.
+#[test]
+fn decode_without_unit_spans_matches_the_timed_run() {
+    use pipeshard_exec::UnitSpans;
+    let Some((_, gpu)) = device() else { return };
+    let spec = catalog::get("nemo-8b").unwrap().with_uniform_weights(DType::Bf16).truncated(2).unwrap();
+    let w = ModelWeights::random(&spec, 2026).unwrap();
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get() as u32);
+    let plan = manual_plan(&spec, Workload::single(40, 256, 6, 64), 8 * GIB, 0, 0, threads, |_, _| {
+        Placement::Pinned
+    });
+    let prompt = random_tokens(40, w.dims.vocab, 5);
+    let force = random_tokens(6, w.dims.vocab, 7);
+    let run_with = |spans: UnitSpans, decode_gemv: bool| {
+        gpu.set_decode_gemv(decode_gemv);
+        let o = RunOptions { unit_spans: spans, ..opts(&prompt, 6, Some(force.clone())) };
+        let out = run(&w, &plan, Some(&gpu), &o).unwrap();
+        gpu.set_decode_gemv(true);
+        out
+    };
+    let compute_spans =
+        |out: &RunOutput| out.trace.events.iter().filter(|e| e.name.starts_with("gpu blk.")).count();
+    let (timed, untimed, cublas) =
+        (run_with(UnitSpans::On, true), run_with(UnitSpans::Off, true), run_with(UnitSpans::On, false));
+    assert!(compute_spans(&timed) > 0, "the timed run has no unit spans");
+    assert_eq!(compute_spans(&untimed), 0, "the untimed run recorded unit spans");
+    assert!(untimed.trace.events.iter().any(|e| e.name.starts_with("decode step")), "host spans stay");
+    assert_eq!(timed.logits, untimed.logits, "timing spans changed what decode computed");
+    let flat = |o: &RunOutput| o.logits.iter().flatten().copied().collect::<Vec<f32>>();
+    let want: Vec<f64> = flat(&cublas).iter().map(|&v| f64::from(v)).collect();
+    let err = rel_err(&flat(&untimed), &want);
+    eprintln!(
+        "decode GEMV untimed vs cuBLAS: logits rel err {err:.1e}; TPS timed {:.1}, untimed {:.1}, cuBLAS {:.1}",
+        timed.metrics.tps, untimed.metrics.tps, cublas.metrics.tps
+    );
+    assert!(err < 1e-2, "decode GEMV against cuBLAS: logits rel err {err}");
+}
+
 /// The decode GEMV, at every rows-a-warp it has, against what it replaces: the input norm (`norm_act`), a cuBLAS
 /// GEMM and the FFN activation (`ffn_act`) as kernels of their own. Rows not a multiple of a block's warps and a
 /// row length not a multiple of a warp's 256-element stride exercise the edges; accumulating adds to what y
@@ -1439,7 +1479,7 @@ fn a_cpu_embedding_reaches_the_gpu_while_ffns_stream() {
 /// neighbouring bf16 value, and so may an activation output.
 #[test]
 fn decode_gemv_matches_norm_cublas_and_activation() {
-    use pipeshard_exec::cuda::{EarlyStart, GemvInput, GemvOutput, KernelKey, Stream};
+    use pipeshard_exec::cuda::{EarlyStart, GemvInput, GemvOutput, GemvShape, KernelKey, Stream};
     use pipeshard_exec::host::Elem;
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 }).unwrap();
@@ -1473,21 +1513,35 @@ fn decode_gemv_matches_norm_cublas_and_activation() {
         (true, false, 2),
         (true, true, 3),
     ] {
-        let rows_sets: &[usize] = match out {
-            2 => &[2, 4],
-            3 => &[1, 2],
-            _ => &[1, 2, 4],
+        let shapes: &[GemvShape] = match out {
+            2 => &GemvShape::PAIRS,
+            3 => &GemvShape::ONE_OUTPUT_A_ROW,
+            _ => &GemvShape::ALL,
         };
         let act_out = out >= 2;
-        // One sequence from y = y0: rows 0 runs the unfused kernels, else the decode GEMV at `rows`.
-        let result = |rows: usize| -> Vec<f32> {
+        // One sequence from y = y0: `None` runs the unfused kernels, else the decode GEMV at that shape.
+        let result = |shape: Option<GemvShape>| -> Vec<f32> {
             let mut got = vec![0u8; if act_out { 2 * n } else { 4 * n }];
             // SAFETY: w holds 2n rows of k bf16; h, nw, nb k f32; x and xn k activations; y 2n f32; act n
             // activations; synchronised before the host reads.
             unsafe {
                 gpu.h2d(Stream::Compute, yd.ptr(), &f32s(&y0)).unwrap();
                 let b = if ln { nbd.ptr() } else { 0 };
-                if rows == 0 {
+                if let Some(shape) = shape {
+                    let input = if normed {
+                        GemvInput::Norm { h: hd.ptr(), w: nwd.ptr(), b, eps: 1e-5, layer_norm: ln }
+                    } else {
+                        GemvInput::Act(xd.ptr())
+                    };
+                    let output = match out {
+                        2 => GemvOutput::SwiGlu { act: actd.ptr() },
+                        3 => GemvOutput::Relu2 { act: actd.ptr() },
+                        o => GemvOutput::Y { y: yd.ptr(), accumulate: o == 1 },
+                    };
+                    // Under the previous kernel, as the executor launches most: it must wait for the upload.
+                    let early = EarlyStart::UnderPrevious;
+                    gpu.decode_gemv_with(&kn, wd.ptr(), n, k, input, output, shape, early).unwrap();
+                } else {
                     let x = if normed {
                         gpu.norm_act(&kn, hd.ptr(), nwd.ptr(), b, xnd.ptr(), 1, k, 1e-5, ln).unwrap();
                         xnd.ptr()
@@ -1510,20 +1564,6 @@ fn decode_gemv_matches_norm_cublas_and_activation() {
                         _ => Ok(()),
                     }
                     .unwrap();
-                } else {
-                    let input = if normed {
-                        GemvInput::Norm { h: hd.ptr(), w: nwd.ptr(), b, eps: 1e-5, layer_norm: ln }
-                    } else {
-                        GemvInput::Act(xd.ptr())
-                    };
-                    let output = match out {
-                        2 => GemvOutput::SwiGlu { act: actd.ptr() },
-                        3 => GemvOutput::Relu2 { act: actd.ptr() },
-                        o => GemvOutput::Y { y: yd.ptr(), accumulate: o == 1 },
-                    };
-                    // Under the previous kernel, as the executor launches most: it must wait for the upload.
-                    let early = EarlyStart::UnderPrevious;
-                    gpu.decode_gemv_with(&kn, wd.ptr(), n, k, input, output, rows, early).unwrap();
                 }
                 gpu.d2h(Stream::Compute, &mut got, if act_out { actd.ptr() } else { yd.ptr() }).unwrap();
             }
@@ -1534,15 +1574,15 @@ fn decode_gemv_matches_norm_cublas_and_activation() {
                 got.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
             }
         };
-        let want: Vec<f64> = result(0).iter().map(|&v| f64::from(v)).collect();
-        for &rows in rows_sets {
-            let got = result(rows);
+        let want: Vec<f64> = result(None).iter().map(|&v| f64::from(v)).collect();
+        for &shape in shapes {
+            let got = result(Some(shape));
             let err = rel_err(&got, &want);
-            eprintln!("normed {normed} layer norm {ln} output {out} rows {rows}: rel err {err:.1e}");
-            assert!(got.iter().all(|v| v.is_finite()), "output {out} rows {rows}: not finite");
+            eprintln!("normed {normed} layer norm {ln} output {out} shape {shape}: rel err {err:.1e}");
+            assert!(got.iter().all(|v| v.is_finite()), "output {out} shape {shape}: not finite");
             // One bf16 ulp of an activation near the largest is 3.9e-3 of it.
             let bound = if act_out { 8e-3 } else { 2e-3 };
-            assert!(err < bound, "normed {normed} layer norm {ln} output {out} rows {rows}: rel err {err}");
+            assert!(err < bound, "normed {normed} layer norm {ln} output {out} shape {shape}: rel err {err}");
         }
     }
 }

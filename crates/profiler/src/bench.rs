@@ -532,7 +532,7 @@ pub fn decode_layer_kernels(
     rule: Rule,
     progress: &dyn Progress,
 ) -> Result<Vec<LayerKernelRow>> {
-    use pipeshard_exec::cuda::{EarlyStart, GemvInput, GemvOutput};
+    use pipeshard_exec::cuda::{EarlyStart, GemvInput, GemvOutput, GemvShape};
     const REPS: usize = 40;
     const ROTATE_BYTES: usize = 512 << 20;
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::Bf16, head_dim: 128 })?;
@@ -587,26 +587,14 @@ pub fn decode_layer_kernels(
         }
         gpu.sync(Stream::Compute)?;
         let out_n = if act_out && gated { n / 2 } else { n };
-        // One launch sequence over copy c: cuBLAS (rows 0) or the decode GEMV at `r` rows a warp.
-        let run = |c: usize, r: usize| -> pipeshard_exec::Result<()> {
+        // One launch sequence over copy c: `None` cuBLAS with the norm and activation kernels, else the decode
+        // GEMV at that shape, launched as the executor launches it (under the kernel before: the weights are
+        // resident).
+        let run = |c: usize, r: Option<GemvShape>| -> pipeshard_exec::Result<()> {
             let wc = w.ptr() + (c * bytes) as u64;
             // SAFETY: every buffer holds the shapes above (widest ≥ k, up_rows ≥ n).
             unsafe {
-                if r == 0 {
-                    if norm {
-                        gpu.norm_act(&kn, hd.ptr(), nwd.ptr(), 0, xd.ptr(), 1, k, 1e-5, false)?;
-                    }
-                    gpu.gemm(Elem::Bf16, wc, xd.ptr(), yd.ptr(), 1, n, k, acc)?;
-                    if act_out {
-                        let (g, u) = if gated {
-                            (Some(yd.ptr()), yd.ptr() + (4 * out_n) as u64)
-                        } else {
-                            (None, yd.ptr())
-                        };
-                        gpu.ffn_act(&kn, g, u, actd.ptr(), 1, out_n, n)?;
-                    }
-                    Ok(())
-                } else {
+                if let Some(shape) = r {
                     let input = if norm {
                         GemvInput::Norm { h: hd.ptr(), w: nwd.ptr(), b: 0, eps: 1e-5, layer_norm: false }
                     } else {
@@ -617,13 +605,34 @@ pub fn decode_layer_kernels(
                         (true, false) => GemvOutput::Relu2 { act: actd.ptr() },
                         (false, _) => GemvOutput::Y { y: yd.ptr(), accumulate: acc },
                     };
-                    // As the executor launches them: each under the kernel before (the weights are resident).
-                    gpu.decode_gemv_with(&kn, wc, out_n, k, input, output, r, EarlyStart::UnderPrevious)
+                    return gpu.decode_gemv_with(
+                        &kn,
+                        wc,
+                        out_n,
+                        k,
+                        input,
+                        output,
+                        shape,
+                        EarlyStart::UnderPrevious,
+                    );
                 }
+                if norm {
+                    gpu.norm_act(&kn, hd.ptr(), nwd.ptr(), 0, xd.ptr(), 1, k, 1e-5, false)?;
+                }
+                gpu.gemm(Elem::Bf16, wc, xd.ptr(), yd.ptr(), 1, n, k, acc)?;
+                if act_out {
+                    let (g, u) = if gated {
+                        (Some(yd.ptr()), yd.ptr() + (4 * out_n) as u64)
+                    } else {
+                        (None, yd.ptr())
+                    };
+                    gpu.ffn_act(&kn, g, u, actd.ptr(), 1, out_n, n)?;
+                }
+                Ok(())
             }
         };
         // The part's output after one sequence from a zeroed y (accumulating parts add into it).
-        let output = |r: usize| -> Result<Vec<f32>> {
+        let output = |r: Option<GemvShape>| -> Result<Vec<f32>> {
             let zeros = vec![0u8; 4 * n];
             let mut got = vec![0u8; if act_out { 2 * out_n } else { 4 * out_n }];
             // SAFETY: yd holds n f32, actd out_n activations; synchronised before reading.
@@ -639,17 +648,18 @@ pub fn decode_layer_kernels(
                 got.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4"))).collect()
             })
         };
-        let reference = output(0)?;
+        let reference = output(None)?;
         let top = reference.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-        let variants: &[usize] = match (act_out, gated) {
-            (true, true) => &[0, 2, 4],
-            (true, false) => &[0, 1, 2],
-            (false, _) => &[0, 1, 2, 4],
+        let shapes: &[GemvShape] = match (act_out, gated) {
+            (true, true) => &GemvShape::PAIRS,
+            (true, false) => &GemvShape::ONE_OUTPUT_A_ROW,
+            (false, _) => &GemvShape::ALL,
         };
-        // Each variant, then the last one again with two timing events recorded around every launch sequence
-        // (the executor's unit spans), which shows what they cost.
-        let mut timed_variants: Vec<(usize, bool)> = variants.iter().map(|&r| (r, false)).collect();
-        timed_variants.push((*variants.last().expect("variants"), true));
+        // cuBLAS, each shape, then the default shape again with two timing events recorded around every launch
+        // sequence (the executor's unit spans), which shows what they cost.
+        let mut timed_variants: Vec<(Option<GemvShape>, bool)> =
+            std::iter::once(None).chain(shapes.iter().copied().map(Some)).map(|r| (r, false)).collect();
+        timed_variants.push((Some(GemvShape::DEFAULT), true));
         let marks = (gpu.event(true)?, gpu.event(true)?);
         for (r, spans) in timed_variants {
             let got = output(r)?;
@@ -674,9 +684,11 @@ pub fn decode_layer_kernels(
                 rows: n,
                 cols: k,
                 variant: match (r, spans) {
-                    (0, _) => "cuBLAS".into(),
-                    (r, false) => format!("decode_gemv R{r}"),
-                    (r, true) => format!("decode_gemv R{r}, 2 timing events around it"),
+                    (None, _) => "cuBLAS".into(),
+                    (Some(s), false) => format!("decode_gemv {} rows × {} loads", s.rows, s.loads),
+                    (Some(s), true) => {
+                        format!("decode_gemv {} rows × {} loads, 2 timing events around it", s.rows, s.loads)
+                    }
                 },
                 time_ns: t.median * 1e9,
                 gbps: bytes as f64 / t.median / 1e9,

@@ -215,6 +215,7 @@ extern "C" __global__ void rope_store_kv(float* __restrict__ q, float* __restric
                                          int half, int pos0, int pos_step, long long row0, long long row_step) {
     const int kv_dim = kv_heads * head_dim, rot = (heads + kv_heads) * half, plain = kv_heads * (head_dim - 2 * half);
     const u64 per = (u64)rot + plain + kv_dim;
+    griddep_wait();
     griddep_launch_dependents();
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)m * per) return;
@@ -327,7 +328,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention(
     float* __restrict__ part_o, float* __restrict__ part_ml, int m, int pos0, int n_heads, int n_kv_heads,
     float scale, int n_splits, int keys_per_split, long long seq_rows, int pos_step, int mask_prompt,
     int mask_seqs) {
-    // A one-token step's output projection (the decode GEMV) may start fetching its weights meanwhile.
+    // Launched under the kernel before it (programmatic launch): its inputs are that kernel's outputs. A
+    // one-token step's output projection (the decode GEMV) may start fetching its weights meanwhile.
+    griddep_wait();
     griddep_launch_dependents();
     const int lane = threadIdx.x & 31;
     const long long warp = (long long)blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
@@ -426,6 +429,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, act_t* __restrict__ out, int n_splits,
     long long rows) {
     __shared__ float sums[COMBINE_WARPS][D];
+    griddep_wait();
     griddep_launch_dependents();
     const long long th = blockIdx.x;
     if (th >= rows) return;
@@ -1307,12 +1311,11 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
 //     sums in the same order, so all agree), so the norm's own launch and its round trip through memory go;
 //   epilogue EPI: 0 y[r] (+)= w[r, :] · x; 1 SwiGLU over gate|up stored back to back (rows o and n + o):
 //     act[o] = silu(gate) · up, rounded as `swiglu` rounds; 2 squared ReLU of row o, as `relu2`.
-// Each warp streams R weight rows together, 16 bytes a lane and DG_U loads of every row in flight, and sums its
+// Each warp streams R weight rows together, 16 bytes a lane and U loads of every row in flight, and sums its
 // lanes: no split-K partials, so the output projections add straight into the residual stream. A warp issues
 // its first loads before the prologue (weights do not depend on the input), so the norm runs under them.
 // Rows are 16-byte aligned and k a multiple of 8 (the launcher checks).
 #define DG_WARPS 8  // cuda::DECODE_GEMV_WARPS
-#define DG_U 4
 #define DG_NP 2  // float4 loads of the norm's row a thread keeps in flight
 
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
@@ -1375,7 +1378,7 @@ __device__ __forceinline__ void norm_into(const float* __restrict__ h, const flo
     }
 }
 
-template <int PRO, int EPI, int R>
+template <int PRO, int EPI, int R, int U>
 __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const act_t* __restrict__ x,
                                             const float* __restrict__ h, const float* __restrict__ nw,
                                             const float* __restrict__ nb, float eps, int layer_norm,
@@ -1395,9 +1398,9 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
         const int row = EPI == 1 && r >= OUTS ? n + o : o;
         wr[r] = (const uint4*)(w + (u64)row * k);
     }
-    uint4 wv[DG_U][R];
+    uint4 wv[U][R];
 #pragma unroll
-    for (int u = 0; u < DG_U; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r)
             wv[u][r] = lane + 32 * u < k8 && o0 < n ? ld_stream16(wr[r] + lane + 32 * u) : make_uint4(0, 0, 0, 0);
@@ -1424,7 +1427,7 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
     for (int c = lane;;) {
 #pragma unroll
-        for (int u = 0; u < DG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             if (c + 32 * u < k8) {
                 float xf[8];
                 const uint4 xw = xv4[c + 32 * u];
@@ -1439,10 +1442,10 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
                 }
             }
         }
-        c += 32 * DG_U;
+        c += 32 * U;
         if (c >= k8) break;
 #pragma unroll
-        for (int u = 0; u < DG_U; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r)
                 wv[u][r] = c + 32 * u < k8 ? ld_stream16(wr[r] + c + 32 * u) : make_uint4(0, 0, 0, 0);
@@ -1466,22 +1469,27 @@ __device__ __forceinline__ void decode_gemv(const act_t* __restrict__ w, const a
     }
 }
 
-// Blocks an SM keeps resident at R rows a warp: the registers a thread may use (R1 51, R2 85, R4 128), so that
-// enough loads are in flight on every SM.
-#define DG_BLOCKS(R) ((R) == 1 ? 5 : (R) == 2 ? 3 : 2)
-#define DECODE_GEMV(name, PRO, EPI, R)                                                                              \
-    extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, DG_BLOCKS(R)) name(                                \
+// Blocks an SM keeps resident at R rows a warp and U loads of each in flight: the registers a thread may use
+// (R·U 4: 51, 8: 85, 16: 128), so that enough loads are in flight on every SM.
+#define DG_BLOCKS(RU) ((RU) <= 4 ? 5 : (RU) <= 8 ? 3 : 2)
+#define DECODE_GEMV(name, PRO, EPI, R, U)                                                                           \
+    extern "C" __global__ void __launch_bounds__(DG_WARPS * 32, DG_BLOCKS((R) * (U))) name(                         \
         const act_t* w, const act_t* x, const float* h, const float* nw, const float* nb, float eps,               \
         int layer_norm, float* y, act_t* out, int n, int k, int acc) {                                              \
-        decode_gemv<PRO, EPI, R>(w, x, h, nw, nb, eps, layer_norm, y, out, n, k, acc);                              \
+        decode_gemv<PRO, EPI, R, U>(w, x, h, nw, nb, eps, layer_norm, y, out, n, k, acc);                           \
     }
-DECODE_GEMV(decode_gemv_x1, 0, 0, 1)
-DECODE_GEMV(decode_gemv_x2, 0, 0, 2)
-DECODE_GEMV(decode_gemv_x4, 0, 0, 4)
-DECODE_GEMV(decode_gemv_norm1, 1, 0, 1)
-DECODE_GEMV(decode_gemv_norm2, 1, 0, 2)
-DECODE_GEMV(decode_gemv_norm4, 1, 0, 4)
-DECODE_GEMV(decode_gemv_norm_swiglu2, 1, 1, 2)
-DECODE_GEMV(decode_gemv_norm_swiglu4, 1, 1, 4)
-DECODE_GEMV(decode_gemv_norm_relu2_1, 1, 2, 1)
-DECODE_GEMV(decode_gemv_norm_relu2_2, 1, 2, 2)
+// cuda::GemvShape::ALL, in order, for each input and output: rows a warp × loads of a row in flight.
+DECODE_GEMV(decode_gemv_x_1x4, 0, 0, 1, 4)
+DECODE_GEMV(decode_gemv_x_2x4, 0, 0, 2, 4)
+DECODE_GEMV(decode_gemv_x_4x4, 0, 0, 4, 4)
+DECODE_GEMV(decode_gemv_x_2x8, 0, 0, 2, 8)
+DECODE_GEMV(decode_gemv_norm_1x4, 1, 0, 1, 4)
+DECODE_GEMV(decode_gemv_norm_2x4, 1, 0, 2, 4)
+DECODE_GEMV(decode_gemv_norm_4x4, 1, 0, 4, 4)
+DECODE_GEMV(decode_gemv_norm_2x8, 1, 0, 2, 8)
+DECODE_GEMV(decode_gemv_norm_swiglu_2x4, 1, 1, 2, 4)
+DECODE_GEMV(decode_gemv_norm_swiglu_4x4, 1, 1, 4, 4)
+DECODE_GEMV(decode_gemv_norm_swiglu_2x8, 1, 1, 2, 8)
+DECODE_GEMV(decode_gemv_norm_relu2_1x4, 1, 2, 1, 4)
+DECODE_GEMV(decode_gemv_norm_relu2_2x4, 1, 2, 2, 4)
+DECODE_GEMV(decode_gemv_norm_relu2_2x8, 1, 2, 2, 8)

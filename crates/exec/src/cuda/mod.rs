@@ -42,6 +42,11 @@ const TC_GEMV_ROWS: usize = 16;
 /// Threads of an `attn_combine` block (its `COMBINE_WARPS` warps), one block per query and head.
 const COMBINE_THREADS: u32 = 16 * 32;
 
+/// The kernel parameter array `cuLaunchKernelEx` takes: a pointer to each (mutable) local, in order.
+macro_rules! kernel_params {
+    ($($x:ident),* $(,)?) => { [$((&raw mut $x).cast::<c_void>()),*] };
+}
+
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> ExecError {
     move |e| ExecError::Cuda { call, reason: format!("{e:?}") }
 }
@@ -149,10 +154,10 @@ pub struct Kernels {
     round_k23_x: CudaFunction,
     /// `decode_gemv` instances by rows a warp streams (1, 2, 4): plain input, normed input; normed input with
     /// SwiGLU (2, 4 rows: 1, 2 gate|up pairs) and with squared ReLU (1, 2 rows).
-    decode_gemv_x: [CudaFunction; 3],
-    decode_gemv_norm: [CudaFunction; 3],
-    decode_gemv_norm_swiglu: [CudaFunction; 2],
-    decode_gemv_norm_relu2: [CudaFunction; 2],
+    decode_gemv_x: [CudaFunction; 4],
+    decode_gemv_norm: [CudaFunction; 4],
+    decode_gemv_norm_swiglu: [CudaFunction; 3],
+    decode_gemv_norm_relu2: [CudaFunction; 3],
 }
 
 impl Kernels {
@@ -384,10 +389,49 @@ pub enum EarlyStart {
     UnderPrevious,
 }
 
-/// Rows a warp of the decode GEMV streams together: two, the fastest (or within 2 %) of 1, 2 and 4 at every
-/// part of nemo-8b's decode layer on the H200, each launched under the kernel before
-/// (results/exec/bounds/run10/decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.5, down 26.1 µs).
-const DECODE_GEMV_ROWS: usize = 2;
+/// How a warp of the decode GEMV streams its rows: `rows` together, `loads` 16-byte loads of each in flight
+/// (kernels.cu's instances `…_{rows}x{loads}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvShape {
+    pub rows: usize,
+    pub loads: usize,
+}
+
+impl GemvShape {
+    /// Every instance of a plain or normed input with a plain output, in kernels.cu's order.
+    pub const ALL: [GemvShape; 4] = [
+        GemvShape { rows: 1, loads: 4 },
+        GemvShape { rows: 2, loads: 4 },
+        GemvShape { rows: 4, loads: 4 },
+        GemvShape { rows: 2, loads: 8 },
+    ];
+    /// SwiGLU's instances (its rows come in gate|up pairs).
+    pub const PAIRS: [GemvShape; 3] =
+        [GemvShape { rows: 2, loads: 4 }, GemvShape { rows: 4, loads: 4 }, GemvShape { rows: 2, loads: 8 }];
+    /// Squared ReLU's instances.
+    pub const ONE_OUTPUT_A_ROW: [GemvShape; 3] =
+        [GemvShape { rows: 1, loads: 4 }, GemvShape { rows: 2, loads: 4 }, GemvShape { rows: 2, loads: 8 }];
+    /// The default: two rows a warp, four loads each, the fastest of these shapes at every part of nemo-8b's
+    /// decode layer on the H200, each launched under the kernel before (results/exec/bounds/run11/
+    /// decode-kernels.md: q|k|v 16.1, o 10.5, gate|up 48.4, down 26.1 µs; 2 × 8 18–19, 11.1, 48.8, 26.6).
+    pub const DEFAULT: GemvShape = GemvShape { rows: 2, loads: 4 };
+}
+
+/// The decode GEMV's instances `{prefix}_{shape}` for `shapes`, in their order.
+fn kernel_set<const N: usize>(
+    shapes: [GemvShape; N],
+    prefix: &str,
+    f: impl Fn(&str) -> Result<CudaFunction>,
+) -> Result<[CudaFunction; N]> {
+    let fs = shapes.iter().map(|s| f(&format!("{prefix}_{s}"))).collect::<Result<Vec<_>>>()?;
+    Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a shape")))
+}
+
+impl std::fmt::Display for GemvShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.rows, self.loads)
+    }
+}
 
 /// The widest row `norm_act` takes: 16 elements a thread in registers, 1024 threads.
 pub const NORM_MAX_DIM: usize = 16 * 1024;
@@ -738,10 +782,10 @@ impl Gpu {
             embed_q2_k: f("embed_q2_k")?,
             embed_q3_k: f("embed_q3_k")?,
             round_k23_x: f("round_k23_x")?,
-            decode_gemv_x: [f("decode_gemv_x1")?, f("decode_gemv_x2")?, f("decode_gemv_x4")?],
-            decode_gemv_norm: [f("decode_gemv_norm1")?, f("decode_gemv_norm2")?, f("decode_gemv_norm4")?],
-            decode_gemv_norm_swiglu: [f("decode_gemv_norm_swiglu2")?, f("decode_gemv_norm_swiglu4")?],
-            decode_gemv_norm_relu2: [f("decode_gemv_norm_relu2_1")?, f("decode_gemv_norm_relu2_2")?],
+            decode_gemv_x: kernel_set(GemvShape::ALL, "decode_gemv_x", f)?,
+            decode_gemv_norm: kernel_set(GemvShape::ALL, "decode_gemv_norm", f)?,
+            decode_gemv_norm_swiglu: kernel_set(GemvShape::PAIRS, "decode_gemv_norm_swiglu", f)?,
+            decode_gemv_norm_relu2: kernel_set(GemvShape::ONE_OUTPUT_A_ROW, "decode_gemv_norm_relu2", f)?,
         });
         cache.insert(key, k.clone());
         Ok(k)
@@ -850,7 +894,7 @@ impl Gpu {
         early: EarlyStart,
     ) -> Result<()> {
         // SAFETY: forwarded.
-        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, DECODE_GEMV_ROWS, early) }
+        unsafe { self.decode_gemv_with(kn, w, n, k, input, output, GemvShape::DEFAULT, early) }
     }
 
     /// [`Gpu::decode_gemv`] with `rows` rows a warp (1, 2 or 4; SwiGLU 2 or 4, squared ReLU 1 or 2): the
@@ -867,7 +911,7 @@ impl Gpu {
         k: usize,
         input: GemvInput,
         output: GemvOutput,
-        rows: usize,
+        shape: GemvShape,
         early: EarlyStart,
     ) -> Result<()> {
         let plain = match input {
@@ -880,18 +924,24 @@ impl Gpu {
                  to {DECODE_GEMV_MAX_K}, addresses 16-byte aligned"
             )));
         }
-        let r = rows.trailing_zeros() as usize;
-        let f = match (input, output, rows) {
-            (GemvInput::Act(_), GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_x[r],
-            (GemvInput::Norm { .. }, GemvOutput::Y { .. }, 1 | 2 | 4) => &kn.decode_gemv_norm[r],
-            (GemvInput::Norm { .. }, GemvOutput::SwiGlu { .. }, 2 | 4) => &kn.decode_gemv_norm_swiglu[r - 1],
-            (GemvInput::Norm { .. }, GemvOutput::Relu2 { .. }, 1 | 2) => &kn.decode_gemv_norm_relu2[r],
-            _ => {
-                return Err(ExecError::Input(format!(
-                    "decode_gemv: no instance for {input:?} → {output:?} at {rows} rows a warp"
-                )));
+        let at = |shapes: &[GemvShape]| shapes.iter().position(|&s| s == shape);
+        let f = match (input, output) {
+            (GemvInput::Act(_), GemvOutput::Y { .. }) => at(&GemvShape::ALL).map(|i| &kn.decode_gemv_x[i]),
+            (GemvInput::Norm { .. }, GemvOutput::Y { .. }) => {
+                at(&GemvShape::ALL).map(|i| &kn.decode_gemv_norm[i])
             }
-        };
+            (GemvInput::Norm { .. }, GemvOutput::SwiGlu { .. }) => {
+                at(&GemvShape::PAIRS).map(|i| &kn.decode_gemv_norm_swiglu[i])
+            }
+            (GemvInput::Norm { .. }, GemvOutput::Relu2 { .. }) => {
+                at(&GemvShape::ONE_OUTPUT_A_ROW).map(|i| &kn.decode_gemv_norm_relu2[i])
+            }
+            (GemvInput::Act(_), _) => None,
+        }
+        .ok_or_else(|| {
+            ExecError::Input(format!("decode_gemv: no instance for {input:?} → {output:?} at {shape}"))
+        })?;
+        let rows = shape.rows;
         let (h, nw, nb, eps, ln) = match input {
             GemvInput::Act(_) => (0u64, 0u64, 0u64, 0f32, 0i32),
             GemvInput::Norm { h, w, b, eps, layer_norm } => (h, w, b, eps, i32::from(layer_norm)),
@@ -911,20 +961,7 @@ impl Gpu {
         let (mut n, mut k) = (n as i32, k as i32);
         let (mut w, mut plain, mut h, mut nw, mut nb, mut eps, mut ln, mut y, mut act, mut acc) =
             (w, plain, h, nw, nb, eps, ln, y, act, acc);
-        let mut params: [*mut c_void; 12] = [
-            (&raw mut w).cast(),
-            (&raw mut plain).cast(),
-            (&raw mut h).cast(),
-            (&raw mut nw).cast(),
-            (&raw mut nb).cast(),
-            (&raw mut eps).cast(),
-            (&raw mut ln).cast(),
-            (&raw mut y).cast(),
-            (&raw mut act).cast(),
-            (&raw mut n).cast(),
-            (&raw mut k).cast(),
-            (&raw mut acc).cast(),
-        ];
+        let mut params = kernel_params![w, plain, h, nw, nb, eps, ln, y, act, n, k, acc];
         // SAFETY: the parameters match the kernel's, in order, and live through the call; sizes and alignment
         // as documented and checked above; with `early`, the caller's weights are complete before the previous
         // kernel (the kernel reads nothing else before its `griddepcontrol.wait`).
@@ -1455,32 +1492,16 @@ impl Gpu {
     ) -> Result<()> {
         let per = (n_heads + n_kv_heads) * half + n_kv_heads * (head_dim - 2 * half) + n_kv_heads * head_dim;
         let n = (m * per) as u64;
-        let (m, heads, kv_heads, hd, half) =
+        let (mut m, mut heads, mut kv_heads, mut hd, mut half) =
             (m as i32, n_heads as i32, n_kv_heads as i32, head_dim as i32, half as i32);
-        let (pos0, pos_step, row0, row_step) = (pos.0 as i32, pos.1 as i32, rows.0 as i64, rows.1 as i64);
-        // SAFETY: as documented.
-        unsafe {
-            self.compute
-                .launch_builder(&kn.rope_store_kv)
-                .arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&inv_freq)
-                .arg(&kc)
-                .arg(&vc)
-                .arg(&m)
-                .arg(&heads)
-                .arg(&kv_heads)
-                .arg(&hd)
-                .arg(&half)
-                .arg(&pos0)
-                .arg(&pos_step)
-                .arg(&row0)
-                .arg(&row_step)
-                .launch(threads_for(n, 256))
-        }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel(rope_store_kv)"))
+        let (mut pos0, mut pos_step, mut row0, mut row_step) =
+            (pos.0 as i32, pos.1 as i32, rows.0 as i64, rows.1 as i64);
+        let (mut q, mut k, mut v, mut inv_freq, mut kc, mut vc) = (q, k, v, inv_freq, kc, vc);
+        let mut params = kernel_params![
+            q, k, v, inv_freq, kc, vc, m, heads, kv_heads, hd, half, pos0, pos_step, row0, row_step
+        ];
+        // SAFETY: as documented; the kernel waits for the kernel before it first thing.
+        unsafe { self.launch_ex(&kn.rope_store_kv, threads_for(n, 256), &mut params, true, "rope_store_kv") }
     }
 
     /// Attention of `m` queries over the cache rows `keys` describes (causal over one sequence, one query per
@@ -1528,52 +1549,44 @@ impl Gpu {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (mi, p0, nh, nkv, ns) =
+        let (mut mi, mut p0, mut nh, mut nkv, mut ns) =
             (m as i32, keys.pos0 as i32, n_heads as i32, n_kv_heads as i32, n_splits as i32);
-        let (seq_rows, pos_step) = (keys.seq_rows as i64, keys.pos_step as i32);
-        let (mask_prompt, mask_seqs) = (keys.mask_prompt as i32, keys.mask_seqs as i32);
+        let (mut seq_rows, mut pos_step) = (keys.seq_rows as i64, keys.pos_step as i32);
+        let (mut mask_prompt, mut mask_seqs) = (keys.mask_prompt as i32, keys.mask_seqs as i32);
+        let (mut q, mut kc, mut vc, mut out, mut part_o, mut part_ml, mut scale, mut keys_per_split) =
+            (q, kc, vc, out, part_o, part_ml, scale, keys_per_split);
+        let mut params = kernel_params![
+            q,
+            kc,
+            vc,
+            out,
+            part_o,
+            part_ml,
+            mi,
+            p0,
+            nh,
+            nkv,
+            scale,
+            ns,
+            keys_per_split,
+            seq_rows,
+            pos_step,
+            mask_prompt,
+            mask_seqs,
+        ];
+        // Both kernels wait for the kernel before them first thing, so they launch under it.
         // SAFETY: as documented.
-        unsafe {
-            self.compute
-                .launch_builder(&k.attention)
-                .arg(&q)
-                .arg(&kc)
-                .arg(&vc)
-                .arg(&out)
-                .arg(&part_o)
-                .arg(&part_ml)
-                .arg(&mi)
-                .arg(&p0)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&scale)
-                .arg(&ns)
-                .arg(&keys_per_split)
-                .arg(&seq_rows)
-                .arg(&pos_step)
-                .arg(&mask_prompt)
-                .arg(&mask_seqs)
-                .launch(cfg)
-        }
-        .map_err(driver_err("cuLaunchKernel(attention)"))?;
+        unsafe { self.launch_ex(&k.attention, cfg, &mut params, true, "attention")? };
         if n_splits > 1 {
-            let rows = (m * n_heads) as i64;
+            let mut rows = (m * n_heads) as i64;
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut params = kernel_params![part_o, part_ml, out, ns, rows];
             // SAFETY: as documented.
-            unsafe {
-                self.compute
-                    .launch_builder(&k.attn_combine)
-                    .arg(&part_o)
-                    .arg(&part_ml)
-                    .arg(&out)
-                    .arg(&ns)
-                    .arg(&rows)
-                    .launch(LaunchConfig {
-                        grid_dim: (rows as u32, 1, 1),
-                        block_dim: (COMBINE_THREADS, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            }
-            .map_err(driver_err("cuLaunchKernel(attn_combine)"))?;
+            unsafe { self.launch_ex(&k.attn_combine, cfg, &mut params, true, "attn_combine")? };
         }
         Ok(())
     }
