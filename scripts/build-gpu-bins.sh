@@ -21,9 +21,13 @@ cp "$bench" .bin/exec-experts-bench
 # The ring-wait experiment (crates/exec/examples/ring_wait.rs), for gpu-check.sh's "ringwait" part.
 cargo build --release -p pipeshard-exec --example ring_wait
 cp target/release/examples/ring_wait .bin/exec-ring-wait
-strip .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
+# The launch-pace experiment (crates/profiler/examples/launch_pace.rs), for gpu-check.sh's "launchpace" part.
+cargo build --release -p pipeshard-profiler --example launch_pace
+cp target/release/examples/launch_pace .bin/launch-pace
+bins=(.bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait .bin/launch-pace)
+strip "${bins[@]}"
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
-xz -T0 -f .bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait
+xz -T0 -f "${bins[@]}"
 # The binaries' commit, `-dirty` when built with uncommitted changes (outside results/ and profiles/, as
 # `pipeshard`'s own provenance counts them).
 dirty=$(git status --porcelain -- . ':!results' ':!profiles' | grep -q . && echo -dirty || true)
