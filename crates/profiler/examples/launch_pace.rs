@@ -43,7 +43,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The first launches compile and load; leave them out.
     probe.ns_per_launch(&gpu)?;
     let print = |state: &str, ns: Vec<f64>| {
-        let (lo, hi) = (ns.iter().copied().fold(f64::MAX, f64::min), ns.iter().copied().fold(0.0, f64::max));
+        let lo = ns.iter().copied().fold(f64::MAX, f64::min) / 1e3;
+        let hi = ns.iter().copied().fold(0.0, f64::max) / 1e3;
         println!(
             "{state:<58} {:>6.2} µs a launch (median; {lo:.2}–{hi:.2} over {SAMPLES})",
             median(ns) / 1e3
