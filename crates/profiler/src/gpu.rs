@@ -1134,7 +1134,7 @@ fn measure_gpu_ops(
                     // m distinct row ids.
                     unsafe {
                         if experts {
-                            // exec's whole per-expert sequence (5 launches, 7 quantised above 8 tokens) over
+                            // exec's whole per-expert sequence (5 launches, 6 quantised above 8 tokens) over
                             // m tokens that all picked it.
                             gpu.expert_ffn(&kn, quant, w, expert, &expert_io, m, m, k, n)?;
                         } else {

@@ -15,7 +15,7 @@
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
 //!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k; the fast mode bf16 and q4_0); routed experts as exec's
 //!   whole per-expert sequence (gather, one gate|up matmul, SwiGLU, down matmul, weighted scatter-add: five
-//!   launches, seven where a quantised matmul dequantises before cuBLAS), and in f16/bf16 as exec's two
+//!   launches, six where the quantised expert is dequantised before cuBLAS), and in f16/bf16 as exec's two
 //!   grouped launches over 1–64 experts of one token each (a layer's pinned experts in a step of ≤ 8 tokens);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead ([`gpu::LaunchProbe`], which `validate` also runs
@@ -250,7 +250,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          rows' efficiency in the cost model"
             .into(),
         "routed experts: a GPU `experts` row is exec's whole sequence for one expert (gather, gate|up, \
-         SwiGLU, down, scatter-add: five launches, seven quantised above 8 tokens), a CPU row exec's expert \
+         SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
          block; a GPU `experts_grouped` row (f16/bf16) is exec's two grouped launches over `tokens` experts \
          of one token each (a layer's pinned experts in a step of at most 8 tokens), each expert's weights \
          another unit of the rotating buffer"

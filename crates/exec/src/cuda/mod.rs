@@ -1013,6 +1013,39 @@ impl Gpu {
         .map_err(|e| ExecError::Cuda { call: "cuLaunchKernelEx", reason: format!("{kernel}: {e:?}") })
     }
 
+    /// The device address of the scratch quantised matrices are dequantised into before cuBLAS reads them
+    /// ([`DEQUANT_SCRATCH_BYTES`], taken on first use). Kernels on the compute stream use it in turn.
+    fn dequant_scratch(&self) -> Result<u64> {
+        let mut scratch = self.dequant_scratch.lock().expect("dequant scratch lock");
+        if scratch.is_none() {
+            *scratch = Some(self.alloc(DEQUANT_SCRATCH_BYTES)?);
+        }
+        Ok(scratch.as_ref().map_or(0, DevBuf::ptr))
+    }
+
+    /// `dst[i]` = element `i` of the `fmt` blocks at `src`, dequantised and rounded to the activation type, for
+    /// `elems` elements (whole blocks; consecutive matrices of whole-block rows dequantise as one).
+    ///
+    /// # Safety
+    /// `src` holds `elems` elements of whole `fmt` blocks, `dst` `elems` activations.
+    unsafe fn dequantize(&self, kn: &Kernels, fmt: QFormat, src: u64, dst: u64, elems: usize) -> Result<()> {
+        let f = match fmt {
+            QFormat::Q8_0 => &kn.dequant_q8_0,
+            QFormat::Q4_0 => &kn.dequant_q4_0,
+            QFormat::Q4K => &kn.dequant_q4_k,
+            QFormat::Q6K => &kn.dequant_q6_k,
+            QFormat::Q2K => &kn.dequant_q2_k,
+            QFormat::Q3K => &kn.dequant_q3_k,
+        };
+        let elems = elems as u64;
+        // SAFETY: the kernel reads `elems` elements' blocks at src and writes `elems` activations at dst.
+        unsafe {
+            self.compute.launch_builder(f).arg(&src).arg(&dst).arg(&elems).launch(threads_for(elems, 256))
+        }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel(dequant_q)"))
+    }
+
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with `w` stored as `quant` (or in the activation type when `None`: one
     /// token's product of at least 1024 rows through [`Gpu::decode_gemv`] where it is on, else cuBLAS):
     /// up to [`EXACT_MAX_TOKENS`] tokens a GEMV kernel (`QMAX_T` in kernels.cu) that dequantises as it reads (exact f32 weights);
@@ -1111,36 +1144,17 @@ impl Gpu {
             .map(|_| ())
             .map_err(driver_err("cuLaunchKernel(gemv_q)"));
         }
-        let mut scratch = self.dequant_scratch.lock().expect("dequant scratch lock");
-        if scratch.is_none() {
-            *scratch = Some(self.alloc(DEQUANT_SCRATCH_BYTES)?);
-        }
-        let sp = scratch.as_ref().map_or(0, DevBuf::ptr);
+        let sp = self.dequant_scratch()?;
         let chunk_rows = (DEQUANT_SCRATCH_BYTES / (k * act.size_bytes())).max(1).min(n);
-        let f = match fmt {
-            QFormat::Q8_0 => &kn.dequant_q8_0,
-            QFormat::Q4_0 => &kn.dequant_q4_0,
-            QFormat::Q4K => &kn.dequant_q4_k,
-            QFormat::Q6K => &kn.dequant_q6_k,
-            QFormat::Q2K => &kn.dequant_q2_k,
-            QFormat::Q3K => &kn.dequant_q3_k,
-        };
         let mut r0 = 0;
         while r0 < n {
             let rows = chunk_rows.min(n - r0);
-            let elems = (rows * k) as u64;
             let src = w + (r0 * fmt.row_bytes(k)) as u64;
             // SAFETY: the chunk's rows lie inside w; the scratch holds rows·k activations (chunk_rows sized it,
             // and a single row of k ≤ 8M elements fits); kernels run in order on the compute stream, so the
             // next chunk overwrites the scratch only after this chunk's GEMM read it.
             unsafe {
-                self.compute
-                    .launch_builder(f)
-                    .arg(&src)
-                    .arg(&sp)
-                    .arg(&elems)
-                    .launch(threads_for(elems, 256))
-                    .map_err(driver_err("cuLaunchKernel(dequant_q)"))?;
+                self.dequantize(kn, fmt, src, sp, rows * k)?;
                 self.gemm_strided(act, sp, x, y + (r0 * 4) as u64, m, rows, k, n, accumulate)?;
             }
             r0 += rows;
@@ -1708,10 +1722,11 @@ impl Gpu {
     /// per-expert sequence, and the profiler times this same call.
     ///
     /// Launches: 5 (gather, gate|up, SwiGLU, down, scatter-add) in f16/bf16 and, up to [`EXACT_MAX_TOKENS`]
-    /// rows, in the quantised formats (their GEMV kernels dequantise as they read); 7 in quantised formats
-    /// above, where a matmul is a dequantisation into the scratch and a cuBLAS GEMM, one of each for gate|up
-    /// while it fits [`DEQUANT_SCRATCH_BYTES`] in the activation type (qwen3-30b-a3b's takes 6 MiB; larger
-    /// ones go in chunks). With gate and up as two matmuls it was 6 and 9, and in a prefill chunk, where the
+    /// rows, in the quantised formats (their GEMV kernels dequantise as they read); 6 in quantised formats
+    /// above, where the whole expert (gate|up and down, one run of blocks) is dequantised into the scratch in
+    /// one launch for the two cuBLAS GEMMs, while it fits [`DEQUANT_SCRATCH_BYTES`] in the activation type
+    /// (qwen3-30b-a3b's takes 9 MiB; larger ones dequantise each matmul, in chunks where needed: 7 or more).
+    /// With gate and up as two matmuls it was 6 and 9, and in a prefill chunk, where the
     /// host enqueues ~128 experts a layer, the enqueueing set the pace (ncu on the H200, qwen3-30b-a3b q4_0,
     /// ~64 tokens an expert: 61 µs an expert against ~46 µs of kernels). Gate and up are one
     /// `[2·ffn, hidden]` matrix because the unit stores them back to back
@@ -1738,14 +1753,36 @@ impl Gpu {
         hidden: usize,
         ffn: usize,
     ) -> Result<()> {
-        let row_bytes = quant.map_or(hidden * k.key.act.size_bytes(), |q| q.row_bytes(hidden));
+        let act_bytes = k.key.act.size_bytes();
+        let row_bytes = quant.map_or(hidden * act_bytes, |q| q.row_bytes(hidden));
         let one_matrix = o.up == o.gate + ffn * row_bytes;
+        // A quantised expert whose GEMMs go through cuBLAS, gate|up and down back to back in the unit, is
+        // dequantised in one launch (its blocks are one stream): 6 launches instead of 7, for the host that
+        // sets a prefill chunk's pace.
+        let whole_unit = quant.filter(|_| {
+            rows > EXACT_MAX_TOKENS
+                && one_matrix
+                && o.down == o.up + ffn * row_bytes
+                && 3 * ffn * hidden * act_bytes <= DEQUANT_SCRATCH_BYTES
+        });
         // SAFETY: the sizes are the caller's, as documented; gate|up's 2·ffn rows are the unit's gate and up
-        // when `one_matrix` (whole rows of whole blocks, back to back), and its outputs fill `io.gate_up`.
+        // when `one_matrix` (whole rows of whole blocks, back to back), and its outputs fill `io.gate_up`;
+        // `whole_unit`'s three matrices are one run of whole blocks that fits the scratch.
         unsafe {
             self.gather_rows(k, io.xn, io.idx, io.x, c, hidden)?;
+            // The down matrix as the last matmul reads it: dequantised already, or in the unit.
+            let down = if let Some(fmt) = whole_unit {
+                let sp = self.dequant_scratch()?;
+                self.dequantize(k, fmt, w + o.gate as u64, sp, 3 * ffn * hidden)?;
+                self.gemm(k.key.act, sp, io.x, io.gate_up, rows, 2 * ffn, hidden, false)?;
+                Some(sp + (2 * ffn * hidden * act_bytes) as u64)
+            } else {
+                None
+            };
             let (g, u, ld) = if one_matrix {
-                self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, 2 * ffn, hidden, false)?;
+                if down.is_none() {
+                    self.matmul(k, quant, w + o.gate as u64, io.x, io.gate_up, rows, 2 * ffn, hidden, false)?;
+                }
                 (io.gate_up, io.gate_up + (ffn * 4) as u64, 2 * ffn)
             } else {
                 let up = io.gate_up + (rows * ffn * 4) as u64;
@@ -1754,7 +1791,10 @@ impl Gpu {
                 (io.gate_up, up, ffn)
             };
             self.ffn_act(k, Some(g), u, io.act, rows, ffn, ld)?;
-            self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?;
+            match down {
+                Some(d) => self.gemm(k.key.act, d, io.act, io.y, rows, hidden, ffn, false)?,
+                None => self.matmul(k, quant, w + o.down as u64, io.act, io.y, rows, hidden, ffn, false)?,
+            }
             self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
         }
     }
