@@ -9,10 +9,12 @@
 //! additions, as for q4_0, with q2_k's and q3_k's activations first rounded to 8 bits per super-block
 //! (`quant::round_activations`; `qdot::pack_x` hands these kernels the rounded values as f32).
 //!
-//! With AVX512_BF16 the q4_k and q6_k quants become bf16 by table lookups (`vpermw` on nibbles for q4_k;
-//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
-//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
-//! with AVX2+FMA (AVX-512 ones without BF16 included) widen the quants to f32 and use FMAs.
+//! With AVX512_BF16 the q4_k and q6_k quants become bf16, exact as small integers, and `vdpbf16ps` multiplies
+//! them with the activations (bf16 values already, so exact too): q4_k's nibble `q`, shifted to the top 4
+//! mantissa bits under the exponent of 16, is the bf16 value `16 + q` (a shift and a bit-select, no shuffle),
+//! and the offset `16·Σx` of each sub-block joins the mins' part; q6_k's 6-bit values go through `vpermt2w`, a
+//! 64-entry table of `q − 32`. Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
+//! quants to f32 and use FMAs.
 //!
 //! q2_k and q3_k on those AVX512_BF16 machines (all of which have AVX512_VBMI and AVX512_VNNI) do what ggml
 //! does with q8_K: the activations are quantised once per matmul to `i8` against each super-block's largest
@@ -27,8 +29,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
-    K23_VNNI_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni, dot_q4_k_avx2, dot_q4_k_avx512bf16,
-    dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k23_vnni,
+    K23_VNNI_SLOTS, Q4K_BF16_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni, dot_q4_k_avx2,
+    dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k23_vnni, pack_q4_k_bf16,
 };
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
@@ -57,24 +59,22 @@ mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
         _mm_loadu_si128, _mm_prefetch, _mm_setr_epi32, _mm_srli_si128, _mm_storeu_si128, _mm256_add_ps,
-        _mm256_and_si256, _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32,
-        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps,
-        _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
-        _mm256_or_si256, _mm256_permute2f128_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
-        _mm512_abs_ps, _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4,
-        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_castsi128_si512,
-        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
-        _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8, _mm512_dpbf16_ps,
-        _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps,
-        _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
+        _mm256_and_si256, _mm256_castpd_ps, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
+        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
+        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_abs_ps, _mm512_add_ps, _mm512_and_si512,
+        _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castps_pd, _mm512_castps512_ps256,
+        _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
+        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8,
+        _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+        _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
         _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512,
-        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8,
-        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps,
-        _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
-        _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16,
-        _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
-        _mm512_sub_epi16, _mm512_ternarylogic_epi32,
+        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8, _mm512_permutexvar_ps,
+        _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16,
+        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
+        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps,
+        _mm512_storeu_si512, _mm512_sub_epi16, _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
@@ -424,8 +424,6 @@ mod x86 {
         }
         t
     }
-    /// Nibble values 0..15.
-    const Q4K_BF16: [u16; 32] = field_table(15, 0);
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
     const Q6K_BF16_LO: [u16; 32] = field_table(31, 32);
     const Q6K_BF16_HI: [u16; 32] = field_table(31, 0);
@@ -459,13 +457,24 @@ mod x86 {
         _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(b0, b1), _mm256_permute2f128_ps::<0x31>(b0, b1))
     }
 
-    /// q4_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    /// q4_k with AVX512_BF16 on activations packed by [`pack_q4_k_bf16`]; see `qdot::dot_block` and the module
+    /// documentation.
     ///
     /// Per super-block and row the factors `[d·sc_0..8 | dmin·m_0..8]` are one vector (the f16 `d` and `dmin`
-    /// read from a table, as q4_0's scale). The mins' part `Σ_j dmin·m_j·Σx_j` is one FMA a row and super-block
-    /// against `[0…0 | Σx_0..8]`, whose 8 sums each token's activations give once for every row of the block;
-    /// only the scales' part is per sub-block (a `vdpbf16ps` and an FMA). Measured on the H200 machine's Xeon
-    /// (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one per sub-block.
+    /// read from a table, as q4_0's scale). Each sub-block multiplies its packed bf16 activations with the bf16
+    /// values `16 + q` (a `vdpbf16ps` and an FMA by `d·sc_j`); the rest, `Σ_j (16·d·sc_j + dmin·m_j)·Σx_j`, is
+    /// one FMA a row and super-block against the packed `[16·Σx_0..8 | Σx_0..8]`. Measured on the H200
+    /// machine's Xeon (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one
+    /// per sub-block.
+    ///
+    /// Per row and super-block: 41 vector µops (4 for the factors; per 64 nibbles a `vpmovzxbw`, two shifts,
+    /// two bit-selects, two `vdpbf16ps` and two FMAs; the mins' FMA), 5 of them on the shuffle port (the
+    /// `vpmovzx`s), against 37 with 13 for the `vpermw` lookups it replaced (a lookup per 32 nibbles instead of a
+    /// shift and a bit-select, one shift per 64), and no more per token: the bf16 conversion and the sums
+    /// (about 40 µops a token and super-block, 20 on the shuffle port, for every register block of rows) are
+    /// made once per matmul. On this repository's 2-core Zen 5, 1.11× per core (results/exec/quant, session 17).
+    /// The offset makes the sums `Σ x·(16 + q)` about 3 times larger than `Σ x·q`, and so their f32 rounding
+    /// (the bench's largest relative error on q4_k: 2.3e-7 against 2.0e-7).
     ///
     /// # Safety
     /// As [`dot_q4_k_avx2`], with AVX-512F/BW/BF16 present.
@@ -479,8 +488,7 @@ mod x86 {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        // SAFETY: the table is 64 bytes.
-        let table = unsafe { _mm512_loadu_si512(Q4K_BF16.as_ptr().cast::<__m512i>()) };
+        let (field, sixteen) = (_mm512_set1_epi16(0x78), _mm512_set1_epi16(bf16_int(16).cast_signed()));
         let f16s = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut mins = [[_mm512_setzero_ps(); T]; R];
@@ -505,48 +513,41 @@ mod x86 {
                     _mm512_storeu_ps(fr.as_mut_ptr(), *v);
                 }
             }
-            // Per token, the sums of its 32 activations of sub-block 2c + half (16 lanes each).
-            let mut xsum = [[_mm512_setzero_ps(); 8]; T];
             for c in 0..4 {
-                // Per token and half: the 32 activations as bf16.
-                let mut xt = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 2]; T];
-                for (t, (v, sums)) in xt.iter_mut().zip(&mut xsum).enumerate() {
-                    for (half, vh) in v.iter_mut().enumerate() {
-                        // SAFETY: elements 256b + 64c + 32half .. + 32 of token t exist.
-                        let (bh, lo, hi) = unsafe { load_x_bf16(x, t * ldx + 256 * b + 64 * c + 32 * half) };
-                        *vh = bh;
-                        sums[2 * c + half] = _mm512_add_ps(lo, hi);
-                    }
-                }
                 for (r, row) in acc.iter_mut().enumerate() {
                     // SAFETY: nibble chunk c of the super-block (32 bytes).
                     let q = _mm512_cvtepu8_epi16(unsafe {
                         _mm256_loadu_si256(w.add(r * ws + b * Q4K_BYTES + 16 + 32 * c).cast::<__m256i>())
                     });
-                    // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                    let (wlo, whi): (__m512bh, __m512bh) = unsafe {
-                        (
-                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(q, table)),
-                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(
-                                _mm512_srli_epi16::<4>(q),
-                                table,
-                            )),
-                        )
+                    // Each nibble to bits 3..6, the top 4 bits of a bf16 mantissa below the exponent of 16.
+                    let as_bf16 = |v: __m512i| {
+                        // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                        unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_or_si512(
+                                _mm512_and_si512(v, field),
+                                sixteen,
+                            ))
+                        }
                     };
+                    let (wlo, whi) = (as_bf16(_mm512_slli_epi16::<3>(q)), as_bf16(_mm512_srli_epi16::<1>(q)));
                     for (t, a) in row.iter_mut().enumerate() {
                         for (half, wv) in [wlo, whi].into_iter().enumerate() {
-                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xt[t][half], wv);
+                            // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512
+                            // bits of plain data.
+                            let xv = unsafe {
+                                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                    x.add(t * ldx + b * Q4K_BF16_SLOTS + 32 * c + 16 * half).cast(),
+                                ))
+                            };
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv, wv);
                             *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(f[r][2 * c + half]), *a);
                         }
                     }
                 }
             }
-            for (t, sums) in xsum.iter().enumerate() {
-                // [0…0 | Σx_0..8]: the scale lanes of the factors multiply zeros.
-                let sx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_setzero_pd(),
-                    _mm256_castps_pd(sums8(sums)),
-                ));
+            for t in 0..T {
+                // SAFETY: token t's packed super-block b exists.
+                let sx = unsafe { _mm512_loadu_ps(x.add(t * ldx + b * Q4K_BF16_SLOTS + 128)) };
                 for (m, v) in mins.iter_mut().zip(&fv) {
                     m[t] = _mm512_fmadd_ps(*v, sx, m[t]);
                 }
@@ -557,6 +558,45 @@ mod x86 {
                 out[r][t] = _mm512_reduce_add_ps(acc[r][t]) - _mm512_reduce_add_ps(mins[r][t]);
             }
         }
+    }
+
+    /// f32 slots of one token's super-block as [`pack_q4_k_bf16`] packs it: 256 bf16 (128 slots), then
+    /// `[16·Σx_0..8 | Σx_0..8]`.
+    pub const Q4K_BF16_SLOTS: usize = 144;
+
+    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q4_k_avx512bf16`], [`Q4K_BF16_SLOTS`] a
+    /// super-block: the activations as bf16 (rounded to nearest even, as `vcvtne2ps2bf16` rounds; exact for the
+    /// bf16 values every matmul input holds), in order, and per sub-block `j` of 32 the sum `Σx_j` of the f32
+    /// values, times 16 (the offset of the kernel's quants) and as it is (for the mins). Once per matmul, so
+    /// that no register block of rows converts and sums them again.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and AVX512_BF16 are present.
+    #[must_use]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2")]
+    pub unsafe fn pack_q4_k_bf16(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * k / 256 * Q4K_BF16_SLOTS];
+        for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(Q4K_BF16_SLOTS)) {
+            let mut sums = [_mm512_setzero_ps(); 8];
+            for (j, sum) in sums.iter_mut().enumerate() {
+                // SAFETY: sub-block j of xb (32 f32) and its 16 slots of ob exist.
+                unsafe {
+                    let (bh, lo, hi) = load_x_bf16(xb.as_ptr(), 32 * j);
+                    _mm512_storeu_si512(
+                        ob.as_mut_ptr().add(16 * j).cast(),
+                        std::mem::transmute::<__m512bh, __m512i>(bh),
+                    );
+                    *sum = _mm512_add_ps(lo, hi);
+                }
+            }
+            let s = sums8(&sums);
+            // SAFETY: slots 128..144 of ob.
+            unsafe {
+                _mm256_storeu_ps(ob.as_mut_ptr().add(128), _mm256_mul_ps(s, _mm256_set1_ps(16.0)));
+                _mm256_storeu_ps(ob.as_mut_ptr().add(136), s);
+            }
+        }
+        out
     }
 
     /// f32 slots of one token's super-block as [`pack_k23_vnni`] packs it: 4 vectors of 64 `i8` (256 bytes),
@@ -1132,41 +1172,56 @@ mod tests {
         }
     }
 
-    /// Every ISA path (AVX512_BF16, AVX-512 and AVX2 where present, plain Rust) on random q2_k and q3_k
+    /// Every ISA path (AVX512_BF16, AVX-512 and AVX2 where present, plain Rust) on random K-quant
     /// super-blocks: random quants, scales and mask bits, with `d` and `dmin` drawn from edge values (zero,
-    /// subnormal, ±65504, negative), some blocks with all scale bytes zero (q3_k: every scale −32), and some
-    /// q2_k blocks with every min at 15.
+    /// subnormal, ±65504, negative), some blocks with all scale bytes zero (q3_k: every scale −32), and some with
+    /// every min at its largest (q2_k 15; q4_k every scale and min 63); activations centred on zero, and all
+    /// positive (where offset quants, such as the AVX512_BF16 q4_k kernel's `16 + q`, cancel least exactly).
     #[test]
-    fn k23_dot_products_agree_on_every_isa_with_edge_blocks() {
+    fn k_quant_dot_products_agree_on_every_isa_with_edge_blocks() {
         let edges = [0.0f32, 6.0e-8, 1.0, -0.37, 65504.0, -65504.0, 3.1e-3];
         let k = 1024;
-        let x: Vec<f32> = random_bytes(4 * k * 2, 7)
+        let centred: Vec<f32> = random_bytes(4 * k * 2, 7)
             .chunks_exact(2)
             .map(|b| half::bf16::from_f32(f32::from(i16::from_le_bytes([b[0], b[1]])) / 16384.0).to_f32())
             .collect();
+        let positive: Vec<f32> =
+            centred.iter().map(|v| half::bf16::from_f32(v.abs() + 0.5).to_f32()).collect();
         let isas = detect().and_weaker();
         assert!(isas.contains(&Isa::Portable));
-        for (fmt, bb, d_at) in [(QFormat::Q2K, 84, 80), (QFormat::Q3K, 110, 108)] {
+        // Format, super-block bytes, offsets of `d` and `dmin` (none: no mins).
+        let formats = [
+            (QFormat::Q2K, 84, 80, Some(82)),
+            (QFormat::Q3K, 110, 108, None),
+            (QFormat::Q4K, 144, 0, Some(2)),
+            (QFormat::Q6K, 210, 208, None),
+        ];
+        for (fmt, bb, d_at, dmin_at) in formats {
             let mut w = random_bytes(8 * k / 256 * bb, bb as u64);
             for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
                 let d = half::f16::from_f32(edges[i % edges.len()]).to_le_bytes();
                 blk[d_at..d_at + 2].copy_from_slice(&d);
-                if fmt == QFormat::Q2K {
+                if let Some(at) = dmin_at {
                     let dmin = half::f16::from_f32(edges[(i * 3 + 1) % edges.len()]).to_le_bytes();
-                    blk[82..84].copy_from_slice(&dmin);
+                    blk[at..at + 2].copy_from_slice(&dmin);
                 }
                 match (fmt, i % 5) {
                     (QFormat::Q2K, 1) => blk[..16].fill(0),
                     (QFormat::Q2K, 2) => blk[..16].iter_mut().for_each(|s| *s |= 0xf0),
                     (QFormat::Q3K, 1) => blk[96..108].fill(0),
+                    (QFormat::Q4K, 1) => blk[4..16].fill(0),
+                    (QFormat::Q4K, 2) => blk[4..16].fill(0xff),
+                    (QFormat::Q6K, 1) => blk[192..208].fill(0),
                     _ => {}
                 }
             }
             for &isa in &isas {
-                check_dot::<8, 1>(isa, fmt, &w, &x, k);
-                check_dot::<4, 4>(isa, fmt, &w, &x, k);
-                check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], &x, k);
-                check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], &x, k);
+                for x in [&centred, &positive] {
+                    check_dot::<8, 1>(isa, fmt, &w, x, k);
+                    check_dot::<4, 4>(isa, fmt, &w, x, k);
+                    check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], x, k);
+                    check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], x, k);
+                }
             }
         }
     }
