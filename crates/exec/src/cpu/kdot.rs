@@ -13,8 +13,9 @@
 //! them with the activations (bf16 values already, so exact too): q4_k's nibble `q`, shifted to the top 4
 //! mantissa bits under the exponent of 16, is the bf16 value `16 + q` (a shift and a bit-select, no shuffle),
 //! and the offset `16·Σx` of each sub-block joins the mins' part; q6_k's 6-bit values go through `vpermt2w`, a
-//! 64-entry table of `q − 32`. Other x86 machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the
-//! quants to f32 and use FMAs.
+//! 64-entry table of `q − 32`. Their activations are converted to bf16 once per matmul ([`pack_k_bf16`], with
+//! q4_k's sub-block sums, in the order of q6_k's lanes), not for every register block of rows. Other x86
+//! machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the quants to f32 and use FMAs.
 //!
 //! q2_k and q3_k on those AVX512_BF16 machines (all of which have AVX512_VBMI and AVX512_VNNI) do what ggml
 //! does with q8_K: the activations are quantised once per matmul to `i8` against each super-block's largest
@@ -29,8 +30,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
-    K23_VNNI_SLOTS, Q4K_BF16_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni, dot_q4_k_avx2,
-    dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k23_vnni, pack_q4_k_bf16,
+    K23_VNNI_SLOTS, Q4K_BF16_SLOTS, Q6K_BF16_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni,
+    dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k_bf16, pack_k23_vnni,
 };
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
@@ -63,18 +64,19 @@ mod x86 {
         _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
         _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
         _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
-        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_abs_ps, _mm512_add_ps, _mm512_and_si512,
-        _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castps_pd, _mm512_castps512_ps256,
-        _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16,
-        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8,
-        _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
-        _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
-        _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512,
-        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8, _mm512_permutexvar_ps,
-        _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16,
-        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
-        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps,
-        _mm512_storeu_si512, _mm512_sub_epi16, _mm512_ternarylogic_epi32,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_abs_ps, _mm512_add_epi32, _mm512_add_ps,
+        _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castps_pd,
+        _mm512_castps512_ps256, _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
+        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32,
+        _mm512_cvtsepi32_epi8, _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32,
+        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+        _mm512_madd_epi16, _mm512_mask_blend_ps, _mm512_mask_srli_epi16, _mm512_maskz_permutexvar_epi8,
+        _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi8, _mm512_permutex2var_epi16,
+        _mm512_permutexvar_epi8, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps,
+        _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
+        _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16, _mm512_srli_epi16,
+        _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi16,
+        _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
@@ -457,7 +459,7 @@ mod x86 {
         _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(b0, b1), _mm256_permute2f128_ps::<0x31>(b0, b1))
     }
 
-    /// q4_k with AVX512_BF16 on activations packed by [`pack_q4_k_bf16`]; see `qdot::dot_block` and the module
+    /// q4_k with AVX512_BF16 on activations packed by [`pack_k_bf16`]; see `qdot::dot_block` and the module
     /// documentation.
     ///
     /// Per super-block and row the factors `[d·sc_0..8 | dmin·m_0..8]` are one vector (the f16 `d` and `dmin`
@@ -560,28 +562,40 @@ mod x86 {
         }
     }
 
-    /// f32 slots of one token's super-block as [`pack_q4_k_bf16`] packs it: 256 bf16 (128 slots), then
+    /// f32 slots of one token's super-block as [`pack_k_bf16`] packs it for q4_k: 256 bf16 (128 slots), then
     /// `[16·Σx_0..8 | Σx_0..8]`.
     pub const Q4K_BF16_SLOTS: usize = 144;
+    /// The same for q6_k: 256 bf16.
+    pub const Q6K_BF16_SLOTS: usize = 128;
 
-    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q4_k_avx512bf16`], [`Q4K_BF16_SLOTS`] a
-    /// super-block: the activations as bf16 (rounded to nearest even, as `vcvtne2ps2bf16` rounds; exact for the
-    /// bf16 values every matmul input holds), in order, and per sub-block `j` of 32 the sum `Σx_j` of the f32
-    /// values, times 16 (the offset of the kernel's quants) and as it is (for the mins). Once per matmul, so
-    /// that no register block of rows converts and sums them again.
+    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q4_k_avx512bf16`] (`q6` false) or
+    /// [`dot_q6_k_avx512bf16`], [`Q4K_BF16_SLOTS`] or [`Q6K_BF16_SLOTS`] a super-block: the activations as bf16
+    /// (rounded to nearest even, as `vcvtne2ps2bf16` rounds; exact for the bf16 values every matmul input
+    /// holds). q4_k: in order, then per sub-block `j` of 32 the sum `Σx_j` of the f32 values, times 16 (the
+    /// offset of the kernel's quants) and as it is (for the mins). q6_k: per half of 128, its even elements
+    /// `0, 2, …, 62`, the odd ones, then the same of elements `64..128`, the order of the kernel's 16-bit lanes.
+    /// Once per matmul, so that no register block of rows converts (and sums) them again.
     ///
     /// # Safety
     /// AVX-512F/BW and AVX512_BF16 are present.
     #[must_use]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2")]
-    pub unsafe fn pack_q4_k_bf16(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * k / 256 * Q4K_BF16_SLOTS];
-        for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(Q4K_BF16_SLOTS)) {
+    pub unsafe fn pack_k_bf16(x: &[f32], m: usize, k: usize, q6: bool) -> Vec<f32> {
+        let slots = if q6 { Q6K_BF16_SLOTS } else { Q4K_BF16_SLOTS };
+        let mut out = vec![0f32; m * k / 256 * slots];
+        for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(slots)) {
+            // q6_k: element 2j (+ 1 for the odd ones) of each 64, at 32 per run.
+            let order: [f32; 256] =
+                std::array::from_fn(
+                    |i| {
+                        if q6 { xb[64 * (i / 64) + 2 * (i % 32) + (i / 32) % 2] } else { xb[i] }
+                    },
+                );
             let mut sums = [_mm512_setzero_ps(); 8];
             for (j, sum) in sums.iter_mut().enumerate() {
-                // SAFETY: sub-block j of xb (32 f32) and its 16 slots of ob exist.
+                // SAFETY: 32 f32 at 32j of `order`, and their 16 slots of ob.
                 unsafe {
-                    let (bh, lo, hi) = load_x_bf16(xb.as_ptr(), 32 * j);
+                    let (bh, lo, hi) = load_x_bf16(order.as_ptr(), 32 * j);
                     _mm512_storeu_si512(
                         ob.as_mut_ptr().add(16 * j).cast(),
                         std::mem::transmute::<__m512bh, __m512i>(bh),
@@ -589,11 +603,13 @@ mod x86 {
                     *sum = _mm512_add_ps(lo, hi);
                 }
             }
-            let s = sums8(&sums);
-            // SAFETY: slots 128..144 of ob.
-            unsafe {
-                _mm256_storeu_ps(ob.as_mut_ptr().add(128), _mm256_mul_ps(s, _mm256_set1_ps(16.0)));
-                _mm256_storeu_ps(ob.as_mut_ptr().add(136), s);
+            if !q6 {
+                let s = sums8(&sums);
+                // SAFETY: slots 128..144 of ob.
+                unsafe {
+                    _mm256_storeu_ps(ob.as_mut_ptr().add(128), _mm256_mul_ps(s, _mm256_set1_ps(16.0)));
+                    _mm256_storeu_ps(ob.as_mut_ptr().add(136), s);
+                }
             }
         }
         out
@@ -993,7 +1009,22 @@ mod x86 {
         }
     }
 
-    /// q6_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    /// q6_k with AVX512_BF16 on activations packed by [`pack_k_bf16`]; see `qdot::dot_block` and the module
+    /// documentation.
+    ///
+    /// Per half of 128 and row: one 64-byte load of the low-nibble bytes, read as 16-bit lanes (4 nibbles a
+    /// lane, no widening), and one 32-byte load of the high-pair bytes broadcast to both halves (whose upper
+    /// lanes one masked shift moves to the pairs of quarters 1 and 3). Bit-selects (and for the odd elements a
+    /// shift) put a nibble and its pair at the low 6 bits of each lane; `vpermt2w` turns them into bf16 `q − 32`
+    /// (the elements in the packed activations' order: even, then odd ones of two quarters), and two
+    /// `vdpbf16ps` chained sum each f32 lane over 4 elements of one group, so that one FMA by a vector of the 4
+    /// groups' `d·scale` (a `vpermps` of the row's 16) serves two quarters.
+    ///
+    /// Per row and super-block: 45 vector µops (3 for the scales; per half 3 shifts, 4 bit-selects, 2 shifts,
+    /// 4 lookups, 2 `vpermps`, 4 `vdpbf16ps`, 2 FMAs), 13 of them on the shuffle port, against about 67 with 23
+    /// for the kernel it replaced (a `vpmovzxbw` per 32 bytes, a `vpermps` and an FMA per quarter, and the bf16
+    /// conversion of the activations for every register block of rows); on this repository's 2-core Zen 5,
+    /// 1.21× per core (results/exec/quant, session 17).
     ///
     /// # Safety
     /// As [`dot_q4_k_avx512bf16`].
@@ -1014,7 +1045,30 @@ mod x86 {
                 _mm512_loadu_si512(Q6K_BF16_HI.as_ptr().cast::<__m512i>()),
             )
         };
-        let (m4, m30) = (_mm512_set1_epi16(0x0f), _mm512_set1_epi16(0x30));
+        let low4 = _mm512_set1_epi16(0x0f);
+        let nib2 = _mm512_set1_epi16(0x0f00);
+        // Per pair (p = 0: quarters 0, 1; p = 1: quarters 2, 3) of half h, lane i sums 4 elements of group
+        // 8h + 4p + i / 4: the indices of its scales, without the 8h.
+        let groups = [0, 4].map(|p| {
+            _mm512_setr_epi32(
+                p,
+                p,
+                p,
+                p,
+                p + 1,
+                p + 1,
+                p + 1,
+                p + 1,
+                p + 2,
+                p + 2,
+                p + 2,
+                p + 2,
+                p + 3,
+                p + 3,
+                p + 3,
+                p + 3,
+            )
+        });
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
             // Per row, d·scale for the 16 groups (lane g).
@@ -1031,73 +1085,50 @@ mod x86 {
                 }
             }
             for h in 0..2 {
-                // Quarter c of this half, per token: its 32 activations as bf16.
-                let mut xq = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 4]; T];
-                for (t, v) in xq.iter_mut().enumerate() {
-                    for (c, vc) in v.iter_mut().enumerate() {
-                        // SAFETY: elements 256b + 128h + 32c .. + 32 of token t exist.
-                        *vc = unsafe { load_x_bf16(x, t * ldx + 256 * b + 128 * h + 32 * c).0 };
-                    }
-                }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: the half's 64 low-nibble bytes and 32 high-pair bytes.
-                    let (a0, a1, q) = unsafe {
+                    // SAFETY: the half's 64 low-nibble bytes, and its 32 high-pair bytes in both halves.
+                    let (v, qh) = unsafe {
                         let p = w.add(r * ws + b * Q6K_BYTES);
                         (
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h).cast::<__m256i>())),
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h + 32).cast::<__m256i>())),
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>())),
+                            _mm512_loadu_si512(p.add(64 * h).cast()),
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>())),
                         )
                     };
-                    // 6-bit indices of quarters 0..3: low or high nibble, high pair at bits 4..6.
+                    // 16-bit lane l holds low-nibble bytes 2l, 2l + 1 (quarter 0 below lane 16, quarter 1 from
+                    // it; their high nibbles quarters 2 and 3) and high-pair bytes 2l, 2l + 1 (mod 32), whose
+                    // pairs for quarters 1 and 3 move down to those of 0 and 2 in the upper lanes.
+                    let qh = _mm512_mask_srli_epi16(qh, 0xffff_0000, qh, 2);
+                    let (qh4, v4) = (_mm512_slli_epi16::<4>(qh), _mm512_srli_epi16::<4>(v));
+                    // 6-bit indices (`vpermt2w` reads the low 6 bits; those above are left as they come): the
+                    // nibble at bits 0..4 and its pair at 4..6, for the even elements of quarters 0, 1 (of
+                    // byte 2l), the odd ones (byte 2l + 1), then the same of quarters 2, 3.
+                    let sel = |m: __m512i, a: __m512i, b: __m512i| _mm512_ternarylogic_epi32::<0xca>(m, a, b);
                     let idx = [
-                        _mm512_or_si512(
-                            _mm512_and_si512(a0, m4),
-                            _mm512_and_si512(_mm512_slli_epi16::<4>(q), m30),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(a1, m4),
-                            _mm512_and_si512(_mm512_slli_epi16::<2>(q), m30),
-                        ),
-                        _mm512_or_si512(_mm512_srli_epi16::<4>(a0), _mm512_and_si512(q, m30)),
-                        _mm512_or_si512(
-                            _mm512_srli_epi16::<4>(a1),
-                            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m30),
-                        ),
+                        sel(low4, v, qh4),
+                        _mm512_srli_epi16::<8>(sel(nib2, v, qh4)),
+                        sel(low4, v4, qh),
+                        _mm512_srli_epi16::<8>(sel(nib2, v4, qh)),
                     ];
-                    for (c, ix) in idx.into_iter().enumerate() {
+                    let wv = idx.map(|ix| {
                         // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                        let wv: __m512bh =
-                            unsafe { std::mem::transmute(_mm512_permutex2var_epi16(tlo, ix, thi)) };
-                        // Lanes 0..8 sum elements 0..16 (group 8h + 2c), lanes 8..16 the next 16.
-                        let g = (8 * h + 2 * c) as i32;
-                        let scale = _mm512_permutexvar_ps(
-                            _mm512_setr_epi32(
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                            ),
-                            ds[r],
-                        );
-                        for (t, a) in row.iter_mut().enumerate() {
-                            *a = _mm512_fmadd_ps(
-                                _mm512_dpbf16_ps(_mm512_setzero_ps(), xq[t][c], wv),
-                                scale,
-                                *a,
-                            );
+                        unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutex2var_epi16(tlo, ix, thi))
+                        }
+                    });
+                    let gh = _mm512_set1_epi32(8 * h as i32);
+                    let scale = groups.map(|g| _mm512_permutexvar_ps(_mm512_add_epi32(g, gh), ds[r]));
+                    for (t, a) in row.iter_mut().enumerate() {
+                        // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512 bits
+                        // of plain data.
+                        let xv: [__m512bh; 4] = std::array::from_fn(|i| unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                x.add(t * ldx + b * Q6K_BF16_SLOTS + 64 * h + 16 * i).cast(),
+                            ))
+                        });
+                        for p in 0..2 {
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv[2 * p], wv[2 * p]);
+                            let dot = _mm512_dpbf16_ps(dot, xv[2 * p + 1], wv[2 * p + 1]);
+                            *a = _mm512_fmadd_ps(dot, scale[p], *a);
                         }
                     }
                 }
