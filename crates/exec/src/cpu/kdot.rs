@@ -67,16 +67,15 @@ mod x86 {
         _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_abs_ps, _mm512_add_epi32, _mm512_add_ps,
         _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castps_pd,
         _mm512_castps512_ps256, _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
-        _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32,
-        _mm512_cvtsepi32_epi8, _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32,
-        _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-        _mm512_madd_epi16, _mm512_mask_blend_ps, _mm512_mask_srli_epi16, _mm512_maskz_permutexvar_epi8,
-        _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_permutex2var_epi8, _mm512_permutex2var_epi16,
-        _mm512_permutexvar_epi8, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps,
-        _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
-        _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16, _mm512_srli_epi16,
-        _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi16,
-        _mm512_ternarylogic_epi32,
+        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8,
+        _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+        _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
+        _mm512_mask_srli_epi16, _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps,
+        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8, _mm512_permutexvar_ps,
+        _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16,
+        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
+        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_si512,
+        _mm512_sub_epi16, _mm512_ternarylogic_epi32,
     };
 
     use super::super::qdot::{CacheLevel, Prefetch, f16_to_f32_table};
@@ -463,20 +462,23 @@ mod x86 {
     /// documentation.
     ///
     /// Per super-block and row the factors `[d·sc_0..8 | dmin·m_0..8]` are one vector (the f16 `d` and `dmin`
-    /// read from a table, as q4_0's scale). Each sub-block multiplies its packed bf16 activations with the bf16
-    /// values `16 + q` (a `vdpbf16ps` and an FMA by `d·sc_j`); the rest, `Σ_j (16·d·sc_j + dmin·m_j)·Σx_j`, is
-    /// one FMA a row and super-block against the packed `[16·Σx_0..8 | Σx_0..8]`. Measured on the H200
-    /// machine's Xeon (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one
-    /// per sub-block.
+    /// read from a table, as q4_0's scale). The nibbles come as 16-bit lanes of two 64-byte loads (no widening):
+    /// lane `l` holds bytes `2l`, `2l + 1` of chunks `2p` and `2p + 1` (below and from lane 16), 4 nibbles, which
+    /// a shift and a bit-select each turn into the bf16 values `16 + q`; the packed activations are in that
+    /// order. Two `vdpbf16ps` chained (the low nibbles of the even and the odd bytes; then the high ones) give
+    /// f32 lanes of sub-blocks `4p + j` (lanes 0..8) and `4p + 2 + j` (8..16), and one FMA by those lanes of
+    /// the factors (a `vpermps`) adds them. The rest, `Σ_j (16·d·sc_j + dmin·m_j)·Σx_j`, is one FMA a row and
+    /// super-block against the packed `[16·Σx_0..8 | Σx_0..8]`. Measured on the H200 machine's Xeon
+    /// (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one per
+    /// sub-block.
     ///
-    /// Per row and super-block: 41 vector µops (4 for the factors; per 64 nibbles a `vpmovzxbw`, two shifts,
-    /// two bit-selects, two `vdpbf16ps` and two FMAs; the mins' FMA), 5 of them on the shuffle port (the
-    /// `vpmovzx`s), against 37 with 13 for the `vpermw` lookups it replaced (a lookup per 32 nibbles instead of a
-    /// shift and a bit-select, one shift per 64), and no more per token: the bf16 conversion and the sums
-    /// (about 40 µops a token and super-block, 20 on the shuffle port, for every register block of rows) are
-    /// made once per matmul. On this repository's 2-core Zen 5, 1.11× per core (results/exec/quant, session 17).
-    /// The offset makes the sums `Σ x·(16 + q)` about 3 times larger than `Σ x·q`, and so their f32 rounding
-    /// (the bench's largest relative error on q4_k: 2.3e-7 against 2.0e-7).
+    /// Per row and super-block: 37 vector µops (4 for the factors; per 64 bytes 4 shifts, 4 bit-selects, 2
+    /// `vpermps`, 4 `vdpbf16ps` and 2 FMAs; the mins' FMA), 5 of them on the shuffle port, against 37 with 13 for
+    /// the kernel it replaced (a `vpmovzxbw` per 32 bytes and a `vpermw` lookup per 32 nibbles), which also
+    /// converted and summed the activations for every register block of rows (about 40 µops a token and
+    /// super-block, 20 on the shuffle port). On this repository's 2-core Zen 5, about 1.14× per core
+    /// (results/exec/quant, session 17). The offset makes the sums `Σ x·(16 + q)` about 3 times larger than
+    /// `Σ x·q`, and so their f32 rounding (the bench's largest relative error on q4_k: 2.3e-7 against 2.0e-7).
     ///
     /// # Safety
     /// As [`dot_q4_k_avx2`], with AVX-512F/BW/BF16 present.
@@ -490,14 +492,19 @@ mod x86 {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
+        // Per pair j of dot products over nibble chunks 2p, 2p + 1: the factor lanes of their sub-blocks.
+        let sub_blocks: [__m512i; 4] = std::array::from_fn(|i| {
+            let (a, c) = (4 * (i / 2) + i % 2, 4 * (i / 2) + 2 + i % 2);
+            let (a, c) = (a as i32, c as i32);
+            _mm512_setr_epi32(a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
+        });
         let (field, sixteen) = (_mm512_set1_epi16(0x78), _mm512_set1_epi16(bf16_int(16).cast_signed()));
         let f16s = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut mins = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
             let mut fv = [_mm512_setzero_ps(); R];
-            let mut f = [[0f32; 16]; R];
-            for (r, (fr, v)) in f.iter_mut().zip(&mut fv).enumerate() {
+            for (r, v) in fv.iter_mut().enumerate() {
                 // SAFETY: super-block b of row r exists; the f16 table has an entry for every 16-bit pattern.
                 unsafe {
                     let p = w.add(r * ws + b * Q4K_BYTES);
@@ -512,37 +519,43 @@ mod x86 {
                         _mm512_set1_ps(*f16s.add(usize::from(dmin))),
                     );
                     *v = _mm512_mul_ps(six, dd);
-                    _mm512_storeu_ps(fr.as_mut_ptr(), *v);
                 }
             }
-            for c in 0..4 {
+            for p in 0..2 {
                 for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: nibble chunk c of the super-block (32 bytes).
-                    let q = _mm512_cvtepu8_epi16(unsafe {
-                        _mm256_loadu_si256(w.add(r * ws + b * Q4K_BYTES + 16 + 32 * c).cast::<__m256i>())
-                    });
-                    // Each nibble to bits 3..6, the top 4 bits of a bf16 mantissa below the exponent of 16.
-                    let as_bf16 = |v: __m512i| {
+                    // SAFETY: nibble chunks 2p and 2p + 1 of the super-block (64 bytes).
+                    let v = unsafe { _mm512_loadu_si512(w.add(r * ws + b * Q4K_BYTES + 16 + 64 * p).cast()) };
+                    // A nibble at bits 3..6, the top 4 bits of a bf16 mantissa below the exponent of 16.
+                    let as_bf16 = |u: __m512i| {
                         // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
                         unsafe {
-                            std::mem::transmute::<__m512i, __m512bh>(_mm512_or_si512(
-                                _mm512_and_si512(v, field),
-                                sixteen,
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_ternarylogic_epi32::<0xea>(
+                                field, u, sixteen,
                             ))
                         }
                     };
-                    let (wlo, whi) = (as_bf16(_mm512_slli_epi16::<3>(q)), as_bf16(_mm512_srli_epi16::<1>(q)));
+                    // Lane l holds bytes 2l, 2l + 1 (chunk 2p below lane 16, 2p + 1 from it): their low nibbles
+                    // (sub-blocks 4p, 4p + 2), then their high nibbles (4p + 1, 4p + 3).
+                    let wv = [
+                        as_bf16(_mm512_slli_epi16::<3>(v)),
+                        as_bf16(_mm512_srli_epi16::<5>(v)),
+                        as_bf16(_mm512_srli_epi16::<1>(v)),
+                        as_bf16(_mm512_srli_epi16::<9>(v)),
+                    ];
+                    // Lanes 0..8 scale by sub-block 4p + j, lanes 8..16 by 4p + 2 + j.
+                    let scale = [0, 1].map(|j| _mm512_permutexvar_ps(sub_blocks[2 * p + j], fv[r]));
                     for (t, a) in row.iter_mut().enumerate() {
-                        for (half, wv) in [wlo, whi].into_iter().enumerate() {
-                            // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512
-                            // bits of plain data.
-                            let xv = unsafe {
-                                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                                    x.add(t * ldx + b * Q4K_BF16_SLOTS + 32 * c + 16 * half).cast(),
-                                ))
-                            };
-                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv, wv);
-                            *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(f[r][2 * c + half]), *a);
+                        // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512 bits
+                        // of plain data.
+                        let xv: [__m512bh; 4] = std::array::from_fn(|i| unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                x.add(t * ldx + b * Q4K_BF16_SLOTS + 64 * p + 16 * i).cast(),
+                            ))
+                        });
+                        for j in 0..2 {
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv[2 * j], wv[2 * j]);
+                            let dot = _mm512_dpbf16_ps(dot, xv[2 * j + 1], wv[2 * j + 1]);
+                            *a = _mm512_fmadd_ps(dot, scale[j], *a);
                         }
                     }
                 }
@@ -562,6 +575,21 @@ mod x86 {
         }
     }
 
+    /// The element of a q4_k super-block at bf16 slot `i` of [`pack_k_bf16`]: per 128 (`p`), four runs of 32
+    /// in the order of the kernel's nibble fields (the low nibbles of even bytes, of odd bytes, the high nibbles
+    /// of even bytes, of odd bytes), lane `l` of a run holding byte `2·(l mod 16)` (+ 1) of chunk
+    /// `2p + l / 16`.
+    const fn q4_k_element(i: usize) -> usize {
+        let (p, field, l) = (i / 128, (i / 32) % 4, i % 32);
+        64 * (2 * p + l / 16) + 32 * (field / 2) + 2 * (l % 16) + field % 2
+    }
+
+    /// The element of a q6_k super-block at bf16 slot `i` of [`pack_k_bf16`]: per 64, the even elements, then
+    /// the odd ones.
+    const fn q6_k_element(i: usize) -> usize {
+        64 * (i / 64) + 2 * (i % 32) + (i / 32) % 2
+    }
+
     /// f32 slots of one token's super-block as [`pack_k_bf16`] packs it for q4_k: 256 bf16 (128 slots), then
     /// `[16·Σx_0..8 | Σx_0..8]`.
     pub const Q4K_BF16_SLOTS: usize = 144;
@@ -571,9 +599,9 @@ mod x86 {
     /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q4_k_avx512bf16`] (`q6` false) or
     /// [`dot_q6_k_avx512bf16`], [`Q4K_BF16_SLOTS`] or [`Q6K_BF16_SLOTS`] a super-block: the activations as bf16
     /// (rounded to nearest even, as `vcvtne2ps2bf16` rounds; exact for the bf16 values every matmul input
-    /// holds). q4_k: in order, then per sub-block `j` of 32 the sum `Σx_j` of the f32 values, times 16 (the
-    /// offset of the kernel's quants) and as it is (for the mins). q6_k: per half of 128, its even elements
-    /// `0, 2, …, 62`, the odd ones, then the same of elements `64..128`, the order of the kernel's 16-bit lanes.
+    /// holds), in the order of the kernel's 16-bit lanes (`q4_k_element`, `q6_k_element`); for q4_k then, per
+    /// sub-block `j` of 32, the sum `Σx_j` of the f32 values, times 16 (the offset of the kernel's quants) and
+    /// as it is (for the mins).
     /// Once per matmul, so that no register block of rows converts (and sums) them again.
     ///
     /// # Safety
@@ -584,22 +612,18 @@ mod x86 {
         let slots = if q6 { Q6K_BF16_SLOTS } else { Q4K_BF16_SLOTS };
         let mut out = vec![0f32; m * k / 256 * slots];
         for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(slots)) {
-            // q6_k: element 2j (+ 1 for the odd ones) of each 64, at 32 per run.
             let order: [f32; 256] =
-                std::array::from_fn(
-                    |i| {
-                        if q6 { xb[64 * (i / 64) + 2 * (i % 32) + (i / 32) % 2] } else { xb[i] }
-                    },
-                );
+                std::array::from_fn(|i| xb[if q6 { q6_k_element(i) } else { q4_k_element(i) }]);
             let mut sums = [_mm512_setzero_ps(); 8];
             for (j, sum) in sums.iter_mut().enumerate() {
-                // SAFETY: 32 f32 at 32j of `order`, and their 16 slots of ob.
+                // SAFETY: 32 f32 at 32j of `order` and of xb, and their 16 slots of ob.
                 unsafe {
-                    let (bh, lo, hi) = load_x_bf16(order.as_ptr(), 32 * j);
+                    let (bh, _, _) = load_x_bf16(order.as_ptr(), 32 * j);
                     _mm512_storeu_si512(
                         ob.as_mut_ptr().add(16 * j).cast(),
                         std::mem::transmute::<__m512bh, __m512i>(bh),
                     );
+                    let (_, lo, hi) = load_x_bf16(xb.as_ptr(), 32 * j);
                     *sum = _mm512_add_ps(lo, hi);
                 }
             }
