@@ -413,21 +413,19 @@ mod x86 {
         ((v as f32).to_bits() >> 16) as u16
     }
 
-    /// bf16 bit patterns of `(i & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the low 5 bits of
-    /// an index) that ignores the index's bits above `mask`, so a field needs no masking; also one half of a
-    /// `vpermt2w` table with `mask` 31.
-    const fn field_table(mask: u32, off: i32) -> [u16; 32] {
+    /// bf16 bit patterns of `i − off` for `i` in 0..32: one half of a `vpermt2w` table.
+    const fn int_table(off: i32) -> [u16; 32] {
         let mut t = [0u16; 32];
         let mut i = 0;
         while i < 32 {
-            t[i] = bf16_int(((i as u32) & mask) as i32 - off);
+            t[i] = bf16_int(i as i32 - off);
             i += 1;
         }
         t
     }
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
-    const Q6K_BF16_LO: [u16; 32] = field_table(31, 32);
-    const Q6K_BF16_HI: [u16; 32] = field_table(31, 0);
+    const Q6K_BF16_LO: [u16; 32] = int_table(32);
+    const Q6K_BF16_HI: [u16; 32] = int_table(0);
 
     /// The activations `x[t·ldx + at..at + 32]` of each token as bf16 (the second operand of
     /// `vcvtne2ps2bf16` fills the low half, so element order is kept).
@@ -476,7 +474,7 @@ mod x86 {
     /// `vpermps`, 4 `vdpbf16ps` and 2 FMAs; the mins' FMA), 5 of them on the shuffle port, against 37 with 13 for
     /// the kernel it replaced (a `vpmovzxbw` per 32 bytes and a `vpermw` lookup per 32 nibbles), which also
     /// converted and summed the activations for every register block of rows (about 40 µops a token and
-    /// super-block, 20 on the shuffle port). On this repository's 2-core Zen 5, about 1.14× per core
+    /// super-block, 20 on the shuffle port). On this repository's 2-core Zen 5, 1.14–1.27× per core
     /// (results/exec/quant, session 17). The offset makes the sums `Σ x·(16 + q)` about 3 times larger than
     /// `Σ x·q`, and so their f32 rounding (the bench's largest relative error on q4_k: 2.3e-7 against 2.0e-7).
     ///
