@@ -9,10 +9,13 @@
 //! additions, as for q4_0, with q2_k's and q3_k's activations first rounded to 8 bits per super-block
 //! (`quant::round_activations`; `qdot::pack_x` hands these kernels the rounded values as f32).
 //!
-//! With AVX512_BF16 the q4_k and q6_k quants become bf16 by table lookups (`vpermw` on nibbles for q4_k;
-//! `vpermt2w` on the 6-bit values for q6_k, a 64-entry table of `q − 32`), exact as small integers, and
-//! `vdpbf16ps` multiplies them with the activations (bf16 values already, so exact too). Other x86 machines
-//! with AVX2+FMA (AVX-512 ones without BF16 included) widen the quants to f32 and use FMAs.
+//! With AVX512_BF16 the q4_k and q6_k quants become bf16, exact as small integers, and `vdpbf16ps` multiplies
+//! them with the activations (bf16 values already, so exact too): q4_k's nibble `q`, shifted to the top 4
+//! mantissa bits under the exponent of 16, is the bf16 value `16 + q` (a shift and a bit-select, no shuffle),
+//! and the offset `16·Σx` of each sub-block joins the mins' part; q6_k's 6-bit values go through `vpermt2w`, a
+//! 64-entry table of `q − 32`. Their activations are converted to bf16 once per matmul ([`pack_k_bf16`], with
+//! q4_k's sub-block sums, in the order of q6_k's lanes), not for every register block of rows. Other x86
+//! machines with AVX2+FMA (AVX-512 ones without BF16 included) widen the quants to f32 and use FMAs.
 //!
 //! q2_k and q3_k on those AVX512_BF16 machines (all of which have AVX512_VBMI and AVX512_VNNI) do what ggml
 //! does with q8_K: the activations are quantised once per matmul to `i8` against each super-block's largest
@@ -27,8 +30,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub use x86::{
-    K23_VNNI_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni, dot_q4_k_avx2, dot_q4_k_avx512bf16,
-    dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k23_vnni,
+    K23_VNNI_SLOTS, Q4K_BF16_SLOTS, Q6K_BF16_SLOTS, dot_k23_avx2, dot_q2_k_vnni, dot_q3_k_vnni,
+    dot_q4_k_avx2, dot_q4_k_avx512bf16, dot_q6_k_avx2, dot_q6_k_avx512bf16, pack_k_bf16, pack_k23_vnni,
 };
 
 /// The 8 six-bit scales and the 8 six-bit mins of a q4_k super-block's 12 packed bytes (`sc[0..8]`,
@@ -57,23 +60,21 @@ mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, __m512, __m512bh, __m512i, _MM_HINT_T0, _MM_HINT_T1, _mm_cvtsi32_si128,
         _mm_loadu_si128, _mm_prefetch, _mm_setr_epi32, _mm_srli_si128, _mm_storeu_si128, _mm256_add_ps,
-        _mm256_and_si256, _mm256_castpd_ps, _mm256_castps_pd, _mm256_castsi256_si128, _mm256_cvtepi8_epi32,
-        _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps,
-        _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
-        _mm256_or_si256, _mm256_permute2f128_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_slli_epi16, _mm256_srl_epi16, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8,
-        _mm512_abs_ps, _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4,
-        _mm512_castpd_ps, _mm512_castps_pd, _mm512_castps512_ps256, _mm512_castsi128_si512,
-        _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps, _mm512_cvtepu8_epi16, _mm512_cvtepu8_epi32,
-        _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8, _mm512_dpbf16_ps,
-        _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps, _mm512_fmsub_ps,
-        _mm512_insertf64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
-        _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps, _mm512_or_si512,
-        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8,
-        _mm512_permutexvar_epi16, _mm512_permutexvar_ps, _mm512_reduce_add_ps, _mm512_reduce_max_ps,
-        _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16, _mm512_set1_epi32, _mm512_set1_ps,
-        _mm512_setr_epi32, _mm512_setzero_pd, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_slli_epi16,
-        _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_ps, _mm512_storeu_si512,
+        _mm256_and_si256, _mm256_castpd_ps, _mm256_castsi256_si128, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_hadd_ps,
+        _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_permute2f128_ps,
+        _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi16, _mm256_srl_epi16,
+        _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi8, _mm512_abs_ps, _mm512_add_epi32, _mm512_add_ps,
+        _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_broadcast_i64x4, _mm512_castps_pd,
+        _mm512_castps512_ps256, _mm512_castsi128_si512, _mm512_cvtepi8_epi32, _mm512_cvtepi32_ps,
+        _mm512_cvtepu8_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtps_epi32, _mm512_cvtsepi32_epi8,
+        _mm512_dpbf16_ps, _mm512_dpbusd_epi32, _mm512_dpwssds_epi32, _mm512_extractf64x4_pd, _mm512_fmadd_ps,
+        _mm512_fmsub_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_madd_epi16, _mm512_mask_blend_ps,
+        _mm512_mask_srli_epi16, _mm512_maskz_permutexvar_epi8, _mm512_max_ps, _mm512_mul_ps,
+        _mm512_permutex2var_epi8, _mm512_permutex2var_epi16, _mm512_permutexvar_epi8, _mm512_permutexvar_ps,
+        _mm512_reduce_add_ps, _mm512_reduce_max_ps, _mm512_rolv_epi32, _mm512_set1_epi8, _mm512_set1_epi16,
+        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
+        _mm512_slli_epi16, _mm512_srli_epi16, _mm512_srli_epi32, _mm512_srlv_epi32, _mm512_storeu_si512,
         _mm512_sub_epi16, _mm512_ternarylogic_epi32,
     };
 
@@ -412,23 +413,19 @@ mod x86 {
         ((v as f32).to_bits() >> 16) as u16
     }
 
-    /// bf16 bit patterns of `(i & mask) − off` for `i` in 0..32: a `vpermw` table (which reads the low 5 bits of
-    /// an index) that ignores the index's bits above `mask`, so a field needs no masking; also one half of a
-    /// `vpermt2w` table with `mask` 31.
-    const fn field_table(mask: u32, off: i32) -> [u16; 32] {
+    /// bf16 bit patterns of `i − off` for `i` in 0..32: one half of a `vpermt2w` table.
+    const fn int_table(off: i32) -> [u16; 32] {
         let mut t = [0u16; 32];
         let mut i = 0;
         while i < 32 {
-            t[i] = bf16_int(((i as u32) & mask) as i32 - off);
+            t[i] = bf16_int(i as i32 - off);
             i += 1;
         }
         t
     }
-    /// Nibble values 0..15.
-    const Q4K_BF16: [u16; 32] = field_table(15, 0);
     /// `q − 32` for 6-bit `q`: entries 0..32 and 32..64.
-    const Q6K_BF16_LO: [u16; 32] = field_table(31, 32);
-    const Q6K_BF16_HI: [u16; 32] = field_table(31, 0);
+    const Q6K_BF16_LO: [u16; 32] = int_table(32);
+    const Q6K_BF16_HI: [u16; 32] = int_table(0);
 
     /// The activations `x[t·ldx + at..at + 32]` of each token as bf16 (the second operand of
     /// `vcvtne2ps2bf16` fills the low half, so element order is kept).
@@ -459,13 +456,27 @@ mod x86 {
         _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(b0, b1), _mm256_permute2f128_ps::<0x31>(b0, b1))
     }
 
-    /// q4_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    /// q4_k with AVX512_BF16 on activations packed by [`pack_k_bf16`]; see `qdot::dot_block` and the module
+    /// documentation.
     ///
     /// Per super-block and row the factors `[d·sc_0..8 | dmin·m_0..8]` are one vector (the f16 `d` and `dmin`
-    /// read from a table, as q4_0's scale). The mins' part `Σ_j dmin·m_j·Σx_j` is one FMA a row and super-block
-    /// against `[0…0 | Σx_0..8]`, whose 8 sums each token's activations give once for every row of the block;
-    /// only the scales' part is per sub-block (a `vdpbf16ps` and an FMA). Measured on the H200 machine's Xeon
-    /// (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one per sub-block.
+    /// read from a table, as q4_0's scale). The nibbles come as 16-bit lanes of two 64-byte loads (no widening):
+    /// lane `l` holds bytes `2l`, `2l + 1` of chunks `2p` and `2p + 1` (below and from lane 16), 4 nibbles, which
+    /// a shift and a bit-select each turn into the bf16 values `16 + q`; the packed activations are in that
+    /// order. Two `vdpbf16ps` chained (the low nibbles of the even and the odd bytes; then the high ones) give
+    /// f32 lanes of sub-blocks `4p + j` (lanes 0..8) and `4p + 2 + j` (8..16), and one FMA by those lanes of
+    /// the factors (a `vpermps`) adds them. The rest, `Σ_j (16·d·sc_j + dmin·m_j)·Σx_j`, is one FMA a row and
+    /// super-block against the packed `[16·Σx_0..8 | Σx_0..8]`. Measured on the H200 machine's Xeon
+    /// (results/exec/bounds/run-q1): 8 FMAs with broadcasts a row and super-block fewer than one per
+    /// sub-block.
+    ///
+    /// Per row and super-block: 37 vector µops (4 for the factors; per 64 bytes 4 shifts, 4 bit-selects, 2
+    /// `vpermps`, 4 `vdpbf16ps` and 2 FMAs; the mins' FMA), 5 of them on the shuffle port, against 37 with 13 for
+    /// the kernel it replaced (a `vpmovzxbw` per 32 bytes and a `vpermw` lookup per 32 nibbles), which also
+    /// converted and summed the activations for every register block of rows (about 40 µops a token and
+    /// super-block, 20 on the shuffle port). On this repository's 2-core Zen 5, 1.14–1.27× per core
+    /// (results/exec/quant, session 17). The offset makes the sums `Σ x·(16 + q)` about 3 times larger than
+    /// `Σ x·q`, and so their f32 rounding (the bench's largest relative error on q4_k: 2.3e-7 against 2.0e-7).
     ///
     /// # Safety
     /// As [`dot_q4_k_avx2`], with AVX-512F/BW/BF16 present.
@@ -479,15 +490,19 @@ mod x86 {
         k: usize,
         out: &mut [[f32; T]; R],
     ) {
-        // SAFETY: the table is 64 bytes.
-        let table = unsafe { _mm512_loadu_si512(Q4K_BF16.as_ptr().cast::<__m512i>()) };
+        // Per pair j of dot products over nibble chunks 2p, 2p + 1: the factor lanes of their sub-blocks.
+        let sub_blocks: [__m512i; 4] = std::array::from_fn(|i| {
+            let (a, c) = (4 * (i / 2) + i % 2, 4 * (i / 2) + 2 + i % 2);
+            let (a, c) = (a as i32, c as i32);
+            _mm512_setr_epi32(a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
+        });
+        let (field, sixteen) = (_mm512_set1_epi16(0x78), _mm512_set1_epi16(bf16_int(16).cast_signed()));
         let f16s = f16_to_f32_table().as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut mins = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
             let mut fv = [_mm512_setzero_ps(); R];
-            let mut f = [[0f32; 16]; R];
-            for (r, (fr, v)) in f.iter_mut().zip(&mut fv).enumerate() {
+            for (r, v) in fv.iter_mut().enumerate() {
                 // SAFETY: super-block b of row r exists; the f16 table has an entry for every 16-bit pattern.
                 unsafe {
                     let p = w.add(r * ws + b * Q4K_BYTES);
@@ -502,51 +517,50 @@ mod x86 {
                         _mm512_set1_ps(*f16s.add(usize::from(dmin))),
                     );
                     *v = _mm512_mul_ps(six, dd);
-                    _mm512_storeu_ps(fr.as_mut_ptr(), *v);
                 }
             }
-            // Per token, the sums of its 32 activations of sub-block 2c + half (16 lanes each).
-            let mut xsum = [[_mm512_setzero_ps(); 8]; T];
-            for c in 0..4 {
-                // Per token and half: the 32 activations as bf16.
-                let mut xt = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 2]; T];
-                for (t, (v, sums)) in xt.iter_mut().zip(&mut xsum).enumerate() {
-                    for (half, vh) in v.iter_mut().enumerate() {
-                        // SAFETY: elements 256b + 64c + 32half .. + 32 of token t exist.
-                        let (bh, lo, hi) = unsafe { load_x_bf16(x, t * ldx + 256 * b + 64 * c + 32 * half) };
-                        *vh = bh;
-                        sums[2 * c + half] = _mm512_add_ps(lo, hi);
-                    }
-                }
+            for p in 0..2 {
                 for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: nibble chunk c of the super-block (32 bytes).
-                    let q = _mm512_cvtepu8_epi16(unsafe {
-                        _mm256_loadu_si256(w.add(r * ws + b * Q4K_BYTES + 16 + 32 * c).cast::<__m256i>())
-                    });
-                    // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                    let (wlo, whi): (__m512bh, __m512bh) = unsafe {
-                        (
-                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(q, table)),
-                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(
-                                _mm512_srli_epi16::<4>(q),
-                                table,
-                            )),
-                        )
+                    // SAFETY: nibble chunks 2p and 2p + 1 of the super-block (64 bytes).
+                    let v = unsafe { _mm512_loadu_si512(w.add(r * ws + b * Q4K_BYTES + 16 + 64 * p).cast()) };
+                    // A nibble at bits 3..6, the top 4 bits of a bf16 mantissa below the exponent of 16.
+                    let as_bf16 = |u: __m512i| {
+                        // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
+                        unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_ternarylogic_epi32::<0xea>(
+                                field, u, sixteen,
+                            ))
+                        }
                     };
+                    // Lane l holds bytes 2l, 2l + 1 (chunk 2p below lane 16, 2p + 1 from it): their low nibbles
+                    // (sub-blocks 4p, 4p + 2), then their high nibbles (4p + 1, 4p + 3).
+                    let wv = [
+                        as_bf16(_mm512_slli_epi16::<3>(v)),
+                        as_bf16(_mm512_srli_epi16::<5>(v)),
+                        as_bf16(_mm512_srli_epi16::<1>(v)),
+                        as_bf16(_mm512_srli_epi16::<9>(v)),
+                    ];
+                    // Lanes 0..8 scale by sub-block 4p + j, lanes 8..16 by 4p + 2 + j.
+                    let scale = [0, 1].map(|j| _mm512_permutexvar_ps(sub_blocks[2 * p + j], fv[r]));
                     for (t, a) in row.iter_mut().enumerate() {
-                        for (half, wv) in [wlo, whi].into_iter().enumerate() {
-                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xt[t][half], wv);
-                            *a = _mm512_fmadd_ps(dot, _mm512_set1_ps(f[r][2 * c + half]), *a);
+                        // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512 bits
+                        // of plain data.
+                        let xv: [__m512bh; 4] = std::array::from_fn(|i| unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                x.add(t * ldx + b * Q4K_BF16_SLOTS + 64 * p + 16 * i).cast(),
+                            ))
+                        });
+                        for j in 0..2 {
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv[2 * j], wv[2 * j]);
+                            let dot = _mm512_dpbf16_ps(dot, xv[2 * j + 1], wv[2 * j + 1]);
+                            *a = _mm512_fmadd_ps(dot, scale[j], *a);
                         }
                     }
                 }
             }
-            for (t, sums) in xsum.iter().enumerate() {
-                // [0…0 | Σx_0..8]: the scale lanes of the factors multiply zeros.
-                let sx = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_setzero_pd(),
-                    _mm256_castps_pd(sums8(sums)),
-                ));
+            for t in 0..T {
+                // SAFETY: token t's packed super-block b exists.
+                let sx = unsafe { _mm512_loadu_ps(x.add(t * ldx + b * Q4K_BF16_SLOTS + 128)) };
                 for (m, v) in mins.iter_mut().zip(&fv) {
                     m[t] = _mm512_fmadd_ps(*v, sx, m[t]);
                 }
@@ -557,6 +571,70 @@ mod x86 {
                 out[r][t] = _mm512_reduce_add_ps(acc[r][t]) - _mm512_reduce_add_ps(mins[r][t]);
             }
         }
+    }
+
+    /// The element of a q4_k super-block at bf16 slot `i` of [`pack_k_bf16`]: per 128 (`p`), four runs of 32
+    /// in the order of the kernel's nibble fields (the low nibbles of even bytes, of odd bytes, the high nibbles
+    /// of even bytes, of odd bytes), lane `l` of a run holding byte `2·(l mod 16)` (+ 1) of chunk
+    /// `2p + l / 16`.
+    const fn q4_k_element(i: usize) -> usize {
+        let (p, field, l) = (i / 128, (i / 32) % 4, i % 32);
+        64 * (2 * p + l / 16) + 32 * (field / 2) + 2 * (l % 16) + field % 2
+    }
+
+    /// The element of a q6_k super-block at bf16 slot `i` of [`pack_k_bf16`]: per 64, the even elements, then
+    /// the odd ones.
+    const fn q6_k_element(i: usize) -> usize {
+        64 * (i / 64) + 2 * (i % 32) + (i / 32) % 2
+    }
+
+    /// f32 slots of one token's super-block as [`pack_k_bf16`] packs it for q4_k: 256 bf16 (128 slots), then
+    /// `[16·Σx_0..8 | Σx_0..8]`.
+    pub const Q4K_BF16_SLOTS: usize = 144;
+    /// The same for q6_k: 256 bf16.
+    pub const Q6K_BF16_SLOTS: usize = 128;
+
+    /// Packs `m` tokens of `k` activations (`x`, stride `k`) for [`dot_q4_k_avx512bf16`] (`q6` false) or
+    /// [`dot_q6_k_avx512bf16`], [`Q4K_BF16_SLOTS`] or [`Q6K_BF16_SLOTS`] a super-block: the activations as bf16
+    /// (rounded to nearest even, as `vcvtne2ps2bf16` rounds; exact for the bf16 values every matmul input
+    /// holds), in the order of the kernel's 16-bit lanes (`q4_k_element`, `q6_k_element`); for q4_k then, per
+    /// sub-block `j` of 32, the sum `Σx_j` of the f32 values, times 16 (the offset of the kernel's quants) and
+    /// as it is (for the mins).
+    /// Once per matmul, so that no register block of rows converts (and sums) them again.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and AVX512_BF16 are present.
+    #[must_use]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2")]
+    pub unsafe fn pack_k_bf16(x: &[f32], m: usize, k: usize, q6: bool) -> Vec<f32> {
+        let slots = if q6 { Q6K_BF16_SLOTS } else { Q4K_BF16_SLOTS };
+        let mut out = vec![0f32; m * k / 256 * slots];
+        for (xb, ob) in x[..m * k].chunks_exact(256).zip(out.chunks_exact_mut(slots)) {
+            let order: [f32; 256] =
+                std::array::from_fn(|i| xb[if q6 { q6_k_element(i) } else { q4_k_element(i) }]);
+            let mut sums = [_mm512_setzero_ps(); 8];
+            for (j, sum) in sums.iter_mut().enumerate() {
+                // SAFETY: 32 f32 at 32j of `order` and of xb, and their 16 slots of ob.
+                unsafe {
+                    let (bh, _, _) = load_x_bf16(order.as_ptr(), 32 * j);
+                    _mm512_storeu_si512(
+                        ob.as_mut_ptr().add(16 * j).cast(),
+                        std::mem::transmute::<__m512bh, __m512i>(bh),
+                    );
+                    let (_, lo, hi) = load_x_bf16(xb.as_ptr(), 32 * j);
+                    *sum = _mm512_add_ps(lo, hi);
+                }
+            }
+            if !q6 {
+                let s = sums8(&sums);
+                // SAFETY: slots 128..144 of ob.
+                unsafe {
+                    _mm256_storeu_ps(ob.as_mut_ptr().add(128), _mm256_mul_ps(s, _mm256_set1_ps(16.0)));
+                    _mm256_storeu_ps(ob.as_mut_ptr().add(136), s);
+                }
+            }
+        }
+        out
     }
 
     /// f32 slots of one token's super-block as [`pack_k23_vnni`] packs it: 4 vectors of 64 `i8` (256 bytes),
@@ -953,7 +1031,22 @@ mod x86 {
         }
     }
 
-    /// q6_k with AVX512_BF16; see `qdot::dot_block` and the module documentation.
+    /// q6_k with AVX512_BF16 on activations packed by [`pack_k_bf16`]; see `qdot::dot_block` and the module
+    /// documentation.
+    ///
+    /// Per half of 128 and row: one 64-byte load of the low-nibble bytes, read as 16-bit lanes (4 nibbles a
+    /// lane, no widening), and one 32-byte load of the high-pair bytes broadcast to both halves (whose upper
+    /// lanes one masked shift moves to the pairs of quarters 1 and 3). Bit-selects (and for the odd elements a
+    /// shift) put a nibble and its pair at the low 6 bits of each lane; `vpermt2w` turns them into bf16 `q − 32`
+    /// (the elements in the packed activations' order: even, then odd ones of two quarters), and two
+    /// `vdpbf16ps` chained sum each f32 lane over 4 elements of one group, so that one FMA by a vector of the 4
+    /// groups' `d·scale` (a `vpermps` of the row's 16) serves two quarters.
+    ///
+    /// Per row and super-block: 45 vector µops (3 for the scales; per half 3 shifts, 4 bit-selects, 2 shifts,
+    /// 4 lookups, 2 `vpermps`, 4 `vdpbf16ps`, 2 FMAs), 13 of them on the shuffle port, against about 67 with 23
+    /// for the kernel it replaced (a `vpmovzxbw` per 32 bytes, a `vpermps` and an FMA per quarter, and the bf16
+    /// conversion of the activations for every register block of rows); on this repository's 2-core Zen 5,
+    /// 1.21× per core (results/exec/quant, session 17).
     ///
     /// # Safety
     /// As [`dot_q4_k_avx512bf16`].
@@ -974,7 +1067,30 @@ mod x86 {
                 _mm512_loadu_si512(Q6K_BF16_HI.as_ptr().cast::<__m512i>()),
             )
         };
-        let (m4, m30) = (_mm512_set1_epi16(0x0f), _mm512_set1_epi16(0x30));
+        let low4 = _mm512_set1_epi16(0x0f);
+        let nib2 = _mm512_set1_epi16(0x0f00);
+        // Per pair (p = 0: quarters 0, 1; p = 1: quarters 2, 3) of half h, lane i sums 4 elements of group
+        // 8h + 4p + i / 4: the indices of its scales, without the 8h.
+        let groups = [0, 4].map(|p| {
+            _mm512_setr_epi32(
+                p,
+                p,
+                p,
+                p,
+                p + 1,
+                p + 1,
+                p + 1,
+                p + 1,
+                p + 2,
+                p + 2,
+                p + 2,
+                p + 2,
+                p + 3,
+                p + 3,
+                p + 3,
+                p + 3,
+            )
+        });
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for b in 0..k / 256 {
             // Per row, d·scale for the 16 groups (lane g).
@@ -991,73 +1107,50 @@ mod x86 {
                 }
             }
             for h in 0..2 {
-                // Quarter c of this half, per token: its 32 activations as bf16.
-                let mut xq = [[_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), _mm512_setzero_ps()); 4]; T];
-                for (t, v) in xq.iter_mut().enumerate() {
-                    for (c, vc) in v.iter_mut().enumerate() {
-                        // SAFETY: elements 256b + 128h + 32c .. + 32 of token t exist.
-                        *vc = unsafe { load_x_bf16(x, t * ldx + 256 * b + 128 * h + 32 * c).0 };
-                    }
-                }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: the half's 64 low-nibble bytes and 32 high-pair bytes.
-                    let (a0, a1, q) = unsafe {
+                    // SAFETY: the half's 64 low-nibble bytes, and its 32 high-pair bytes in both halves.
+                    let (v, qh) = unsafe {
                         let p = w.add(r * ws + b * Q6K_BYTES);
                         (
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h).cast::<__m256i>())),
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(64 * h + 32).cast::<__m256i>())),
-                            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>())),
+                            _mm512_loadu_si512(p.add(64 * h).cast()),
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast::<__m256i>())),
                         )
                     };
-                    // 6-bit indices of quarters 0..3: low or high nibble, high pair at bits 4..6.
+                    // 16-bit lane l holds low-nibble bytes 2l, 2l + 1 (quarter 0 below lane 16, quarter 1 from
+                    // it; their high nibbles quarters 2 and 3) and high-pair bytes 2l, 2l + 1 (mod 32), whose
+                    // pairs for quarters 1 and 3 move down to those of 0 and 2 in the upper lanes.
+                    let qh = _mm512_mask_srli_epi16(qh, 0xffff_0000, qh, 2);
+                    let (qh4, v4) = (_mm512_slli_epi16::<4>(qh), _mm512_srli_epi16::<4>(v));
+                    // 6-bit indices (`vpermt2w` reads the low 6 bits; those above are left as they come): the
+                    // nibble at bits 0..4 and its pair at 4..6, for the even elements of quarters 0, 1 (of
+                    // byte 2l), the odd ones (byte 2l + 1), then the same of quarters 2, 3.
+                    let sel = |m: __m512i, a: __m512i, b: __m512i| _mm512_ternarylogic_epi32::<0xca>(m, a, b);
                     let idx = [
-                        _mm512_or_si512(
-                            _mm512_and_si512(a0, m4),
-                            _mm512_and_si512(_mm512_slli_epi16::<4>(q), m30),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(a1, m4),
-                            _mm512_and_si512(_mm512_slli_epi16::<2>(q), m30),
-                        ),
-                        _mm512_or_si512(_mm512_srli_epi16::<4>(a0), _mm512_and_si512(q, m30)),
-                        _mm512_or_si512(
-                            _mm512_srli_epi16::<4>(a1),
-                            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m30),
-                        ),
+                        sel(low4, v, qh4),
+                        _mm512_srli_epi16::<8>(sel(nib2, v, qh4)),
+                        sel(low4, v4, qh),
+                        _mm512_srli_epi16::<8>(sel(nib2, v4, qh)),
                     ];
-                    for (c, ix) in idx.into_iter().enumerate() {
+                    let wv = idx.map(|ix| {
                         // SAFETY: __m512i and __m512bh are both 512 bits of plain data.
-                        let wv: __m512bh =
-                            unsafe { std::mem::transmute(_mm512_permutex2var_epi16(tlo, ix, thi)) };
-                        // Lanes 0..8 sum elements 0..16 (group 8h + 2c), lanes 8..16 the next 16.
-                        let g = (8 * h + 2 * c) as i32;
-                        let scale = _mm512_permutexvar_ps(
-                            _mm512_setr_epi32(
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                                g + 1,
-                            ),
-                            ds[r],
-                        );
-                        for (t, a) in row.iter_mut().enumerate() {
-                            *a = _mm512_fmadd_ps(
-                                _mm512_dpbf16_ps(_mm512_setzero_ps(), xq[t][c], wv),
-                                scale,
-                                *a,
-                            );
+                        unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_permutex2var_epi16(tlo, ix, thi))
+                        }
+                    });
+                    let gh = _mm512_set1_epi32(8 * h as i32);
+                    let scale = groups.map(|g| _mm512_permutexvar_ps(_mm512_add_epi32(g, gh), ds[r]));
+                    for (t, a) in row.iter_mut().enumerate() {
+                        // SAFETY: token t's packed super-block b exists; __m512i and __m512bh are both 512 bits
+                        // of plain data.
+                        let xv: [__m512bh; 4] = std::array::from_fn(|i| unsafe {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                x.add(t * ldx + b * Q6K_BF16_SLOTS + 64 * h + 16 * i).cast(),
+                            ))
+                        });
+                        for p in 0..2 {
+                            let dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv[2 * p], wv[2 * p]);
+                            let dot = _mm512_dpbf16_ps(dot, xv[2 * p + 1], wv[2 * p + 1]);
+                            *a = _mm512_fmadd_ps(dot, scale[p], *a);
                         }
                     }
                 }
@@ -1132,41 +1225,56 @@ mod tests {
         }
     }
 
-    /// Every ISA path (AVX512_BF16, AVX-512 and AVX2 where present, plain Rust) on random q2_k and q3_k
+    /// Every ISA path (AVX512_BF16, AVX-512 and AVX2 where present, plain Rust) on random K-quant
     /// super-blocks: random quants, scales and mask bits, with `d` and `dmin` drawn from edge values (zero,
-    /// subnormal, ±65504, negative), some blocks with all scale bytes zero (q3_k: every scale −32), and some
-    /// q2_k blocks with every min at 15.
+    /// subnormal, ±65504, negative), some blocks with all scale bytes zero (q3_k: every scale −32), and some with
+    /// every min at its largest (q2_k 15; q4_k every scale and min 63); activations centred on zero, and all
+    /// positive (where offset quants, such as the AVX512_BF16 q4_k kernel's `16 + q`, cancel least exactly).
     #[test]
-    fn k23_dot_products_agree_on_every_isa_with_edge_blocks() {
+    fn k_quant_dot_products_agree_on_every_isa_with_edge_blocks() {
         let edges = [0.0f32, 6.0e-8, 1.0, -0.37, 65504.0, -65504.0, 3.1e-3];
         let k = 1024;
-        let x: Vec<f32> = random_bytes(4 * k * 2, 7)
+        let centred: Vec<f32> = random_bytes(4 * k * 2, 7)
             .chunks_exact(2)
             .map(|b| half::bf16::from_f32(f32::from(i16::from_le_bytes([b[0], b[1]])) / 16384.0).to_f32())
             .collect();
+        let positive: Vec<f32> =
+            centred.iter().map(|v| half::bf16::from_f32(v.abs() + 0.5).to_f32()).collect();
         let isas = detect().and_weaker();
         assert!(isas.contains(&Isa::Portable));
-        for (fmt, bb, d_at) in [(QFormat::Q2K, 84, 80), (QFormat::Q3K, 110, 108)] {
+        // Format, super-block bytes, offsets of `d` and `dmin` (none: no mins).
+        let formats = [
+            (QFormat::Q2K, 84, 80, Some(82)),
+            (QFormat::Q3K, 110, 108, None),
+            (QFormat::Q4K, 144, 0, Some(2)),
+            (QFormat::Q6K, 210, 208, None),
+        ];
+        for (fmt, bb, d_at, dmin_at) in formats {
             let mut w = random_bytes(8 * k / 256 * bb, bb as u64);
             for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
                 let d = half::f16::from_f32(edges[i % edges.len()]).to_le_bytes();
                 blk[d_at..d_at + 2].copy_from_slice(&d);
-                if fmt == QFormat::Q2K {
+                if let Some(at) = dmin_at {
                     let dmin = half::f16::from_f32(edges[(i * 3 + 1) % edges.len()]).to_le_bytes();
-                    blk[82..84].copy_from_slice(&dmin);
+                    blk[at..at + 2].copy_from_slice(&dmin);
                 }
                 match (fmt, i % 5) {
                     (QFormat::Q2K, 1) => blk[..16].fill(0),
                     (QFormat::Q2K, 2) => blk[..16].iter_mut().for_each(|s| *s |= 0xf0),
                     (QFormat::Q3K, 1) => blk[96..108].fill(0),
+                    (QFormat::Q4K, 1) => blk[4..16].fill(0),
+                    (QFormat::Q4K, 2) => blk[4..16].fill(0xff),
+                    (QFormat::Q6K, 1) => blk[192..208].fill(0),
                     _ => {}
                 }
             }
             for &isa in &isas {
-                check_dot::<8, 1>(isa, fmt, &w, &x, k);
-                check_dot::<4, 4>(isa, fmt, &w, &x, k);
-                check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], &x, k);
-                check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], &x, k);
+                for x in [&centred, &positive] {
+                    check_dot::<8, 1>(isa, fmt, &w, x, k);
+                    check_dot::<4, 4>(isa, fmt, &w, x, k);
+                    check_dot::<1, 4>(isa, fmt, &w[2 * fmt.row_bytes(k)..], x, k);
+                    check_dot::<1, 1>(isa, fmt, &w[5 * fmt.row_bytes(k)..], x, k);
+                }
             }
         }
     }

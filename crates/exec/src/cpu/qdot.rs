@@ -49,12 +49,22 @@ impl std::fmt::Display for Prefetch {
 /// rows themselves. q2_k and q3_k round their activations on every ISA ([`round_activations`]): the VNNI
 /// kernels of AVX512_BF16 machines take the `i8` values in their lane order, with group sums
 /// (`kdot::pack_k23_vnni`), so that no register block of rows does it again; the f32 kernels of other ISAs take
-/// the rounded values `dx · q` as f32 rows.
+/// the rounded values `dx · q` as f32 rows. The AVX512_BF16 kernels of q4_k and q6_k take them as bf16, with
+/// q4_k's sub-block sums (`kdot::pack_k_bf16`; no other rounding).
 ///
 /// # Panics
-/// If `x` holds fewer than `m` rows of `k`, or `k` is not a whole number of q2_k/q3_k super-blocks.
+/// If `x` holds fewer than `m` rows of `k`, or `k` is not a whole number of the K-quant's super-blocks.
 #[must_use]
 pub fn pack_x(isa: Isa, fmt: QFormat, x: &[f32], m: usize, k: usize) -> Option<(Vec<f32>, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Bf16 && matches!(fmt, QFormat::Q4K | QFormat::Q6K) {
+        assert!(x.len() >= m * k && k.is_multiple_of(K_BLOCK_ELEMS), "{m} rows of {k} activations");
+        // SAFETY: `detect` returns Avx512Bf16 only where AVX-512F/BW and AVX512_BF16 are present.
+        let q6 = fmt == QFormat::Q6K;
+        let packed = unsafe { super::kdot::pack_k_bf16(x, m, k, q6) };
+        let slots = if q6 { super::kdot::Q6K_BF16_SLOTS } else { super::kdot::Q4K_BF16_SLOTS };
+        return Some((packed, k / K_BLOCK_ELEMS * slots));
+    }
     if !fmt.rounds_activations() {
         return None;
     }
