@@ -19,7 +19,7 @@ use pipeshard_core::gguf;
 use pipeshard_core::metrics::Resource;
 use pipeshard_core::model::ModelSpec;
 use pipeshard_core::plan::{Placement, Plan, VramBreakdown};
-use pipeshard_core::profile::Profile;
+use pipeshard_core::profile::{Profile, Provenance};
 use pipeshard_core::workload::Workload;
 use pipeshard_exec::cuda::{Gpu, probe};
 use pipeshard_exec::host::Elem;
@@ -100,8 +100,9 @@ pub struct RunArgs {
     /// CPU threads for CPU-placed units (default: the plan's).
     #[arg(long)]
     threads: Option<u32>,
-    /// Machine profile the planners cost with: a JSON path, `profiles/NAME.json`, or cli1/cli2/cli3.
-    #[arg(long, default_value = "cli3")]
+    /// Machine profile the planners cost with: a JSON path, `profiles/NAME.json`, cli1/cli2/cli3, or `auto`:
+    /// the newest profile in `profiles/` measured on this machine's GPU, else cli3 (the paper's system).
+    #[arg(long, default_value = "auto")]
     profile: String,
     /// Page-lock at most this many bytes of weights (`0`, `8G`), streamed units first; the rest stays pageable
     /// and its copies run at pageable speed. Default: every weight is page-locked.
@@ -323,6 +324,25 @@ pub fn run(cmd: ExecCommand) -> anyhow::Result<()> {
     }
 }
 
+/// The newest profile in `dir` measured on `gpu` (its `machine.gpu` names the device; newest by the measurement's
+/// date), for `--profile auto`: on the H200 machine, profiles/h200.json. Files that are not profiles are passed
+/// over.
+fn measured_profile_of(dir: &Path, gpu: Option<&str>) -> Option<PathBuf> {
+    let gpu = gpu?;
+    let mut found: Vec<(String, PathBuf)> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter_map(|p| {
+            let profile = Profile::load(&p).ok()?;
+            let Provenance::Measured { date, .. } = profile.provenance else { return None };
+            profile.machine.gpu.contains(gpu).then_some((date, p))
+        })
+        .collect();
+    found.sort();
+    found.pop().map(|(_, p)| p)
+}
+
 /// Runs `exec run`; `interrupt` (Ctrl-C) stops it before the next forward pass, writing nothing.
 fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<()> {
     let (commit, date, command) = provenance();
@@ -371,9 +391,14 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
     .batched(args.batch, args.kv_unified);
     workload.validate()?;
     // The profile the planners cost with (plan files bring their own decisions).
+    let profile_name = match args.profile.as_str() {
+        "auto" => measured_profile_of(Path::new("profiles"), gpu.as_ref().map(Gpu::name))
+            .map_or_else(|| "cli3".to_string(), |p| p.display().to_string()),
+        name => name.to_string(),
+    };
     let mut profile_used = None;
     if args.plan.is_empty() {
-        let mut profile = load_profile(&args.profile)?;
+        let mut profile = load_profile(&profile_name)?;
         if let Some(g) = &gpu {
             let measured = with_measured_overhead(g, &spec, &workload, &profile)?;
             eprintln!(
@@ -382,14 +407,14 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
                 measured.runtime_overhead_bytes,
                 LAZY_LOAD_RESERVE_BYTES,
                 measured.page_table_bytes_per_locked_gib,
-                args.profile,
+                profile_name,
                 profile.runtime_overhead_bytes,
                 profile.page_table_bytes_per_locked_gib
             );
             profile = measured;
         }
         let cost = TableCostModel::new(&profile);
-        for w in crate::args::borrowed_rows(&cost, &args.profile, [&spec]) {
+        for w in crate::args::borrowed_rows(&cost, &profile_name, [&spec]) {
             eprintln!("{w}");
         }
         profile_used = Some(profile.clone());
@@ -556,7 +581,7 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         if let Some(p) = &profile_used {
             let threads = plan.prefill.cpu_threads.max(plan.decode.cpu_threads);
             for w in p.mismatch_warnings(gpu.as_ref().map(Gpu::name), threads) {
-                warned.warn(&format!("profile {}: {w}", args.profile));
+                warned.warn(&format!("profile {profile_name}: {w}"));
             }
         }
         let opts = RunOptions {
@@ -866,5 +891,33 @@ mod tests {
         }
         assert!(checked > 0, "no planner produced a plan");
         eprintln!("{checked} plans laid out (both phases)");
+    }
+
+    /// `--profile auto` takes the newest measured profile of this GPU from the folder and passes over derived
+    /// profiles, other GPUs' and files that are not profiles; with none (or no GPU) the caller falls back to
+    /// cli3.
+    #[test]
+    fn auto_profile_is_the_newest_measured_on_this_gpu() {
+        let dir = std::env::temp_dir().join(format!("pipeshard-auto-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let profiles = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles");
+        let h200 = load_profile(profiles.join("h200.json").to_str().unwrap()).unwrap();
+        let write = |name: &str, gpu: &str, date: &str| {
+            let mut p = h200.clone();
+            p.machine.gpu = gpu.into();
+            p.provenance =
+                Provenance::Measured { command: "test".into(), commit: "test".into(), date: date.into() };
+            std::fs::write(dir.join(name), serde_json::to_string(&p).unwrap()).unwrap();
+        };
+        write("old.json", "NVIDIA H200 (143771 MiB)", "2026-11-01T00:00:00Z");
+        write("new.json", "NVIDIA H200 (143771 MiB)", "2026-12-01T00:00:00Z");
+        write("other.json", "NVIDIA GeForce RTX 5090", "2026-12-02T00:00:00Z");
+        std::fs::copy(profiles.join("cli3.json"), dir.join("cli3.json")).unwrap();
+        std::fs::write(dir.join("notes.json"), "{}").unwrap();
+        assert_eq!(measured_profile_of(&dir, Some("NVIDIA H200")), Some(dir.join("new.json")));
+        assert_eq!(measured_profile_of(&dir, Some("NVIDIA GeForce RTX 5090")), Some(dir.join("other.json")));
+        assert_eq!(measured_profile_of(&dir, Some("NVIDIA GeForce RTX 4090")), None);
+        assert_eq!(measured_profile_of(&dir, None), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
