@@ -28,8 +28,8 @@ use pipeshard_exec::reference::rel_err;
 use pipeshard_exec::testing::random_tokens;
 use pipeshard_exec::weights::{Dims, ModelWeights};
 use pipeshard_exec::{
-    ExecError, GroupedExperts, LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput, UnitSpans,
-    page_table_bytes_per_locked_gib, runtime_overhead_bytes,
+    ExecError, GroupedExperts, LAZY_LOAD_RESERVE_BYTES, OVERHEAD_SPREAD_BYTES, PreEnqueue, RunOptions,
+    RunOutput, UnitSpans, page_table_bytes_per_locked_gib, runtime_overhead_bytes,
 };
 use pipeshard_planner::PlannerOptions;
 
@@ -402,10 +402,11 @@ fn run_cells(args: &RunArgs, interrupt: &'static AtomicBool) -> anyhow::Result<(
         if let Some(g) = &gpu {
             let measured = with_measured_overhead(g, &spec, &workload, &profile)?;
             eprintln!(
-                "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve) + {} bytes per GiB of \
-                 page-locked weights; profile {} assumed {} + {}",
+                "measured runtime overhead {} bytes (incl. a {}-byte lazy-load reserve and {} bytes for its \
+                 spread) + {} bytes per GiB of page-locked weights; profile {} assumed {} + {}",
                 measured.runtime_overhead_bytes,
                 LAZY_LOAD_RESERVE_BYTES,
+                OVERHEAD_SPREAD_BYTES,
                 measured.page_table_bytes_per_locked_gib,
                 profile_name,
                 profile.runtime_overhead_bytes,

@@ -48,6 +48,12 @@ use crate::weights::{Dims, ExpertOffsets, ModelWeights, MoeDims, UnitKind};
 /// fails loudly. (Before the expert GEMM padding, a MoE run needed 64 + 128 MiB.)
 pub const LAZY_LOAD_RESERVE_BYTES: u64 = 32 << 20;
 
+/// How much more runtime overhead the executor may find than was measured for planning in the same process:
+/// validation run35 refused a plan that left 139 KB of its 4 GiB budget free, the executor's measurement having
+/// come out 416 KB above the planning one. [`runtime_overhead_bytes`] adds one 2 MiB device page of it, so a
+/// plan keeps that much apart; the executor's own check is unchanged.
+pub const OVERHEAD_SPREAD_BYTES: u64 = 2 << 20;
+
 /// What to run.
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
@@ -588,7 +594,7 @@ fn warm_up(
 }
 
 /// The VRAM a run of `w` will find taken before its arena (CUDA context, cuBLAS and its workspace, the compiled
-/// kernels, warmed GEMMs), plus [`LAZY_LOAD_RESERVE_BYTES`]: what a planner should assume as runtime overhead
+/// kernels, warmed GEMMs), plus [`LAZY_LOAD_RESERVE_BYTES`] and [`OVERHEAD_SPREAD_BYTES`]: what a planner should assume as runtime overhead
 /// on this machine, for prefill chunks of `prefill_tokens` and decode steps of `decode_tokens` (the parallel
 /// requests). Measured as device total − free, so other processes on the device count too.
 pub fn runtime_overhead_bytes(
@@ -601,7 +607,7 @@ pub fn runtime_overhead_bytes(
     let k = gpu.kernels(KernelKey { act: w.mat, kv, head_dim: w.head_dim })?;
     warm_up(gpu, &k, w, prefill_tokens, decode_tokens, &[1, decode_tokens])?;
     let (free, total) = gpu.mem_info()?;
-    Ok(total - free + LAZY_LOAD_RESERVE_BYTES)
+    Ok(total - free + LAZY_LOAD_RESERVE_BYTES + OVERHEAD_SPREAD_BYTES)
 }
 
 /// VRAM the driver takes per GiB of page-locked host memory (its mapping for the GPU), measured once per

@@ -97,7 +97,7 @@ pub mod testing;
 pub mod weights;
 
 pub use engine::{
-    GroupedExperts, LAZY_LOAD_RESERVE_BYTES, PreEnqueue, RunOptions, RunOutput, UnitSpans, VramReport,
-    page_table_bytes_per_locked_gib, run, runtime_overhead_bytes,
+    GroupedExperts, LAZY_LOAD_RESERVE_BYTES, OVERHEAD_SPREAD_BYTES, PreEnqueue, RunOptions, RunOutput,
+    UnitSpans, VramReport, page_table_bytes_per_locked_gib, run, runtime_overhead_bytes,
 };
 pub use error::{ExecError, Result};
