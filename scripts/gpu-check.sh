@@ -9,7 +9,7 @@
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "launchpace" (the
 #   host's launch pace idle, after the validation's host check and under CPU load), "ncuattn" (decode
 #   attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run --grouped-experts on/off
-#   A/B, checked),
+#   A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -96,6 +96,20 @@ if [[ $PARTS == *grouped* ]]; then
     grep -E "TTFT|check:|failed|error" "$OUT/grouped/run-$budget-$i-$g.log" | sed "s/^/$budget $i $g: /"
   done; done; done
   tar czf "$OUT/grouped.tgz" -C "$OUT" grouped && rm -rf "$OUT/grouped"
+fi
+if [[ $PARTS == *tiled* ]]; then
+  # `exec run --grouped-experts on|off` interleaved on the validation's q4_0 MoE (qwen3-30b-a3b@24L, a 1008-token
+  # prefill in one chunk) all pinned (16 GB) and with pinned experts beside streamed and CPU ones (4 GB): the
+  # tiled prefill experts against the per-expert path, each run checked against the all-pinned per-expert
+  # reference.
+  mkdir -p "$OUT/tiled"
+  for budget in 16G 4G; do for g in on off; do
+    timeout 100 .bin/pipeshard exec run --model qwen3-30b-a3b@24L --weights q4_0 --budget $budget --planner pshard \
+      --prompt-tokens 1008 --ctx 1K --gen 16 --threads "$(nproc)" --profile profiles/h200.json --grouped-experts $g \
+      --check --trace "$OUT/tiled/t-$budget-$g.json" > "$OUT/tiled/run-$budget-$g.log" 2>&1
+    grep -E "TTFT|check:|failed|error" "$OUT/tiled/run-$budget-$g.log" | sed "s/^/$budget $g: /" | cut -c1-200
+  done; done
+  tar czf "$OUT/tiled.tgz" -C "$OUT" tiled && rm -rf "$OUT/tiled"
 fi
 if [[ $PARTS == *ncuattn* ]]; then
   # Decode attention and its split combine under ncu at 4K and 16K keys (qwen3-30b-a3b@2L, its 32/4 heads):

@@ -14,7 +14,9 @@
 //! Routed experts run as `touched` separate expert GEMMs, each at one expert's efficiency at its tokens (the
 //! `experts` rows); where our executor groups a MoE layer's pinned GPU experts of a step of at most
 //! [`GROUPED_EXPERTS_MAX_TOKENS`] tokens into one launch pair ([`OpContext::grouped_experts`]), the
-//! `experts_grouped` rows time that group, interpolated in the number of experts instead.
+//! `experts_grouped` rows time that group, interpolated in the number of experts instead; a larger step's
+//! pinned experts run in tiled groups of three launches, whose `experts_tiled` rows give an expert's share at its
+//! tokens (interpolated as the per-expert rows).
 //! Concurrent DMA: rows' `time_ns_under_dma` give their own efficiency; otherwise memory-bound time is
 //! stretched by the device's `dma_slowdown` and CPU bandwidth comes from the DRAM-under-DMA curve.
 
@@ -48,8 +50,9 @@ pub struct OpContext {
     pub threads: u32,
     /// Whether a PCIe copy runs at the same time (it takes DRAM bandwidth on the host).
     pub under_dma: bool,
-    /// Whether a routed-experts op on the GPU runs as one group ([`OpClass::ExpertsGrouped`]) where its step
-    /// is small enough and the profile has grouped rows: our executor's pinned experts of a decode step.
+    /// Whether a routed-experts op on the GPU runs as our executor's pinned experts do: one group
+    /// ([`OpClass::ExpertsGrouped`]) where its step is small enough, tiled groups ([`OpClass::ExpertsTiled`])
+    /// above, where the profile has such rows.
     pub grouped_experts: bool,
 }
 
@@ -279,7 +282,8 @@ impl TableCostModel {
     /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so. A GPU routed-experts op
     /// of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens asked for as a group
     /// ([`OpContext::grouped_experts`]) takes the `experts_grouped` rows of its format where the profile has
-    /// them (f16/bf16: the grouped kernels take no quantised format), else the per-expert rows as any other.
+    /// them (f16/bf16: the grouped kernels take no quantised format), a larger step's the `experts_tiled` rows
+    /// (any format), else the per-expert rows as any other.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
         let group = head_group(&op.kind);
@@ -289,13 +293,15 @@ impl TableCostModel {
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| (f.group.abs_diff(group), f.threads.abs_diff(threads)))
         };
-        if ctx.grouped_experts
-            && ctx.device == Device::Gpu
-            && matches!(op.kind, OpKind::Experts { .. })
-            && op.tokens <= GROUPED_EXPERTS_MAX_TOKENS
-            && let Some(f) = find(OpClass::ExpertsGrouped, op.dtype)
-        {
-            return Some(f);
+        if ctx.grouped_experts && ctx.device == Device::Gpu && matches!(op.kind, OpKind::Experts { .. }) {
+            let class = if op.tokens <= GROUPED_EXPERTS_MAX_TOKENS {
+                OpClass::ExpertsGrouped
+            } else {
+                OpClass::ExpertsTiled
+            };
+            if let Some(f) = find(class, op.dtype) {
+                return Some(f);
+            }
         }
         // The CPU kernel reads a sequence's own cells of a unified cache, as of its own cache.
         let class = match (op.kind.row_class(op.tokens), ctx.device) {
@@ -450,7 +456,7 @@ fn op_of_row(row: &OpRow) -> Option<Op> {
                 kv,
             )
         }
-        OpClass::Experts => (
+        OpClass::Experts | OpClass::ExpertsTiled => (
             OpKind::Experts { n_experts: 1, touched: 1.0, tokens_per_touched: m, ffn: row.n, hidden: row.k },
             6.0 * m * n * k,
             3.0 * wb,
@@ -716,7 +722,9 @@ mod tests {
     fn expert_profile(grouped: bool) -> Profile {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
         let mut p = Profile::load(&path).unwrap();
-        p.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
+        p.gpu
+            .ops
+            .retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped | OpClass::ExpertsTiled));
         p.gpu.ops.extend([1, 64].map(|t| expert_row(OpClass::Experts, t, 40_000)));
         if grouped {
             p.gpu.ops.extend(
@@ -769,15 +777,29 @@ mod tests {
         }
     }
 
-    /// A prefill chunk (over GROUPED_EXPERTS_MAX_TOKENS tokens) keeps the per-expert rows, grouped or not.
+    /// A prefill chunk (over GROUPED_EXPERTS_MAX_TOKENS tokens) never takes the grouped rows: asked for as a
+    /// group it takes the tiled rows (an expert's share of a tiled group, at its tokens) where the profile has
+    /// them, else the per-expert rows, as it does when not asked for as a group.
     #[test]
-    fn prefill_experts_ignore_the_grouped_rows() {
-        let m = TableCostModel::new(&expert_profile(true));
+    fn prefill_experts_take_the_tiled_rows_never_the_grouped_ones() {
+        let mut p = expert_profile(true);
         let w = Workload::single(1024, 4096, 10, 1024);
+        let grouped = OpContext::gpu().with_grouped_experts(true);
+        let prefill = |tokens| experts_op(&w, Phase::Prefill { tokens, start_pos: 0, last: false });
+        let m = TableCostModel::new(&p);
         for tokens in [GROUPED_EXPERTS_MAX_TOKENS + 1, 1024] {
-            let op = experts_op(&w, Phase::Prefill { tokens, start_pos: 0, last: false });
-            let grouped = OpContext::gpu().with_grouped_experts(true);
+            let op = prefill(tokens);
             assert_eq!(m.op_ns(&op, grouped), m.op_ns(&op, OpContext::gpu()), "{tokens} tokens");
+        }
+        p.gpu.ops.extend([1, 64].map(|t| expert_row(OpClass::ExpertsTiled, t, 10_000)));
+        let m = TableCostModel::new(&p);
+        let near = |got: u64, want: f64| (got as f64 / want - 1.0).abs() < 0.02;
+        for tokens in [GROUPED_EXPERTS_MAX_TOKENS + 1, 1024] {
+            let op = prefill(tokens);
+            let OpKind::Experts { touched, .. } = op.kind else { unreachable!() };
+            let (tiled, apart) = (m.op_ns(&op, grouped), m.op_ns(&op, OpContext::gpu()));
+            assert!(near(tiled, touched * 10e3), "{tokens} tokens: {tiled} for {touched} experts");
+            assert!(near(apart, touched * 40e3), "{tokens} tokens: {apart} for {touched} experts");
         }
     }
 

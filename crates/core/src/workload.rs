@@ -231,6 +231,11 @@ pub enum OpClass {
     /// one group (our executor's grouped decode kernels). Profile rows only, GPU; ops stay
     /// [`OpKind::Experts`]. A row's `tokens` is the number of experts in the group, each with one token.
     ExpertsGrouped,
+    /// A MoE layer's pinned routed experts of a step of more than [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run in
+    /// groups of three launches (our executor's tiled kernels, any format). Profile rows only, GPU; ops stay
+    /// [`OpKind::Experts`]. A row's `tokens` is each expert's tokens, as for [`OpClass::Experts`], and its time
+    /// one expert's share of a group of such experts as large as a prefill chunk's rows hold.
+    ExpertsTiled,
 }
 
 /// What an op is, with the shape facts a cost model needs.

@@ -261,6 +261,20 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
             let fits = w.dims.quant.is_none() && case.grouped == GroupedExperts::On && decode_pins_experts;
             writeln!(log, "  grouped expert launches: {grouped}").unwrap();
             assert_eq!(grouped > 0, fits, "{name}: {grouped} grouped expert launches");
+            // Tiled experts run exactly where switched on and some prefill expert is pinned (chunks of more
+            // than 8 tokens, any format).
+            let tiled = out.trace.events.iter().filter(|e| e.name.contains(" pinned, tiled in ")).count();
+            let prefill_pins_experts = plan
+                .prefill
+                .placements
+                .iter()
+                .any(|u| matches!(u.unit, UnitId::Expert { .. }) && u.placement == Placement::Pinned);
+            let fits = case.grouped == GroupedExperts::On
+                && prefill_pins_experts
+                && case.prompt.min(case.ubatch as usize) > pipeshard_exec::quant::EXACT_MAX_TOKENS
+                && pipeshard_exec::cuda::tiled_experts_fit(w.dims.hidden, moe.expert_ffn);
+            writeln!(log, "  tiled expert launches: {tiled}").unwrap();
+            assert_eq!(tiled > 0, fits, "{name}: {tiled} tiled expert launches");
             if all_streamed {
                 assert_eq!(copies, computed, "{name}: every streamed expert computed was copied once");
                 let passes = case.prompt.div_ceil(case.ubatch as usize) + case.n_gen;
@@ -1175,6 +1189,218 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
 
 /// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts
 /// what it was asked (the GPU's global timer), so timing after it measures the device, not the host.
+/// A layer's pinned experts through the tiled kernels (`Gpu::tiled_experts`, groups cut by
+/// `cuda::tiled::build_tiled_index`) against the per-expert path (`Gpu::expert_ffn`, experts in order) and the
+/// CPU's matmuls, SwiGLU and weighted sum, in every weight format: 9 and 100 tokens over 6 experts (one of 90
+/// tokens, two tiles), groups of as many rows as tokens (several groups) and of all entries (one). The
+/// residual's change within 1e-3 relative; the SwiGLU and output rows start as NaN, so a row read unwritten
+/// fails; rows of tokens no expert picked stay bit for bit.
+#[test]
+fn tiled_experts_match_the_per_expert_path_and_the_cpu_in_every_format() {
+    use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant, swiglu};
+    use pipeshard_exec::cuda::tiled::{build_tiled_index, tiled_index_max_bytes};
+    use pipeshard_exec::cuda::{ExpertIo, KernelKey, Stream, TiledIo, tiled_experts_fit};
+    use pipeshard_exec::host::Elem;
+    use pipeshard_exec::weights::{ExpertOffsets, TENSOR_ALIGN_BYTES};
+    let Some((_, gpu)) = device() else { return };
+    let pool = CpuPool::new(4).unwrap();
+    let (hd, ffn, n_experts) = (256usize, 256usize, 6usize);
+    assert!(tiled_experts_fit(hd, ffn));
+    let mut cases = vec![(Elem::Bf16, None), (Elem::F16, None)];
+    cases.extend(QFormat::ALL.map(|q| (Elem::Bf16, Some(q))));
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let bytes_of = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut checked = 0;
+    for (act, quant) in cases {
+        let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
+        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
+            let scale = 1.0 / (k as f32).sqrt();
+            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
+        };
+        let store = |wf: &[f32], k: usize| -> Vec<u8> {
+            quant.map_or_else(
+                || {
+                    let mut b = vec![0u8; 2 * wf.len()];
+                    act.write_row(wf, &mut b);
+                    b
+                },
+                |q| q.quantize(wf, k),
+            )
+        };
+        let mats: Vec<[Vec<u8>; 3]> = (0..n_experts)
+            .map(|e| {
+                let s = 10 * e;
+                [
+                    store(&values(ffn, hd, s + 1), hd),
+                    store(&values(ffn, hd, s + 2), hd),
+                    store(&values(hd, ffn, s + 3), ffn),
+                ]
+            })
+            .collect();
+        let gb = mats[0][0].len();
+        let o = ExpertOffsets {
+            gate: 0,
+            up: gb.next_multiple_of(TENSOR_ALIGN_BYTES),
+            down: (gb.next_multiple_of(TENSOR_ALIGN_BYTES) + gb).next_multiple_of(TENSOR_ALIGN_BYTES),
+        };
+        let units: Vec<_> = mats
+            .iter()
+            .map(|[g, u, d]| {
+                let mut wb = vec![0u8; o.down + d.len()];
+                wb[..g.len()].copy_from_slice(g);
+                wb[o.up..o.up + u.len()].copy_from_slice(u);
+                wb[o.down..].copy_from_slice(d);
+                let buf = gpu.alloc(wb.len()).unwrap();
+                // SAFETY: buf holds wb.len() bytes; synchronised before wb is dropped.
+                unsafe { gpu.h2d(Stream::Compute, buf.ptr(), &wb).unwrap() };
+                gpu.sync(Stream::Compute).unwrap();
+                buf
+            })
+            .collect();
+        let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
+            let mut y = vec![0f32; m * n];
+            match quant {
+                Some(q) => matmul_quant(&pool, x, m, k, w, q, n, &mut y, false),
+                None => matmul(&pool, x, m, k, w, act, n, &mut y, false),
+            }
+            y
+        };
+        for m in [9usize, 100] {
+            // Expert 0 takes every token but each tenth (90 of 100: two tiles), the others about half; token
+            // 3 none (its row must stay as it was).
+            let lists: Vec<Vec<(u32, f32)>> = (0..n_experts)
+                .map(|e| {
+                    (0..m)
+                        .filter(|&t| t != 3 && if e == 0 { t % 10 != 0 } else { (t * 7 + e * 3) % 6 < 3 })
+                        .map(|t| (t as u32, 0.1 + 0.05 * e as f32 + 0.002 * t as f32))
+                        .collect()
+                })
+                .collect();
+            let entries: usize = lists.iter().map(Vec::len).sum();
+            let xn: Vec<f32> =
+                (0..m * hd).map(|i| act.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0)).collect();
+            let h0: Vec<f32> = (0..m * hd).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+            let mut xnb = vec![0u8; 2 * xn.len()];
+            act.write_row(&xn, &mut xnb);
+            let idx: Vec<u32> = lists.iter().flat_map(|l| l.iter().map(|p| p.0)).collect();
+            let wts: Vec<f32> = lists.iter().flat_map(|l| l.iter().map(|p| p.1)).collect();
+            let idxb: Vec<u8> = idx.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // The CPU: per expert, gate and up, SwiGLU rounded to the activations, down, weighted add, in order.
+            let mut want = h0.clone();
+            for (e, l) in lists.iter().enumerate() {
+                let x: Vec<f32> =
+                    l.iter().flat_map(|&(t, _)| xn[t as usize * hd..][..hd].iter().copied()).collect();
+                let mut gt = cpu_mm(&x, l.len(), hd, &mats[e][0], ffn);
+                let u = cpu_mm(&x, l.len(), hd, &mats[e][1], ffn);
+                swiglu(&mut gt, &u, act);
+                let y = cpu_mm(&gt, l.len(), ffn, &mats[e][2], hd);
+                for (i, &(t, w)) in l.iter().enumerate() {
+                    for j in 0..hd {
+                        want[t as usize * hd + j] += w * y[i * hd + j];
+                    }
+                }
+            }
+            let rows_max = entries;
+            let sizes =
+                [xnb.len(), 4 * m * hd, 4 * entries, 4 * entries, 2 * rows_max * ffn, 4 * rows_max * hd];
+            let sizes =
+                sizes.into_iter().chain([tiled_index_max_bytes(m, entries, n_experts, m), 2 * m * hd]);
+            let sizes = sizes.chain([4 * m * 2 * ffn]);
+            let bufs: Vec<_> = sizes.map(|b| gpu.alloc(b).unwrap()).collect();
+            let [xn_d, h_d, idx_d, wts_d, act_d, y_d, ix_d, x_d, gu_d] =
+                std::array::from_fn(|i| bufs[i].ptr());
+            let run_path = |rows: Option<usize>| -> (Vec<f32>, usize) {
+                let mut got = vec![0u8; 4 * m * hd];
+                let mut groups = 0;
+                // SAFETY: the buffers were sized above for every entry; the idx are an expert's distinct tokens
+                // < m; units hold gate, up and down at `o`; NaN fills the temporaries; synchronised before the
+                // host reads and before host buffers are dropped.
+                unsafe {
+                    gpu.h2d(Stream::Compute, xn_d, &xnb).unwrap();
+                    gpu.h2d(Stream::Compute, h_d, &bytes_of(&h0)).unwrap();
+                    gpu.h2d(Stream::Compute, idx_d, &idxb).unwrap();
+                    gpu.h2d(Stream::Compute, wts_d, &bytes_of(&wts)).unwrap();
+                    let nan = vec![0xffu8; 4 * rows_max * hd];
+                    gpu.h2d(Stream::Compute, act_d, &nan[..2 * rows_max * ffn]).unwrap();
+                    gpu.h2d(Stream::Compute, y_d, &nan).unwrap();
+                    gpu.sync(Stream::Compute).unwrap();
+                    if let Some(rows) = rows {
+                        let experts: Vec<(u64, usize)> =
+                            units.iter().zip(&lists).map(|(u, l)| (u.ptr(), l.len())).collect();
+                        let mut ixb = vec![0u8; tiled_index_max_bytes(m, entries, n_experts, rows)];
+                        let ix = build_tiled_index(&experts, &idx, m, rows, &mut ixb);
+                        gpu.h2d(Stream::Compute, ix_d, &ixb[..ix.bytes]).unwrap();
+                        groups = ix.groups.len();
+                        for g in &ix.groups {
+                            let io = TiledIo {
+                                tiles: ix_d + 16 * g.tiles.start as u64,
+                                idx: idx_d,
+                                wts: wts_d,
+                                tok_first: ix_d + g.tok_first as u64,
+                                tok_ent: ix_d + ix.tok_ent as u64,
+                                xn: xn_d,
+                                act: act_d,
+                                y: y_d,
+                                h: h_d,
+                            };
+                            let (t, f) = (g.tiles.len(), g.entries.start);
+                            gpu.tiled_experts(&kn, quant, o, &io, t, f, m, hd, ffn).unwrap();
+                        }
+                        gpu.sync(Stream::Compute).unwrap();
+                    } else {
+                        let mut first = 0u64;
+                        for (e, l) in lists.iter().enumerate() {
+                            let io = ExpertIo {
+                                xn: xn_d,
+                                idx: idx_d + 4 * first,
+                                wts: wts_d + 4 * first,
+                                x: x_d,
+                                gate_up: gu_d,
+                                act: act_d,
+                                y: y_d,
+                                h: h_d,
+                            };
+                            let c = l.len();
+                            let rows = c.next_power_of_two().min(m);
+                            gpu.expert_ffn(&kn, quant, units[e].ptr(), o, &io, c, rows, hd, ffn).unwrap();
+                            first += c as u64;
+                        }
+                    }
+                    gpu.sync(Stream::Compute).unwrap();
+                    gpu.d2h(Stream::Compute, &mut got, h_d).unwrap();
+                    gpu.sync(Stream::Compute).unwrap();
+                }
+                (f32s(&got), groups)
+            };
+            let (per_expert, _) = run_path(None);
+            let delta =
+                |v: &[f32]| -> Vec<f64> { v.iter().zip(&h0).map(|(a, b)| f64::from(a - b)).collect() };
+            let dw = delta(&want);
+            for rows in [m, entries] {
+                let (tiled, groups) = run_path(Some(rows));
+                let what = format!("{act:?} {quant:?} {m} tokens, {entries} entries in {groups} groups");
+                assert!(groups > 1 || rows == entries, "{what}: several groups expected");
+                assert!(tiled.iter().all(|v| v.is_finite()), "{what}: an output is not finite");
+                let kept = (3 * hd..4 * hd).all(|i| tiled[i].to_bits() == h0[i].to_bits());
+                assert!(kept, "{what}: the row of a token no expert picked changed");
+                let dt: Vec<f32> = delta(&tiled).iter().map(|&v| v as f32).collect();
+                let dp = delta(&per_expert);
+                let dp32: Vec<f32> = dp.iter().map(|&v| v as f32).collect();
+                let (e_cpu, e_per, e_ref) = (rel_err(&dt, &dw), rel_err(&dt, &dp), rel_err(&dp32, &dw));
+                eprintln!(
+                    "{what}: tiled vs CPU {e_cpu:.1e}, vs per-expert {e_per:.1e} (per-expert vs CPU {e_ref:.1e})"
+                );
+                assert!(e_cpu < 1e-3 && e_per < 1e-3, "{what}: rel err {e_cpu} (CPU), {e_per} (per expert)");
+                checked += 1;
+            }
+        }
+        drop(units);
+    }
+    assert_eq!(checked, 8 * 2 * 2);
+}
+
 #[test]
 fn a_held_compute_stream_runs_its_queue_afterwards() {
     use pipeshard_exec::cuda::{KernelKey, Stream};

@@ -13,8 +13,8 @@ use pipeshard_core::profile::{BwPoint, DeviceProfile, Machine, OpRow, PcieProfil
 use pipeshard_core::workload::{GROUPED_EXPERTS_MAX_TOKENS, OpClass};
 use pipeshard_exec::cpu::KvLayout;
 use pipeshard_exec::cuda::{
-    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostRegistration, KernelKey, Kernels, RingSlot, Stream,
-    grouped_experts_fit,
+    DevBuf, Event, ExpertIo, Gpu, GroupedIo, HostRegistration, KernelKey, Kernels, RingSlot, Stream, TiledIo,
+    grouped_experts_fit, tiled, tiled_experts_fit,
 };
 use pipeshard_exec::host::{Elem, HostBuf};
 use pipeshard_exec::layout::scratch_layout;
@@ -43,6 +43,12 @@ const HOST_PACED_MIN_REPS: usize = 8;
 /// Experts of the grouped rows ([`OpClass::ExpertsGrouped`]): a one-token decode step's 8 of qwen3-30b-a3b
 /// and up to an 8-token step's 64.
 const GROUP_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// Entries of a tiled row's group ([`OpClass::ExpertsTiled`]): a 1024-token prefill chunk's rows (the
+/// validation's and the paper's ubatch), which exec's groups fill; of experts with `m` tokens each, 1024 / m of
+/// them, at most [`TILED_GROUP_MAX_EXPERTS`].
+const TILED_GROUP_ROWS: usize = 1024;
+/// A layer's experts at most (qwen3-30b-a3b's 128).
+const TILED_GROUP_MAX_EXPERTS: usize = 128;
 /// The longest hold (256 calls).
 const HOLD_MAX_NS: u64 = 15_000_000;
 
@@ -256,6 +262,83 @@ fn group_sizes(n: usize, k: usize, rot_bytes: usize) -> Vec<usize> {
         .into_iter()
         .filter(|&e| e <= units && grouped_experts_fit(None, e.min(max_tokens), k, n))
         .collect()
+}
+
+/// Whether exec's tiled expert kernels take an expert shape (`n` = ffn, `k` = hidden).
+fn tiled_fit(s: &shapes::MatShape) -> bool {
+    tiled_experts_fit(s.k as usize, s.n as usize)
+}
+
+/// The tiled rows' device buffers ([`time_tiled`]).
+struct TiledBufs<'a> {
+    idx: &'a DevBuf,
+    wts: &'a DevBuf,
+    act: &'a DevBuf,
+    y: &'a DevBuf,
+    index: &'a DevBuf,
+}
+
+/// One expert's share of exec's tiled kernels over a group of `units` experts of `m` tokens each (tokens
+/// 0..m, weight 0.125), in `quant`'s format (`n × k`: ffn × hidden): the group's time ÷ `units`, unheld as
+/// exec enqueues it after the routing. Sample i takes the units of index variant i mod (variants), which
+/// together cycle through all `copies` units of `wbuf` (`unit_bytes` apart), so that no weights come from L2.
+#[allow(clippy::too_many_arguments)]
+fn time_tiled(
+    gpu: &Gpu,
+    b: &Bench<'_>,
+    kn: &Kernels,
+    quant: Option<QFormat>,
+    (wbuf, unit_bytes, copies): (&DevBuf, usize, usize),
+    expert: ExpertOffsets,
+    (n, k): (usize, usize),
+    m: usize,
+    units: usize,
+    bufs: &TiledBufs<'_>,
+    h: u64,
+    xbuf: &DevBuf,
+) -> Result<Stat> {
+    let entries = units * m;
+    let tokens: Vec<u32> = (0..units).flat_map(|_| 0..m as u32).collect();
+    let idx: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let index_bytes = tiled::tiled_index_max_bytes(m, entries, units, entries);
+    let variants = copies.div_ceil(units).min(bufs.index.bytes() / index_bytes).max(1);
+    let mut host = vec![0u8; variants * index_bytes];
+    let mut layout = None;
+    for (v, out) in host.chunks_exact_mut(index_bytes).enumerate() {
+        let experts: Vec<(u64, usize)> =
+            (0..units).map(|e| (wbuf.ptr() + (((v * units + e) % copies) * unit_bytes) as u64, m)).collect();
+        layout = Some(tiled::build_tiled_index(&experts, &tokens, m, entries, out));
+    }
+    let ix = layout.expect("one variant at least");
+    let [group] = ix.groups.as_slice() else { unreachable!("one group holds all the entries") };
+    // SAFETY: idx holds t_entries_max ≥ entries u32, index variants × index_bytes; copies finish before the
+    // sources drop.
+    unsafe {
+        gpu.h2d(Stream::H2d, bufs.idx.ptr(), &idx)?;
+        gpu.h2d(Stream::H2d, bufs.index.ptr(), &host)?;
+    }
+    gpu.sync(Stream::H2d)?;
+    b.events_min_reps(Stream::Compute, None, HOST_PACED_MIN_REPS, &mut |i| {
+        let at = bufs.index.ptr() + ((i % variants) * index_bytes) as u64;
+        let io = TiledIo {
+            tiles: at,
+            idx: bufs.idx.ptr(),
+            wts: bufs.wts.ptr(),
+            tok_first: at + group.tok_first as u64,
+            tok_ent: at + ix.tok_ent as u64,
+            xn: xbuf.ptr(),
+            act: bufs.act.ptr(),
+            y: bufs.y.ptr(),
+            h,
+        };
+        // SAFETY: every variant lays out the same tiles and lists (only the unit addresses differ), over
+        // `entries` ≤ t_entries_max entries of idx/wts/act/y; the units lie in wbuf with gate, up and down at
+        // `expert` in the format; token rows < m ≤ max_m of xbuf (hidden k) and h (f32, e_hidden ≥ k);
+        // `tiled_fit` checked the shape.
+        unsafe { gpu.tiled_experts(kn, quant, expert, &io, group.tiles.len(), 0, m, k, n)? };
+        Ok(())
+    })
+    .map(|s| Stat { median: s.median / units as f64, ..s })
 }
 
 /// The unit addresses of `copies` samples of `groups` experts, little-endian u64: sample j takes the units
@@ -1099,9 +1182,30 @@ fn measure_gpu_ops(
         .iter()
         .map(|&d| {
             let grouped = if QFormat::from_dtype(d).is_none() { grouped_rows } else { 0 };
-            shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len() + grouped
+            let tiled = cat.experts.iter().filter(|s| fits(d, s.n, s.k, true) && tiled_fit(s)).count();
+            shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len()
+                + tiled * g.tokens.len()
+                + grouped
         })
         .sum::<usize>();
+    // The tiled rows' buffers: a group's token rows (each expert's tokens 0..m) and its index, at most.
+    let tiled_entries = |m: usize| m * (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS);
+    let tiled_index_bytes = |m: usize| {
+        let experts = tiled_entries(m) / m;
+        tiled::tiled_index_max_bytes(m, tiled_entries(m), experts, tiled_entries(m))
+    };
+    let t_entries_max = g.tokens.iter().map(|&m| tiled_entries(m)).max().unwrap_or(1);
+    let t_index_max = g.tokens.iter().map(|&m| tiled_index_bytes(m)).max().unwrap_or(1);
+    let t_idx = gpu.alloc(4 * t_entries_max)?;
+    let t_wts = gpu.alloc(4 * t_entries_max)?;
+    let t_act = gpu.alloc(2 * t_entries_max * e_ffn)?;
+    let t_y = gpu.alloc(4 * t_entries_max * e_hidden)?;
+    // Index variants: one a set of distinct units, as many as it takes to cycle through every copy.
+    let t_index = gpu.alloc(t_index_max * TILED_GROUP_MAX_EXPERTS.max(1))?;
+    let t_weights: Vec<u8> = (0..t_entries_max).flat_map(|_| 0.125f32.to_le_bytes()).collect();
+    // SAFETY: the buffer holds t_entries_max 4-byte entries; the copy finishes before the source drops.
+    unsafe { gpu.h2d(Stream::H2d, t_wts.ptr(), &t_weights)? };
+    gpu.sync(Stream::H2d)?;
     progress.section(
         "GPU GEMM/GEMV and routed experts (exec cuBLAS, quantised and grouped kernels) over catalog shapes × \
          tokens",
@@ -1157,6 +1261,41 @@ fn measure_gpu_ops(
                 });
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
+                if experts && tiled_fit(shape) {
+                    let units = (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS).min(copies);
+                    let tiled_io =
+                        TiledBufs { idx: &t_idx, wts: &t_wts, act: &t_act, y: &t_y, index: &t_index };
+                    let s = time_tiled(
+                        gpu,
+                        b,
+                        &kn,
+                        quant,
+                        (wbuf, unit_bytes, copies),
+                        expert,
+                        (n, k),
+                        m,
+                        units,
+                        &tiled_io,
+                        expert_io.h,
+                        xbuf,
+                    )?;
+                    gpu_rows.push(OpRow {
+                        op: OpClass::ExpertsTiled,
+                        dtype,
+                        n: n as u64,
+                        k: k as u64,
+                        tokens: m as u64,
+                        threads: 0,
+                        time_ns: s.median.ceil() as u64,
+                        time_ns_under_dma: None,
+                        spread: Some(s.spread),
+                        kv_heads: None,
+                    });
+                    progress.tick(&format!(
+                        "{dtype:?} {n}×{k} m={m} tiled, {units} experts: {:.1} µs an expert",
+                        s.median / 1e3
+                    ))?;
+                }
             }
         }
         // A layer's pinned experts of a step of ≤ 8 tokens as exec's two grouped launches, one token an

@@ -703,8 +703,9 @@ impl Builder<'_> {
         if counts[0] > 0 {
             let deps = Deps::from(on_device.or(routed));
             let sop = scaled(op, share(counts[0]));
-            // Our executor runs a small step's pinned experts as one group (exec's `GroupedExperts`, on by
-            // default); the cost model says where that applies (step size, format, the profile's rows).
+            // Our executor runs a small step's pinned experts as one group and a larger step's in tiled groups
+            // (exec's `GroupedExperts`, on by default); the cost model says which rows apply (step size,
+            // format, the profile's rows).
             last_gpu = Some(self.compute_launching(
                 i,
                 OpShare::Experts(Placement::Pinned),

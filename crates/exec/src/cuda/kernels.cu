@@ -1493,3 +1493,193 @@ DECODE_GEMV(decode_gemv_norm_swiglu_2x8, 1, 1, 2, 8)
 DECODE_GEMV(decode_gemv_norm_relu2_1x4, 1, 2, 1, 4)
 DECODE_GEMV(decode_gemv_norm_relu2_2x4, 1, 2, 2, 4)
 DECODE_GEMV(decode_gemv_norm_relu2_2x8, 1, 2, 2, 8)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tiled routed experts (steps of more tokens than the grouped kernels take, or quantised experts): a group of a
+// MoE layer's pinned picked experts in three launches, whatever the number of experts — against `expert_ffn`'s
+// 5–6 an expert, whose host enqueueing set a prefill chunk's pace (≈ 42 µs an expert on the H200's host against
+// a few µs of GPU work). The host cuts each expert's entries into tiles of at most TE_ROWS entries (a tile
+// never spans two experts) and the group's experts into groups whose entries fit the per-expert path's `moe_act`
+// and `moe_y` rows. Weights are dequantised into shared memory as the `dequant_*` kernels round them (so the
+// products are those of the dequantise + cuBLAS path) and multiplied on tensor cores (m16n8k16, f32
+// accumulation): outputs equal that path's up to the order of the f32 additions.
+#define TE_ROWS 64  // cuda::TILE_ENTRIES
+#define TE_K 32     // k a step: a q8_0/q4_0 block, an eighth of a K-quant super-block
+#define TE_LD 40    // shared row stride in 16-bit values: 80 bytes, so a warp's fragment loads hit 32 banks
+
+struct ExpertTile {
+    u64 unit;   // the expert unit's device address
+    u32 first;  // its first entry (index into idx/wts; the group's act/y row is first - gfirst)
+    u32 count;  // entries, 1..TE_ROWS
+};
+
+// Weight formats of the tiled kernels (cuda::tiled_format): 0 the activation type, then quant::QFormat::ALL.
+template <int F> __device__ __forceinline__ u64 te_row_bytes(int k) {
+    switch (F) {
+        case 0: return 2ull * k;
+        case 1: return (u64)(k >> 5) * 34;
+        case 2: return (u64)(k >> 5) * 18;
+        case 3: return (u64)(k >> 8) * 144;
+        case 4: return (u64)(k >> 8) * 210;
+        case 5: return (u64)(k >> 8) * 84;
+        default: return (u64)(k >> 8) * 110;
+    }
+}
+template <int F> __device__ __forceinline__ float te_val(const u8* __restrict__ row, u64 i) {
+    switch (F) {
+        case 1: return qval<0>(row, i);
+        case 2: return qval<1>(row, i);
+        case 3: return kval<0>(row, i);
+        case 4: return kval<1>(row, i);
+        case 5: return k23val<0>(row, i);
+        default: return k23val<1>(row, i);
+    }
+}
+
+// Weights row[i0 .. i0 + 16) as activation-type values into dst (16-byte aligned shared memory).
+template <int F> __device__ __forceinline__ void te_load_w16(const u8* __restrict__ row, u64 i0, u16* dst) {
+    uint4 lo, hi;
+    if (F == 0) {
+        const uint4* s = (const uint4*)(row + 2 * i0);
+        lo = s[0];
+        hi = s[1];
+    } else {
+        u32 v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            v[e] = (u32)ACT_STORE(te_val<F>(row, i0 + 2 * e)) | ((u32)ACT_STORE(te_val<F>(row, i0 + 2 * e + 1)) << 16);
+        lo = make_uint4(v[0], v[1], v[2], v[3]);
+        hi = make_uint4(v[4], v[5], v[6], v[7]);
+    }
+    ((uint4*)dst)[0] = lo;
+    ((uint4*)dst)[1] = hi;
+}
+
+// acc[j] = the 16 × 8 output block (entries 16w.., outputs 8j..) of x · wᵀ over k, for a block of 4 warps:
+// thread t stages activation rows t/4 and t/4 + 32 (x0, x1: null past the tile's entries, which read as zeros),
+// 8 values each a step, and weight row t/2 (w_row), 16 values a step.
+template <int F>
+__device__ __forceinline__ void te_tile(const act_t* __restrict__ x0, const act_t* __restrict__ x1,
+                                        const u8* __restrict__ w_row, int k, float acc[8][4]) {
+    __shared__ __align__(16) u16 xs[TE_ROWS * TE_LD];
+    __shared__ __align__(16) u16 ws[TE_ROWS * TE_LD];
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
+    const int seg = 8 * (t & 3), xr = t >> 2, wr = t >> 1, half = 16 * (t & 1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int k0 = 0; k0 < k; k0 += TE_K) {
+        *(uint4*)&xs[xr * TE_LD + seg] = x0 ? *(const uint4*)(x0 + k0 + seg) : zero;
+        *(uint4*)&xs[(xr + 32) * TE_LD + seg] = x1 ? *(const uint4*)(x1 + k0 + seg) : zero;
+        te_load_w16<F>(w_row, (u64)(k0 + half), &ws[wr * TE_LD + half]);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TE_K; kk += 16) {
+            const u16* a = &xs[(16 * w + g) * TE_LD + kk + 2 * q];
+            const u32 a0 = *(const u32*)a, a1 = *(const u32*)(a + 8 * TE_LD);
+            const u32 a2 = *(const u32*)(a + 8), a3 = *(const u32*)(a + 8 * TE_LD + 8);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const u16* b = &ws[(8 * j + g) * TE_LD + kk + 2 * q];
+                mma16816(acc[j], a0, a1, a2, a3, *(const u32*)b, *(const u32*)(b + 8), acc[j]);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Kernel A: act[p - gfirst, c] = silu(gate[c] · xn[idx[p]]) · (up[c] · xn[idx[p]]), rounded as `swiglu`
+// rounds, for the entries p of every tile and the 32 columns c of block column blockIdx.x (weight rows 0..32 of
+// the tile are gate rows, 32..64 the same up rows). Grid: ffn / 32 × tiles; 128 threads.
+template <int F>
+__device__ __forceinline__ void te_gate_up(const ExpertTile* __restrict__ tiles, const u32* __restrict__ idx,
+                                           const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off,
+                                           u64 up_off, int hidden, int ffn, u32 gfirst) {
+    const ExpertTile tile = tiles[blockIdx.y];
+    const int t = threadIdx.x, c0 = 32 * blockIdx.x, xr = t >> 2, wr = t >> 1;
+    const int n = (int)tile.count;
+    const act_t* x0 = xr < n ? xn + (u64)idx[tile.first + xr] * hidden : nullptr;
+    const act_t* x1 = xr + 32 < n ? xn + (u64)idx[tile.first + xr + 32] * hidden : nullptr;
+    const u64 off = wr < 32 ? gate_off : up_off;
+    const u8* w_row = (const u8*)tile.unit + off + (u64)(c0 + (wr & 31)) * te_row_bytes<F>(hidden);
+    float acc[8][4];
+    te_tile<F>(x0, x1, w_row, hidden, acc);
+    const int lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * w + g + 8 * h;
+            if (r < n) {
+                const float a0 = acc[j][2 * h], a1 = acc[j][2 * h + 1];
+                const u32 o = (u32)ACT_STORE(a0 / (1.f + expf(-a0)) * acc[j + 4][2 * h]) |
+                              ((u32)ACT_STORE(a1 / (1.f + expf(-a1)) * acc[j + 4][2 * h + 1]) << 16);
+                *(u32*)(act + (u64)(tile.first + r - gfirst) * ffn + c0 + 8 * j + 2 * q) = o;
+            }
+        }
+    }
+}
+
+// Kernel B: y[p - gfirst, c] = down[c] · act[p - gfirst] (f32, unweighted) for the entries p of every tile and
+// the 64 columns c of block column blockIdx.x. Grid: hidden / 64 × tiles; 128 threads.
+template <int F>
+__device__ __forceinline__ void te_down(const ExpertTile* __restrict__ tiles, const act_t* __restrict__ act,
+                                        float* __restrict__ y, u64 down_off, int hidden, int ffn, u32 gfirst) {
+    const ExpertTile tile = tiles[blockIdx.y];
+    const int t = threadIdx.x, c0 = 64 * blockIdx.x, xr = t >> 2, wr = t >> 1;
+    const int n = (int)tile.count;
+    const act_t* rows = act + (u64)(tile.first - gfirst) * ffn;
+    const act_t* x0 = xr < n ? rows + (u64)xr * ffn : nullptr;
+    const act_t* x1 = xr + 32 < n ? rows + (u64)(xr + 32) * ffn : nullptr;
+    const u8* w_row = (const u8*)tile.unit + down_off + (u64)(c0 + wr) * te_row_bytes<F>(ffn);
+    float acc[8][4];
+    te_tile<F>(x0, x1, w_row, ffn, acc);
+    const int lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * w + g + 8 * h;
+            if (r < n)
+                *(float2*)(y + (u64)(tile.first + r - gfirst) * hidden + c0 + 8 * j + 2 * q) =
+                    make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        }
+    }
+}
+
+#define TILED_EXPERTS(F, name)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tiled_##name(                                     \
+        const ExpertTile* tiles, const u32* idx, const act_t* xn, act_t* act, u64 gate_off, u64 up_off,            \
+        int hidden, int ffn, u32 gfirst) {                                                                          \
+        te_gate_up<F>(tiles, idx, xn, act, gate_off, up_off, hidden, ffn, gfirst);                                  \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) moe_down_tiled_##name(                                        \
+        const ExpertTile* tiles, const act_t* act, float* y, u64 down_off, int hidden, int ffn, u32 gfirst) {       \
+        te_down<F>(tiles, act, y, down_off, hidden, ffn, gfirst);                                                   \
+    }
+// cuda::TILED_FORMATS, in order.
+TILED_EXPERTS(0, act)
+TILED_EXPERTS(1, q8_0)
+TILED_EXPERTS(2, q4_0)
+TILED_EXPERTS(3, q4_k)
+TILED_EXPERTS(4, q6_k)
+TILED_EXPERTS(5, q2_k)
+TILED_EXPERTS(6, q3_k)
+
+// Kernel C: h[t, :] += wts[p] · y[p - gfirst, :] for token t's entries p of the group, tok_ent[tok_first[t] ..
+// tok_first[t + 1]], in ascending expert order: the additions of `scatter_add_rows`, one launch an expert, in
+// the same order. Grid: ceil(hidden / 256) × m; 256 threads.
+extern "C" __global__ void moe_combine_tiled(const u32* __restrict__ tok_first, const u32* __restrict__ tok_ent,
+                                             const float* __restrict__ wts, const float* __restrict__ y,
+                                             float* __restrict__ h, int hidden, u32 gfirst) {
+    const u32 a = tok_first[blockIdx.y], b = tok_first[blockIdx.y + 1];
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (a == b || j >= hidden) return;
+    float* o = h + (u64)blockIdx.y * hidden + j;
+    float v = *o;
+    for (u32 e = a; e < b; ++e) {
+        const u32 p = tok_ent[e];
+        v += wts[p] * y[(u64)(p - gfirst) * hidden + j];
+    }
+    *o = v;
+}

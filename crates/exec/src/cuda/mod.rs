@@ -28,6 +28,8 @@ use crate::quant::{EXACT_MAX_TOKENS, QFormat};
 use crate::seqs::GpuKeys;
 use crate::weights::ExpertOffsets;
 
+pub mod tiled;
+
 const KERNELS_CU: &str = include_str!("kernels.cu");
 /// cuBLAS workspace we hand it (NVIDIA recommends 32 MiB on Hopper).
 pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -127,6 +129,10 @@ pub struct Kernels {
     scatter_add_rows: CudaFunction,
     moe_gate_up_grouped: CudaFunction,
     moe_down_grouped: CudaFunction,
+    /// The tiled expert kernels by weight format ([`TILED_FORMATS`]) and their combine.
+    moe_gate_up_tiled: [CudaFunction; TILED_FORMATS.len()],
+    moe_down_tiled: [CudaFunction; TILED_FORMATS.len()],
+    moe_combine_tiled: CudaFunction,
     gemv_q8_0: CudaFunction,
     gemv_q4_0: CudaFunction,
     gemv1_q8_0: CudaFunction,
@@ -425,6 +431,15 @@ fn kernel_set<const N: usize>(
 ) -> Result<[CudaFunction; N]> {
     let fs = shapes.iter().map(|s| f(&format!("{prefix}_{s}"))).collect::<Result<Vec<_>>>()?;
     Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a shape")))
+}
+
+/// The tiled expert kernels' instances `{prefix}_{format}`, in [`TILED_FORMATS`]' order.
+fn tiled_set(
+    prefix: &str,
+    f: impl Fn(&str) -> Result<CudaFunction>,
+) -> Result<[CudaFunction; TILED_FORMATS.len()]> {
+    let fs = TILED_FORMATS.iter().map(|s| f(&format!("{prefix}_{s}"))).collect::<Result<Vec<_>>>()?;
+    Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a format")))
 }
 
 impl std::fmt::Display for GemvShape {
@@ -757,6 +772,9 @@ impl Gpu {
             scatter_add_rows: f("scatter_add_rows")?,
             moe_gate_up_grouped: f("moe_gate_up_grouped")?,
             moe_down_grouped: f("moe_down_grouped")?,
+            moe_gate_up_tiled: tiled_set("moe_gate_up_tiled", f)?,
+            moe_down_tiled: tiled_set("moe_down_tiled", f)?,
+            moe_combine_tiled: f("moe_combine_tiled")?,
             gemv_q8_0: f("gemv_q8_0")?,
             gemv_q4_0: f("gemv_q4_0")?,
             gemv1_q8_0: f("gemv1_q8_0")?,
@@ -1234,6 +1252,43 @@ pub struct GroupedIo {
 
 // The cost model prices a step's pinned experts as one group up to core's bound: the grouped kernels' own.
 const _: () = assert!(GROUPED_EXPERTS_MAX_TOKENS == EXACT_MAX_TOKENS as u64);
+
+/// Weight formats of the tiled expert kernels (kernel name suffixes): the activation type (f16/bf16), then
+/// [`QFormat::ALL`] in its order.
+const TILED_FORMATS: [&str; 7] = ["act", "q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "q3_k"];
+const _: () = assert!(TILED_FORMATS.len() == QFormat::ALL.len() + 1);
+
+/// Index of `quant`'s instances in [`TILED_FORMATS`].
+fn tiled_format(quant: Option<QFormat>) -> usize {
+    quant.map_or(0, |q| 1 + QFormat::ALL.iter().position(|&f| f == q).expect("every format is in ALL"))
+}
+
+/// Whether [`Gpu::tiled_experts`] takes experts of `hidden` × `ffn` (any format): its tiles are 32 gate and up
+/// columns, 64 down columns and 32 elements of k wide.
+#[must_use]
+pub fn tiled_experts_fit(hidden: usize, ffn: usize) -> bool {
+    hidden.is_multiple_of(64) && ffn.is_multiple_of(32)
+}
+
+/// Device addresses of one group of [`Gpu::tiled_experts`] (layouts: [`tiled`]).
+#[derive(Debug, Clone, Copy)]
+pub struct TiledIo {
+    /// The group's tiles.
+    pub tiles: u64,
+    /// The layer's token permutation: token rows (u32) and routing weights (f32), by entry.
+    pub idx: u64,
+    pub wts: u64,
+    /// The group's `m + 1` per-token offsets into `tok_ent`, the entry lists.
+    pub tok_first: u64,
+    pub tok_ent: u64,
+    /// The layer's normed activations, a row per token.
+    pub xn: u64,
+    /// A SwiGLU row (activations, `ffn`) and an output row (f32, `hidden`) per entry of the group.
+    pub act: u64,
+    pub y: u64,
+    /// The residual stream (f32) the weighted outputs are added to.
+    pub h: u64,
+}
 
 /// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
 /// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices (the quantised formats'
@@ -1879,6 +1934,97 @@ impl Gpu {
                 .arg(&m32)
                 .launch(b_cfg)
                 .map_err(driver_err("cuLaunchKernel(moe_down_grouped)"))?;
+        }
+        Ok(())
+    }
+
+    /// One group of a MoE layer's pinned picked experts ([`tiled`]) in three launches, any weight format:
+    /// - `moe_gate_up_tiled_*`: for each tile of at most 64 entries and 32 columns of gate and up, the weights
+    ///   dequantised into shared memory (rounded to the activation type, as `dequant_*` does) and multiplied
+    ///   with the entries' rows of `io.xn` (read through `io.idx`: no gather) on tensor cores, then SwiGLU,
+    ///   rounded to the activation type as `swiglu` does, into the entry's row of `io.act`;
+    /// - `moe_down_tiled_*`: the same for down over `io.act`, into `io.y` (f32);
+    /// - `moe_combine_tiled`: for each token, `h += w · y` over its entries of the group in ascending expert
+    ///   order — the additions of the per-expert path's scatter-adds, in their order.
+    ///
+    /// Each output is [`Gpu::expert_ffn`]'s (dequantise + cuBLAS above [`EXACT_MAX_TOKENS`] tokens) up to the
+    /// order of its f32 additions.
+    ///
+    /// # Safety
+    /// `io.tiles` holds `tiles` tiles of the group, whose entries are `first_entry ..` (as [`tiled`] lays
+    /// them out), of expert units holding gate and up (`ffn × hidden`) and down (`hidden × ffn`) in `quant`'s
+    /// format (the activation type where `None`) at `o`'s offsets, rows 16-byte aligned; `io.tok_first` `m + 1`
+    /// offsets into `io.tok_ent`, whose entries are the group's; `io.idx`/`io.wts` every entry named; token
+    /// rows < `m` of `io.xn` (activations, `hidden`) and `io.h` (f32); `io.act` and `io.y` a row per entry
+    /// of the group; [`tiled_experts_fit`] holds.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tiled_experts(
+        &self,
+        k: &Kernels,
+        quant: Option<QFormat>,
+        o: ExpertOffsets,
+        io: &TiledIo,
+        tiles: usize,
+        first_entry: usize,
+        m: usize,
+        hidden: usize,
+        ffn: usize,
+    ) -> Result<()> {
+        if tiles == 0 {
+            return Ok(());
+        }
+        if !tiled_experts_fit(hidden, ffn) {
+            return Err(ExecError::Cuda {
+                call: "tiled_experts",
+                reason: format!("hidden {hidden}, ffn {ffn}: outside the tiled kernels' shapes"),
+            });
+        }
+        let f = tiled_format(quant);
+        let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
+        let (hd, fe, gfirst) = (hidden as i32, ffn as i32, first_entry as u32);
+        let cfg = |x: usize, y: usize, threads: u32| LaunchConfig {
+            grid_dim: (x as u32, y as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match the kernels; the sizes are the caller's, as documented; kernels on the
+        // compute stream run in order, so each reads what the one before wrote.
+        unsafe {
+            self.compute
+                .launch_builder(&k.moe_gate_up_tiled[f])
+                .arg(&io.tiles)
+                .arg(&io.idx)
+                .arg(&io.xn)
+                .arg(&io.act)
+                .arg(&gate)
+                .arg(&up)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gfirst)
+                .launch(cfg(ffn / 32, tiles, 128))
+                .map_err(driver_err("cuLaunchKernel(moe_gate_up_tiled)"))?;
+            self.compute
+                .launch_builder(&k.moe_down_tiled[f])
+                .arg(&io.tiles)
+                .arg(&io.act)
+                .arg(&io.y)
+                .arg(&down)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gfirst)
+                .launch(cfg(hidden / 64, tiles, 128))
+                .map_err(driver_err("cuLaunchKernel(moe_down_tiled)"))?;
+            self.compute
+                .launch_builder(&k.moe_combine_tiled)
+                .arg(&io.tok_first)
+                .arg(&io.tok_ent)
+                .arg(&io.wts)
+                .arg(&io.y)
+                .arg(&io.h)
+                .arg(&hd)
+                .arg(&gfirst)
+                .launch(cfg(hidden.div_ceil(256), m, 256))
+                .map_err(driver_err("cuLaunchKernel(moe_combine_tiled)"))?;
         }
         Ok(())
     }
