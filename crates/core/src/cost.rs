@@ -293,13 +293,18 @@ impl TableCostModel {
                 .filter(|f| f.device == ctx.device && f.class == class && f.dtype == dtype)
                 .min_by_key(|f| (f.group.abs_diff(group), f.threads.abs_diff(threads)))
         };
-        if ctx.grouped_experts && ctx.device == Device::Gpu && matches!(op.kind, OpKind::Experts { .. }) {
-            let class = if op.tokens <= GROUPED_EXPERTS_MAX_TOKENS {
-                OpClass::ExpertsGrouped
-            } else {
-                OpClass::ExpertsTiled
+        if ctx.grouped_experts
+            && ctx.device == Device::Gpu
+            && let OpKind::Experts { tokens_per_touched, .. } = op.kind
+        {
+            // Our executor keeps quantised experts of few tokens on their exact per-expert GEMVs.
+            let exact = op.dtype.is_quantized() && tokens_per_touched <= GROUPED_EXPERTS_MAX_TOKENS as f64;
+            let class = match op.tokens <= GROUPED_EXPERTS_MAX_TOKENS {
+                true => Some(OpClass::ExpertsGrouped),
+                false if !exact => Some(OpClass::ExpertsTiled),
+                false => None,
             };
-            if let Some(f) = find(class, op.dtype) {
+            if let Some(f) = class.and_then(|c| find(c, op.dtype)) {
                 return Some(f);
             }
         }

@@ -234,7 +234,8 @@ pub enum OpClass {
     /// A MoE layer's pinned routed experts of a step of more than [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run in
     /// groups of three launches (our executor's tiled kernels, any format). Profile rows only, GPU; ops stay
     /// [`OpKind::Experts`]. A row's `tokens` is each expert's tokens, as for [`OpClass::Experts`], and its time
-    /// one expert's share of a group of such experts as large as a prefill chunk's rows hold.
+    /// one expert's share of a group of such experts as large as a prefill chunk's rows hold. Quantised experts
+    /// of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens keep their exact per-expert GEMVs (no rows there).
     ExpertsTiled,
 }
 

@@ -1716,13 +1716,19 @@ impl<'a> Exec<'a> {
         .then(|| offsets(gpu_experts[0]))
         .flatten()
         .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
-        // Steps of more tokens (and quantised experts) take the tiled kernels ([`tiled`]) for the pinned ones,
-        // three launches a group whose entries fit the per-expert path's `moe_act`/`moe_y` rows, with their
-        // index in its `moe_gate_up` (which the tiled kernels leave unused).
-        let pinned_entries: usize = gpu_experts[..pinned].iter().map(|&e| lists[e as usize].len()).sum();
+        // Steps of more tokens take the tiled kernels ([`tiled`]) for the pinned experts, three launches a group
+        // whose entries fit the per-expert path's `moe_act`/`moe_y` rows, with their index in its `moe_gate_up`
+        // (which the tiled kernels leave unused). They round quantised weights to the activation type, as the
+        // per-expert path does above EXACT_MAX_TOKENS rows only: a quantised expert of fewer tokens keeps its
+        // exact GEMVs (CPU and GPU compute the same function at every count; `quant::EXACT_MAX_TOKENS`), after
+        // the tiled ones. In a 1024-token chunk of qwen3-30b-a3b (≈ 63 tokens an expert) there are none.
+        let exact = |e: u32| d.quant.is_some() && lists[e as usize].len() <= EXACT_MAX_TOKENS;
+        let tiled_n = gpu_experts[..pinned].iter().filter(|&&e| !exact(e)).count();
+        let tiled_entries: usize =
+            gpu_experts[..pinned].iter().filter(|&&e| !exact(e)).map(|&e| lists[e as usize].len()).sum();
         let rows = lay.scratch.tokens;
-        let index_max = tiled::tiled_index_max_bytes(m, pinned_entries, pinned, rows);
-        let tiled_offsets = (pinned > 0
+        let index_max = tiled::tiled_index_max_bytes(m, tiled_entries, tiled_n, rows);
+        let tiled_offsets = (tiled_n > 0
             && m > EXACT_MAX_TOKENS
             && self.opts.grouped_experts == GroupedExperts::On
             && tiled_experts_fit(hd, fe)
@@ -1731,6 +1737,10 @@ impl<'a> Exec<'a> {
             .then(|| offsets(gpu_experts[0]))
             .flatten()
             .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
+        if tiled_offsets.is_some() {
+            // The tiled experts first, then the exact ones, each kind ascending (a stable sort).
+            gpu_experts[..pinned].sort_by_key(|&e| exact(e));
+        }
         // 3. GPU experts' token lists (and the normed input, if the router ran on the CPU) go up, before the
         // streamed experts' copies are queued, on the stream `expert_inputs_stream` says; on the H2D stream,
         // the compute stream waits for them by an event.
@@ -1774,7 +1784,7 @@ impl<'a> Exec<'a> {
                 d.mat.write_row(&xn, &mut buf[io_xn..io_xn + m * hd * d.mat.size_bytes()]);
             }
             if tiled_offsets.is_some() {
-                let units: Vec<(u64, usize)> = gpu_experts[..pinned]
+                let units: Vec<(u64, usize)> = gpu_experts[..tiled_n]
                     .iter()
                     .map(|&e| {
                         let WeightLoc::Pinned(o) = locs[e as usize] else {
@@ -1783,7 +1793,7 @@ impl<'a> Exec<'a> {
                         (arena + o as u64, lists[e as usize].len())
                     })
                     .collect();
-                let tokens: Vec<u32> = gpu_experts[..pinned]
+                let tokens: Vec<u32> = gpu_experts[..tiled_n]
                     .iter()
                     .flat_map(|&e| lists[e as usize].iter().map(|l| l.0))
                     .collect();
@@ -1834,7 +1844,10 @@ impl<'a> Exec<'a> {
                 (Some(o), _) => {
                     ex.enqueue_grouped_experts(lay, layer, &lists, &gpu_experts[..pinned], o, m)?
                 }
-                (None, Some((o, ix))) => ex.enqueue_tiled_experts(lay, layer, ix, pinned, o, m)?,
+                (None, Some((o, ix))) => {
+                    let first = ex.enqueue_tiled_experts(lay, layer, ix, tiled_n, o, m)?;
+                    ex.enqueue_experts(lay, layer, &lists, &gpu_experts[tiled_n..pinned], true, first)?
+                }
                 (None, None) => ex.enqueue_experts(lay, layer, &lists, &gpu_experts[..pinned], true, 0)?,
             };
             ex.enqueue_experts(lay, layer, &lists, &gpu_experts[pinned..], false, first)?;

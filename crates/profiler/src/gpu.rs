@@ -269,6 +269,12 @@ fn tiled_fit(s: &shapes::MatShape) -> bool {
     tiled_experts_fit(s.k as usize, s.n as usize)
 }
 
+/// Whether exec tiles experts of `m` tokens in `dtype`: quantised experts of at most
+/// [`GROUPED_EXPERTS_MAX_TOKENS`] (exec's `EXACT_MAX_TOKENS`) tokens keep their exact per-expert GEMVs.
+fn tiled_row(dtype: DType, m: usize) -> bool {
+    !dtype.is_quantized() || m as u64 > GROUPED_EXPERTS_MAX_TOKENS
+}
+
 /// The tiled rows' device buffers ([`time_tiled`]).
 struct TiledBufs<'a> {
     idx: &'a DevBuf,
@@ -1183,8 +1189,9 @@ fn measure_gpu_ops(
         .map(|&d| {
             let grouped = if QFormat::from_dtype(d).is_none() { grouped_rows } else { 0 };
             let tiled = cat.experts.iter().filter(|s| fits(d, s.n, s.k, true) && tiled_fit(s)).count();
+            let tiled_tokens = g.tokens.iter().filter(|&&m| tiled_row(d, m)).count();
             shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len()
-                + tiled * g.tokens.len()
+                + tiled * tiled_tokens
                 + grouped
         })
         .sum::<usize>();
@@ -1261,7 +1268,7 @@ fn measure_gpu_ops(
                 });
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
-                if experts && tiled_fit(shape) {
+                if experts && tiled_fit(shape) && tiled_row(dtype, m) {
                     let units = (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS).min(copies);
                     let tiled_io =
                         TiledBufs { idx: &t_idx, wts: &t_wts, act: &t_act, y: &t_y, index: &t_index };

@@ -1947,8 +1947,9 @@ impl Gpu {
     /// - `moe_combine_tiled`: for each token, `h += w · y` over its entries of the group in ascending expert
     ///   order — the additions of the per-expert path's scatter-adds, in their order.
     ///
-    /// Each output is [`Gpu::expert_ffn`]'s (dequantise + cuBLAS above [`EXACT_MAX_TOKENS`] tokens) up to the
-    /// order of its f32 additions.
+    /// Each output is [`Gpu::expert_ffn`]'s over more than [`EXACT_MAX_TOKENS`] rows (dequantise to the
+    /// activation type, then cuBLAS) up to the order of its f32 additions — at every entry count: callers keep
+    /// quantised experts of at most [`EXACT_MAX_TOKENS`] entries on [`Gpu::expert_ffn`]'s exact GEMVs.
     ///
     /// # Safety
     /// `io.tiles` holds `tiles` tiles of the group, whose entries are `first_entry ..` (as [`tiled`] lays
