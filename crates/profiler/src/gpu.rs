@@ -306,7 +306,8 @@ fn time_tiled(
     let entries = units * m;
     let tokens: Vec<u32> = (0..units).flat_map(|_| 0..m as u32).collect();
     let idx: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let index_bytes = tiled::tiled_index_max_bytes(m, entries, units, entries);
+    // Variants 16 bytes apart at least: a tile starts with a u64.
+    let index_bytes = tiled::tiled_index_max_bytes(m, entries, units, entries).next_multiple_of(16);
     let variants = copies.div_ceil(units).min(bufs.index.bytes() / index_bytes).max(1);
     let mut host = vec![0u8; variants * index_bytes];
     let mut layout = None;
@@ -1199,7 +1200,7 @@ fn measure_gpu_ops(
     let tiled_entries = |m: usize| m * (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS);
     let tiled_index_bytes = |m: usize| {
         let experts = tiled_entries(m) / m;
-        tiled::tiled_index_max_bytes(m, tiled_entries(m), experts, tiled_entries(m))
+        tiled::tiled_index_max_bytes(m, tiled_entries(m), experts, tiled_entries(m)).next_multiple_of(16)
     };
     let t_entries_max = g.tokens.iter().map(|&m| tiled_entries(m)).max().unwrap_or(1);
     let t_index_max = g.tokens.iter().map(|&m| tiled_index_bytes(m)).max().unwrap_or(1);
