@@ -42,8 +42,9 @@ if [[ $PARTS == *hostsection* ]]; then
   # Everything the host shapes (PCIe, launches, interference, DRAM, CPU), GPU op rows from $GPU_FROM (~3 min
   # instead of ~5 for the whole profile). It did not make the validation that follows more accurate (run27:
   # its CPU GEMV rows read 26 % slow while the cells minutes later ran at full speed; README, session 12).
+  # GPU_EXPERTS=1: the GPU's routed-expert rows measured again too (an executor change moved them).
   timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
-    --gpu-from "$GPU_FROM" --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
+    --gpu-from "$GPU_FROM" ${GPU_EXPERTS:+--gpu-experts} --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-host.log"
   grep -E "^note|exit|wall time" "$OUT/profile-host.log" | cut -c1-200
 fi

@@ -51,6 +51,10 @@ pub enum ProfileCommand {
         /// The profile whose GPU and PCIe sections a `--cpu-only` run keeps (`--host-only`: its GPU op rows).
         #[arg(long)]
         gpu_from: Option<PathBuf>,
+        /// With `--host-only`: also measure the GPU's routed-expert rows (per expert, grouped, tiled) and put
+        /// them in place of the `--gpu-from` profile's (host-paced rows, which an executor change moves).
+        #[arg(long, requires = "host_only")]
+        gpu_experts: bool,
         /// With `--cpu-only`: also measure the GPU's batched decode attention (R sequences in one step) and
         /// replace the `--gpu-from` profile's rows of it.
         #[arg(long, requires = "cpu_only")]
@@ -184,6 +188,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
             cpu_only,
             host_only,
             gpu_from,
+            gpu_experts,
             gpu_decode_attention,
             plot,
         } => {
@@ -205,6 +210,7 @@ pub fn run(cmd: ProfileCommand) -> anyhow::Result<()> {
                 threads,
                 gpu_from,
                 host_only,
+                gpu_experts,
                 gpu_decode_attention,
                 command,
                 commit,

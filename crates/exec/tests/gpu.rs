@@ -1197,8 +1197,8 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
 /// A layer's pinned experts through the tiled kernels (`Gpu::tiled_experts`, groups cut by
 /// `cuda::tiled::build_tiled_index`) against the per-expert path (`Gpu::expert_ffn`, experts in order, over more
 /// than 8 rows: weights rounded to the activation type, as the tiled kernels round them at every count) and the
-/// CPU's matmuls on those rounded weights, SwiGLU and weighted sum, in every weight format: 9 and 100 tokens
-/// over 6 experts (one of 90 tokens, two tiles), groups of as many rows as tokens (several groups) and of all
+/// CPU's matmuls on those rounded weights, SwiGLU and weighted sum, in every weight format: 9 and 200 tokens
+/// over 6 experts (one of 180 tokens, two tiles), groups of as many rows as tokens (several groups) and of all
 /// entries (one). The
 /// residual's change within 1e-3 relative; the SwiGLU and output rows start as NaN, so a row read unwritten
 /// fails; rows of tokens no expert picked stay bit for bit.
@@ -1278,8 +1278,8 @@ fn tiled_experts_match_the_per_expert_path_and_the_cpu_in_every_format() {
             matmul(&pool, x, m, k, rounded.as_deref().unwrap_or(w), act, n, &mut y, false);
             y
         };
-        for m in [9usize, 100] {
-            // Expert 0 takes every token but each tenth (90 of 100: two tiles), the others about half; token
+        for m in [9usize, 200] {
+            // Expert 0 takes every token but each tenth (180 of 200: two tiles), the others about half; token
             // 3 none (its row must stay as it was).
             let lists: Vec<Vec<(u32, f32)>> = (0..n_experts)
                 .map(|e| {

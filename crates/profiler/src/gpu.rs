@@ -520,6 +520,7 @@ pub fn measure_all(
     mode: Mode,
     threads: &[u32],
     gpu_ops_from: Option<&[OpRow]>,
+    experts_again: bool,
     figures: &mut Figures,
     notes: &mut Vec<String>,
     progress: &dyn Progress,
@@ -679,20 +680,30 @@ pub fn measure_all(
     let _sreg = unsafe { gpu.register(&staging)? };
     // The H200 itself does not change between leases, its shared host does: a host-only run keeps another
     // run's op rows and re-measures only what the host shapes (PCIe, launches, interference, DRAM, CPU).
-    let gpu_rows = match gpu_ops_from {
-        Some(rows) => rows.to_vec(),
-        None => measure_gpu_ops(
+    // Its routed-expert rows are host-paced too, and an executor change moves them: `experts_again` measures them
+    // here in place of the base's.
+    let mut measure_ops = |only_experts: bool| {
+        measure_gpu_ops(
             &gpu,
             &b,
             &g,
             &cat,
             &mut staging,
             (&wbuf, &xbuf, &ybuf),
-            rot_bytes,
-            max_m,
+            (rot_bytes, max_m),
+            only_experts,
             notes,
             progress,
-        )?,
+        )
+    };
+    let gpu_rows = match gpu_ops_from {
+        Some(rows) if experts_again => {
+            let mut kept: Vec<OpRow> = rows.iter().filter(|r| !is_gpu_experts_row(r.op)).cloned().collect();
+            kept.extend(measure_ops(true)?);
+            kept
+        }
+        Some(rows) => rows.to_vec(),
+        None => measure_ops(false)?,
     };
     // Two f32 elements for the sync measurement.
     let tiny = gpu.alloc(8)?;
@@ -1113,9 +1124,15 @@ fn routing_round_trip(
     Ok((to_cpu, to_gpu))
 }
 
+/// The GPU routed-expert row families (per expert, grouped, tiled).
+fn is_gpu_experts_row(op: OpClass) -> bool {
+    matches!(op, OpClass::Experts | OpClass::ExpertsGrouped | OpClass::ExpertsTiled)
+}
+
 /// exec's GPU op rows: GEMM/GEMV and routed experts over the catalog shapes × tokens, attention (prefill chunks,
-/// decode, batched decode) over contexts and layouts, and the elementwise kernels. `wbuf` (`rot_bytes`), `xbuf`
-/// and `ybuf` are sized for the largest shape and token count (`max_m`).
+/// decode, batched decode) over contexts and layouts, and the elementwise kernels; `only_experts`: the routed
+/// experts' rows alone. `wbuf` (`rot_bytes`), `xbuf` and `ybuf` are sized for the largest shape and token count
+/// (`max_m`).
 #[allow(clippy::too_many_arguments)]
 fn measure_gpu_ops(
     gpu: &Gpu,
@@ -1124,8 +1141,8 @@ fn measure_gpu_ops(
     cat: &shapes::Shapes,
     staging: &mut HostBuf,
     (wbuf, xbuf, ybuf): (&DevBuf, &DevBuf, &DevBuf),
-    rot_bytes: usize,
-    max_m: usize,
+    (rot_bytes, max_m): (usize, usize),
+    only_experts: bool,
     notes: &mut Vec<String>,
     progress: &dyn Progress,
 ) -> Result<Vec<OpRow>> {
@@ -1180,8 +1197,9 @@ fn measure_gpu_ops(
         let block = dtype.block_elems();
         !dtype.is_quantized() || (k.is_multiple_of(block) && (!experts || n.is_multiple_of(block)))
     };
+    let matmuls = cat.matmul.iter().filter(|_| !only_experts);
     let shapes: Vec<(&shapes::MatShape, bool)> =
-        cat.matmul.iter().map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
+        matmuls.map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
     let grouped_rows: usize =
         cat.experts.iter().map(|s| group_sizes(s.n as usize, s.k as usize, rot_bytes).len()).sum();
     let steps = g
@@ -1363,6 +1381,9 @@ fn measure_gpu_ops(
                 ))?;
             }
         }
+    }
+    if only_experts {
+        return Ok(gpu_rows);
     }
 
     // Attention: exec's kernel, prefill chunks and decode, over contexts and head layouts.

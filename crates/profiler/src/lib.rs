@@ -113,6 +113,9 @@ pub struct Config {
     /// elementwise), which a GPU of the same model reproduces while the shared host's figures drift
     /// (results/validation/2026-12-01-nvidia-h200, run22–run24).
     pub host_only: bool,
+    /// With `host_only`: measure the GPU's routed-expert rows (per expert, grouped, tiled) here too and put them
+    /// in place of the base profile's: they are paced by the host's launches, and an executor change moves them.
+    pub gpu_experts: bool,
     /// With `gpu_from`: measure the GPU's batched decode attention here too and put its rows in place of the
     /// base profile's (a base measured before those rows existed, or on another machine).
     pub gpu_decode_attention: bool,
@@ -264,6 +267,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
                 cfg.mode,
                 &threads,
                 Some(&base.gpu.ops),
+                cfg.gpu_experts,
                 &mut figures,
                 &mut notes,
                 progress,
@@ -276,10 +280,12 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
                 )));
             }
             notes.push(format!(
-                "host-only run: GPU op rows (GEMM, attention, elementwise) are those of the base profile `{}` ({}); \
-                 PCIe, launch, sync, interference, DRAM and CPU measured by this run",
+                "host-only run: GPU op rows (GEMM, attention, elementwise{}) are those of the base profile `{}` \
+                 ({}); PCIe, launch, sync, interference, DRAM and CPU{} measured by this run",
+                if cfg.gpu_experts { "" } else { ", routed experts" },
                 base.machine.name,
-                provenance_line(&base.provenance)
+                provenance_line(&base.provenance),
+                if cfg.gpu_experts { ", the GPU's routed-expert rows" } else { "" }
             ));
             p
         }
@@ -309,7 +315,7 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             p.machine.gpu = format!("{} (from profile {})", base.machine.gpu, base.machine.name);
             p
         }
-        None => gpu::measure_all(cfg.mode, &threads, None, &mut figures, &mut notes, progress)?,
+        None => gpu::measure_all(cfg.mode, &threads, None, false, &mut figures, &mut notes, progress)?,
     };
     profile.schema_version = PROFILE_SCHEMA_VERSION;
     profile.machine = Machine {

@@ -25,6 +25,7 @@ fn tiny_config() -> Config {
         threads: vec![1, 2],
         gpu_from: Some(reference::derived("cli3").unwrap()),
         host_only: false,
+        gpu_experts: false,
         gpu_decode_attention: false,
         command: "test".into(),
         commit: "test".into(),

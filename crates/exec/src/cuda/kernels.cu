@@ -1503,7 +1503,9 @@ DECODE_GEMV(decode_gemv_norm_relu2_2x8, 1, 2, 2, 8)
 // and `moe_y` rows. Weights are dequantised into shared memory as the `dequant_*` kernels round them (so the
 // products are those of the dequantise + cuBLAS path) and multiplied on tensor cores (m16n8k16, f32
 // accumulation): outputs equal that path's up to the order of the f32 additions.
-#define TE_ROWS 64  // cuda::TILE_ENTRIES
+#define TE_ROWS 128  // cuda::tiled::TILE_ENTRIES: 8 warps of 16 rows, so that an expert of a 1024-token chunk
+                     // (≈ 63 ± 8 entries for qwen3-30b-a3b) is one tile, its weights dequantised once
+#define TE_THREADS 256
 #define TE_K 32     // k a step: a q8_0/q4_0 block, an eighth of a K-quant super-block
 #define TE_LD 40    // shared row stride in 16-bit values: 80 bytes, so a warp's fragment loads hit 32 banks
 
@@ -1536,52 +1538,52 @@ template <int F> __device__ __forceinline__ float te_val(const u8* __restrict__ 
     }
 }
 
-// Weights row[i0 .. i0 + 16) as activation-type values into dst (16-byte aligned shared memory).
-template <int F> __device__ __forceinline__ void te_load_w16(const u8* __restrict__ row, u64 i0, u16* dst) {
-    uint4 lo, hi;
+// Weights row[i0 .. i0 + 8) as activation-type values into dst (16-byte aligned shared memory).
+template <int F> __device__ __forceinline__ void te_load_w8(const u8* __restrict__ row, u64 i0, u16* dst) {
+    uint4 v;
     if (F == 0) {
-        const uint4* s = (const uint4*)(row + 2 * i0);
-        lo = s[0];
-        hi = s[1];
+        v = *(const uint4*)(row + 2 * i0);
     } else {
-        u32 v[8];
+        u32 p[4];
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-            v[e] = (u32)ACT_STORE(te_val<F>(row, i0 + 2 * e)) | ((u32)ACT_STORE(te_val<F>(row, i0 + 2 * e + 1)) << 16);
-        lo = make_uint4(v[0], v[1], v[2], v[3]);
-        hi = make_uint4(v[4], v[5], v[6], v[7]);
+        for (int e = 0; e < 4; ++e)
+            p[e] = (u32)ACT_STORE(te_val<F>(row, i0 + 2 * e)) | ((u32)ACT_STORE(te_val<F>(row, i0 + 2 * e + 1)) << 16);
+        v = make_uint4(p[0], p[1], p[2], p[3]);
     }
-    ((uint4*)dst)[0] = lo;
-    ((uint4*)dst)[1] = hi;
+    *(uint4*)dst = v;
 }
 
-// acc[j] = the 16 × 8 output block (entries 16w.., outputs 8j..) of x · wᵀ over k, for a block of 4 warps:
-// thread t stages activation rows t/4 and t/4 + 32 (x0, x1: null past the tile's entries, which read as zeros),
-// 8 values each a step, and weight row t/2 (w_row), 16 values a step.
+// acc[j] = the 16 × 8 output block (entries 16w.., outputs 8j..) of x · wᵀ over k, for a block of 8 warps and
+// a tile of n entries: thread t stages activation rows t/4 and t/4 + 64 (x0, x1: null past the tile's entries,
+// which read as zeros), 8 values each a step, and 8 values of weight row t/4 (w_row; 64 rows). Warps whose 16
+// rows are all past n skip their products.
 template <int F>
 __device__ __forceinline__ void te_tile(const act_t* __restrict__ x0, const act_t* __restrict__ x1,
-                                        const u8* __restrict__ w_row, int k, float acc[8][4]) {
+                                        const u8* __restrict__ w_row, int k, int n, float acc[8][4]) {
     __shared__ __align__(16) u16 xs[TE_ROWS * TE_LD];
-    __shared__ __align__(16) u16 ws[TE_ROWS * TE_LD];
+    __shared__ __align__(16) u16 ws[64 * TE_LD];
     const int t = threadIdx.x, lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
-    const int seg = 8 * (t & 3), xr = t >> 2, wr = t >> 1, half = 16 * (t & 1);
+    const int seg = 8 * (t & 3), r = t >> 2;
+    const bool live = 16 * w < n;
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int k0 = 0; k0 < k; k0 += TE_K) {
-        *(uint4*)&xs[xr * TE_LD + seg] = x0 ? *(const uint4*)(x0 + k0 + seg) : zero;
-        *(uint4*)&xs[(xr + 32) * TE_LD + seg] = x1 ? *(const uint4*)(x1 + k0 + seg) : zero;
-        te_load_w16<F>(w_row, (u64)(k0 + half), &ws[wr * TE_LD + half]);
+        *(uint4*)&xs[r * TE_LD + seg] = x0 ? *(const uint4*)(x0 + k0 + seg) : zero;
+        *(uint4*)&xs[(r + 64) * TE_LD + seg] = x1 ? *(const uint4*)(x1 + k0 + seg) : zero;
+        te_load_w8<F>(w_row, (u64)(k0 + seg), &ws[r * TE_LD + seg]);
         __syncthreads();
+        if (live) {
 #pragma unroll
-        for (int kk = 0; kk < TE_K; kk += 16) {
-            const u16* a = &xs[(16 * w + g) * TE_LD + kk + 2 * q];
-            const u32 a0 = *(const u32*)a, a1 = *(const u32*)(a + 8 * TE_LD);
-            const u32 a2 = *(const u32*)(a + 8), a3 = *(const u32*)(a + 8 * TE_LD + 8);
+            for (int kk = 0; kk < TE_K; kk += 16) {
+                const u16* a = &xs[(16 * w + g) * TE_LD + kk + 2 * q];
+                const u32 a0 = *(const u32*)a, a1 = *(const u32*)(a + 8 * TE_LD);
+                const u32 a2 = *(const u32*)(a + 8), a3 = *(const u32*)(a + 8 * TE_LD + 8);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const u16* b = &ws[(8 * j + g) * TE_LD + kk + 2 * q];
-                mma16816(acc[j], a0, a1, a2, a3, *(const u32*)b, *(const u32*)(b + 8), acc[j]);
+                for (int j = 0; j < 8; ++j) {
+                    const u16* b = &ws[(8 * j + g) * TE_LD + kk + 2 * q];
+                    mma16816(acc[j], a0, a1, a2, a3, *(const u32*)b, *(const u32*)(b + 8), acc[j]);
+                }
             }
         }
         __syncthreads();
@@ -1590,20 +1592,20 @@ __device__ __forceinline__ void te_tile(const act_t* __restrict__ x0, const act_
 
 // Kernel A: act[p - gfirst, c] = silu(gate[c] · xn[idx[p]]) · (up[c] · xn[idx[p]]), rounded as `swiglu`
 // rounds, for the entries p of every tile and the 32 columns c of block column blockIdx.x (weight rows 0..32 of
-// the tile are gate rows, 32..64 the same up rows). Grid: ffn / 32 × tiles; 128 threads.
+// the tile are gate rows, 32..64 the same up rows). Grid: ffn / 32 × tiles; TE_THREADS threads.
 template <int F>
 __device__ __forceinline__ void te_gate_up(const ExpertTile* __restrict__ tiles, const u32* __restrict__ idx,
                                            const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off,
                                            u64 up_off, int hidden, int ffn, u32 gfirst) {
     const ExpertTile tile = tiles[blockIdx.y];
-    const int t = threadIdx.x, c0 = 32 * blockIdx.x, xr = t >> 2, wr = t >> 1;
+    const int t = threadIdx.x, c0 = 32 * blockIdx.x, r = t >> 2;
     const int n = (int)tile.count;
-    const act_t* x0 = xr < n ? xn + (u64)idx[tile.first + xr] * hidden : nullptr;
-    const act_t* x1 = xr + 32 < n ? xn + (u64)idx[tile.first + xr + 32] * hidden : nullptr;
-    const u64 off = wr < 32 ? gate_off : up_off;
-    const u8* w_row = (const u8*)tile.unit + off + (u64)(c0 + (wr & 31)) * te_row_bytes<F>(hidden);
+    const act_t* x0 = r < n ? xn + (u64)idx[tile.first + r] * hidden : nullptr;
+    const act_t* x1 = r + 64 < n ? xn + (u64)idx[tile.first + r + 64] * hidden : nullptr;
+    const u64 off = r < 32 ? gate_off : up_off;
+    const u8* w_row = (const u8*)tile.unit + off + (u64)(c0 + (r & 31)) * te_row_bytes<F>(hidden);
     float acc[8][4];
-    te_tile<F>(x0, x1, w_row, hidden, acc);
+    te_tile<F>(x0, x1, w_row, hidden, n, acc);
     const int lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1621,19 +1623,19 @@ __device__ __forceinline__ void te_gate_up(const ExpertTile* __restrict__ tiles,
 }
 
 // Kernel B: y[p - gfirst, c] = down[c] · act[p - gfirst] (f32, unweighted) for the entries p of every tile and
-// the 64 columns c of block column blockIdx.x. Grid: hidden / 64 × tiles; 128 threads.
+// the 64 columns c of block column blockIdx.x. Grid: hidden / 64 × tiles; TE_THREADS threads.
 template <int F>
 __device__ __forceinline__ void te_down(const ExpertTile* __restrict__ tiles, const act_t* __restrict__ act,
                                         float* __restrict__ y, u64 down_off, int hidden, int ffn, u32 gfirst) {
     const ExpertTile tile = tiles[blockIdx.y];
-    const int t = threadIdx.x, c0 = 64 * blockIdx.x, xr = t >> 2, wr = t >> 1;
+    const int t = threadIdx.x, c0 = 64 * blockIdx.x, r = t >> 2;
     const int n = (int)tile.count;
     const act_t* rows = act + (u64)(tile.first - gfirst) * ffn;
-    const act_t* x0 = xr < n ? rows + (u64)xr * ffn : nullptr;
-    const act_t* x1 = xr + 32 < n ? rows + (u64)(xr + 32) * ffn : nullptr;
-    const u8* w_row = (const u8*)tile.unit + down_off + (u64)(c0 + wr) * te_row_bytes<F>(ffn);
+    const act_t* x0 = r < n ? rows + (u64)r * ffn : nullptr;
+    const act_t* x1 = r + 64 < n ? rows + (u64)(r + 64) * ffn : nullptr;
+    const u8* w_row = (const u8*)tile.unit + down_off + (u64)(c0 + r) * te_row_bytes<F>(ffn);
     float acc[8][4];
-    te_tile<F>(x0, x1, w_row, ffn, acc);
+    te_tile<F>(x0, x1, w_row, ffn, n, acc);
     const int lane = t & 31, w = t >> 5, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -1648,12 +1650,12 @@ __device__ __forceinline__ void te_down(const ExpertTile* __restrict__ tiles, co
 }
 
 #define TILED_EXPERTS(F, name)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_tiled_##name(                                     \
+    extern "C" __global__ void __launch_bounds__(TE_THREADS) moe_gate_up_tiled_##name(                                     \
         const ExpertTile* tiles, const u32* idx, const act_t* xn, act_t* act, u64 gate_off, u64 up_off,            \
         int hidden, int ffn, u32 gfirst) {                                                                          \
         te_gate_up<F>(tiles, idx, xn, act, gate_off, up_off, hidden, ffn, gfirst);                                  \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) moe_down_tiled_##name(                                        \
+    extern "C" __global__ void __launch_bounds__(TE_THREADS) moe_down_tiled_##name(                                        \
         const ExpertTile* tiles, const act_t* act, float* y, u64 down_off, int hidden, int ffn, u32 gfirst) {       \
         te_down<F>(tiles, act, y, down_off, hidden, ffn, gfirst);                                                   \
     }

@@ -1258,6 +1258,9 @@ const _: () = assert!(GROUPED_EXPERTS_MAX_TOKENS == EXACT_MAX_TOKENS as u64);
 const TILED_FORMATS: [&str; 7] = ["act", "q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "q3_k"];
 const _: () = assert!(TILED_FORMATS.len() == QFormat::ALL.len() + 1);
 
+/// Threads of a tiled expert kernel's block (`TE_THREADS`): a warp for each 16 of a tile's entries.
+const TILE_THREADS: u32 = (tiled::TILE_ENTRIES / 16 * 32) as u32;
+
 /// Index of `quant`'s instances in [`TILED_FORMATS`].
 fn tiled_format(quant: Option<QFormat>) -> usize {
     quant.map_or(0, |q| 1 + QFormat::ALL.iter().position(|&f| f == q).expect("every format is in ALL"))
@@ -1939,7 +1942,7 @@ impl Gpu {
     }
 
     /// One group of a MoE layer's pinned picked experts ([`tiled`]) in three launches, any weight format:
-    /// - `moe_gate_up_tiled_*`: for each tile of at most 64 entries and 32 columns of gate and up, the weights
+    /// - `moe_gate_up_tiled_*`: for each tile of at most 128 entries and 32 columns of gate and up, the weights
     ///   dequantised into shared memory (rounded to the activation type, as `dequant_*` does) and multiplied
     ///   with the entries' rows of `io.xn` (read through `io.idx`: no gather) on tensor cores, then SwiGLU,
     ///   rounded to the activation type as `swiglu` does, into the entry's row of `io.act`;
@@ -2002,7 +2005,7 @@ impl Gpu {
                 .arg(&hd)
                 .arg(&fe)
                 .arg(&gfirst)
-                .launch(cfg(ffn / 32, tiles, 128))
+                .launch(cfg(ffn / 32, tiles, TILE_THREADS))
                 .map_err(driver_err("cuLaunchKernel(moe_gate_up_tiled)"))?;
             self.compute
                 .launch_builder(&k.moe_down_tiled[f])
@@ -2013,7 +2016,7 @@ impl Gpu {
                 .arg(&hd)
                 .arg(&fe)
                 .arg(&gfirst)
-                .launch(cfg(hidden / 64, tiles, 128))
+                .launch(cfg(hidden / 64, tiles, TILE_THREADS))
                 .map_err(driver_err("cuLaunchKernel(moe_down_tiled)"))?;
             self.compute
                 .launch_builder(&k.moe_combine_tiled)
