@@ -284,10 +284,22 @@ struct TiledBufs<'a> {
     index: &'a DevBuf,
 }
 
-/// One expert's share of exec's tiled kernels over a group of `units` experts of `m` tokens each (tokens
-/// 0..m, weight 0.125), in `quant`'s format (`n × k`: ffn × hidden): the group's time ÷ `units`, unheld as
-/// exec enqueues it after the routing. Sample i takes the units of index variant i mod (variants), which
-/// together cycle through all `copies` units of `wbuf` (`unit_bytes` apart), so that no weights come from L2.
+/// Entries of each of a tiled row's `units` experts of `m` tokens on average: from 16 tokens on, spread as a
+/// layer's routing spreads them (qwen3-30b-a3b's 1024-token chunk: 63 ± 8, a binomial's ±√m), cycling
+/// through m + √m·{−1.5, −0.5, +0.5, +1.5}, so that the rows see the tiles' 16-entry warps partly filled as a
+/// layer does; at most `max_m` (distinct tokens).
+fn tiled_counts(m: usize, units: usize, max_m: usize) -> Vec<usize> {
+    const SPREAD: [f64; 4] = [-1.5, -0.5, 0.5, 1.5];
+    let sd = if m >= 16 { (m as f64).sqrt() } else { 0.0 };
+    (0..units).map(|e| ((m as f64 + sd * SPREAD[e % 4]).round() as usize).clamp(1, max_m)).collect()
+}
+
+/// One expert's share of exec's tiled kernels over a group of `units` experts of `m` tokens on average
+/// ([`tiled_counts`]), in `quant`'s format (`n × k`: ffn × hidden): the group's time ÷ `units`, unheld as exec
+/// enqueues it after the routing. As in a layer, the group's entries name distinct token rows (up to
+/// `max_m`), so the gathers and the combine cover as many rows as a prefill chunk's. Sample i takes the units
+/// of index variant i mod (variants), which together cycle through all `copies` units of `wbuf`
+/// (`unit_bytes` apart), so that no weights come from L2.
 #[allow(clippy::too_many_arguments)]
 fn time_tiled(
     gpu: &Gpu,
@@ -297,24 +309,28 @@ fn time_tiled(
     (wbuf, unit_bytes, copies): (&DevBuf, usize, usize),
     expert: ExpertOffsets,
     (n, k): (usize, usize),
-    m: usize,
+    (m, max_m): (usize, usize),
     units: usize,
     bufs: &TiledBufs<'_>,
     h: u64,
     xbuf: &DevBuf,
 ) -> Result<Stat> {
-    let entries = units * m;
-    let tokens: Vec<u32> = (0..units).flat_map(|_| 0..m as u32).collect();
+    let counts = tiled_counts(m, units, max_m);
+    let entries: usize = counts.iter().sum();
+    // Expert e's entries take the next token rows, wrapping at max_m (an expert's stay distinct).
+    let rows_m = entries.min(max_m);
+    let tokens: Vec<u32> = (0..entries).map(|p| (p % max_m) as u32).collect();
     let idx: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     // Variants 16 bytes apart at least: a tile starts with a u64.
-    let index_bytes = tiled::tiled_index_max_bytes(m, entries, units, entries).next_multiple_of(16);
+    let index_bytes = tiled::tiled_index_max_bytes(rows_m, entries, units, entries).next_multiple_of(16);
     let variants = copies.div_ceil(units).min(bufs.index.bytes() / index_bytes).max(1);
     let mut host = vec![0u8; variants * index_bytes];
     let mut layout = None;
     for (v, out) in host.chunks_exact_mut(index_bytes).enumerate() {
-        let experts: Vec<(u64, usize)> =
-            (0..units).map(|e| (wbuf.ptr() + (((v * units + e) % copies) * unit_bytes) as u64, m)).collect();
-        layout = Some(tiled::build_tiled_index(&experts, &tokens, m, entries, out));
+        let experts: Vec<(u64, usize)> = (0..units)
+            .map(|e| (wbuf.ptr() + (((v * units + e) % copies) * unit_bytes) as u64, counts[e]))
+            .collect();
+        layout = Some(tiled::build_tiled_index(&experts, &tokens, rows_m, entries, out));
     }
     let ix = layout.expect("one variant at least");
     let [group] = ix.groups.as_slice() else { unreachable!("one group holds all the entries") };
@@ -340,9 +356,9 @@ fn time_tiled(
         };
         // SAFETY: every variant lays out the same tiles and lists (only the unit addresses differ), over
         // `entries` ≤ t_entries_max entries of idx/wts/act/y; the units lie in wbuf with gate, up and down at
-        // `expert` in the format; token rows < m ≤ max_m of xbuf (hidden k) and h (f32, e_hidden ≥ k);
+        // `expert` in the format; token rows < rows_m ≤ max_m of xbuf (hidden k) and h (f32, e_hidden ≥ k);
         // `tiled_fit` checked the shape.
-        unsafe { gpu.tiled_experts(kn, quant, expert, &io, group.tiles.len(), 0, m, k, n)? };
+        unsafe { gpu.tiled_experts(kn, quant, expert, &io, group.tiles.len(), 0, rows_m, k, n)? };
         Ok(())
     })
     .map(|s| Stat { median: s.median / units as f64, ..s })
@@ -1215,10 +1231,11 @@ fn measure_gpu_ops(
         })
         .sum::<usize>();
     // The tiled rows' buffers: a group's token rows (each expert's tokens 0..m) and its index, at most.
-    let tiled_entries = |m: usize| m * (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS);
+    let tiled_units = |m: usize| (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS);
+    let tiled_entries = |m: usize| tiled_counts(m, tiled_units(m), max_m).iter().sum::<usize>();
     let tiled_index_bytes = |m: usize| {
-        let experts = tiled_entries(m) / m;
-        tiled::tiled_index_max_bytes(m, tiled_entries(m), experts, tiled_entries(m)).next_multiple_of(16)
+        let (e, rows) = (tiled_entries(m), tiled_entries(m).min(max_m));
+        tiled::tiled_index_max_bytes(rows, e, tiled_units(m), e).next_multiple_of(16)
     };
     let t_entries_max = g.tokens.iter().map(|&m| tiled_entries(m)).max().unwrap_or(1);
     let t_index_max = g.tokens.iter().map(|&m| tiled_index_bytes(m)).max().unwrap_or(1);
@@ -1288,7 +1305,7 @@ fn measure_gpu_ops(
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
                 if experts && tiled_fit(shape) && tiled_row(dtype, m) {
-                    let units = (TILED_GROUP_ROWS / m).clamp(1, TILED_GROUP_MAX_EXPERTS).min(copies);
+                    let units = tiled_units(m).min(copies);
                     let tiled_io =
                         TiledBufs { idx: &t_idx, wts: &t_wts, act: &t_act, y: &t_y, index: &t_index };
                     let s = time_tiled(
@@ -1299,7 +1316,7 @@ fn measure_gpu_ops(
                         (wbuf, unit_bytes, copies),
                         expert,
                         (n, k),
-                        m,
+                        (m, max_m),
                         units,
                         &tiled_io,
                         expert_io.h,
@@ -1569,6 +1586,19 @@ fn gpu_elementwise(op: OpClass, n: u64, m: usize, s: Stat) -> OpRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tiled row's experts average its token count (units a multiple of 4), spread by ±√m from 16 tokens on
+    /// (63 ± 8 at 64), exact below, and never more than the token rows there are.
+    #[test]
+    fn tiled_rows_spread_their_experts_counts_around_the_rows_tokens() {
+        for m in [1usize, 8, 16, 64, 256, 1024] {
+            let c = tiled_counts(m, 16, 4096);
+            assert_eq!(c.iter().sum::<usize>(), 16 * m, "{m}: {c:?}");
+            assert_eq!(c.iter().all(|&x| x == m), m < 16, "{m}: {c:?}");
+        }
+        assert_eq!(&tiled_counts(64, 4, 4096), &[52, 60, 68, 76]);
+        assert!(tiled_counts(4096, 4, 4096).iter().all(|&x| (1..=4096).contains(&x)));
+    }
 
     /// On a device, the ring issue probe times the host's enqueueing, not the copies it enqueues (64 × 4 MiB
     /// take ≈ 76 µs a unit at PCIe gen5's 55 GB/s). Skips without one.
