@@ -101,8 +101,8 @@ fi
 if [[ $PARTS == *tiled* ]]; then
   # `exec run --grouped-experts on|off` interleaved on the validation's q4_0 MoE (qwen3-30b-a3b@24L, a 1008-token
   # prefill in one chunk) all pinned (16 GB) and with pinned experts beside streamed and CPU ones (4 GB): the
-  # tiled prefill experts against the per-expert path, each run checked against the all-pinned per-expert
-  # reference.
+  # tiled prefill experts against the per-expert path (and, since session 18, the grouped q4_0 decode experts),
+  # each run checked against the all-pinned per-expert reference.
   mkdir -p "$OUT/tiled"
   for budget in 16G 4G; do for g in on off; do
     timeout 100 .bin/pipeshard exec run --model qwen3-30b-a3b@24L --weights q4_0 --budget $budget --planner pshard \

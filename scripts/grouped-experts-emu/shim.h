@@ -34,4 +34,10 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define h2f h2f_shim
 #define f2h f2h_shim
-inline float h2f_shim(unsigned short) { return 0; } inline unsigned short f2h_shim(float) { return 0; }
+// f16 to f32 exactly (the quantised formats' scales); f16 activations are not emulated.
+inline float h2f_shim(unsigned short h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 1024), e - 25);
+    return h >> 15 ? -v : v;
+}
+inline unsigned short f2h_shim(float) { return 0; }

@@ -127,10 +127,10 @@ pub struct RunArgs {
     /// plan and the device allow it), or launch it after them (`off`).
     #[arg(long, value_enum, default_value = "on")]
     pre_enqueue: Toggle,
-    /// A MoE layer's pinned GPU experts: steps of at most 8 tokens run them (f16/bf16) as two grouped
-    /// launches (2.51 → 1.05–1.35 ms a qwen3-30b-a3b@4L bf16 decode step on the H200), larger steps (any
-    /// format) in tiled groups of three launches (`on`, the default), or every one as five or six launches
-    /// of its own (`off`). `--check`'s all-pinned reference always runs them per expert.
+    /// A MoE layer's pinned GPU experts: steps of at most 8 tokens run them (any format but q2_k/q3_k) as two
+    /// grouped launches (2.51 → 1.05–1.35 ms a qwen3-30b-a3b@4L bf16 decode step on the H200), larger steps
+    /// (any format) in tiled groups of three launches (`on`, the default), or every one as five or six
+    /// launches of its own (`off`). `--check`'s all-pinned reference always runs them per expert.
     #[arg(long, value_enum, default_value = "on")]
     grouped_experts: Toggle,
     /// One-token steps over bf16/f16 matrices: run their GEMVs as exec's decode GEMV, with a unit's input norm

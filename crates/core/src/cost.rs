@@ -282,8 +282,8 @@ impl TableCostModel {
     /// without rows borrows bf16's where [`TableCostModel::borrows_bf16`] says so. A GPU routed-experts op
     /// of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens asked for as a group
     /// ([`OpContext::grouped_experts`]) takes the `experts_grouped` rows of its format where the profile has
-    /// them (f16/bf16: the grouped kernels take no quantised format), a larger step's the `experts_tiled` rows
-    /// (any format), else the per-expert rows as any other.
+    /// them (f16/bf16, q8_0, q4_0, q4_k, q6_k: the formats of the grouped kernels), a larger step's the
+    /// `experts_tiled` rows (any format), else the per-expert rows as any other.
     fn family(&self, op: &Op, ctx: OpContext) -> Option<&Family> {
         let threads = if ctx.device == Device::Gpu { 0 } else { ctx.threads };
         let group = head_group(&op.kind);

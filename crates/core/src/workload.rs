@@ -228,8 +228,10 @@ pub enum OpClass {
     /// [`OpClass::Attention`] rows.
     AttentionMaterialized,
     /// A MoE layer's pinned routed experts of a step of at most [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run as
-    /// one group (our executor's grouped decode kernels). Profile rows only, GPU; ops stay
-    /// [`OpKind::Experts`]. A row's `tokens` is the number of experts in the group, each with one token.
+    /// one group (our executor's grouped decode kernels: f16/bf16, q8_0, q4_0, q4_k and q6_k, the quantised
+    /// weights dequantised exactly as the per-expert GEMVs do; q2_k/q3_k experts stay per expert). Profile
+    /// rows only, GPU; ops stay [`OpKind::Experts`]. A row's `tokens` is the number of experts in the group,
+    /// each with one token.
     ExpertsGrouped,
     /// A MoE layer's pinned routed experts of a step of more than [`GROUPED_EXPERTS_MAX_TOKENS`] tokens, run in
     /// groups of three launches (our executor's tiled kernels, any format). Profile rows only, GPU; ops stay
@@ -809,8 +811,9 @@ pub fn exec_scratch_bytes(spec: &ModelSpec, tokens: u64, logit_rows: u64, ctx: u
         .into_iter()
         .map(align)
         .sum::<u64>();
-        // The grouped decode experts' entries (`grouped_experts_fit` in the executor).
-        let grouped = !spec.weights.attn_q.is_quantized()
+        // The grouped decode experts' entries (`grouped_experts_fit` in the executor: every format but q2_k
+        // and q3_k, whose GEMVs round the activations to 8 bits first).
+        let grouped = !matches!(spec.weights.expert_gate_up, DType::Q2K | DType::Q3K)
             && m <= GROUPED_EXPERTS_MAX_TOKENS
             && t.hidden.is_multiple_of(8)
             && fe.is_multiple_of(8);

@@ -107,13 +107,14 @@ pub enum UnitSpans {
 /// 8 pinned experts of a layer took ~380 µs on the H200, paced by the host's 40 launches, for ~20 µs of
 /// weight reads.
 ///
-/// It applies to steps of at most `EXACT_MAX_TOKENS` token rows with f16/bf16 matrices
-/// (`cuda::grouped_experts_fit`). Larger steps (prefill chunks, batched decode of more than 8 sequences) run
-/// the pinned experts, in any format, through the tiled kernels (`Gpu::tiled_experts`, `cuda::tiled`): three
-/// launches a group of experts whose entries fit the per-expert path's rows, where a q4_0 qwen3-30b-a3b
-/// prefill chunk spent ≈ 42 µs of host time an expert on the H200's host. Streamed experts keep the
-/// per-expert path (each waits for its own ring slot), after the pinned ones; a quantised decode step keeps
-/// it entirely.
+/// It applies to steps of at most `EXACT_MAX_TOKENS` token rows with f16/bf16, q8_0, q4_0, q4_k or q6_k
+/// matrices (`cuda::grouped_experts_fit`; the quantised ones dequantised exactly in f32, as the per-expert
+/// GEMVs do; q2_k/q3_k round the activations first, so they stay per expert). Larger steps (prefill chunks,
+/// batched decode of more than 8 sequences) run the pinned experts, in any format, through the tiled kernels
+/// (`Gpu::tiled_experts`, `cuda::tiled`): three launches a group of experts whose entries fit the per-expert
+/// path's rows, where a q4_0 qwen3-30b-a3b prefill chunk spent ≈ 42 µs of host time an expert on the H200's
+/// host. Streamed experts keep the per-expert path (each waits for its own ring slot), after the pinned
+/// ones; a q2_k/q3_k decode step keeps it entirely.
 ///
 /// On by default: measured on the H200 (qwen3-30b-a3b@4L bf16, all experts pinned, 16 decode steps) a decode
 /// step took 1.05–1.35 ms grouped against 2.51–2.55 ms per expert, 17/17 tokens equal to the per-expert
@@ -2167,9 +2168,10 @@ impl<'a> Exec<'a> {
         // SAFETY: `moe_grouped` carved moe_gbase/moe_gfirst for m·top_k ≥ experts.len() (+ 1) entries, uploaded
         // before on the compute stream, and moe_gact for m·top_k ≥ `entries` rows of ffn; each pinned expert's
         // list holds ≤ m ≤ EXACT_MAX_TOKENS distinct token rows (< m) of xb and h; the units are pinned in the
-        // arena at 256-byte aligned offsets, their tensors 16-byte aligned at `o` (every expert's, checked by
-        // the caller); rows are 16-byte aligned as `grouped_experts_fit` checked hidden and ffn.
-        unsafe { g.gpu.grouped_experts(&g.k, o, &io, experts.len(), m, hd, fe)? };
+        // arena at 256-byte aligned offsets, their tensors in `d.quant`'s format and 16-byte aligned at `o`
+        // (every expert's, checked by the caller); rows are 16-byte aligned as `grouped_experts_fit` checked
+        // hidden and ffn.
+        unsafe { g.gpu.grouped_experts(&g.k, d.quant, o, &io, experts.len(), m, hd, fe)? };
         let name = format!("gpu blk.{layer} experts ({} pinned, grouped, {entries} tokens)", experts.len());
         g.span_end(&mut self.tl, name, Track::Compute, Stream::Compute, start)?;
         Ok(entries)

@@ -118,10 +118,11 @@ pub struct ScratchLayout {
     pub moe_gate_up: usize,
     pub moe_act: usize,
     pub moe_y: usize,
-    /// MoE, steps the grouped expert kernels can run (`cuda::grouped_experts_fit`: f16/bf16, at most
-    /// `EXACT_MAX_TOKENS` tokens): `moe_grouped` says they were carved. Up to `m × top_k` experts' unit
-    /// addresses (u64) and entry offsets (`m × top_k + 1` u32), and a SwiGLU row (activations, `expert_ffn`)
-    /// per (expert, token) entry — the per-expert path's `moe_act` holds one expert's rows only.
+    /// MoE, steps the grouped expert kernels can run (`cuda::grouped_experts_fit`: f16/bf16 and every
+    /// quantised format but q2_k/q3_k, at most `EXACT_MAX_TOKENS` tokens): `moe_grouped` says they were
+    /// carved. Up to `m × top_k` experts' unit addresses (u64) and entry offsets (`m × top_k + 1` u32), and a
+    /// SwiGLU row (activations, `expert_ffn`) per (expert, token) entry — the per-expert path's `moe_act`
+    /// holds one expert's rows only.
     pub moe_grouped: bool,
     pub moe_gbase: usize,
     pub moe_gfirst: usize,
@@ -765,10 +766,14 @@ mod tests {
     #[test]
     fn core_predicts_the_carved_scratch() {
         use pipeshard_core::dtype::DType;
+        // The formats whose MoE decode steps carve the grouped experts' entries: all but q2_k/q3_k.
+        let dtypes = [DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4K, DType::Q6K];
         for name in ["nemo-8b", "qwen3-30b-a3b", "nemo-4b", "llama-3.1-8b", "qwen3-235b-a22b"] {
-            for dtype in [DType::Bf16, DType::F16, DType::Q4_0] {
+            for dtype in dtypes.into_iter().chain([DType::Q2K, DType::Q3K]) {
                 let spec = pipeshard_core::catalog::get(name).unwrap().with_uniform_weights(dtype);
                 let d = crate::weights::Dims::new(&spec).unwrap();
+                let grouped = d.moe.is_some() && dtypes.contains(&dtype);
+                assert_eq!(scratch_layout(&d, 8, 8, 1024, 0).moe_grouped, grouped, "{name} {dtype}");
                 // Prefill chunks (one logits row) and decode steps of 1 to 64 sequences.
                 let shapes = [(1024, 1), (512, 1), (37, 1), (1, 1), (4, 4), (8, 8), (16, 16), (64, 64)];
                 for ((m, rows), ctx) in shapes.into_iter().flat_map(|s| [1024, 8192, 32768].map(|c| (s, c))) {

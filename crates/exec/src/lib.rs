@@ -62,7 +62,8 @@
 //!   that follows a layer's CPU experts (their sum, the next layer's attention and router) while they run,
 //!   behind a wait on a host flag it opens once the sum is written ([`PreEnqueue`]). By default
 //!   ([`GroupedExperts`]; 2.51 → 1.05–1.35 ms a qwen3-30b-a3b@4L bf16 decode step on the H200), steps of at
-//!   most 8 tokens run a layer's pinned f16/bf16 experts in two grouped launches instead of five an expert.
+//!   most 8 tokens run a layer's pinned experts (any format but q2_k/q3_k) in two grouped launches instead of
+//!   five an expert.
 //! - Failing loudly, never silently (docs/DESIGN-NOTES.md, "reliability"): weights the driver will not
 //!   page-lock, or past [`RunOptions::pinned_limit_bytes`], stay pageable and [`RunOutput::warnings`] says so;
 //!   a host allocation that fails is [`ExecError::HostMemory`], not an abort; [`RunOptions::interrupt`]

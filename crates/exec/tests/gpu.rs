@@ -250,15 +250,17 @@ fn check(gpu: &Gpu, case: &Case, log: &mut impl Write) -> usize {
                     .all(|u| u.placement == Placement::Streamed)
             });
             assert!(copies <= computed, "{name}: {copies} expert copies for {computed} GPU expert runs");
-            // Grouped experts run exactly where switched on and some decode expert is pinned (f16/bf16,
-            // one-token steps).
+            // Grouped experts run exactly where switched on and some decode expert is pinned (one-token
+            // steps; every format but q2_k/q3_k, whose GEMVs round the activations first).
             let grouped = out.trace.events.iter().filter(|e| e.name.contains(" pinned, grouped, ")).count();
             let decode_pins_experts = plan
                 .decode
                 .placements
                 .iter()
                 .any(|u| matches!(u.unit, UnitId::Expert { .. }) && u.placement == Placement::Pinned);
-            let fits = w.dims.quant.is_none() && case.grouped == GroupedExperts::On && decode_pins_experts;
+            let fits = w.dims.quant.is_none_or(|q| !q.rounds_activations())
+                && case.grouped == GroupedExperts::On
+                && decode_pins_experts;
             writeln!(log, "  grouped expert launches: {grouped}").unwrap();
             assert_eq!(grouped > 0, fits, "{name}: {grouped} grouped expert launches");
             // Tiled experts run exactly where switched on and some prefill expert is pinned (chunks of more
@@ -414,6 +416,7 @@ fn placement_mixes_match_all_cpu_on_the_gpu() {
         grouped(tiny(tiny_qwen3_moe_spec(), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Bf16), MOE_MIXES)),
         grouped(tiny(quant(tiny_qwen3_moe_spec(), DType::Q4_0), MOE_MIXES)),
+        grouped(tiny(quant(tiny_qwen3_moe_k_spec(), DType::Q4K), MOE_MIXES)),
         grouped(larger(qwen3_moe_2l(), MOE_MIXES)),
     ];
     let filter = std::env::var("PIPESHARD_GPU_CASES").ok();
@@ -1001,47 +1004,64 @@ fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
 
 /// A layer's pinned experts grouped (`Gpu::grouped_experts`: gate|up with SwiGLU for every expert in one
 /// launch, down with the weighted sum in another) against the per-expert path (`Gpu::expert_ffn` per expert,
-/// in expert order) and against the CPU's matmuls, SwiGLU and weighted sum, for steps of 1, 2 and 8 tokens
-/// and 1–8 experts, f16 and bf16: the residual's change within 1e-3 relative. The SwiGLU rows start as NaN
-/// and every output row must be finite, so a row the kernels skip or read unwritten fails the test.
+/// in expert order: exact GEMVs for the quantised formats, as at most 8 rows) and against the CPU's matmuls
+/// (`matmul_quant`'s exactly dequantised weights for the quantised formats), SwiGLU and weighted sum, for
+/// steps of 1, 2 and 8 tokens and 1–8 experts, f16 and bf16 and bf16 activations with q8_0, q4_0, q4_k and
+/// q6_k weights: the residual's change within 1e-3 relative. Rows of 160 and 192 elements leave lanes idle
+/// (tails); K-quant rows of 512 span two super-blocks. The SwiGLU rows start as NaN and every output row
+/// must be finite, so a row the kernels skip or read unwritten fails the test.
 #[test]
 fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
-    use pipeshard_exec::cpu::{CpuPool, matmul, swiglu};
+    use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant, swiglu};
     use pipeshard_exec::cuda::{ExpertIo, GroupedIo, KernelKey, Stream, grouped_experts_fit};
     use pipeshard_exec::host::Elem;
     use pipeshard_exec::weights::{ExpertOffsets, TENSOR_ALIGN_BYTES};
     let Some((_, gpu)) = device() else { return };
     let pool = CpuPool::new(4).unwrap();
-    let (hd, ffn, n_experts) = (256usize, 192usize, 8usize);
+    let n_experts = 8usize;
+    // (activations, weight format, hidden, ffn)
+    let cases = [
+        (Elem::Bf16, None, 256usize, 192usize),
+        (Elem::F16, None, 256, 192),
+        (Elem::Bf16, Some(QFormat::Q8_0), 256, 160),
+        (Elem::Bf16, Some(QFormat::Q4_0), 256, 160),
+        (Elem::Bf16, Some(QFormat::Q4K), 512, 512),
+        (Elem::Bf16, Some(QFormat::Q6K), 512, 512),
+    ];
     let f32s = |b: &[u8]| -> Vec<f32> {
         b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
     };
     let bytes_of = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let mut checked = 0;
-    for act in [Elem::Bf16, Elem::F16] {
+    for (act, quant, hd, ffn) in cases {
         let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
         let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
             let scale = 1.0 / (k as f32).sqrt();
             (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
         };
-        let store = |wf: &[f32]| -> Vec<u8> {
-            let mut b = vec![0u8; 2 * wf.len()];
-            act.write_row(wf, &mut b);
-            b
+        let store = |wf: &[f32], k: usize| -> Vec<u8> {
+            quant.map_or_else(
+                || {
+                    let mut b = vec![0u8; 2 * wf.len()];
+                    act.write_row(wf, &mut b);
+                    b
+                },
+                |q| q.quantize(wf, k),
+            )
         };
-        // Every expert's unit in an allocation of its own (distinct addresses, as pinned units are), gate, up
-        // and down back to back.
-        let gb = ffn * hd * 2;
-        let o = ExpertOffsets { gate: 0, up: gb, down: (2 * gb).next_multiple_of(TENSOR_ALIGN_BYTES) };
         let mats: Vec<[Vec<u8>; 3]> = (0..n_experts)
             .map(|e| {
                 [
-                    store(&values(ffn, hd, 10 * e + 1)),
-                    store(&values(ffn, hd, 10 * e + 2)),
-                    store(&values(hd, ffn, 10 * e + 3)),
+                    store(&values(ffn, hd, 10 * e + 1), hd),
+                    store(&values(ffn, hd, 10 * e + 2), hd),
+                    store(&values(hd, ffn, 10 * e + 3), ffn),
                 ]
             })
             .collect();
+        // Every expert's unit in an allocation of its own (distinct addresses, as pinned units are), gate, up
+        // and down back to back.
+        let gb = mats[0][0].len();
+        let o = ExpertOffsets { gate: 0, up: gb, down: (2 * gb).next_multiple_of(TENSOR_ALIGN_BYTES) };
         let units: Vec<_> = mats
             .iter()
             .map(|[g, u, d]| {
@@ -1056,9 +1076,13 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 buf
             })
             .collect();
+        // At most 8 rows, the CPU's quantised matmul multiplies the exactly dequantised weights.
         let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
             let mut y = vec![0f32; m * n];
-            matmul(&pool, x, m, k, w, act, n, &mut y, false);
+            match quant {
+                Some(q) => matmul_quant(&pool, x, m, k, w, q, n, &mut y, false),
+                None => matmul(&pool, x, m, k, w, act, n, &mut y, false),
+            }
             y
         };
         let max_t = 8;
@@ -1071,7 +1095,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
         let [xn_d, h_d, idx_d, wts_d, base_d, first_d, gact_d, x_d, gu_d, act_d, y_d] =
             std::array::from_fn(|i| bufs[i].ptr());
         for m in [1usize, 2, 8] {
-            assert!(grouped_experts_fit(None, m, hd, ffn));
+            assert!(grouped_experts_fit(quant, m, hd, ffn));
             let xn: Vec<f32> =
                 (0..m * hd).map(|i| act.round(((i * 104_729 % 997) as f32 / 498.0 - 1.0) * 2.0)).collect();
             let h0: Vec<f32> = (0..m * hd).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
@@ -1108,7 +1132,8 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 let run_path = |grouped: bool| -> Vec<f32> {
                     let mut got = vec![0u8; 4 * m * hd];
                     // SAFETY: the buffers were sized above for 8 tokens and 8 experts; the idx are an expert's
-                    // distinct tokens < m; units hold gate, up and down at `o`; synchronised before reading.
+                    // distinct tokens < m; units hold gate, up and down at `o` in `quant`'s format;
+                    // synchronised before reading.
                     unsafe {
                         gpu.h2d(Stream::Compute, xn_d, &xnb).unwrap();
                         gpu.h2d(Stream::Compute, h_d, &bytes_of(&h0)).unwrap();
@@ -1128,7 +1153,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                                 act: gact_d,
                                 h: h_d,
                             };
-                            gpu.grouped_experts(&kn, o, &io, groups, m, hd, ffn).unwrap();
+                            gpu.grouped_experts(&kn, quant, o, &io, groups, m, hd, ffn).unwrap();
                         } else {
                             for (g, &e) in experts.iter().enumerate() {
                                 let (f, c) = (u64::from(first[g]), lists[g].len());
@@ -1142,8 +1167,9 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                                     y: y_d,
                                     h: h_d,
                                 };
+                                // At most 8 rows: the quantised formats' exact GEMVs.
                                 let rows = c.next_power_of_two();
-                                gpu.expert_ffn(&kn, None, units[e].ptr(), o, &io, c, rows, hd, ffn).unwrap();
+                                gpu.expert_ffn(&kn, quant, units[e].ptr(), o, &io, c, rows, hd, ffn).unwrap();
                             }
                         }
                         gpu.sync(Stream::Compute).unwrap();
@@ -1174,7 +1200,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 }
                 let delta =
                     |v: &[f32]| -> Vec<f64> { v.iter().zip(&h0).map(|(a, b)| f64::from(a - b)).collect() };
-                let what = format!("{act:?} {m} tokens, {groups} experts");
+                let what = format!("{act:?} {quant:?} {m} tokens, {groups} experts");
                 assert!(grouped.iter().all(|v| v.is_finite()), "{what}: a grouped output is not finite");
                 let (dg, dp, dw) = (delta(&grouped), delta(&per_expert), delta(&want));
                 let dg32: Vec<f32> = dg.iter().map(|&v| v as f32).collect();
@@ -1189,7 +1215,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
         }
         drop(units);
     }
-    assert_eq!(checked, 2 * 3 * 8);
+    assert_eq!(checked, cases.len() * 3 * 8);
 }
 
 /// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts

@@ -253,14 +253,18 @@ fn expert_layout(n: usize, k: usize, quant: Option<QFormat>) -> (usize, ExpertOf
     (wbytes, ExpertOffsets { gate: 0, up, down: 2 * wbytes })
 }
 
-/// The experts of the grouped rows of an `n × k` (ffn × hidden) expert in f16/bf16: the [`GROUP_SIZES`] the
-/// grouped kernels take, up to the units `rot_bytes` holds (each sample's experts distinct).
-fn group_sizes(n: usize, k: usize, rot_bytes: usize) -> Vec<usize> {
-    let units = rot_bytes / (3 * expert_layout(n, k, None).0);
+/// The experts of the grouped rows of an `n × k` (ffn × hidden) expert in `quant`'s format (`None`:
+/// f16/bf16): the [`GROUP_SIZES`] the grouped kernels take, up to the units `rot_bytes` holds (each sample's
+/// experts distinct); none where the format stores no such expert (rows and columns of whole blocks).
+fn group_sizes(n: usize, k: usize, quant: Option<QFormat>, rot_bytes: usize) -> Vec<usize> {
+    if quant.is_some_and(|q| !k.is_multiple_of(q.block_elems()) || !n.is_multiple_of(q.block_elems())) {
+        return Vec::new();
+    }
+    let units = rot_bytes / (3 * expert_layout(n, k, quant).0);
     let max_tokens = GROUPED_EXPERTS_MAX_TOKENS as usize;
     GROUP_SIZES
         .into_iter()
-        .filter(|&e| e <= units && grouped_experts_fit(None, e.min(max_tokens), k, n))
+        .filter(|&e| e <= units && grouped_experts_fit(quant, e.min(max_tokens), k, n))
         .collect()
 }
 
@@ -1216,13 +1220,14 @@ fn measure_gpu_ops(
     let matmuls = cat.matmul.iter().filter(|_| !only_experts);
     let shapes: Vec<(&shapes::MatShape, bool)> =
         matmuls.map(|s| (s, false)).chain(cat.experts.iter().map(|s| (s, true))).collect();
-    let grouped_rows: usize =
-        cat.experts.iter().map(|s| group_sizes(s.n as usize, s.k as usize, rot_bytes).len()).sum();
+    let grouped_rows = |quant: Option<QFormat>| -> usize {
+        cat.experts.iter().map(|s| group_sizes(s.n as usize, s.k as usize, quant, rot_bytes).len()).sum()
+    };
     let steps = g
         .dtypes
         .iter()
         .map(|&d| {
-            let grouped = if QFormat::from_dtype(d).is_none() { grouped_rows } else { 0 };
+            let grouped = grouped_rows(QFormat::from_dtype(d));
             let tiled = cat.experts.iter().filter(|s| fits(d, s.n, s.k, true) && tiled_fit(s)).count();
             let tiled_tokens = g.tokens.iter().filter(|&&m| tiled_row(d, m)).count();
             shapes.iter().filter(|(s, e)| fits(d, s.n, s.k, *e)).count() * g.tokens.len()
@@ -1342,16 +1347,14 @@ fn measure_gpu_ops(
             }
         }
         // A layer's pinned experts of a step of ≤ 8 tokens as exec's two grouped launches, one token an
-        // expert (f16/bf16 only: the grouped kernels take no quantised format). Unheld like the per-expert
-        // rows: the executor launches them right after the routing sync (whose round trip is measured apart).
-        if quant.is_some() {
-            continue;
-        }
+        // expert (f16/bf16 and the quantised formats but q2_k/q3_k: `group_sizes` is empty for those). Unheld
+        // like the per-expert rows: the executor launches them right after the routing sync (whose round trip
+        // is measured apart).
         for shape in &cat.experts {
             let (n, k) = (shape.n as usize, shape.k as usize);
-            let sizes = group_sizes(n, k, rot_bytes);
+            let sizes = group_sizes(n, k, quant, rot_bytes);
             let Some(&largest) = sizes.last() else { continue };
-            let (wbytes, expert) = expert_layout(n, k, None);
+            let (wbytes, expert) = expert_layout(n, k, quant);
             let unit_bytes = 3 * wbytes;
             let copies = rot_bytes / unit_bytes;
             let g_base = gpu.alloc(copies * largest * 8)?;
@@ -1373,11 +1376,12 @@ fn measure_gpu_ops(
                         h: expert_io.h,
                     };
                     // SAFETY: each of the sample's `groups` addresses is a distinct unit of wbuf (3 slots
-                    // of `wbytes`, 256-byte aligned) with gate, up and down at `expert`'s offsets in the
-                    // activation type; `first` runs 0..=groups, one entry an expert, its token < m ≤ 8 rows
-                    // of xbuf (hidden k) and of h (f32, max_m ≥ 8 rows of e_hidden ≥ k); act holds
-                    // max_group ≥ groups rows of e_ffn ≥ n; group_sizes checked the kernels' shapes.
-                    unsafe { gpu.grouped_experts(&kn, expert, &io, groups, m, k, n)? };
+                    // of `wbytes`, 256-byte aligned) with gate, up and down at `expert`'s offsets in
+                    // `quant`'s format (the activation type where `None`); `first` runs 0..=groups, one entry
+                    // an expert, its token < m ≤ 8 rows of xbuf (hidden k) and of h (f32, max_m ≥ 8 rows of
+                    // e_hidden ≥ k); act holds max_group ≥ groups rows of e_ffn ≥ n; group_sizes checked the
+                    // kernels' shapes and formats.
+                    unsafe { gpu.grouped_experts(&kn, quant, expert, &io, groups, m, k, n)? };
                     Ok(())
                 })?;
                 gpu_rows.push(OpRow {
@@ -1638,9 +1642,15 @@ mod tests {
     /// the next sample's continue the rotation.
     #[test]
     fn grouped_samples_take_distinct_units_in_rotation() {
-        assert_eq!(group_sizes(768, 2048, 512 * MIB), [1, 2, 4, 8, 16, 32]);
-        assert_eq!(group_sizes(1536, 4096, 512 * MIB), [1, 2, 4, 8]);
-        assert!(group_sizes(768, 2044, 512 * MIB).is_empty(), "rows of whole 16-byte vectors only");
+        assert_eq!(group_sizes(768, 2048, None, 512 * MIB), [1, 2, 4, 8, 16, 32]);
+        assert_eq!(group_sizes(1536, 4096, None, 512 * MIB), [1, 2, 4, 8]);
+        assert!(group_sizes(768, 2044, None, 512 * MIB).is_empty(), "rows of whole 16-byte vectors only");
+        // Quantised experts are smaller (q4_0's 2.6 MiB: 202 units) and take the grouped rows too, but for
+        // q2_k/q3_k's and shapes the format cannot store.
+        assert_eq!(group_sizes(768, 2048, Some(QFormat::Q4_0), 512 * MIB), GROUP_SIZES);
+        assert_eq!(group_sizes(768, 2048, Some(QFormat::Q6K), 512 * MIB), GROUP_SIZES);
+        assert!(group_sizes(768, 2048, Some(QFormat::Q2K), 512 * MIB).is_empty());
+        assert!(group_sizes(768, 2080, Some(QFormat::Q4K), 512 * MIB).is_empty(), "whole super-blocks");
         let (base, unit) = (1u64 << 40, 9 * MIB);
         let bases = group_bases(base, unit, 5, 2);
         let units: Vec<u64> = bases

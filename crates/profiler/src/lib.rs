@@ -15,8 +15,9 @@
 //!   over log-spaced token counts for every matrix shape of every catalog model ([`shapes`]) and every
 //!   executor format (f16, bf16, q8_0, q4_0, q4_k, q6_k, q2_k, q3_k; the fast mode bf16 and q4_0); routed experts as exec's
 //!   whole per-expert sequence (gather, one gate|up matmul, SwiGLU, down matmul, weighted scatter-add: five
-//!   launches, six where the quantised expert is dequantised before cuBLAS), and in f16/bf16 as exec's two
-//!   grouped launches over 1–64 experts of one token each (a layer's pinned experts in a step of ≤ 8 tokens);
+//!   launches, six where the quantised expert is dequantised before cuBLAS), and (every format but q2_k and
+//!   q3_k) as exec's two grouped launches over 1–64 experts of one token each (a layer's pinned experts in a
+//!   step of ≤ 8 tokens);
 //!   exec's attention kernel for prefill and decode over contexts 1K … 128K and every catalog head layout;
 //!   exec's norm, RoPE and SwiGLU kernels; launch overhead ([`gpu::LaunchProbe`], which `validate` also runs
 //!   around each cell); host-sync latency; the runtime's VRAM.
@@ -44,8 +45,8 @@
 //! GPU against DRAM and device-copy bandwidth; it is a table, not part of the profile.
 //!
 //! # Not measured (notes say so)
-//! Grouped experts in a quantised format (exec groups f16/bf16 only); quantised formats other than q8_0,
-//! q4_0, q2_k, q3_k, q4_k and q6_k (exec does not run them).
+//! Grouped experts in q2_k/q3_k (exec keeps them per expert: their GEMVs round the activations to 8 bits);
+//! quantised formats other than q8_0, q4_0, q2_k, q3_k, q4_k and q6_k (exec does not run them).
 
 pub mod bench;
 pub mod cpu;
@@ -254,9 +255,9 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             .into(),
         "routed experts: a GPU `experts` row is exec's whole sequence for one expert (gather, gate|up, \
          SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
-         block; a GPU `experts_grouped` row (f16/bf16) is exec's two grouped launches over `tokens` experts \
-         of one token each (a layer's pinned experts in a step of at most 8 tokens), each expert's weights \
-         another unit of the rotating buffer"
+         block; a GPU `experts_grouped` row (any format but q2_k/q3_k) is exec's two grouped launches over \
+         `tokens` experts of one token each (a layer's pinned experts in a step of at most 8 tokens), each \
+         expert's weights another unit of the rotating buffer"
             .into(),
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];

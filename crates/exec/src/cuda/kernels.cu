@@ -1192,12 +1192,40 @@ extern "C" __global__ void embed_q3_k(const u8* __restrict__ table, const u32* _
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Grouped routed experts (decode): one MoE layer's pinned picked experts in two launches, f16/bf16 matrices (the
-// activation type). Expert g (0 ≤ g < groups, ascending expert ids) has its unit at device address base[g] and
-// its entries first[g] .. first[g + 1] of idx (token rows of xn and h, ascending) and wts (routing weights): the
-// host's token permutation, at most QMAX_T entries an expert. Entry p's SwiGLU row is act[p, :] (ffn wide).
-// Rows are read 8 elements (16 bytes) a lane at a time, a warp's 32 lanes 512 contiguous bytes: hidden and ffn
-// are multiples of 8 and every row 16-byte aligned (the launcher checks).
+// Weight formats of the routed-expert kernels (cuda::tiled_format): 0 the activation type, then
+// quant::QFormat::ALL (1 q8_0, 2 q4_0, 3 q4_K, 4 q6_K, 5 q2_K, 6 q3_K). A row of k elements is te_row_bytes<F>(k)
+// bytes; te_val<F> is its element i, dequantised exactly in f32.
+template <int F> __device__ __forceinline__ u64 te_row_bytes(int k) {
+    switch (F) {
+        case 0: return 2ull * k;
+        case 1: return (u64)(k >> 5) * 34;
+        case 2: return (u64)(k >> 5) * 18;
+        case 3: return (u64)(k >> 8) * 144;
+        case 4: return (u64)(k >> 8) * 210;
+        case 5: return (u64)(k >> 8) * 84;
+        default: return (u64)(k >> 8) * 110;
+    }
+}
+template <int F> __device__ __forceinline__ float te_val(const u8* __restrict__ row, u64 i) {
+    switch (F) {
+        case 1: return qval<0>(row, i);
+        case 2: return qval<1>(row, i);
+        case 3: return kval<0>(row, i);
+        case 4: return kval<1>(row, i);
+        case 5: return k23val<0>(row, i);
+        default: return k23val<1>(row, i);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped routed experts (decode): one MoE layer's pinned picked experts in two launches, matrices in format F
+// (0: the activation type; 1–4: q8_0, q4_0, q4_K, q6_K, dequantised exactly in f32 as the ≤ QMAX_T-token GEMVs
+// use them — not q2_K/q3_K, whose GEMVs round the activations to 8 bits first). Expert g (0 ≤ g < groups,
+// ascending expert ids) has its unit at device address base[g] and its entries first[g] .. first[g + 1] of idx
+// (token rows of xn and h, ascending) and wts (routing weights): the host's token permutation, at most QMAX_T
+// entries an expert. Entry p's SwiGLU row is act[p, :] (ffn wide). Rows are read 8 elements a lane at a time,
+// a warp's 32 lanes 256 consecutive elements: hidden and ffn are multiples of 8 and activation rows 16-byte
+// aligned (the launcher checks); F = 0 weight rows are 16-byte aligned too, quantised ones are read by bytes.
 #define GX_WARPS 8  // warps a block
 
 // 8 values of the activation type at p (16-byte aligned), as f32.
@@ -1208,14 +1236,39 @@ __device__ __forceinline__ void load8_act(const act_t* __restrict__ p, float* ou
     for (int e = 0; e < 8; ++e) out[e] = ACT_LOAD((u16)(w[e >> 1] >> (16 * (e & 1))));
 }
 
+// Weights row[i0 .. i0 + 8) of a row in format F (i0 a multiple of 8), exact in f32. Eight such elements never
+// straddle a block, so te_val reads them from their block's start: its address and scales are formed once.
+// q4_K's are kval<0>'s products, with its sub-block's scale and min formed once: the compiler kept the scale
+// byte loads of q4k_scale_min's two branches apart for each element (6 loads an element, not 1.6).
+template <int F> __device__ __forceinline__ void load8_w(const u8* __restrict__ row, int i0, float* out) {
+    constexpr int B = F <= 2 ? 32 : QK_K;  // elements a block
+    const u8* blk = row + (u64)((u32)i0 / B) * te_row_bytes<F>(B);
+    const int e0 = i0 & (B - 8);  // i0 mod B, its low 3 bits zero: e0 | e is element e of the 8
+    if (F == 0) {
+        load8_act((const act_t*)row + i0, out);
+    } else if (F == 3) {
+        const int t = e0 >> 6, half = (e0 >> 5) & 1;
+        float sc, m;
+        q4k_scale_min(2 * t + half, blk + 4, sc, m);
+        const float d1 = __fmul_rn(h2f(*(const u16*)blk), sc), m1 = __fmul_rn(h2f(*(const u16*)(blk + 2)), m);
+        const u8* q = blk + 16 + 32 * t + (e0 & 31);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = __fsub_rn(__fmul_rn(d1, (float)((q[e] >> (4 * half)) & 15)), m1);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = te_val<F>(blk, (u64)(e0 | e));
+    }
+}
+
 // Kernel A: act[p, j] = silu(gate_g[j, :] · xn[idx[p], :]) · (up_g[j, :] · xn[idx[p], :]), rounded to the
 // activation type as `swiglu` rounds, for every entry p of every expert g. One warp per (g, j): it reads gate
 // row j and up row j once for all of g's tokens (a register accumulator per token), every load of a step issued
 // before its math. Grid: groups × ffn warps.
-extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
-    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
-    const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off, u64 up_off, int hidden, int ffn,
-    int groups) {
+template <int F>
+__device__ __forceinline__ void gx_gate_up(const u64* __restrict__ base, const u32* __restrict__ first,
+                                           const u32* __restrict__ idx, const act_t* __restrict__ xn,
+                                           act_t* __restrict__ act, u64 gate_off, u64 up_off, int hidden, int ffn,
+                                           int groups) {
     const u64 wid = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     const u64 g = wid / (u64)ffn;
@@ -1224,8 +1277,8 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
     const u32 p0 = first[g];
     const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
     if (c <= 0) return;
-    const act_t* wg = (const act_t*)(base[g] + gate_off) + j * hidden;
-    const act_t* wu = (const act_t*)(base[g] + up_off) + j * hidden;
+    const u8* wg = (const u8*)(base[g] + gate_off) + j * te_row_bytes<F>(hidden);
+    const u8* wu = (const u8*)(base[g] + up_off) + j * te_row_bytes<F>(hidden);
     const act_t* xr[QMAX_T];
     float ag[QMAX_T], au[QMAX_T];
 #pragma unroll
@@ -1236,8 +1289,8 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
     }
     for (int i = 8 * lane; i < hidden; i += 256) {
         float gv[8], uv[8];
-        load8_act(wg + i, gv);
-        load8_act(wu + i, uv);
+        load8_w<F>(wg, i, gv);
+        load8_w<F>(wu, i, uv);
 #pragma unroll
         for (int t = 0; t < QMAX_T; ++t) {
             if (t < c) {
@@ -1264,24 +1317,26 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped(
 // expert g, experts in ascending order: exactly the sequence of `scatter_add_rows` launches, one an expert, and
 // no float atomics. One warp per hidden column j; lane t < m holds h[t, j] in a register for the whole launch.
 // For each expert the warp reads down row j once for all its tokens. Grid: hidden warps; m ≤ 32 tokens.
-extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
-    const u64* __restrict__ base, const u32* __restrict__ first, const u32* __restrict__ idx,
-    const float* __restrict__ wts, const act_t* __restrict__ act, float* __restrict__ h, u64 down_off,
-    int hidden, int ffn, int groups, int m) {
+template <int F>
+__device__ __forceinline__ void gx_down(const u64* __restrict__ base, const u32* __restrict__ first,
+                                        const u32* __restrict__ idx, const float* __restrict__ wts,
+                                        const act_t* __restrict__ act, float* __restrict__ h, u64 down_off,
+                                        int hidden, int ffn, int groups, int m) {
     const u64 j = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (j >= (u64)hidden) return;
+    const u64 row_bytes = te_row_bytes<F>(ffn);
     float hv = lane < m ? h[(u64)lane * hidden + j] : 0.f;
     for (int g = 0; g < groups; ++g) {
         const u32 p0 = first[g];
         const int c = (int)min(first[g + 1] - p0, (u32)QMAX_T);
-        const act_t* wd = (const act_t*)(base[g] + down_off) + j * ffn;
+        const u8* wd = (const u8*)(base[g] + down_off) + j * row_bytes;
         float acc[QMAX_T];
 #pragma unroll
         for (int t = 0; t < QMAX_T; ++t) acc[t] = 0.f;
         for (int i = 8 * lane; i < ffn; i += 256) {
             float dv[8];
-            load8_act(wd + i, dv);
+            load8_w<F>(wd, i, dv);
 #pragma unroll
             for (int t = 0; t < QMAX_T; ++t) {
                 if (t < c) {
@@ -1302,6 +1357,24 @@ extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped(
     }
     if (lane < m) h[(u64)lane * hidden + j] = hv;
 }
+
+#define GROUPED_EXPERTS(F, suffix)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_gate_up_grouped##suffix(                       \
+        const u64* base, const u32* first, const u32* idx, const act_t* xn, act_t* act, u64 gate_off, u64 up_off,  \
+        int hidden, int ffn, int groups) {                                                                         \
+        gx_gate_up<F>(base, first, idx, xn, act, gate_off, up_off, hidden, ffn, groups);                           \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GX_WARPS * 32) moe_down_grouped##suffix(                          \
+        const u64* base, const u32* first, const u32* idx, const float* wts, const act_t* act, float* h,           \
+        u64 down_off, int hidden, int ffn, int groups, int m) {                                                    \
+        gx_down<F>(base, first, idx, wts, act, h, down_off, hidden, ffn, groups, m);                               \
+    }
+// cuda::GROUPED_FORMATS, in order.
+GROUPED_EXPERTS(0, )
+GROUPED_EXPERTS(1, _q8_0)
+GROUPED_EXPERTS(2, _q4_0)
+GROUPED_EXPERTS(3, _q4_k)
+GROUPED_EXPERTS(4, _q6_k)
 
 // ---------------------------------------------------------------------------------------------------------------
 // One-token decode GEMV over f16/bf16 rows (the activation type), with the unit's neighbours folded in:
@@ -1514,29 +1587,6 @@ struct ExpertTile {
     u32 first;  // its first entry (index into idx/wts; the group's act/y row is first - gfirst)
     u32 count;  // entries, 1..TE_ROWS
 };
-
-// Weight formats of the tiled kernels (cuda::tiled_format): 0 the activation type, then quant::QFormat::ALL.
-template <int F> __device__ __forceinline__ u64 te_row_bytes(int k) {
-    switch (F) {
-        case 0: return 2ull * k;
-        case 1: return (u64)(k >> 5) * 34;
-        case 2: return (u64)(k >> 5) * 18;
-        case 3: return (u64)(k >> 8) * 144;
-        case 4: return (u64)(k >> 8) * 210;
-        case 5: return (u64)(k >> 8) * 84;
-        default: return (u64)(k >> 8) * 110;
-    }
-}
-template <int F> __device__ __forceinline__ float te_val(const u8* __restrict__ row, u64 i) {
-    switch (F) {
-        case 1: return qval<0>(row, i);
-        case 2: return qval<1>(row, i);
-        case 3: return kval<0>(row, i);
-        case 4: return kval<1>(row, i);
-        case 5: return k23val<0>(row, i);
-        default: return k23val<1>(row, i);
-    }
-}
 
 // Weights row[i0 .. i0 + 8) as activation-type values into dst (16-byte aligned shared memory).
 template <int F> __device__ __forceinline__ void te_load_w8(const u8* __restrict__ row, u64 i0, u16* dst) {

@@ -127,8 +127,9 @@ pub struct Kernels {
     argmax: CudaFunction,
     gather_rows: CudaFunction,
     scatter_add_rows: CudaFunction,
-    moe_gate_up_grouped: CudaFunction,
-    moe_down_grouped: CudaFunction,
+    /// The grouped expert kernels by weight format (the first [`GROUPED_FORMATS`] of [`TILED_FORMATS`]).
+    moe_gate_up_grouped: [CudaFunction; GROUPED_FORMATS],
+    moe_down_grouped: [CudaFunction; GROUPED_FORMATS],
     /// The tiled expert kernels by weight format ([`TILED_FORMATS`]) and their combine.
     moe_gate_up_tiled: [CudaFunction; TILED_FORMATS.len()],
     moe_down_tiled: [CudaFunction; TILED_FORMATS.len()],
@@ -439,6 +440,17 @@ fn tiled_set(
     f: impl Fn(&str) -> Result<CudaFunction>,
 ) -> Result<[CudaFunction; TILED_FORMATS.len()]> {
     let fs = TILED_FORMATS.iter().map(|s| f(&format!("{prefix}_{s}"))).collect::<Result<Vec<_>>>()?;
+    Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a format")))
+}
+
+/// The grouped expert kernels' instances: `{prefix}` for the activation type, `{prefix}_{format}` for the
+/// quantised formats, in [`TILED_FORMATS`]' order.
+fn grouped_set(
+    prefix: &str,
+    f: impl Fn(&str) -> Result<CudaFunction>,
+) -> Result<[CudaFunction; GROUPED_FORMATS]> {
+    let name = |s: &str| if s == TILED_FORMATS[0] { prefix.to_string() } else { format!("{prefix}_{s}") };
+    let fs = TILED_FORMATS[..GROUPED_FORMATS].iter().map(|s| f(&name(s))).collect::<Result<Vec<_>>>()?;
     Ok(fs.try_into().unwrap_or_else(|_| unreachable!("one function a format")))
 }
 
@@ -770,8 +782,8 @@ impl Gpu {
             argmax: f("argmax")?,
             gather_rows: f("gather_rows")?,
             scatter_add_rows: f("scatter_add_rows")?,
-            moe_gate_up_grouped: f("moe_gate_up_grouped")?,
-            moe_down_grouped: f("moe_down_grouped")?,
+            moe_gate_up_grouped: grouped_set("moe_gate_up_grouped", f)?,
+            moe_down_grouped: grouped_set("moe_down_grouped", f)?,
             moe_gate_up_tiled: tiled_set("moe_gate_up_tiled", f)?,
             moe_down_tiled: tiled_set("moe_down_tiled", f)?,
             moe_combine_tiled: f("moe_combine_tiled")?,
@@ -1258,6 +1270,18 @@ const _: () = assert!(GROUPED_EXPERTS_MAX_TOKENS == EXACT_MAX_TOKENS as u64);
 const TILED_FORMATS: [&str; 7] = ["act", "q8_0", "q4_0", "q4_k", "q6_k", "q2_k", "q3_k"];
 const _: () = assert!(TILED_FORMATS.len() == QFormat::ALL.len() + 1);
 
+/// Formats of the grouped expert kernels, the first of [`TILED_FORMATS`]: the activation type and the
+/// quantised formats whose GEMVs of at most [`EXACT_MAX_TOKENS`] tokens take the activations as they are —
+/// all but q2_k/q3_k, last in [`QFormat::ALL`] ([`QFormat::rounds_activations`]).
+const GROUPED_FORMATS: usize = 5;
+const _: () = {
+    let mut i = 0;
+    while i < QFormat::ALL.len() {
+        assert!(QFormat::ALL[i].rounds_activations() == (i + 1 >= GROUPED_FORMATS));
+        i += 1;
+    }
+};
+
 /// Threads of a tiled expert kernel's block (`TE_THREADS`): a warp for each 16 of a tile's entries.
 const TILE_THREADS: u32 = (tiled::TILE_ENTRIES / 16 * 32) as u32;
 
@@ -1294,13 +1318,17 @@ pub struct TiledIo {
 }
 
 /// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
-/// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices (the quantised formats'
-/// GEMV bodies take contiguous token rows and one matrix, so they keep the per-expert path), at most
-/// [`EXACT_MAX_TOKENS`] tokens (a register accumulator per token of an expert; a lane per token of the
-/// step), and rows of whole 16-byte vectors.
+/// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices or a format whose GEMVs
+/// take the activations as they are (q2_k/q3_k round them to 8 bits first, [`QFormat::rounds_activations`],
+/// so they keep the per-expert path), at most [`EXACT_MAX_TOKENS`] tokens (a register accumulator per token
+/// of an expert; a lane per token of the step), and rows of whole 8-element lane reads (16-byte vectors of
+/// activations; a quantised row's blocks already hold a multiple of 8 elements).
 #[must_use]
 pub fn grouped_experts_fit(quant: Option<QFormat>, tokens: usize, hidden: usize, ffn: usize) -> bool {
-    quant.is_none() && tokens <= EXACT_MAX_TOKENS && hidden.is_multiple_of(8) && ffn.is_multiple_of(8)
+    quant.is_none_or(|q| !q.rounds_activations())
+        && tokens <= EXACT_MAX_TOKENS
+        && hidden.is_multiple_of(8)
+        && ffn.is_multiple_of(8)
 }
 
 /// Kernel launches on the compute stream. Pointers are device addresses; each function's `# Safety` says which
@@ -1868,19 +1896,22 @@ impl Gpu {
     ///   expert by expert in ascending order, `w · (down row j · act row)` for each of the expert's tokens —
     ///   the same additions into `h`, in the same order, as the per-expert scatter-adds, with no float atomics.
     ///
-    /// Each output is the per-expert path's dot product up to the order of its f32 additions. Only f16/bf16
-    /// matrices ([`grouped_experts_fit`]).
+    /// Quantised weights (q8_0, q4_0, q4_k, q6_k: [`grouped_experts_fit`]) are dequantised exactly in f32 as
+    /// they are read, as the per-expert path's GEMVs of at most [`EXACT_MAX_TOKENS`] tokens use them. Each
+    /// output is the per-expert path's dot product up to the order of its f32 additions.
     ///
     /// # Safety
     /// `io.base` holds `groups` u64 addresses of expert units with gate and up (`ffn × hidden`) and down
-    /// (`hidden × ffn`) in the activation type at `o`'s offsets, 16-byte aligned; `io.first` `groups + 1`
-    /// ascending u32 from 0, at most [`EXACT_MAX_TOKENS`] apart; `io.idx`/`io.wts` `first[groups]` entries,
-    /// an expert's token rows distinct and < `m`; `io.xn` `m` activation rows of `hidden`, `io.h` `m` f32 rows
-    /// of `hidden`; `io.act` `first[groups]` activation rows of `ffn`; every row 16-byte aligned.
+    /// (`hidden × ffn`) in `quant`'s format (the activation type where `None`, 16-byte aligned) at `o`'s
+    /// offsets; `io.first` `groups + 1` ascending u32 from 0, at most [`EXACT_MAX_TOKENS`] apart;
+    /// `io.idx`/`io.wts` `first[groups]` entries, an expert's token rows distinct and < `m`; `io.xn` `m`
+    /// activation rows of `hidden`, `io.h` `m` f32 rows of `hidden`; `io.act` `first[groups]` activation rows
+    /// of `ffn`; every activation row 16-byte aligned.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn grouped_experts(
         &self,
         k: &Kernels,
+        quant: Option<QFormat>,
         o: ExpertOffsets,
         io: &GroupedIo,
         groups: usize,
@@ -1891,14 +1922,16 @@ impl Gpu {
         if groups == 0 || m == 0 {
             return Ok(());
         }
-        if !grouped_experts_fit(None, m, hidden, ffn) {
+        if !grouped_experts_fit(quant, m, hidden, ffn) {
             return Err(ExecError::Cuda {
                 call: "grouped_experts",
                 reason: format!(
-                    "{m} tokens of hidden {hidden}, ffn {ffn}: outside the grouped kernels' shapes"
+                    "{m} tokens of hidden {hidden}, ffn {ffn} in {quant:?}: outside the grouped kernels' \
+                     shapes or formats"
                 ),
             });
         }
+        let f = tiled_format(quant);
         let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
         let (hd, fe, gr, m32) = (hidden as i32, ffn as i32, groups as i32, m as i32);
         // GX_WARPS (8) warps a block: a warp per (expert, ffn row), then a warp per hidden column.
@@ -1909,7 +1942,7 @@ impl Gpu {
         // reads the down rows and act rows and writes h's m rows; kernels on the compute stream run in order.
         unsafe {
             self.compute
-                .launch_builder(&k.moe_gate_up_grouped)
+                .launch_builder(&k.moe_gate_up_grouped[f])
                 .arg(&io.base)
                 .arg(&io.first)
                 .arg(&io.idx)
@@ -1923,7 +1956,7 @@ impl Gpu {
                 .launch(a_cfg)
                 .map_err(driver_err("cuLaunchKernel(moe_gate_up_grouped)"))?;
             self.compute
-                .launch_builder(&k.moe_down_grouped)
+                .launch_builder(&k.moe_down_grouped[f])
                 .arg(&io.base)
                 .arg(&io.first)
                 .arg(&io.idx)
@@ -2045,5 +2078,28 @@ impl Gpu {
         unsafe { self.compute.launch_builder(&k.argmax).arg(&logits).arg(&vocab).arg(&out).launch(cfg) }
             .map(|_| ())
             .map_err(driver_err("cuLaunchKernel(argmax)"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grouped kernels take f16/bf16 and every quantised format whose GEMVs keep the activations as they
+    /// are, each at its instances' index, up to `EXACT_MAX_TOKENS` tokens of rows of whole 8-element reads.
+    #[test]
+    fn grouped_experts_fit_every_format_but_q2_k_and_q3_k() {
+        let (hidden, ffn) = (2048, 768);
+        for quant in std::iter::once(None).chain(QFormat::ALL.map(Some)) {
+            let fits = quant.is_none_or(|q| !matches!(q, QFormat::Q2K | QFormat::Q3K));
+            for tokens in 1..=EXACT_MAX_TOKENS {
+                assert_eq!(grouped_experts_fit(quant, tokens, hidden, ffn), fits, "{quant:?} {tokens}");
+            }
+            assert!(!grouped_experts_fit(quant, EXACT_MAX_TOKENS + 1, hidden, ffn), "{quant:?}");
+            if fits {
+                assert!(tiled_format(quant) < GROUPED_FORMATS, "{quant:?}: an instance of its own");
+            }
+        }
+        assert!(!grouped_experts_fit(None, 1, 2052, ffn) && !grouped_experts_fit(None, 1, hidden, 772));
     }
 }
