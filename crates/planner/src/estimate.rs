@@ -1031,7 +1031,8 @@ mod tests {
     }
 
     /// Pinned routed experts of a decode step cost the grouped rows where the profile has them (as the
-    /// simulator prices our executor's), streamed ones and prefill chunks the per-expert rows.
+    /// simulator prices our executor's), those of a prefill chunk the tiled rows where it has them, streamed
+    /// ones the per-expert rows.
     #[test]
     fn pinned_decode_experts_cost_the_grouped_rows() {
         let spec =
@@ -1040,7 +1041,10 @@ mod tests {
         let w = Workload::single(256, 1024, 16, 256);
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../profiles/h200.json");
         let mut profile = pipeshard_core::profile::Profile::load(&path).unwrap();
-        profile.gpu.ops.retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped));
+        profile
+            .gpu
+            .ops
+            .retain(|r| !matches!(r.op, OpClass::Experts | OpClass::ExpertsGrouped | OpClass::ExpertsTiled));
         let row = |op, tokens, time_ns| {
             pipeshard_core::profile::OpRow::gpu(op, DType::Bf16, (768, 2048), tokens, time_ns)
         };
@@ -1066,6 +1070,13 @@ mod tests {
         assert!(saving(&grouped, PhaseKind::Decode) > 0.0);
         assert!(saving(&grouped, PhaseKind::Prefill).abs() < 1e-9, "prefill chunks are not grouped");
         assert!(saving(&apart, PhaseKind::Decode).abs() < 1e-9, "no grouped rows");
+        profile.gpu.ops.extend([1, 64].map(|t| row(OpClass::ExpertsTiled, t, 10_000)));
+        let tiled = Estimator::new(&spec, &inv, &w, &TableCostModel::new(&profile));
+        assert!(saving(&tiled, PhaseKind::Prefill) > 0.0, "a prefill chunk's pinned experts are tiled");
+        assert_eq!(
+            saving(&tiled, PhaseKind::Decode).to_bits(),
+            saving(&grouped, PhaseKind::Decode).to_bits()
+        );
     }
 
     #[test]

@@ -257,7 +257,9 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
          block; a GPU `experts_grouped` row (any format but q2_k/q3_k) is exec's two grouped launches over \
          `tokens` experts of one token each (a layer's pinned experts in a step of at most 8 tokens), each \
-         expert's weights another unit of the rotating buffer"
+         expert's weights another unit of the rotating buffer; a GPU `experts_tiled` row is one expert's share \
+         of exec's tiled launches over a group of 1024 / m experts of m tokens on average (a larger step's \
+         pinned experts)"
             .into(),
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];

@@ -1588,19 +1588,65 @@ struct ExpertTile {
     u32 count;  // entries, 1..TE_ROWS
 };
 
-// Weights row[i0 .. i0 + 8) as activation-type values into dst (16-byte aligned shared memory).
-template <int F> __device__ __forceinline__ void te_load_w8(const u8* __restrict__ row, u64 i0, u16* dst) {
-    uint4 v;
-    if (F == 0) {
-        v = *(const uint4*)(row + 2 * i0);
-    } else {
-        u32 p[4];
+// Eight quants of one block as exact small integers (they share its scales): bytes b[0..8] read as 16-bit
+// words from p (blocks are 2-byte aligned), each shifted right by `shift` and masked with `mask`.
+__device__ __forceinline__ void te_bytes8(const u8* __restrict__ p, int shift, int mask, int* q) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            p[e] = (u32)ACT_STORE(te_val<F>(row, i0 + 2 * e)) | ((u32)ACT_STORE(te_val<F>(row, i0 + 2 * e + 1)) << 16);
-        v = make_uint4(p[0], p[1], p[2], p[3]);
+    for (int w = 0; w < 4; ++w) {
+        const u32 two = ((const u16*)p)[w];
+        q[2 * w] = (int)((two >> shift) & mask);
+        q[2 * w + 1] = (int)((two >> (8 + shift)) & mask);
     }
-    *(uint4*)dst = v;
+}
+
+// Weights row[i0 .. i0 + 8) (i0 a multiple of 8) as activation-type values into dst (16-byte aligned shared
+// memory). The eight lie in one block (q8_0, q4_0) or one 32-element sub-block (q4_K, q6_K), so its scales are
+// read once and its quants as 16-bit words; each value is the product `qval`/`kval` computes, in their order
+// (bit for bit the per-element dequantisation, which the q2_K/q3_K instances keep).
+template <int F> __device__ __forceinline__ void te_load_w8(const u8* __restrict__ row, u64 i0, u16* dst) {
+    float w[8];
+    if (F == 0) {
+        *(uint4*)dst = *(const uint4*)(row + 2 * i0);
+        return;
+    } else if (F == 1 || F == 2) {
+        // q8_0: bytes e..e+8; q4_0: the low nibbles of bytes (e & 8).. for e < 16, their high nibbles above.
+        const int e = (int)(i0 & 31);
+        const u8* blk = row + (i0 >> 5) * (F == 2 ? 18 : 34);
+        const float d = h2f(*(const u16*)blk);
+        int q[8];
+        te_bytes8(blk + 2 + (F == 2 ? (e & 8) : e), F == 2 ? (e & 16) >> 2 : 0, F == 2 ? 15 : 255, q);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = (float)(F == 2 ? q[j] - 8 : (int)(signed char)q[j]) * d;
+    } else if (F == 3) {
+        // q4_K: sub-block 2t + half of the super-block; its quants are the nibbles (half) of bytes 16 + 32t + l.
+        const int e = (int)(i0 & (QK_K - 1)), t = e >> 6, half = (e >> 5) & 1, l = e & 31;
+        const u8* blk = row + (i0 >> 8) * 144;
+        float sc, m;
+        q4k_scale_min(2 * t + half, blk + 4, sc, m);
+        const float d1 = __fmul_rn(h2f(*(const u16*)blk), sc), m1 = __fmul_rn(h2f(*(const u16*)(blk + 2)), m);
+        int q[8];
+        te_bytes8(blk + 16 + 32 * t + l, 4 * half, 15, q);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = __fsub_rn(__fmul_rn(d1, (float)q[j]), m1);
+    } else if (F == 4) {
+        // q6_K: low nibbles (c >> 1 picks the nibble) and high 2-bit pairs of element l of quarter c, half n;
+        // one signed scale per 16 elements.
+        const int e = (int)(i0 & (QK_K - 1)), n = e >> 7, c = (e >> 5) & 3, l = e & 31;
+        const u8* blk = row + (i0 >> 8) * 210;
+        const float ds = __fmul_rn(h2f(*(const u16*)(blk + 208)), (float)(signed char)blk[192 + 8 * n + 2 * c + (l >> 4)]);
+        int lo[8], hi[8];
+        te_bytes8(blk + 64 * n + 32 * (c & 1) + l, 4 * (c >> 1), 15, lo);
+        te_bytes8(blk + 128 + 32 * n + l, 2 * c, 3, hi);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = __fmul_rn(ds, (float)((lo[j] | (hi[j] << 4)) - 32));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = te_val<F>(row, i0 + j);
+    }
+    u32 p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = (u32)ACT_STORE(w[2 * j]) | ((u32)ACT_STORE(w[2 * j + 1]) << 16);
+    *(uint4*)dst = make_uint4(p[0], p[1], p[2], p[3]);
 }
 
 // acc[j] = the 16 × 8 output block (entries 16w.., outputs 8j..) of x · wᵀ over k, for a block of 8 warps and
