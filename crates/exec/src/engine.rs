@@ -1710,13 +1710,18 @@ impl<'a> Exec<'a> {
             Some(UnitKind::Expert(o)) => Some(o),
             _ => None,
         };
-        let grouped_offsets = (pinned > 0
-            && self.opts.grouped_experts == GroupedExperts::On
-            && lay.scratch.moe_grouped
-            && grouped_experts_fit(d.quant, m, hd, fe))
-        .then(|| offsets(gpu_experts[0]))
-        .flatten()
-        .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
+        // The offsets every pinned expert's unit shares, where `ok`: the grouped and tiled kernels take one set.
+        let shared_offsets = |ok: bool| {
+            ok.then(|| offsets(gpu_experts[0]))
+                .flatten()
+                .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)))
+        };
+        let grouped_offsets = shared_offsets(
+            pinned > 0
+                && self.opts.grouped_experts == GroupedExperts::On
+                && lay.scratch.moe_grouped
+                && grouped_experts_fit(d.quant, m, hd, fe),
+        );
         // Steps of more tokens take the tiled kernels ([`tiled`]) for the pinned experts, three launches a group
         // whose entries fit the per-expert path's `moe_act`/`moe_y` rows, with their index in its `moe_gate_up`
         // (which the tiled kernels leave unused). They round quantised weights to the activation type, as the
@@ -1729,15 +1734,14 @@ impl<'a> Exec<'a> {
             gpu_experts[..pinned].iter().filter(|&&e| !exact(e)).map(|&e| lists[e as usize].len()).sum();
         let rows = lay.scratch.tokens;
         let index_max = tiled::tiled_index_max_bytes(m, tiled_entries, tiled_n, rows);
-        let tiled_offsets = (tiled_n > 0
-            && m > EXACT_MAX_TOKENS
-            && self.opts.grouped_experts == GroupedExperts::On
-            && tiled_experts_fit(hd, fe)
-            && index_max <= self.moe_io.tiled_bytes
-            && index_max <= 2 * rows * fe * 4)
-            .then(|| offsets(gpu_experts[0]))
-            .flatten()
-            .filter(|&o| gpu_experts[..pinned].iter().all(|&e| offsets(e) == Some(o)));
+        let tiled_offsets = shared_offsets(
+            tiled_n > 0
+                && m > EXACT_MAX_TOKENS
+                && self.opts.grouped_experts == GroupedExperts::On
+                && tiled_experts_fit(hd, fe)
+                && index_max <= self.moe_io.tiled_bytes
+                && index_max <= 2 * rows * fe * 4,
+        );
         if tiled_offsets.is_some() {
             // The tiled experts first, then the exact ones, each kind ascending (a stable sort).
             gpu_experts[..pinned].sort_by_key(|&e| exact(e));
