@@ -883,23 +883,9 @@ fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
     for (act, quant, hd, ffn) in cases {
         chunked |= quant.is_some() && 2 * ffn * hd * act.size_bytes() > DEQUANT_SCRATCH_BYTES;
         let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
-        // Gate and up [ffn, hd], down [hd, ffn]: values of ±1/√fan-in, stored in the format.
-        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
-            let scale = 1.0 / (k as f32).sqrt();
-            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
-        };
-        let store = |wf: &[f32], k: usize| -> Vec<u8> {
-            quant.map_or_else(
-                || {
-                    let mut b = vec![0u8; 2 * wf.len()];
-                    act.write_row(wf, &mut b);
-                    b
-                },
-                |q| q.quantize(wf, k),
-            )
-        };
-        let (gate, up, down) =
-            (store(&values(ffn, hd, 1), hd), store(&values(ffn, hd, 2), hd), store(&values(hd, ffn, 3), ffn));
+        // Gate and up [ffn, hd], down [hd, ffn].
+        let matrix = |n, k, seed| test_matrix(act, quant, n, k, seed);
+        let (gate, up, down) = (matrix(ffn, hd, 1), matrix(ffn, hd, 2), matrix(hd, ffn, 3));
         let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
             let mut y = vec![0f32; m * n];
             match quant {
@@ -1002,6 +988,65 @@ fn expert_ffn_matches_the_cpu_with_gate_and_up_as_one_matrix() {
     assert!(chunked, "one expert's gate|up spans two dequantisation chunks");
 }
 
+/// An `n × k` matrix of ±1/√k values (a pattern set by `seed`), stored in `quant`'s format (the activation
+/// type `act` where `None`).
+fn test_matrix(
+    act: pipeshard_exec::host::Elem,
+    quant: Option<QFormat>,
+    n: usize,
+    k: usize,
+    seed: usize,
+) -> Vec<u8> {
+    let scale = 1.0 / (k as f32).sqrt();
+    let wf: Vec<f32> =
+        (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect();
+    quant.map_or_else(
+        || {
+            let mut b = vec![0u8; 2 * wf.len()];
+            act.write_row(&wf, &mut b);
+            b
+        },
+        |q| q.quantize(&wf, k),
+    )
+}
+
+/// `n` experts' gate and up (`ffn × hd`) and down (`hd × ffn`) ([`test_matrix`]), stored in `quant`'s
+/// format (the activation type `act` where `None`), and each expert's unit — gate, up and down at the
+/// offsets `offsets` gives for a gate of that many bytes — in a device allocation of its own (distinct
+/// addresses, as pinned units are).
+fn expert_units(
+    gpu: &Gpu,
+    act: pipeshard_exec::host::Elem,
+    quant: Option<QFormat>,
+    (hd, ffn): (usize, usize),
+    n: usize,
+    offsets: impl Fn(usize) -> pipeshard_exec::weights::ExpertOffsets,
+) -> (Vec<[Vec<u8>; 3]>, Vec<pipeshard_exec::cuda::DevBuf>, pipeshard_exec::weights::ExpertOffsets) {
+    use pipeshard_exec::cuda::Stream;
+    let mats: Vec<[Vec<u8>; 3]> = (0..n)
+        .map(|e| {
+            let matrix = |n, k, seed| test_matrix(act, quant, n, k, 10 * e + seed);
+            [matrix(ffn, hd, 1), matrix(ffn, hd, 2), matrix(hd, ffn, 3)]
+        })
+        .collect();
+    let o = offsets(mats[0][0].len());
+    let units = mats
+        .iter()
+        .map(|[g, u, d]| {
+            let mut wb = vec![0u8; o.down + d.len()];
+            wb[..g.len()].copy_from_slice(g);
+            wb[o.up..o.up + u.len()].copy_from_slice(u);
+            wb[o.down..].copy_from_slice(d);
+            let buf = gpu.alloc(wb.len()).unwrap();
+            // SAFETY: buf holds wb.len() bytes; synchronised before wb is dropped.
+            unsafe { gpu.h2d(Stream::Compute, buf.ptr(), &wb).unwrap() };
+            gpu.sync(Stream::Compute).unwrap();
+            buf
+        })
+        .collect();
+    (mats, units, o)
+}
+
 /// A layer's pinned experts grouped (`Gpu::grouped_experts`: gate|up with SwiGLU for every expert in one
 /// launch, down with the weighted sum in another) against the per-expert path (`Gpu::expert_ffn` per expert,
 /// in expert order: exact GEMVs for the quantised formats, as at most 8 rows) and against the CPU's matmuls
@@ -1035,47 +1080,12 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
     let mut checked = 0;
     for (act, quant, hd, ffn) in cases {
         let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
-        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
-            let scale = 1.0 / (k as f32).sqrt();
-            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
-        };
-        let store = |wf: &[f32], k: usize| -> Vec<u8> {
-            quant.map_or_else(
-                || {
-                    let mut b = vec![0u8; 2 * wf.len()];
-                    act.write_row(wf, &mut b);
-                    b
-                },
-                |q| q.quantize(wf, k),
-            )
-        };
-        let mats: Vec<[Vec<u8>; 3]> = (0..n_experts)
-            .map(|e| {
-                [
-                    store(&values(ffn, hd, 10 * e + 1), hd),
-                    store(&values(ffn, hd, 10 * e + 2), hd),
-                    store(&values(hd, ffn, 10 * e + 3), ffn),
-                ]
-            })
-            .collect();
-        // Every expert's unit in an allocation of its own (distinct addresses, as pinned units are), gate, up
-        // and down back to back.
-        let gb = mats[0][0].len();
-        let o = ExpertOffsets { gate: 0, up: gb, down: (2 * gb).next_multiple_of(TENSOR_ALIGN_BYTES) };
-        let units: Vec<_> = mats
-            .iter()
-            .map(|[g, u, d]| {
-                let mut wb = vec![0u8; o.down + d.len()];
-                wb[..gb].copy_from_slice(g);
-                wb[o.up..o.up + u.len()].copy_from_slice(u);
-                wb[o.down..].copy_from_slice(d);
-                let buf = gpu.alloc(wb.len()).unwrap();
-                // SAFETY: buf holds wb.len() bytes; synchronised before wb is dropped.
-                unsafe { gpu.h2d(Stream::Compute, buf.ptr(), &wb).unwrap() };
-                gpu.sync(Stream::Compute).unwrap();
-                buf
-            })
-            .collect();
+        // Gate and up back to back (one matmul on the per-expert path), down after them, aligned.
+        let (mats, units, o) = expert_units(&gpu, act, quant, (hd, ffn), n_experts, |gb| ExpertOffsets {
+            gate: 0,
+            up: gb,
+            down: (2 * gb).next_multiple_of(TENSOR_ALIGN_BYTES),
+        });
         // At most 8 rows, the CPU's quantised matmul multiplies the exactly dequantised weights.
         let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
             let mut y = vec![0f32; m * n];
@@ -1249,50 +1259,10 @@ fn tiled_experts_match_the_per_expert_path_and_the_cpu_in_every_format() {
     let mut checked = 0;
     for (act, quant) in cases {
         let kn = gpu.kernels(KernelKey { act, kv: Elem::Bf16, head_dim: 128 }).unwrap();
-        let values = |n: usize, k: usize, seed: usize| -> Vec<f32> {
-            let scale = 1.0 / (k as f32).sqrt();
-            (0..n * k).map(|i| (((i + seed) * 7919 % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
-        };
-        let store = |wf: &[f32], k: usize| -> Vec<u8> {
-            quant.map_or_else(
-                || {
-                    let mut b = vec![0u8; 2 * wf.len()];
-                    act.write_row(wf, &mut b);
-                    b
-                },
-                |q| q.quantize(wf, k),
-            )
-        };
-        let mats: Vec<[Vec<u8>; 3]> = (0..n_experts)
-            .map(|e| {
-                let s = 10 * e;
-                [
-                    store(&values(ffn, hd, s + 1), hd),
-                    store(&values(ffn, hd, s + 2), hd),
-                    store(&values(hd, ffn, s + 3), ffn),
-                ]
-            })
-            .collect();
-        let gb = mats[0][0].len();
-        let o = ExpertOffsets {
-            gate: 0,
-            up: gb.next_multiple_of(TENSOR_ALIGN_BYTES),
-            down: (gb.next_multiple_of(TENSOR_ALIGN_BYTES) + gb).next_multiple_of(TENSOR_ALIGN_BYTES),
-        };
-        let units: Vec<_> = mats
-            .iter()
-            .map(|[g, u, d]| {
-                let mut wb = vec![0u8; o.down + d.len()];
-                wb[..g.len()].copy_from_slice(g);
-                wb[o.up..o.up + u.len()].copy_from_slice(u);
-                wb[o.down..].copy_from_slice(d);
-                let buf = gpu.alloc(wb.len()).unwrap();
-                // SAFETY: buf holds wb.len() bytes; synchronised before wb is dropped.
-                unsafe { gpu.h2d(Stream::Compute, buf.ptr(), &wb).unwrap() };
-                gpu.sync(Stream::Compute).unwrap();
-                buf
-            })
-            .collect();
+        let (mats, units, o) = expert_units(&gpu, act, quant, (hd, ffn), n_experts, |gb| {
+            let up = gb.next_multiple_of(TENSOR_ALIGN_BYTES);
+            ExpertOffsets { gate: 0, up, down: (up + gb).next_multiple_of(TENSOR_ALIGN_BYTES) }
+        });
         // The CPU on the weights as the GPU multiplies them: dequantised, rounded to the activation type.
         let cpu_mm = |x: &[f32], m: usize, k: usize, w: &[u8], n: usize| -> Vec<f32> {
             let mut y = vec![0f32; m * n];

@@ -1295,18 +1295,12 @@ fn measure_gpu_ops(
                     }
                     Ok(())
                 })?;
-                gpu_rows.push(OpRow {
-                    op: if experts { OpClass::Experts } else { OpClass::MatMul },
-                    dtype,
-                    n: n as u64,
-                    k: k as u64,
-                    tokens: m as u64,
-                    threads: 0,
-                    time_ns: s.median.ceil() as u64,
-                    time_ns_under_dma: None,
+                // A row of this shape and token count from its measurement.
+                let row = |op, s: &Stat| OpRow {
                     spread: Some(s.spread),
-                    kv_heads: None,
-                });
+                    ..OpRow::gpu(op, dtype, (n as u64, k as u64), m as u64, s.median.ceil() as u64)
+                };
+                gpu_rows.push(row(if experts { OpClass::Experts } else { OpClass::MatMul }, &s));
                 let flops = if experts { 6.0 } else { 2.0 } * (m * n * k) as f64;
                 progress.tick(&format!("{dtype:?} {n}×{k} m={m}: {:.1} TFLOP/s", flops / s.median / 1e3))?;
                 if experts && tiled_fit(shape) && tiled_row(dtype, m) {
@@ -1327,18 +1321,7 @@ fn measure_gpu_ops(
                         expert_io.h,
                         xbuf,
                     )?;
-                    gpu_rows.push(OpRow {
-                        op: OpClass::ExpertsTiled,
-                        dtype,
-                        n: n as u64,
-                        k: k as u64,
-                        tokens: m as u64,
-                        threads: 0,
-                        time_ns: s.median.ceil() as u64,
-                        time_ns_under_dma: None,
-                        spread: Some(s.spread),
-                        kv_heads: None,
-                    });
+                    gpu_rows.push(row(OpClass::ExpertsTiled, &s));
                     progress.tick(&format!(
                         "{dtype:?} {n}×{k} m={m} tiled, {units} experts: {:.1} µs an expert",
                         s.median / 1e3
