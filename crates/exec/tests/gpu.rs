@@ -1052,11 +1052,11 @@ fn expert_units(
 /// in expert order: exact GEMVs for the quantised formats, as at most 8 rows) and against the CPU's matmuls
 /// (`matmul_quant`'s exactly dequantised weights for the quantised formats), SwiGLU and weighted sum, for
 /// steps of 1, 2 and 8 tokens and 1–8 experts, f16 and bf16 and bf16 activations with q8_0, q4_0, q4_k and
-/// q6_k weights: the SwiGLU rows within one ulp of the CPU's (at most 1 % of them off), the residual's change
-/// within 1e-4 relative of the CPU's down over those rows and within 5e-3 of the per-expert path's. Rows of
-/// 160 and 192 elements leave lanes idle (tails); K-quant rows of 512 span two super-blocks. The SwiGLU rows
-/// start as NaN and every output row must be finite, so a row the kernels skip or read unwritten fails the
-/// test.
+/// q6_k weights: the SwiGLU rows within one ulp (or 1e-5) of the CPU's, at most 1 % of them off; the
+/// residual's change within 1e-4 relative of the CPU's down over those rows and within 5e-3 of the per-expert
+/// path's. Rows of 160 and 192 elements leave lanes idle (tails); K-quant rows of 512 span two super-blocks.
+/// The SwiGLU rows start as NaN and every output row must be finite, so a row the kernels skip or read
+/// unwritten fails the test.
 #[test]
 fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
     use pipeshard_exec::cpu::{CpuPool, matmul, matmul_quant, swiglu};
@@ -1206,7 +1206,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 // relative): the SwiGLU rows are checked within one ulp, few of them off, and the residual
                 // against the CPU's down over the kernel's own SwiGLU rows.
                 let mut want = h0.clone();
-                let mut off_by_ulp = 0;
+                let mut rounded_otherwise = 0;
                 for (g, &e) in experts.iter().enumerate() {
                     let x: Vec<f32> = lists[g]
                         .iter()
@@ -1220,12 +1220,11 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                     for (&a, &b) in gt.iter().zip(got_act) {
                         if a.to_bits() != b.to_bits() {
                             // bf16 keeps 8 significant bits, f16 11: one ulp is at most 2^-7 (2^-10) relative.
+                            // Near zero, gate and up's sums in another order (~1e-6 apart here) dominate.
                             let ulp = if act == Elem::Bf16 { 2f32.powi(-7) } else { 2f32.powi(-10) };
-                            assert!(
-                                (a - b).abs() <= ulp * a.abs().max(b.abs()),
-                                "{what}: SwiGLU {b} vs CPU {a}"
-                            );
-                            off_by_ulp += 1;
+                            let tol = ulp * a.abs().max(b.abs()) + 1e-5;
+                            assert!((a - b).abs() <= tol, "{what}: SwiGLU {b} vs CPU {a}");
+                            rounded_otherwise += 1;
                         }
                     }
                     let y = cpu_mm(got_act, c, ffn, &mats[e][2], hd);
@@ -1238,8 +1237,8 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 let delta =
                     |v: &[f32]| -> Vec<f64> { v.iter().zip(&h0).map(|(a, b)| f64::from(a - b)).collect() };
                 assert!(
-                    off_by_ulp * 100 <= grouped_act.len(),
-                    "{what}: {off_by_ulp} SwiGLU values off by one ulp"
+                    rounded_otherwise * 100 <= grouped_act.len(),
+                    "{what}: {rounded_otherwise} SwiGLU values rounded otherwise"
                 );
                 assert!(grouped.iter().all(|v| v.is_finite()), "{what}: a grouped output is not finite");
                 let (dg, dp, dw) = (delta(&grouped), delta(&per_expert), delta(&want));
@@ -1247,7 +1246,7 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
                 let dp32: Vec<f32> = dp.iter().map(|&v| v as f32).collect();
                 let (e_cpu, e_per, e_ref) = (rel_err(&dg32, &dw), rel_err(&dg32, &dp), rel_err(&dp32, &dw));
                 eprintln!(
-                    "{what}: grouped vs CPU {e_cpu:.1e} ({off_by_ulp} SwiGLU values off by one ulp), vs \
+                    "{what}: grouped vs CPU {e_cpu:.1e} ({rounded_otherwise} SwiGLU values rounded otherwise), vs \
                      per-expert {e_per:.1e} (per-expert vs CPU {e_ref:.1e})"
                 );
                 assert!(e_cpu < 1e-4, "{what}: rel err {e_cpu} against the CPU on the kernel's SwiGLU rows");
