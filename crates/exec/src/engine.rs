@@ -1259,9 +1259,10 @@ impl<'a> Exec<'a> {
                 }
             }
         }
+        let prev_pinned = prev.map(PhaseLayout::pinned_offsets).unwrap_or_default();
         for s in &lay.steps {
             if let WeightLoc::Pinned(o) = s.weights
-                && prev.and_then(|p| p.pinned_offset(s.unit)) != Some(o)
+                && prev_pinned.get(&s.unit) != Some(&o)
             {
                 let u = self.w.unit(s.unit).expect("weight unit");
                 // SAFETY: the region at o holds align(u.bytes) bytes in this layout; weights are registered and
