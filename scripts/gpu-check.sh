@@ -7,7 +7,7 @@
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "launchpace" (the
-#   host's launch pace idle, after the validation's host check and under CPU load), "ncuattn" (decode
+#   host's launch pace idle, after the validation's host check, with polling workers and under CPU load), "ncuattn" (decode
 #   attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run --grouped-experts on/off
 #   A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
@@ -142,8 +142,8 @@ if [[ $PARTS == *ringwait* ]]; then
   cat "$OUT/ring-wait.log"
 fi
 if [[ $PARTS == *launchpace* ]]; then
-  # The host's launch pace idle, after the validation's host check and under CPU load
-  # (crates/profiler/examples/launch_pace.rs).
+  # The host's launch pace idle, after the validation's host check, while the pool's workers poll and under CPU
+  # load (crates/profiler/examples/launch_pace.rs).
   timeout 90 .bin/launch-pace "$(nproc)" > "$OUT/launch-pace.log" 2>&1
   echo "launch pace exit $?" >> "$OUT/launch-pace.log"
   cat "$OUT/launch-pace.log"

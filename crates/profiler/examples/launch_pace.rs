@@ -8,8 +8,10 @@
 //! Each state is sampled `SAMPLES` times, the probe being the profiler's own ([`LaunchProbe`], 1000 tiny
 //! launches between two events): after the host idled 200 ms (the profiler's state: its launch probe follows
 //! the GPU op rows, the CPU idle); right after the validation's host check (DRAM read and CPU GEMV on every
-//! thread, then the probe); and while every thread but the launching one runs the CPU GEMV (a cell whose CPU
-//! experts or layers run while the host launches GPU work).
+//! thread, then the probe); while the pool's workers poll (`CpuPool::keep_warm`, re-armed every millisecond: a
+//! MoE layer with CPU experts enqueues its GPU experts so, one more thread than cores); and while every thread
+//! but the launching one runs the CPU GEMV (a cell whose CPU experts or layers run while the host launches GPU
+//! work).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -68,6 +70,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &format!("right after DRAM read + CPU GEMV on {threads} threads (validation's check)"),
         after_check,
     );
+
+    let polling = AtomicBool::new(true);
+    let mut while_polling = Vec::new();
+    std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
+        s.spawn(|| {
+            while polling.load(Ordering::Relaxed) {
+                let _warm = pool.keep_warm();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(10));
+        for _ in 0..SAMPLES {
+            while_polling.push(probe.ns_per_launch(&gpu)?);
+        }
+        polling.store(false, Ordering::Relaxed);
+        Ok(())
+    })?;
+    print(&format!("while the pool's {threads} workers poll (keep_warm)"), while_polling);
 
     let busy_pool = CpuPool::new(threads.saturating_sub(1).max(1))?;
     let stop = AtomicBool::new(false);
