@@ -7,9 +7,9 @@
 #   "validate" (the H200 grid with every cell's traces, against the profile just measured if there is one),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "launchpace" (the
-#   host's launch pace idle, after the validation's host check, with polling workers and under CPU load), "ncuattn" (decode
-#   attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run --grouped-experts on/off
-#   A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
+#   host's launch pace idle, after the validation's host check, with polling workers and under CPU load),
+#   "ncuattn" (decode attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run
+#   --grouped-experts on/off A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.

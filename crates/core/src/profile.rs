@@ -81,6 +81,8 @@ pub struct BwPoint {
 pub struct PcieProfile {
     pub h2d_pinned: Vec<BwPoint>,
     pub d2h_pinned: Vec<BwPoint>,
+    /// From pageable host memory: measured profiles time runs of back-to-back copies of each size, as the
+    /// executor stages units (`ngl`), the host's copy into the driver's buffers overlapping the previous DMA.
     pub h2d_pageable: Vec<BwPoint>,
     pub d2h_pageable: Vec<BwPoint>,
     /// Aggregate GB/s with H2D and D2H running at once.
