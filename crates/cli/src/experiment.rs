@@ -156,6 +156,8 @@ pub struct ExperimentFile {
     /// Every request is the same token sequence (`llama-batched-bench`'s), so a decode step's tokens touch one
     /// token's experts; else they route independently.
     pub identical_requests: Option<bool>,
+    /// `validate`: how many times each cell's plan runs (default 1); its measurements are the runs' medians.
+    pub runs_per_cell: Option<u32>,
     pub ngl: Option<NglFile>,
     pub paper: Option<PaperRef>,
 }
@@ -212,6 +214,9 @@ pub struct Experiment {
     pub requests: Requests,
     /// Replayed `-ngl N` of every `ngl` cell (empty: `ngl` picks N itself).
     pub ngl_layers: BTreeMap<NglKey, u32>,
+    /// Runs of each cell's plan under `validate` (≥ 1): a machine whose runs of one plan differ by up to ~10 %
+    /// (validation run39 against run40: TTFT p90 12 %) is measured by their median.
+    pub runs_per_cell: u32,
     pub paper: Option<PaperRef>,
 }
 
@@ -337,6 +342,7 @@ impl Experiment {
                 Requests::Distinct
             },
             ngl_layers,
+            runs_per_cell: f.runs_per_cell.unwrap_or(1),
             paper: f.paper,
         };
         e.check()?;
@@ -344,6 +350,9 @@ impl Experiment {
     }
 
     fn check(&self) -> anyhow::Result<()> {
+        if self.runs_per_cell == 0 {
+            bail!("`runs_per_cell` is 0; each cell runs at least once");
+        }
         if self.planners.is_empty() {
             bail!("`planners` is empty; list at least one");
         }
@@ -735,6 +744,19 @@ mod tests {
         )
         .unwrap();
         assert!(Experiment::from_file(bad, "x").unwrap_err().to_string().contains("magic"));
+    }
+
+    /// `runs_per_cell` defaults to one run and refuses none.
+    #[test]
+    fn runs_per_cell_is_at_least_one() {
+        let file = |extra: &str| -> ExperimentFile {
+            toml::from_str(&format!("models = [\"nemo-4b\"]\nctx = [1024]\nbudgets = [\"2G\"]\n{extra}"))
+                .unwrap()
+        };
+        assert_eq!(Experiment::from_file(file(""), "x").unwrap().runs_per_cell, 1);
+        assert_eq!(Experiment::from_file(file("runs_per_cell = 3"), "x").unwrap().runs_per_cell, 3);
+        let zero = Experiment::from_file(file("runs_per_cell = 0"), "x").unwrap_err().to_string();
+        assert!(zero.contains("`runs_per_cell` is 0"), "{zero}");
     }
 
     #[test]

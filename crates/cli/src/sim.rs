@@ -152,6 +152,7 @@ pub fn run(cmd: SimCommand) -> anyhow::Result<()> {
                         budget_excludes_runtime: None,
                         ngl_flash_attn: None,
                         identical_requests: None,
+                        runs_per_cell: None,
                         ngl: None,
                         paper: None,
                     },

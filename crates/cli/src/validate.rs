@@ -17,6 +17,8 @@
 //! or ran the GEMV under 90 % of its row's pace (each reference lowered to the host's at the start), runs once
 //! more (`host_dram_gbps`, `host_gemv_ratio`, `attempts` in `cells.csv`). The host's kernel launches are
 //! timed against the profile's launch cost too (`host_launch_ratio`), which the summary reports.
+//! An experiment's `runs_per_cell` runs each cell's plan that many times: its measurements are the runs'
+//! medians, their spread in `cells.csv` (`runs`, `ttft_spread_meas`, `tps_spread_meas`) and the summary.
 //! A cell whose plan and workload an earlier cell already ran (a coordinate its planner ignores, such as
 //! `ngl`'s depth) is predicted but not run again: its row's status names the cell that ran it.
 //!
@@ -119,6 +121,47 @@ impl Sample {
     }
 }
 
+/// The median of each metric over runs of one plan (the middle two's mean for an even count), and the largest
+/// VRAM peak; `None` for no run.
+fn median_sample(runs: &[Sample]) -> Option<Sample> {
+    let median = |f: &dyn Fn(&Sample) -> f64| -> f64 {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 { v[n / 2] } else { f64::midpoint(v[n / 2 - 1], v[n / 2]) }
+    };
+    runs.first()?;
+    Some(Sample {
+        ttft_ms: median(&|s| s.ttft_ms),
+        tps: median(&|s| s.tps),
+        e2el_ms: median(&|s| s.e2el_ms),
+        vram_peak_bytes: runs.iter().map(|s| s.vram_peak_bytes).max().unwrap_or(0),
+        busy_ms: std::array::from_fn(|i| median(&|s| s.busy_ms[i])),
+    })
+}
+
+/// (max − min) ÷ median of one metric over runs of one plan; `None` for fewer than two runs.
+fn spread(runs: &[Sample], median: f64, f: fn(&Sample) -> f64) -> Option<f64> {
+    if runs.len() < 2 || median <= 0.0 {
+        return None;
+    }
+    let (lo, hi) = runs.iter().map(f).fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    Some((hi - lo) / median)
+}
+
+/// How many times a cell's plan ran (`runs_per_cell`), and how far its runs' TTFT and TPS lay apart.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Runs {
+    pub count: u32,
+    /// [`spread`] of the runs' TTFT and TPS.
+    pub ttft_spread: Option<f64>,
+    pub tps_spread: Option<f64>,
+}
+
+impl Runs {
+    const ONE: Runs = Runs { count: 1, ttft_spread: None, tps_spread: None };
+}
+
 /// The metrics the goal is stated for: TTFT, TPS, E2EL, peak VRAM (the columns of the summary and the panels
 /// of the scatter plot, in this order).
 const METRICS: [fn(&Sample) -> f64; 4] =
@@ -150,6 +193,8 @@ pub struct Outcome {
     pub host_launch_ratio: Option<f64>,
     /// Runs of the cell: more than one when the host check found the host disturbed.
     pub attempts: u32,
+    /// The runs of the attempt that was kept (`runs_per_cell`); `meas` is their median.
+    pub runs: Runs,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
     pub run: Option<(Plan, Trace)>,
 }
@@ -276,6 +321,13 @@ struct Row {
     host_launch_ratio: Option<f64>,
     #[serde(default = "one_run")]
     attempts: u32,
+    /// Absent from runs before `runs_per_cell` (one run a cell).
+    #[serde(default = "one_run")]
+    runs: u32,
+    #[serde(default)]
+    ttft_spread_meas: Option<f64>,
+    #[serde(default)]
+    tps_spread_meas: Option<f64>,
     calibration: bool,
     /// Absent from runs before the column existed.
     #[serde(default)]
@@ -324,6 +376,9 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             host_gemv_ratio: o.host_gemv_ratio,
             host_launch_ratio: o.host_launch_ratio,
             attempts: o.attempts,
+            runs: o.runs.count,
+            ttft_spread_meas: o.runs.ttft_spread,
+            tps_spread_meas: o.runs.tps_spread,
             calibration: false,
             plan_fingerprint: o.plan_fingerprint.clone(),
         })?;
@@ -372,6 +427,11 @@ impl Row {
             host_gemv_ratio: self.host_gemv_ratio,
             host_launch_ratio: self.host_launch_ratio,
             attempts: self.attempts,
+            runs: Runs {
+                count: self.runs,
+                ttft_spread: self.ttft_spread_meas,
+                tps_spread: self.tps_spread_meas,
+            },
             run: None,
             status: self.status,
             cell: Cell {
@@ -594,6 +654,7 @@ fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
             host_gemv_ratio: old.host_gemv_ratio,
             host_launch_ratio: old.host_launch_ratio,
             attempts: old.attempts,
+            runs: old.runs,
             run: None,
             cell,
         });
@@ -775,7 +836,17 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
             attempts += 1;
             let (before_gbps, before_gemv, before_launch) =
                 (host.gbps(), host.gemv_ratio(), host.launch_ratio(&gpu));
-            let mut o = validate_cell(cell.clone(), spec, inv, weights, &gpu, &profile, a.seed, &outcomes)?;
+            let mut o = validate_cell(
+                cell.clone(),
+                spec,
+                inv,
+                weights,
+                &gpu,
+                &profile,
+                a.seed,
+                e.runs_per_cell,
+                &outcomes,
+            )?;
             let host_gbps = before_gbps.min(host.gbps());
             o.host_gemv_ratio = before_gemv.zip(host.gemv_ratio()).map(|(b, a)| b.min(a));
             o.host_launch_ratio = before_launch.zip(host.launch_ratio(&gpu)).map(|(b, a)| b.min(a));
@@ -835,6 +906,9 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         let _ = writeln!(md, "\n{line}");
     }
     if let Some(line) = launch_check_line(&outcomes, profile.launch_ns) {
+        let _ = writeln!(md, "\n{line}");
+    }
+    if let Some(line) = runs_line(&outcomes) {
         let _ = writeln!(md, "\n{line}");
     }
     for w in &borrowed {
@@ -1018,6 +1092,22 @@ fn launch_check_line(outcomes: &[Outcome], expected_ns: u64) -> Option<String> {
     ))
 }
 
+/// The summary's line on cells run more than once (`runs_per_cell`): how far a cell's runs lay apart.
+fn runs_line(outcomes: &[Outcome]) -> Option<String> {
+    let runs = outcomes.iter().filter(|o| o.meas.is_some()).map(|o| o.runs.count).max().filter(|&n| n > 1)?;
+    let part = |what: &str, f: fn(&Outcome) -> Option<f64>| {
+        ratio_spread(outcomes, f).map_or_else(String::new, |(median, _, hi, n)| {
+            format!("; {what} {:.1} % (median), {:.1} % (largest) over {n} cells", 100.0 * median, 100.0 * hi)
+        })
+    };
+    Some(format!(
+        "Runs: each cell's plan ran {runs} times and its measurements are the runs' medians (columns `runs`, \
+         `ttft_spread_meas`, `tps_spread_meas`). Spread of a cell's runs, (largest − smallest) ÷ median{}{}.",
+        part("TTFT", |o| o.runs.ttft_spread),
+        part("TPS", |o| o.runs.tps_spread),
+    ))
+}
+
 fn num_cpus() -> usize {
     std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
 }
@@ -1032,6 +1122,7 @@ fn validate_cell(
     gpu: &Gpu,
     profile: &pipeshard_core::profile::Profile,
     seed: u64,
+    runs: u32,
     earlier: &[Outcome],
 ) -> anyhow::Result<Outcome> {
     let workload = cell.workload();
@@ -1050,6 +1141,7 @@ fn validate_cell(
         host_gemv_ratio: None,
         host_launch_ratio: None,
         attempts: 1,
+        runs: Runs::ONE,
         run: None,
         cell,
     };
@@ -1079,23 +1171,42 @@ fn validate_cell(
         keep_logits: false,
         ..RunOptions::default()
     };
-    match pipeshard_exec::run(weights, &plan, Some(gpu), &opts) {
-        Ok(out) => {
-            let v = out.vram.as_ref();
-            // What the process needs: the larger phase's carved lines, the overhead measured before the arena,
-            // and what was loaded lazily past them (the arena is allocated whole, so the process total alone
-            // would only echo the budget). The plan counts the lazy-load reserve instead, in its overhead.
-            let held = v.map_or(0, |v| {
-                let lazy = v.peak_process_bytes.saturating_sub(v.overhead_bytes + v.arena_bytes);
-                v.used.iter().map(VramBreakdown::total).max().unwrap_or(0) + v.overhead_bytes + lazy
-            });
-            outcome.meas = Some(Sample::new(&out.metrics, held));
-            outcome.process_peak_bytes = v.map(|v| v.peak_process_bytes);
-            outcome.status = "ok".into();
-            outcome.run = Some((plan, out.trace));
+    // `runs` runs of the plan; the measurement is their median, the trace and the process peak those of the run
+    // whose TTFT is the median (the upper middle one for an even count).
+    let mut done: Vec<(Sample, Option<u64>, Trace)> = Vec::new();
+    for _ in 0..runs {
+        match pipeshard_exec::run(weights, &plan, Some(gpu), &opts) {
+            Ok(out) => {
+                let v = out.vram.as_ref();
+                // What the process needs: the larger phase's carved lines, the overhead measured before the
+                // arena, and what was loaded lazily past them (the arena is allocated whole, so the process
+                // total alone would only echo the budget). The plan counts the lazy-load reserve instead, in
+                // its overhead.
+                let held = v.map_or(0, |v| {
+                    let lazy = v.peak_process_bytes.saturating_sub(v.overhead_bytes + v.arena_bytes);
+                    v.used.iter().map(VramBreakdown::total).max().unwrap_or(0) + v.overhead_bytes + lazy
+                });
+                done.push((Sample::new(&out.metrics, held), v.map(|v| v.peak_process_bytes), out.trace));
+            }
+            Err(e) => {
+                outcome.status = format!("exec error: {e}");
+                return Ok(outcome);
+            }
         }
-        Err(e) => outcome.status = format!("exec error: {e}"),
     }
+    let samples: Vec<Sample> = done.iter().map(|d| d.0).collect();
+    let meas = median_sample(&samples).expect("runs_per_cell ≥ 1 (Experiment::check)");
+    done.sort_by(|a, b| a.0.ttft_ms.total_cmp(&b.0.ttft_ms));
+    let (_, peak, trace) = done.swap_remove(done.len() / 2);
+    outcome.runs = Runs {
+        count: runs,
+        ttft_spread: spread(&samples, meas.ttft_ms, |s| s.ttft_ms),
+        tps_spread: spread(&samples, meas.tps, |s| s.tps),
+    };
+    outcome.meas = Some(meas);
+    outcome.process_peak_bytes = peak;
+    outcome.status = "ok".into();
+    outcome.run = Some((plan, trace));
     Ok(outcome)
 }
 
@@ -1229,8 +1340,46 @@ mod tests {
             host_gemv_ratio: Some(1.25),
             host_launch_ratio: Some(0.9),
             attempts: 2,
+            runs: Runs { count: 3, ttft_spread: Some(0.1), tps_spread: Some(0.05) },
             run: None,
         }
+    }
+
+    /// Several runs of a plan measure as each metric's median (the middle two's mean for an even count) and
+    /// the largest VRAM peak; their spread is (largest − smallest) ÷ median, none for one run. The summary
+    /// says so only where a cell ran more than once.
+    #[test]
+    fn several_runs_of_a_cell_measure_as_their_median() {
+        let run = |ttft: f64, tps: f64, vram: u64| Sample {
+            ttft_ms: ttft,
+            tps,
+            e2el_ms: ttft + 1000.0 / tps,
+            vram_peak_bytes: vram,
+            busy_ms: [ttft, 1.0, 0.0, tps],
+        };
+        let runs = [run(110.0, 90.0, 5), run(100.0, 100.0, 7), run(130.0, 95.0, 6)];
+        let m = median_sample(&runs).unwrap();
+        assert_eq!((m.ttft_ms, m.tps, m.vram_peak_bytes), (110.0, 95.0, 7));
+        let [gpu, h2d, d2h, cpu] = m.busy_ms;
+        assert_eq!((gpu, h2d, d2h, cpu), (110.0, 1.0, 0.0, 95.0));
+        // Each metric its own median: E2EL's is the first run's, not the median TTFT's and TPS's combination.
+        assert_eq!(m.e2el_ms.to_bits(), runs[0].e2el_ms.to_bits());
+        assert!((median_sample(&runs[..2]).unwrap().ttft_ms - 105.0).abs() < 1e-12, "the middle two's mean");
+        assert_eq!(median_sample(&[]), None);
+        assert_eq!(spread(&runs, m.ttft_ms, |s| s.ttft_ms), Some(30.0 / 110.0));
+        assert_eq!(spread(&runs[..1], 110.0, |s| s.ttft_ms), None);
+        let mut cells = vec![outcome("ilp", "dense", 1.0, 1.0), outcome("ngl", "dense", 1.0, 1.0)];
+        cells[1].runs.ttft_spread = Some(0.3);
+        let line = runs_line(&cells).unwrap();
+        assert!(
+            line.contains("ran 3 times") && line.contains("TTFT 30.0 % (median), 30.0 % (largest)"),
+            "{line}"
+        );
+        assert!(line.contains("TPS 5.0 % (median), 5.0 % (largest) over 2 cells"), "{line}");
+        for c in &mut cells {
+            c.runs = Runs::ONE;
+        }
+        assert_eq!(runs_line(&cells), None);
     }
 
     #[test]
@@ -1284,6 +1433,7 @@ mod tests {
         assert_eq!((back[0].host_dram_gbps, back[0].attempts), (Some(91.5), 2));
         assert_eq!(back[0].host_gemv_ratio, Some(1.25));
         assert_eq!(back[0].host_launch_ratio, Some(0.9));
+        assert_eq!(back[0].runs, outcomes[0].runs);
         // Runs from before the fingerprint column still read.
         let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
         std::fs::write(dir.join("old.csv"), old).unwrap();
