@@ -71,39 +71,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         after_check,
     );
 
-    let polling = AtomicBool::new(true);
-    let mut while_polling = Vec::new();
-    std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
-        s.spawn(|| {
-            while polling.load(Ordering::Relaxed) {
-                let _warm = pool.keep_warm();
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        });
-        std::thread::sleep(Duration::from_millis(10));
-        for _ in 0..SAMPLES {
-            while_polling.push(probe.ns_per_launch(&gpu)?);
-        }
-        polling.store(false, Ordering::Relaxed);
-        Ok(())
+    // `SAMPLES` probes while another thread repeats `load` (after `settle` for it to start).
+    let beside =
+        |settle: Duration, load: &(dyn Fn() + Sync)| -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        load();
+                    }
+                });
+                std::thread::sleep(settle);
+                let ns = (0..SAMPLES).map(|_| probe.ns_per_launch(&gpu)).collect::<Result<Vec<f64>, _>>();
+                stop.store(true, Ordering::Relaxed);
+                Ok(ns?)
+            })
+        };
+    let polling = beside(Duration::from_millis(10), &|| {
+        let _warm = pool.keep_warm();
+        std::thread::sleep(Duration::from_millis(1));
     })?;
-    print(&format!("while the pool's {threads} workers poll (keep_warm)"), while_polling);
+    print(&format!("while the pool's {threads} workers poll (keep_warm)"), polling);
 
     let busy_pool = CpuPool::new(threads.saturating_sub(1).max(1))?;
-    let stop = AtomicBool::new(false);
-    let mut under_load = Vec::new();
-    std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
-        s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                let _ = gemv.gbps(&busy_pool);
-            }
-        });
-        std::thread::sleep(Duration::from_millis(100));
-        for _ in 0..SAMPLES {
-            under_load.push(probe.ns_per_launch(&gpu)?);
-        }
-        stop.store(true, Ordering::Relaxed);
-        Ok(())
+    let under_load = beside(Duration::from_millis(100), &|| {
+        let _ = gemv.gbps(&busy_pool);
     })?;
     print(
         &format!("while {} threads run the CPU GEMV (a cell's CPU work)", threads.saturating_sub(1).max(1)),
