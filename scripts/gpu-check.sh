@@ -11,6 +11,7 @@
 #   host's launch pace idle, after the validation's host check, with polling workers and under CPU load),
 #   "ncuattn" (decode attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run
 #   --grouped-experts on/off A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
+#   "binab" (that q4_0 MoE run by .bin/pipeshard against another build's CLI, AB_BASE, at AB_BUDGETS),
 #   "bounds" (exec bench --bounds) and "experts" (the CPU expert block's bench at qwen3-30b-a3b's decode shape
 #   beside the DRAM read, every thread); EXEC_MODELS, EXEC_PLANNERS, EXEC_GEN and EXEC_TIMEOUT shape the exec
 #   part, VALIDATE_EXPERIMENT (default experiments/validate-h200.toml) the grid.
@@ -120,6 +121,21 @@ if [[ $PARTS == *tiled* ]]; then
     grep -E "TTFT|check:|failed|error" "$OUT/tiled/run-$budget-$g.log" | sed "s/^/$budget $g: /" | cut -c1-200
   done; done
   tar czf "$OUT/tiled.tgz" -C "$OUT" tiled && rm -rf "$OUT/tiled"
+fi
+if [[ $PARTS == *binab* ]]; then
+  # The same q4_0 MoE run (qwen3-30b-a3b@24L, a 1008-token prefill in one chunk, pshard) by two builds,
+  # interleaved at AB_BUDGETS: .bin/pipeshard against $AB_BASE (another commit's CLI, built into .bin/ by
+  # hand), each checked against the all-pinned reference, with traces (the executor's host and GPU spans).
+  mkdir -p "$OUT/binab"
+  base=${AB_BASE:-.bin/pipeshard-base}
+  for budget in ${AB_BUDGETS:-2G 4G}; do for i in 1 2; do for b in new base; do
+    bin=.bin/pipeshard; [[ $b == base ]] && bin=$base
+    timeout 100 "$bin" exec run --model qwen3-30b-a3b@24L --weights q4_0 --budget $budget --planner pshard \
+      --prompt-tokens 1008 --ctx 1K --gen 16 --threads "$(nproc)" --profile profiles/h200.json \
+      --check --trace "$OUT/binab/t-$budget-$i-$b.json" > "$OUT/binab/run-$budget-$i-$b.log" 2>&1
+    grep -E "TTFT|check:|failed|error" "$OUT/binab/run-$budget-$i-$b.log" | sed "s/^/$budget $i $b: /" | cut -c1-200
+  done; done; done
+  tar czf "$OUT/binab.tgz" -C "$OUT" binab && rm -rf "$OUT/binab"
 fi
 if [[ $PARTS == *ncuattn* ]]; then
   # Decode attention and its split combine under ncu at 4K and 16K keys (qwen3-30b-a3b@2L, its 32/4 heads):
