@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .bin
+# Where cargo builds (a worktree may share another checkout's, CARGO_TARGET_DIR).
+target=${CARGO_TARGET_DIR:-target}
 cargo build --release -p pipeshard-cli
-cp target/release/pipeshard .bin/pipeshard
+cp "$target"/release/pipeshard .bin/pipeshard
 exe=$(cargo test --release -p pipeshard-exec --test gpu --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("reason")=="compiler-artifact" and j.get("executable") and j["target"]["name"]=="gpu"][-1])')
 cp "$exe" .bin/exec-gpu-tests
@@ -20,10 +22,10 @@ bench=$(cargo bench -p pipeshard-exec --bench experts --no-run --message-format=
 cp "$bench" .bin/exec-experts-bench
 # The ring-wait experiment (crates/exec/examples/ring_wait.rs), for gpu-check.sh's "ringwait" part.
 cargo build --release -p pipeshard-exec --example ring_wait
-cp target/release/examples/ring_wait .bin/exec-ring-wait
+cp "$target"/release/examples/ring_wait .bin/exec-ring-wait
 # The launch-pace experiment (crates/profiler/examples/launch_pace.rs), for gpu-check.sh's "launchpace" part.
 cargo build --release -p pipeshard-profiler --example launch_pace
-cp target/release/examples/launch_pace .bin/launch-pace
+cp "$target"/release/examples/launch_pace .bin/launch-pace
 bins=(.bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait .bin/launch-pace)
 strip "${bins[@]}"
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
