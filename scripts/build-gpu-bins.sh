@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 mkdir -p .bin
 # Where cargo builds (a worktree may share another checkout's, CARGO_TARGET_DIR).
 target=${CARGO_TARGET_DIR:-target}
+# Cargo re-copies a fresh build's binary only where it is missing: with a target shared by two checkouts the
+# other's could stay in its place (session 20).
+rm -f "$target"/release/pipeshard "$target"/release/examples/ring_wait "$target"/release/examples/launch_pace
 cargo build --release -p pipeshard-cli
 cp "$target"/release/pipeshard .bin/pipeshard
 exe=$(cargo test --release -p pipeshard-exec --test gpu --no-run --message-format=json 2>/dev/null \
