@@ -78,8 +78,8 @@ if [[ $PARTS == *validate* ]]; then
 fi
 if [[ $PARTS == *experts* ]]; then
   { timeout 60 .bin/pipeshard exec bench --cpu-only --formats none --cpu-bytes 256M --threads "$(nproc)"
-    timeout 120 .bin/exec-experts-bench --bench --noplot; echo "experts exit $?"; } > "$OUT/experts.log" 2>&1
-  grep -E "DRAM read|bf16 \(|time:|thrpt:|exit" "$OUT/experts.log"
+    timeout 200 .bin/exec-experts-bench --bench --noplot; echo "experts exit $?"; } > "$OUT/experts.log" 2>&1
+  grep -E "DRAM read|bf16 \(|experts_t|time:|thrpt:|exit" "$OUT/experts.log"
 fi
 if [[ $PARTS == *preenqueue* ]]; then
   # `exec run --pre-enqueue on|off` interleaved on a CPU-experts decode (qwen3-30b-a3b@4L bf16, pshard at 2 GB),
