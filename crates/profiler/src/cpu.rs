@@ -483,6 +483,8 @@ fn attention_row(
 
 /// Routed experts timed together per CPU sample (a decode step's top-8).
 const EXPERTS_PER_SAMPLE: usize = 8;
+/// Samples of a routed-experts row at most (the rule's time budget still bounds them).
+const EXPERT_MAX_SAMPLES: u32 = 100;
 /// The pool's idle time before each host-routing sample: a layer's attention on the GPU, during which the
 /// executor's host waits in the routing sync and the pool's workers park.
 const ROUTE_IDLE_BEFORE: Duration = Duration::from_millis(2);
@@ -497,6 +499,11 @@ pub fn measure(
 ) -> Result<HostProfile> {
     let g = grid(mode);
     let rule = mode.rule();
+    // Only a machine with a GPU (whose section lends the DMA load) runs CPU experts beside one.
+    let beside_gpu = dma.is_some();
+    // A decode block's samples (~0.3 ms) spread widely (interquartile range 27 % of the median in 25 samples,
+    // run41's profile): more of them, within the rule's time budget.
+    let expert_rule = crate::stats::Rule { max_samples: rule.max_samples.max(EXPERT_MAX_SAMPLES), ..rule };
     let pools: Vec<CpuPool> =
         threads.iter().map(|&t| CpuPool::new(t as usize)).collect::<std::result::Result<_, _>>()?;
 
@@ -648,6 +655,10 @@ pub fn measure(
 
     // Routed experts: exec's expert block (gather, gate and up, SwiGLU, down, weighted scatter-add) over
     // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
+    // Beside a GPU the executor runs the block on the pool while its host thread enqueues GPU work and then
+    // polls for the block's end (`CpuPool::alongside`): one thread more than the cores, which slowed the
+    // block 10-16 % on the H200 machine (decode, bf16 and q4_0; crates/exec/benches/experts.rs) and which
+    // rows timed from the host thread alone missed (validation run41: CPU experts 346 µs against 306).
     // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN). Quantised
     // experts (whose gate, up and down rows are whole blocks) take bf16 activations.
     let fits = |dtype: DType, n: u64, k: u64| {
@@ -686,10 +697,15 @@ pub fn measure(
                         .collect();
                     i = (i + EXPERTS_PER_SAMPLE) % copies;
                     let t0 = Instant::now();
-                    kernels::experts_block(most, &d, nu, &xn, &work, &mut out);
+                    let mut block = || kernels::experts_block(most, &d, nu, &xn, &work, &mut out);
+                    if beside_gpu {
+                        most.alongside(block, || ()).0
+                    } else {
+                        block()
+                    }
                     Ok(secs_ns(t0) / EXPERTS_PER_SAMPLE as f64)
                 };
-                let timed = both(rule, dma, &mut run)?;
+                let timed = both(expert_rule, dma, &mut run)?;
                 rows.push(timed_row(OpClass::Experts, dtype, (n, k), c, most.threads(), timed));
                 progress.step(&format!("{dtype:?} expert {n}×{k}, {c} tokens t={}", most.threads()));
             }

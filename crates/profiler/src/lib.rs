@@ -255,7 +255,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
             .into(),
         "routed experts: a GPU `experts` row is exec's whole sequence for one expert (gather, gate|up, \
          SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
-         block; a GPU `experts_grouped` row (any format but q2_k/q3_k) is exec's two grouped launches over \
+         block (on a machine with a GPU as the executor runs it there: on the pool while the host thread polls \
+         for its end); a GPU `experts_grouped` row (any format but q2_k/q3_k) is exec's two grouped launches over \
          `tokens` experts of one token each (a layer's pinned experts in a step of at most 8 tokens), each \
          expert's weights another unit of the rotating buffer; a GPU `experts_tiled` row is one expert's share \
          of exec's tiled launches over a group of 1024 / m experts of m tokens on average (a larger step's \
