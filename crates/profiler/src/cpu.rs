@@ -657,8 +657,8 @@ pub fn measure(
     // EXPERTS_PER_SAMPLE experts that each get `c` tokens, on the most threads; a row is one expert's share.
     // Beside a GPU the executor runs the block on the pool while its host thread enqueues GPU work and then
     // polls for the block's end (`CpuPool::alongside`): one thread more than the cores, which slowed the
-    // block 10-16 % on the H200 machine (decode, bf16 and q4_0; crates/exec/benches/experts.rs) and which
-    // rows timed from the host thread alone missed (validation run41: CPU experts 346 µs against 306).
+    // decode block 10-16 % in 3 of 4 readings on the H200 machine (crates/exec/benches/experts.rs,
+    // results/exec/quant "Session 20"); rows timed from a waiting host thread missed it.
     // Matmul rows alone miss the block's own work and its short down projection (k = expert FFN). Quantised
     // experts (whose gate, up and down rows are whole blocks) take bf16 activations.
     let fits = |dtype: DType, n: u64, k: u64| {
