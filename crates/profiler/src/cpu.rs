@@ -699,9 +699,9 @@ pub fn measure(
                     let t0 = Instant::now();
                     let mut block = || kernels::experts_block(most, &d, nu, &xn, &work, &mut out);
                     if beside_gpu {
-                        most.alongside(block, || ()).0
+                        most.alongside(block, || ());
                     } else {
-                        block()
+                        block();
                     }
                     Ok(secs_ns(t0) / EXPERTS_PER_SAMPLE as f64)
                 };
