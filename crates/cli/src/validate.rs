@@ -193,6 +193,9 @@ pub struct Outcome {
     pub host_launch_ratio: Option<f64>,
     /// Runs of the cell: more than one when the host check found the host disturbed.
     pub attempts: u32,
+    /// Whether the host check still found the host disturbed around the run that was kept (after
+    /// `HOST_ATTEMPTS` runs): its measurement is another host's than the profile's.
+    pub host_disturbed: bool,
     /// The runs of the attempt that was kept (`runs_per_cell`); `meas` is their median.
     pub runs: Runs,
     /// What is kept to draw the worst cells: the plan and the executor's trace.
@@ -236,6 +239,11 @@ pub fn summary(outcomes: &[Outcome]) -> String {
 /// [`summary`] of `pred ÷ meas − 1` read as `what`.
 fn summary_of(outcomes: &[Outcome], what: &str) -> String {
     let mut groups: Vec<(String, Vec<&Outcome>)> = vec![("all".into(), outcomes.iter().collect())];
+    // Where the host check still read a disturbed host around some cells, the rest apart: their
+    // measurements are the profile's host's.
+    if outcomes.iter().any(|o| o.host_disturbed) {
+        groups.push(("host check held".into(), outcomes.iter().filter(|o| !o.host_disturbed).collect()));
+    }
     let mut by: BTreeMap<String, Vec<&Outcome>> = BTreeMap::new();
     for o in outcomes {
         by.entry(format!("planner {}", o.cell.planner)).or_default().push(o);
@@ -321,6 +329,9 @@ struct Row {
     host_launch_ratio: Option<f64>,
     #[serde(default = "one_run")]
     attempts: u32,
+    /// Absent from runs before session 20 (read as not disturbed).
+    #[serde(default)]
+    host_disturbed: bool,
     /// Absent from runs before `runs_per_cell` (one run a cell).
     #[serde(default = "one_run")]
     runs: u32,
@@ -376,6 +387,7 @@ fn write_csv(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
             host_gemv_ratio: o.host_gemv_ratio,
             host_launch_ratio: o.host_launch_ratio,
             attempts: o.attempts,
+            host_disturbed: o.host_disturbed,
             runs: o.runs.count,
             ttft_spread_meas: o.runs.ttft_spread,
             tps_spread_meas: o.runs.tps_spread,
@@ -427,6 +439,7 @@ impl Row {
             host_gemv_ratio: self.host_gemv_ratio,
             host_launch_ratio: self.host_launch_ratio,
             attempts: self.attempts,
+            host_disturbed: self.host_disturbed,
             runs: Runs {
                 count: self.runs,
                 ttft_spread: self.ttft_spread_meas,
@@ -654,6 +667,7 @@ fn repredict(a: &ValidateArgs, csv: &Path) -> anyhow::Result<()> {
             host_gemv_ratio: old.host_gemv_ratio,
             host_launch_ratio: old.host_launch_ratio,
             attempts: old.attempts,
+            host_disturbed: old.host_disturbed,
             runs: old.runs,
             run: None,
             cell,
@@ -851,8 +865,8 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
             o.host_gemv_ratio = before_gemv.zip(host.gemv_ratio()).map(|(b, a)| b.min(a));
             o.host_launch_ratio = before_launch.zip(host.launch_ratio(&gpu)).map(|(b, a)| b.min(a));
             (o.host_dram_gbps, o.attempts) = (Some(host_gbps), attempts);
-            if o.meas.is_none() || !host.disturbed(host_gbps, o.host_gemv_ratio) || attempts == HOST_ATTEMPTS
-            {
+            o.host_disturbed = o.meas.is_some() && host.disturbed(host_gbps, o.host_gemv_ratio);
+            if !o.host_disturbed || attempts == HOST_ATTEMPTS {
                 break o;
             }
             bar.println(format!(
@@ -887,15 +901,14 @@ pub fn run(a: &ValidateArgs) -> anyhow::Result<()> {
         outcomes.len()
     );
     let rerun = outcomes.iter().filter(|o| o.attempts > 1).count();
-    let still = outcomes.iter().filter(|o| {
-        o.meas.is_some() && o.host_dram_gbps.is_some_and(|g| host.disturbed(g, o.host_gemv_ratio))
-    });
+    let still = outcomes.iter().filter(|o| o.host_disturbed);
     let _ = writeln!(
         md,
         "\nHost check (DRAM read and CPU GEMV with {} threads before and after each run; the references, the lower \
          of the profile's and the host's at the start: {:.1} GB/s and {:.2} of the profile's GEMV row): {rerun} \
          cells ran again after a reading under {:.0} % of either; {} kept such a reading after {HOST_ATTEMPTS} \
-         runs (columns `host_dram_gbps`, `host_gemv_ratio`).",
+         runs (columns `host_dram_gbps`, `host_gemv_ratio`, `host_disturbed`; the table's `host check held` row \
+         leaves them out).",
         profile.machine.cpu_threads,
         host.expected_gbps,
         host.gemv_reference,
@@ -1141,6 +1154,7 @@ fn validate_cell(
         host_gemv_ratio: None,
         host_launch_ratio: None,
         attempts: 1,
+        host_disturbed: false,
         runs: Runs::ONE,
         run: None,
         cell,
@@ -1340,6 +1354,7 @@ mod tests {
             host_gemv_ratio: Some(1.25),
             host_launch_ratio: Some(0.9),
             attempts: 2,
+            host_disturbed: false,
             runs: Runs { count: 3, ttft_spread: Some(0.1), tps_spread: Some(0.05) },
             run: None,
         }
@@ -1409,6 +1424,14 @@ mod tests {
         assert!(t.contains("| planner ilp (2) | 2 | 5.0% / 10.0% |"), "{t}");
         assert!(t.contains("| moe models (1) | 1 | 0.0% / 0.0% |"), "{t}");
         assert!(t.contains("| dense models (2) | 2 | 7.5% / 10.0% |"), "{t}");
+        assert!(!t.contains("host check held"), "every host check held: no such group\n{t}");
+        // A cell whose host stayed disturbed: the others apart, right after all.
+        let mut outcomes = outcomes;
+        outcomes[0].host_disturbed = true;
+        let t = summary(&outcomes);
+        let rows: Vec<&str> = t.lines().skip(2).take(2).collect();
+        assert!(rows[0].starts_with("| all (3) | 3 | 5.0% / 10.0% |"), "{t}");
+        assert!(rows[1].starts_with("| host check held (2) | 2 | 2.5% / 5.0% |"), "{t}");
     }
 
     #[test]
@@ -1417,7 +1440,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let mut failed = outcome("ilp", "dense", 1.0, 1.0);
         (failed.pred, failed.meas, failed.status) = (None, None, "infeasible: needs at least 3 GiB".into());
-        let outcomes = vec![outcome("ilp", "dense", 110.0, 100.0), failed];
+        let mut outcomes = vec![outcome("ilp", "dense", 110.0, 100.0), failed];
+        outcomes[0].host_disturbed = true;
         write_csv(&outcomes, &dir.join("cells.csv")).unwrap();
         let text = std::fs::read_to_string(dir.join("cells.csv")).unwrap();
         let header = text.lines().next().unwrap();
@@ -1433,6 +1457,7 @@ mod tests {
         assert_eq!((back[0].host_dram_gbps, back[0].attempts), (Some(91.5), 2));
         assert_eq!(back[0].host_gemv_ratio, Some(1.25));
         assert_eq!(back[0].host_launch_ratio, Some(0.9));
+        assert!(back[0].host_disturbed && !back[1].host_disturbed);
         assert_eq!(back[0].runs, outcomes[0].runs);
         // Runs from before the fingerprint column still read.
         let old: String = text.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
