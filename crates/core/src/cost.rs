@@ -107,6 +107,12 @@ pub trait CostModel: Send + Sync {
     fn decode_routing_ns(&self, _to: Device) -> u64 {
         0
     }
+    /// Our executor's measured return from a one-token decode step's CPU experts to the GPU, from their end to
+    /// the device starting their sum (see [`crate::profile::Profile::decode_experts_return_ns`]); 0 where not
+    /// measured.
+    fn decode_experts_return_ns(&self) -> u64 {
+        0
+    }
     /// Our executor's host time per streamed unit beyond its kernels' launches (see
     /// [`crate::profile::Profile::ring_copy_issue_ns`]); 0 where not measured.
     fn ring_copy_issue_ns(&self) -> u64 {
@@ -570,6 +576,10 @@ impl CostModel for TableCostModel {
             Device::Cpu => self.profile.decode_routing_to_cpu_ns,
             Device::Gpu => self.profile.decode_routing_to_gpu_ns,
         }
+    }
+
+    fn decode_experts_return_ns(&self) -> u64 {
+        self.profile.decode_experts_return_ns
     }
 
     fn ring_copy_issue_ns(&self) -> u64 {

@@ -244,6 +244,13 @@ pub struct Profile {
     /// token lists copied up. 0: not measured.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub decode_routing_to_gpu_ns: u64,
+    /// Our executor's return from a one-token decode step's CPU experts to the GPU, from the pool's last
+    /// expert's end to the device starting the experts' sum: the host thread's wake from its polling, the sum
+    /// written into mapped page-locked memory, the gate (a host flag the compute stream waits at) opened and
+    /// seen by the device, as `Exec::moe_layer` returns where it pre-enqueued the next layer (qwen3-30b-a3b's
+    /// hidden size). 0: not measured, and the hand-off is priced as a sync and a copy.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_experts_return_ns: u64,
     /// Host time our executor spends on each streamed unit beyond its kernels' launches: the ring's copy
     /// issue (the H2D stream's wait for the slot's release, the copy between two timing events, its
     /// completion event), the compute stream's wait for it, the unit's own timing span and the slot's

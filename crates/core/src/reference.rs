@@ -482,6 +482,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         host_route_ns_per_token: 0,
         decode_routing_to_cpu_ns: 0,
         decode_routing_to_gpu_ns: 0,
+        decode_experts_return_ns: 0,
         // Ours only: llama.cpp's runtimes are not priced by it.
         ring_copy_issue_ns: 0,
         runtime_overhead_bytes: 500 * MIB,

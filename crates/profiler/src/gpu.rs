@@ -741,7 +741,7 @@ pub fn measure_all(
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
 
     // ---- Latencies and interference ----
-    progress.section("launch, ring copy issue, host sync, copies vs compute", 9);
+    progress.section("launch, ring copy issue, host sync, copies vs compute", 10);
     let launch_probe = LaunchProbe::new(&gpu)?;
     let launch = sample(rule, || launch_probe.ns_per_launch(&gpu))?;
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
@@ -776,6 +776,13 @@ pub fn measure_all(
         );
         progress.tick(&format!("routing round trip to the {to}: {:.1} µs", st.median / 1e3))?;
     }
+    let back = experts_return(&gpu, &kn, rule, max_threads)?;
+    figures.add(
+        "decode return from CPU experts, their end to the device starting their sum (exec, one token, gated)",
+        "ns",
+        back,
+    );
+    progress.tick(&format!("return from CPU experts {:.1} µs", back.median / 1e3))?;
 
     // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
@@ -941,6 +948,7 @@ pub fn measure_all(
         host_route_ns_per_token: host.route_ns_per_token,
         decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
         decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
+        decode_experts_return_ns: back.median.round() as u64,
         ring_copy_issue_ns: issue.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
@@ -1153,6 +1161,68 @@ fn routing_round_trip(
     let to_cpu = sample(rule, || round_trip(true))?;
     let to_gpu = sample(rule, || round_trip(false))?;
     Ok((to_cpu, to_gpu))
+}
+
+/// What the pool's job in [`experts_return`] takes: CPU experts the host waits for (while polling).
+const RETURN_CPU_WORK: Duration = Duration::from_micros(50);
+
+/// Our executor's return from a one-token decode step's CPU experts to the GPU, as `Exec::moe_layer` runs it
+/// where it pre-enqueued the next layer: the compute stream waits at the gate (a [`HostFlag`]) before adding
+/// the experts' sum into the residual (`add_mapped`, which reads it over PCIe from mapped page-locked memory);
+/// the pool runs the experts while the host thread polls (`CpuPool::alongside`), then the host writes the sum
+/// and opens the gate. Returns the time from the pool job's end (where the executor reads its `cpu_end_ns`)
+/// to the device starting the add: the host's time until it saw the add end, less the add's device time (so
+/// it holds the host's detection of that end, about a µs of polling). Validation run41's decode layers took
+/// ≈ 24 µs from their CPU experts' end to their sum's end, where a sync, a copy and the add priced ≈ 14.
+fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result<Stat> {
+    use pipeshard_exec::cpu::CpuPool;
+    use pipeshard_exec::cuda::HostFlag;
+    /// Opens the gate when dropped, so that an error between the wait's enqueue and the release leaves no
+    /// stream waiting.
+    struct Open<'a>(&'a HostFlag, u32);
+    impl Drop for Open<'_> {
+        fn drop(&mut self) {
+            self.0.release(self.1);
+        }
+    }
+    let hidden = catalog::get("qwen3-30b-a3b").expect("catalog model").text.hidden as usize;
+    let pool = CpuPool::new(threads)?;
+    let h = gpu.alloc(hidden * 4)?;
+    let part: Vec<f32> = (0..hidden).map(|i| (i % 7) as f32 * 1e-3).collect();
+    let mut sum = HostBuf::zeroed(hidden * 4);
+    // SAFETY: `sum` outlives the registration (declared after it, so dropped first), registered once.
+    let (_reg, sum_dev) = unsafe { gpu.register_mapped(&sum)? };
+    let flag = gpu.host_flag()?;
+    let (opened, added) = (gpu.event(true)?, gpu.event(true)?);
+    let mut seq = 0u32;
+    sample(rule, || -> Result<f64> {
+        seq = seq.wrapping_add(1);
+        let gate = Open(&flag, seq);
+        // SAFETY: the flag outlives the wait, and `gate` opens it on every path; `h` holds `hidden` f32 and
+        // `sum_dev` maps `hidden` f32, which the host writes only before opening the gate and after the sync
+        // below.
+        unsafe {
+            gpu.wait_flag(Stream::Compute, &flag, seq)?;
+            gpu.record(&opened, Stream::Compute)?;
+            gpu.add_mapped(kn, h.ptr(), sum_dev, hidden)?;
+        }
+        gpu.record(&added, Stream::Compute)?;
+        let (cpu_end, ()) = pool.alongside(
+            || {
+                let t0 = Instant::now();
+                while t0.elapsed() < RETURN_CPU_WORK {
+                    std::hint::spin_loop();
+                }
+                Instant::now()
+            },
+            || (),
+        );
+        Elem::F32.write_row(&part, sum.as_mut_slice());
+        drop(gate);
+        gpu.sync_event(&added)?;
+        let host_ns = cpu_end.elapsed().as_nanos() as f64;
+        Ok(host_ns - f64::from(gpu.elapsed_ms(&opened, &added)?) * 1e6)
+    })
 }
 
 /// The GPU routed-expert row families (per expert, grouped, tiled).

@@ -149,17 +149,32 @@ fn our_host_routing_delays_each_layers_experts() {
 }
 
 /// Decode step time of a 2-layer qwen3-30b-a3b with its experts at `experts` and everything else pinned, free
-/// ops and copies, 1 µs host syncs, with our executor's measured decode routing round trip `round_trip` (to the CPU, to the
-/// GPU experts).
-fn moe_decode_step_ns(runtime: Runtime, experts: Placement, round_trip: (u64, u64)) -> u64 {
+/// ops and copies, 1 µs host syncs, with our executor's measured decode routing round trip `round_trip` (to the
+/// CPU, to the GPU experts) and return from CPU experts `back`, over `seqs` sequences.
+fn moe_decode_steps_ns(
+    runtime: Runtime,
+    experts: Placement,
+    round_trip: (u64, u64),
+    back: u64,
+    seqs: u64,
+) -> u64 {
     let spec = small("qwen3-30b-a3b", 2);
-    let w = Workload::single(256, 1024, 2, 256);
+    let w = Workload::single(256, 1024, 2, 256).batched(seqs, false);
     let p = plan(&spec, &w, SHAPE, &|u| {
         if matches!(u, UnitId::Expert { .. }) { experts } else { Placement::Pinned }
     });
-    let cost = FixedCost { host_sync_ns: 1_000, decode_routing_ns: round_trip, ..FixedCost::plain(0.0, 1e9) };
+    let cost = FixedCost {
+        host_sync_ns: 1_000,
+        decode_routing_ns: round_trip,
+        decode_experts_return_ns: back,
+        ..FixedCost::plain(0.0, 1e9)
+    };
     let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
     sim.run(&pipeshard_sim::SimOptions::default()).metrics.decode_step_ns
+}
+
+fn moe_decode_step_ns(runtime: Runtime, experts: Placement, round_trip: (u64, u64)) -> u64 {
+    moe_decode_steps_ns(runtime, experts, round_trip, 0, 1)
 }
 
 /// Where the profile measured our executor's decode routing round trip (router kernels' end to the first
@@ -182,6 +197,30 @@ fn a_measured_decode_routing_round_trip_sets_each_layers_hand_off() {
                 "{runtime:?} {experts:?}"
             );
         }
+    }
+}
+
+/// Where the profile measured our executor's return from a one-token decode step's CPU experts to the GPU
+/// (their end to the device starting their sum), each MoE layer's hand-off back takes that instead of a sync
+/// and a copy; GPU experts, batched decode steps, llama.cpp's runtimes and unmeasured profiles (0) keep the
+/// sync and copy.
+#[test]
+fn a_measured_return_from_cpu_experts_sets_each_layers_hand_off_back() {
+    let step = |runtime, experts, back, seqs| moe_decode_steps_ns(runtime, experts, (0, 0), back, seqs);
+    let base = step(Runtime::Ours, Placement::Cpu, 0, 1);
+    // Two layers, each hand-off back a 1 µs sync (copies are free) before, 25 µs after.
+    assert_eq!(step(Runtime::Ours, Placement::Cpu, 25_000, 1) - base, 2 * (25_000 - 1_000));
+    for (runtime, experts, seqs) in [
+        (Runtime::Ours, Placement::Pinned, 1),
+        (Runtime::Ours, Placement::Cpu, 4),
+        (Runtime::Stock, Placement::Cpu, 1),
+        (Runtime::Artifact, Placement::Cpu, 1),
+    ] {
+        assert_eq!(
+            step(runtime, experts, 25_000, seqs),
+            step(runtime, experts, 0, seqs),
+            "{runtime:?} {experts:?} {seqs} sequences"
+        );
     }
 }
 

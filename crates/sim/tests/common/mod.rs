@@ -33,6 +33,8 @@ pub struct FixedCost {
     pub decode_routing_ns: (u64, u64),
     /// Our executor's host time per streamed unit beyond its kernels (0: not measured).
     pub ring_copy_issue_ns: u64,
+    /// Our executor's return from a decode step's CPU experts to the GPU (0: not measured).
+    pub decode_experts_return_ns: u64,
 }
 
 impl FixedCost {
@@ -52,6 +54,7 @@ impl FixedCost {
             host_route_ns_per_token: 0,
             decode_routing_ns: (0, 0),
             ring_copy_issue_ns: 0,
+            decode_experts_return_ns: 0,
         }
     }
 }
@@ -101,6 +104,9 @@ impl CostModel for FixedCost {
     }
     fn ring_copy_issue_ns(&self) -> u64 {
         self.ring_copy_issue_ns
+    }
+    fn decode_experts_return_ns(&self) -> u64 {
+        self.decode_experts_return_ns
     }
     fn expert_ids_on_device(&self) -> bool {
         self.expert_ids_on_device
