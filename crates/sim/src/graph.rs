@@ -465,17 +465,24 @@ impl Builder<'_> {
         if self.handoff_after[f as usize] == NONE {
             let bytes = self.activation_bytes();
             let d = self.ctx.cost.host_sync_ns() + self.copy_ns(dev == Device::Gpu, bytes);
-            let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (d, d), bytes, &[f]);
-            self.handoff_after[f as usize] = h;
+            self.handoff_taking(f, dev, d);
         }
         Some(self.handoff_after[f as usize])
     }
 
+    /// The hand-off of the activations leaving `f` to `dev`, taking `d`.
+    fn handoff_taking(&mut self, f: u32, dev: Device, d: u64) -> u32 {
+        let bytes = self.activation_bytes();
+        let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (d, d), bytes, &[f]);
+        self.handoff_after[f as usize] = h;
+        h
+    }
+
     /// What the residual add on `dev` waits for from the experts share `t`: [`Self::on`], except that our
-    /// executor returns a one-token decode step's CPU experts to the GPU by writing their sum where the device reads it
-    /// and opening the gate its pre-enqueued add waits at, which the profile times
-    /// ([`CostModel::decode_experts_return_ns`]; run41 measured ≈ 24 µs from the experts' end to their sum's end
-    /// where a sync, a copy and the add priced ≈ 14), instead of a sync and a copy.
+    /// executor returns a one-token decode step's CPU experts to the GPU by writing their sum where the device
+    /// reads it and opening the gate its pre-enqueued add waits at, which the profile times
+    /// ([`CostModel::decode_experts_return_ns`]; run41 measured ≈ 24 µs from the experts' end to their sum's
+    /// end where a sync, a copy and the add priced ≈ 14), instead of a sync and a copy.
     fn join_experts(&mut self, t: u32, dev: Device) -> Option<u32> {
         let ns = self.ctx.cost.decode_experts_return_ns();
         let task = &self.tasks[t as usize];
@@ -491,10 +498,7 @@ impl Builder<'_> {
         if !returns {
             return self.on(Some(t), dev);
         }
-        let bytes = self.activation_bytes();
-        let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (ns, ns), bytes, &[t]);
-        self.handoff_after[t as usize] = h;
-        Some(h)
+        Some(self.handoff_taking(t, dev, ns))
     }
 
     /// A pinned host ↔ device copy of `bytes` (memoised).
