@@ -777,12 +777,17 @@ pub fn measure_all(
         progress.tick(&format!("routing round trip to the {to}: {:.1} µs", st.median / 1e3))?;
     }
     let back = experts_return(&gpu, &kn, rule, max_threads)?;
-    figures.add(
-        "decode return from CPU experts, their end to the device starting their sum (exec, one token, gated)",
-        "ns",
-        back,
-    );
-    progress.tick(&format!("return from CPU experts {:.1} µs", back.median / 1e3))?;
+    if let Some(back) = back {
+        figures.add(
+            "decode return from CPU experts, their end to the device starting their sum (exec, gated)",
+            "ns",
+            back,
+        );
+    }
+    progress.tick(&match back {
+        Some(b) => format!("return from CPU experts {:.1} µs", b.median / 1e3),
+        None => "return from CPU experts: no host flags on this device (the executor runs ungated)".into(),
+    })?;
 
     // A memory-bound GEMV and a compute-bound GEMM from nemo-8b's FFN, alone and while H2D copies stream.
     let (fn_, fk) = (nemo.text.ffn as usize, nemo.text.hidden as usize);
@@ -948,7 +953,7 @@ pub fn measure_all(
         host_route_ns_per_token: host.route_ns_per_token,
         decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
         decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
-        decode_experts_return_ns: back.median.round() as u64,
+        decode_experts_return_ns: back.map_or(0, |b| b.median.round() as u64),
         ring_copy_issue_ns: issue.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
@@ -1174,7 +1179,8 @@ const RETURN_CPU_WORK: Duration = Duration::from_micros(50);
 /// to the device starting the add: the host's time until it saw the add end, less the add's device time (so
 /// it holds the host's detection of that end, about a µs of polling). Validation run41's decode layers took
 /// ≈ 24 µs from their CPU experts' end to their sum's end, where a sync, a copy and the add priced ≈ 14.
-fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result<Stat> {
+/// None where the device or driver has no host flags (`Gpu::host_flag`), as the executor then runs ungated.
+fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result<Option<Stat>> {
     use pipeshard_exec::cpu::CpuPool;
     use pipeshard_exec::cuda::HostFlag;
     /// Opens the gate when dropped, so that an error between the wait's enqueue and the release leaves no
@@ -1192,7 +1198,7 @@ fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result
     let mut sum = HostBuf::zeroed(hidden * 4);
     // SAFETY: `sum` outlives the registration (declared after it, so dropped first), registered once.
     let (_reg, sum_dev) = unsafe { gpu.register_mapped(&sum)? };
-    let flag = gpu.host_flag()?;
+    let Ok(flag) = gpu.host_flag() else { return Ok(None) };
     let (opened, added) = (gpu.event(true)?, gpu.event(true)?);
     let mut seq = 0u32;
     sample(rule, || -> Result<f64> {
@@ -1223,6 +1229,7 @@ fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result
         let host_ns = cpu_end.elapsed().as_nanos() as f64;
         Ok(host_ns - f64::from(gpu.elapsed_ms(&opened, &added)?) * 1e6)
     })
+    .map(Some)
 }
 
 /// The GPU routed-expert row families (per expert, grouped, tiled).
