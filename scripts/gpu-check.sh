@@ -5,7 +5,7 @@
 #   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile this call or an earlier call on
-#   the same warm machine measured, if any),
+#   the same warm machine measured, if any; skipped where the profiler found that host disturbed),
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "launchpace" (the
 #   host's launch pace idle, after the validation's host check, with polling workers and under CPU load),
@@ -25,7 +25,13 @@ PARTS=${PARTS:-"tests hf exec"}
 # A profile measured here ("profile", "hostsection", "cpusection") is also kept in .lease/ (git-ignored, not
 # carried): a later call on the same warm machine validates against it, so a profile and a validation that do
 # not fit one 10-minute command still measure one host (leases' hosts differ: run39 against run40, README).
-keep_profile() { [[ -s $OUT/h200.json ]] && mkdir -p .lease && cp "$OUT/h200.json" .lease/h200.json; }
+# A profile whose host the profiler found disturbed (its note says "measure again") is marked so: "validate"
+# then skips (VALIDATE_ANYWAY=1 runs it), which saved ~200 s of a disturbed lease (run42) for another lease.
+keep_profile() {
+  [[ -s $OUT/h200.json ]] || return 0
+  mkdir -p .lease && cp "$OUT/h200.json" .lease/h200.json
+  if grep -q "measure again" "$1"; then touch .lease/disturbed; else rm -f .lease/disturbed; fi
+}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt" 2>&1
 if [[ $PARTS == *tests* ]]; then
   export PIPESHARD_HF_DIR=/tmp/pipeshard-hf
@@ -42,7 +48,7 @@ if [[ $PARTS == *profile* ]]; then
   # ≈ 250 s on the H200 since session 10 (215 s was too little), 290 s with the tiled expert rows (session 18).
   timeout ${PROFILE_TIMEOUT:-360} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --out "$OUT/h200.json" > "$OUT/profile.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile.log"
-  keep_profile
+  keep_profile "$OUT/profile.log"
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
 fi
 if [[ $PARTS == *hostsection* ]]; then
@@ -53,7 +59,7 @@ if [[ $PARTS == *hostsection* ]]; then
   timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
     --gpu-from "$GPU_FROM" ${GPU_EXPERTS:+--gpu-experts} --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-host.log"
-  keep_profile
+  keep_profile "$OUT/profile-host.log"
   grep -E "^note|exit|wall time" "$OUT/profile-host.log" | cut -c1-200
 fi
 if [[ $PARTS == *cpusection* ]]; then
@@ -61,10 +67,12 @@ if [[ $PARTS == *cpusection* ]]; then
   timeout ${CPU_SECTION_TIMEOUT:-330} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --cpu-only --gpu-from "$GPU_FROM" \
     --out "$OUT/h200.json" > "$OUT/profile-cpu.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-cpu.log"
-  keep_profile
+  keep_profile "$OUT/profile-cpu.log"
   grep -E "^note|exit|wall time" "$OUT/profile-cpu.log" | cut -c1-200
 fi
-if [[ $PARTS == *validate* ]]; then
+if [[ $PARTS == *validate* && -e .lease/disturbed && -z ${VALIDATE_ANYWAY:-} ]]; then
+  echo "validate skipped: the profiler found this host disturbed (.lease/h200.json's note: measure again); a fresh lease, or VALIDATE_ANYWAY=1"
+elif [[ $PARTS == *validate* ]]; then
   profile=profiles/h200.json
   if [[ -s $OUT/h200.json ]]; then profile=$OUT/h200.json; elif [[ -s .lease/h200.json ]]; then profile=.lease/h200.json; fi
   echo "validating against $profile"
