@@ -265,6 +265,15 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
         "CPU norm, RoPE and activation kernels run on the calling thread: their rows carry threads = 1".into(),
     ];
     let cpu_threads = *threads.iter().max().expect("at least one thread count");
+    // The GPU machine's host is shared; a disturbed stretch slowed CPU rows by up to 1.7× in one run
+    // (results/validation/2026-12-01-nvidia-h200, run21). The same quick probe at the start and at the end
+    // shows whether the host held still: the profile's DRAM rows (medians of 1 GiB reads) against the probe's
+    // best of three read 10–20 % apart on a lease whose cells then held (session 21).
+    let dram_probe_gbps = || -> Result<f64> {
+        let pool = pipeshard_exec::cpu::CpuPool::new(cpu_threads as usize)?;
+        Ok(cpu::DramProbe::default().gbps(&pool))
+    };
+    let start_gbps = dram_probe_gbps()?;
     let mut profile = match &cfg.gpu_from {
         Some(base) if cfg.host_only => {
             let p = gpu::measure_all(
@@ -336,19 +345,14 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
         commit: cfg.commit.clone(),
         date: cfg.date.clone(),
     };
-    // The GPU machine's host is shared; a disturbed stretch slowed CPU rows by up to 1.7× in one run
-    // (results/validation/2026-12-01-nvidia-h200, run21). A second DRAM read at the end shows whether the
-    // host held still.
-    let end_gbps = {
-        let pool = pipeshard_exec::cpu::CpuPool::new(cpu_threads as usize)?;
-        cpu::DramProbe::default().gbps(&pool)
-    };
-    figures.add(
-        &format!("host DRAM read at the end of the run ({cpu_threads} threads, 256 MiB, best of 3)"),
-        "GB/s",
-        Stat { median: end_gbps, spread: 0.0, samples: 3 },
-    );
-    let start_gbps = profile.dram_gbps(cpu_threads, false);
+    let end_gbps = dram_probe_gbps()?;
+    for (when, gbps) in [("start", start_gbps), ("end", end_gbps)] {
+        figures.add(
+            &format!("host DRAM read at the {when} of the run ({cpu_threads} threads, 256 MiB, best of 3)"),
+            "GB/s",
+            Stat { median: gbps, spread: 0.0, samples: 3 },
+        );
+    }
     if (end_gbps / start_gbps - 1.0).abs() > 0.1 {
         notes.push(format!(
             "the host read DRAM at {start_gbps:.1} GB/s at the start and {end_gbps:.1} at the end: it was \

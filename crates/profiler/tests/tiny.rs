@@ -69,6 +69,11 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     // Every thread count measured the DRAM and the matmul grid, with spreads.
     assert_eq!(p.dram.iter().map(|d| d.threads).collect::<Vec<_>>(), vec![1, 2]);
     assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
+    // The disturbance check reads the host with one probe at both ends of the run (like with like).
+    for when in ["start", "end"] {
+        let probe = p.measurements.iter().find(|m| m.name.starts_with(&format!("host DRAM read at the {when}")));
+        assert!(probe.is_some_and(|m| m.value > 0.0 && m.unit == "GB/s"), "the {when} probe: {probe:?}");
+    }
     for (t, want) in [(1, 4), (2, 6)] {
         for d in [DType::Bf16, DType::Q4_0] {
             let n = p
