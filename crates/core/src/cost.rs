@@ -86,6 +86,12 @@ pub trait CostModel: Send + Sync {
     fn roofline_ns(&self, op: &Op, ctx: OpContext) -> u64;
     /// Host → device copy of `bytes`.
     fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64;
+    /// Host → device copy of `bytes` while the CPU pool computes beside it, its DMA reading the host DRAM the
+    /// pool streams from (see [`crate::profile::PcieProfile::h2d_pinned_cpu_slowdown`]); [`Self::h2d_ns`]
+    /// where not measured.
+    fn h2d_beside_cpu_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        self.h2d_ns(bytes, pinned)
+    }
     /// Device → host copy of `bytes`.
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64;
     /// One kernel launch.
@@ -545,6 +551,16 @@ impl CostModel for TableCostModel {
         }
         self.profile.pcie.copy_latency_ns
             + (bytes as f64 / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
+    }
+
+    fn h2d_beside_cpu_ns(&self, bytes: u64, pinned: bool) -> u64 {
+        let pcie = &self.profile.pcie;
+        let slowdown =
+            if pinned { pcie.h2d_pinned_cpu_slowdown } else { pcie.h2d_pageable_cpu_slowdown }.unwrap_or(1.0);
+        if bytes == 0 {
+            return 0;
+        }
+        pcie.copy_latency_ns + (bytes as f64 * slowdown / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
     }
 
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {

@@ -92,6 +92,14 @@ pub struct PcieProfile {
     /// Pinned H2D GB/s (large copies) while the GPU computes on another stream (`None`: not measured).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub h2d_under_compute_gbps: Option<f64>,
+    /// Large H2D copies' time while every CPU thread reads host DRAM, over their time alone (≥ 1; `None`: not
+    /// measured), from pinned and from pageable memory: the DMA reads the DRAM the CPU pool streams weights
+    /// from (validation, session 21: the executor's streamed copies ran at 0.91–0.94 of the pinned curve
+    /// beside its CPU experts, 0.97–0.98 without).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub h2d_pinned_cpu_slowdown: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub h2d_pageable_cpu_slowdown: Option<f64>,
 }
 
 /// DRAM read bandwidth at a thread count.
@@ -356,6 +364,14 @@ impl Profile {
             }
             if curve.windows(2).any(|w| w[0].bytes >= w[1].bytes) {
                 return bad(name, "must be sorted by increasing bytes".into());
+            }
+        }
+        for (name, slowdown) in [
+            ("pcie.h2d_pinned_cpu_slowdown", self.pcie.h2d_pinned_cpu_slowdown),
+            ("pcie.h2d_pageable_cpu_slowdown", self.pcie.h2d_pageable_cpu_slowdown),
+        ] {
+            if let Some(x) = slowdown.filter(|x| !(x.is_finite() && *x >= 1.0)) {
+                return bad(name, format!("is {x}; it must be ≥ 1 (or left out where not measured)"));
             }
         }
         if self.dram.is_empty()

@@ -454,6 +454,8 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
             bidirectional_gbps: pcie * 1.8,
             copy_latency_ns: 8_000,
             h2d_under_compute_gbps: None,
+            h2d_pinned_cpu_slowdown: None,
+            h2d_pageable_cpu_slowdown: None,
         },
         dram,
         gpu: DeviceProfile {

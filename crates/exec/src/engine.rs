@@ -28,12 +28,13 @@ use pipeshard_core::metrics::{Metrics, Resource};
 use pipeshard_core::model::FfnKind;
 use pipeshard_core::plan::{PhaseKind, PhasePlan, Placement, Plan, RING_ISSUE_AHEAD, VramBreakdown};
 use pipeshard_core::trace::Trace;
+use pipeshard_core::workload::GROUPED_EXPERTS_MAX_TOKENS;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{
     DevBuf, EarlyStart, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration,
-    KernelKey, Kernels, RingSlot, Stream, TiledIo, decode_gemv_fits, grouped_experts_fit, tiled,
+    KernelKey, Kernels, MappedParts, RingSlot, Stream, TiledIo, decode_gemv_fits, grouped_experts_fit, tiled,
     tiled_experts_fit,
 };
 use crate::error::{ExecError, Result};
@@ -404,7 +405,10 @@ fn pre_enqueue_steps(steps: &[Step], router: usize, decode: bool) -> Result<Next
 /// and every expert waited behind them: in run31's cell 69 (q4_0, 55 slots) each layer's first expert ran
 /// 1.8–2.9 ms after its copy, once 35–55 copies had landed, and the layer's last expert ended 1.0–2.3 ms
 /// after its last copy (44.8 of 268.6 ms TTFT over 23 layers); bf16 layers with 8 or 128 slots waited for the
-/// 8th or the 128th copy. A decode step's few hundred bytes did not wait (cell 96); on the H2D stream they
+/// 8th or the 128th copy. A decode step's few hundred bytes did not wait for the queue (cell 96), but copies
+/// on the compute stream wait for a copy engine that a streamed unit's copy in flight holds (session 21: 48 µs
+/// from the router to the GPU experts, 24 without), so a small step's inputs on the compute stream are read
+/// from the mapped staging buffer by a kernel instead ([`Gpu::copy_mapped_parts`]); on the H2D stream they
 /// would queue behind copies of later units where the layer streams nothing.
 fn expert_inputs_stream(locs: &[WeightLoc], gpu_experts: &[u32]) -> Stream {
     if gpu_experts.iter().any(|&e| locs[e as usize] == WeightLoc::Streamed) {
@@ -1810,25 +1814,48 @@ impl<'a> Exec<'a> {
             let (base, sc) = (g.base(), lay.scratch);
             let at = |o: usize| base + o as u64;
             let buf = self.moe_io.buf.as_slice();
-            // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is
-            // registered and rewritten only after `moe_uploaded` (recorded below on the compute stream, which
-            // waits for these uploads) has completed.
-            unsafe {
-                g.gpu.h2d(up, at(sc.moe_idx), &buf[io_idx..io_idx + 4 * n])?;
-                g.gpu.h2d(up, at(sc.moe_w), &buf[io_w..io_w + 4 * n])?;
+            // A small step's inputs on the compute stream go up by one kernel reading the mapped staging
+            // buffer: copies there waited for a copy engine that a streamed unit's copy held (validation,
+            // session 21: a decode layer's GPU experts started 48 µs after their router with a copy in
+            // flight, 24 without).
+            let mapped =
+                up == Stream::Compute && m as u64 <= GROUPED_EXPERTS_MAX_TOKENS && tiled_index.is_none();
+            if mapped {
+                let src = |o: usize| g.moe_io_dev + o as u64;
+                let mut parts = MappedParts::default();
+                parts.push(at(sc.moe_idx), src(io_idx), 4 * n);
+                parts.push(at(sc.moe_w), src(io_w), 4 * n);
                 if !xn_on_dev {
-                    g.gpu.h2d(up, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
+                    parts.push(at(sc.xb), src(io_xn), m * hd * 2);
                 }
-                // moe_gbase/moe_gfirst hold m·top_k ≥ pinned (+ 1) entries (carved with `moe_grouped`).
                 if grouped_offsets.is_some() {
                     let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
-                    g.gpu.h2d(up, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
-                    g.gpu.h2d(up, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
+                    parts.push(at(sc.moe_gbase), src(gb), 8 * pinned);
+                    parts.push(at(sc.moe_gfirst), src(gf), 4 * (pinned + 1));
                 }
-                // The tiled experts' index, into `moe_gate_up` (it fits: `tiled_offsets`).
-                if let Some(ix) = &tiled_index {
-                    let at_host = io_tiled.start;
-                    g.gpu.h2d(up, at(sc.moe_gate_up), &buf[at_host..at_host + ix.bytes])?;
+                // SAFETY: as the copies' below; moe_io is mapped at `moe_io_dev`.
+                unsafe { g.gpu.copy_mapped_parts(&g.k, &parts)? };
+            } else {
+                // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is
+                // registered and rewritten only after `moe_uploaded` (recorded below on the compute stream,
+                // which waits for these uploads) has completed.
+                unsafe {
+                    g.gpu.h2d(up, at(sc.moe_idx), &buf[io_idx..io_idx + 4 * n])?;
+                    g.gpu.h2d(up, at(sc.moe_w), &buf[io_w..io_w + 4 * n])?;
+                    if !xn_on_dev {
+                        g.gpu.h2d(up, at(sc.xb), &buf[io_xn..io_xn + m * hd * 2])?;
+                    }
+                    // moe_gbase/moe_gfirst hold m·top_k ≥ pinned (+ 1) entries (carved with `moe_grouped`).
+                    if grouped_offsets.is_some() {
+                        let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
+                        g.gpu.h2d(up, at(sc.moe_gbase), &buf[gb..gb + 8 * pinned])?;
+                        g.gpu.h2d(up, at(sc.moe_gfirst), &buf[gf..gf + 4 * (pinned + 1)])?;
+                    }
+                    // The tiled experts' index, into `moe_gate_up` (it fits: `tiled_offsets`).
+                    if let Some(ix) = &tiled_index {
+                        let at_host = io_tiled.start;
+                        g.gpu.h2d(up, at(sc.moe_gate_up), &buf[at_host..at_host + ix.bytes])?;
+                    }
                 }
             }
             if up == Stream::H2d {

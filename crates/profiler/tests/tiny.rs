@@ -71,7 +71,8 @@ fn tiny_cpu_profile_loads_interpolates_and_round_trips() {
     assert!(p.dram.iter().all(|d| d.gbps > 0.0 && d.spread.is_some()));
     // The disturbance check reads the host with one probe at both ends of the run (like with like).
     for when in ["start", "end"] {
-        let probe = p.measurements.iter().find(|m| m.name.starts_with(&format!("host DRAM read at the {when}")));
+        let probe =
+            p.measurements.iter().find(|m| m.name.starts_with(&format!("host DRAM read at the {when}")));
         assert!(probe.is_some_and(|m| m.value > 0.0 && m.unit == "GB/s"), "the {when} probe: {probe:?}");
     }
     for (t, want) in [(1, 4), (2, 6)] {

@@ -10,20 +10,22 @@
 //! traffic, as every completion asked for one.
 //!
 //! Shared memory bandwidth: a compute runs at its `duration_ns` rate while no H2D/D2H copy is in flight and at
-//! its `duration_under_dma_ns` rate while one is. When the number of copies in flight changes between zero
-//! and non-zero, every running compute's remaining fraction is carried over to the new rate and its completion
-//! rescheduled; the old completion event is recognised as stale by its generation number.
+//! its `duration_contended_ns` rate while one is; a copy at its `duration_ns` rate while the CPU pool is idle
+//! and at its `duration_contended_ns` rate while the pool computes (an H2D copy's DMA reads the host DRAM the
+//! pool streams from). When the number of copies in flight changes between zero and non-zero, or the pool
+//! between idle and busy, every task it affects carries its remaining fraction over to the new rate and its
+//! completion is rescheduled; the old completion event is recognised as stale by its generation number.
 
 use pipeshard_core::plan::PhaseKind;
 
-use crate::graph::{Lane, StepGraph, TaskKind};
+use crate::graph::{Lane, StepGraph, Task, TaskKind};
 use crate::queue::{EventQueue, Ranked};
 
 /// Something that happens at an instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
-    /// A copy (stream, offload or KV write-back) finished.
-    CopyDone { task: u32 },
+    /// A copy (stream, offload or KV write-back) finished, unless a rate change has since rescheduled it.
+    CopyDone { task: u32, generation: u32 },
     /// A latency-only task (a hand-off, the host's enqueue of a streamed part) finished.
     LatencyDone { task: u32 },
     /// A compute finished, unless a rate change has since rescheduled it (a newer `generation`).
@@ -91,14 +93,40 @@ impl StepOutcome {
     }
 }
 
+/// A task on an exclusive lane, whose rate may change while it runs.
 #[derive(Debug, Clone, Copy)]
 struct Running {
     task: u32,
     segment_start_ns: u64,
     /// Fraction of the work left at `segment_start_ns`.
     remaining: f64,
-    under_dma: bool,
+    /// Whether it runs at its contended rate.
+    contended: bool,
     generation: u32,
+}
+
+impl Running {
+    fn start(task: &Task, t: u32, now: u64, contended: bool) -> (Running, u64) {
+        let d = if contended { task.duration_contended_ns } else { task.duration_ns };
+        (Running { task: t, segment_start_ns: now, remaining: 1.0, contended, generation: 0 }, now + d)
+    }
+
+    /// Carries the task over to its rate with or without contention: its new end where the rate changed.
+    fn rerate(&mut self, task: &Task, now: u64, contended: bool) -> Option<u64> {
+        let rate = |c: bool| if c { task.duration_contended_ns } else { task.duration_ns };
+        let (old, new) = (rate(self.contended), rate(contended));
+        self.contended = contended;
+        if old == new {
+            return None;
+        }
+        if old > 0 {
+            self.remaining -= (now - self.segment_start_ns) as f64 / old as f64;
+        }
+        self.remaining = self.remaining.clamp(0.0, 1.0);
+        self.segment_start_ns = now;
+        self.generation += 1;
+        Some(now + (self.remaining * new as f64).ceil() as u64)
+    }
 }
 
 /// The engine's working memory: per-task and per-lane vectors sized by the step graph. A simulation that runs
@@ -163,8 +191,8 @@ struct Engine<'g> {
     g: &'g StepGraph,
     ws: &'g mut Workspace,
     head: [usize; 4],
-    /// Copy lanes (H2D, D2H): whether busy.
-    copy_busy: [bool; 2],
+    /// Copy lanes (H2D, D2H): what runs.
+    copying: [Option<Running>; 2],
     /// Compute lanes (GPU, CPU): what runs.
     running: [Option<Running>; 2],
     copies_in_flight: u32,
@@ -178,12 +206,16 @@ impl Engine<'_> {
     /// Handles one event at `now`, pushing follow-ups onto `q`; a completion makes the instant's dispatch due.
     fn handle(&mut self, now: u64, event: Event, q: &mut EventQueue<Event>) {
         match event {
-            Event::CopyDone { task } => {
-                let lane = self.g.tasks[task as usize].lane;
-                self.copy_busy[usize::from(lane == Lane::D2h)] = false;
+            Event::CopyDone { task, generation } => {
+                let lane = usize::from(self.g.tasks[task as usize].lane == Lane::D2h);
+                match self.copying[lane] {
+                    Some(r) if r.task == task && r.generation == generation => self.copying[lane] = None,
+                    // Rescheduled by a rate change: a newer event stands for it.
+                    _ => return,
+                }
                 self.copies_in_flight -= 1;
                 if self.copies_in_flight == 0 {
-                    self.rerate(now, false, q);
+                    self.rerate_computes(now, false, q);
                 }
                 self.finish(now, task);
             }
@@ -193,6 +225,9 @@ impl Engine<'_> {
                 match self.running[lane] {
                     Some(r) if r.task == task && r.generation == generation => {
                         self.running[lane] = None;
+                        if lane == 1 {
+                            self.rerate_copies(now, false, q);
+                        }
                         self.finish(now, task);
                     }
                     // Rescheduled by a rate change: a newer event stands for it.
@@ -258,7 +293,7 @@ impl Engine<'_> {
     fn dispatch(&mut self, now: u64, q: &mut EventQueue<Event>) {
         // Copies first: one starting changes the rate of computes that start with it.
         for (copy_lane, lane) in [(0usize, 1usize), (1, 2)] {
-            if self.copy_busy[copy_lane] {
+            if self.copying[copy_lane].is_some() {
                 continue;
             }
             let Some(t) = self.head_ready(lane) else { continue };
@@ -267,16 +302,14 @@ impl Engine<'_> {
             }
             self.head[lane] += 1;
             self.claim(now, t);
-            self.copy_busy[copy_lane] = true;
             self.copies_in_flight += 1;
             if self.copies_in_flight == 1 {
-                self.rerate(now, true, q);
+                self.rerate_computes(now, true, q);
             }
-            let task = &self.g.tasks[t as usize];
-            let d = task.duration_ns;
+            let (r, end) = Running::start(&self.g.tasks[t as usize], t, now, self.running[1].is_some());
+            self.copying[copy_lane] = Some(r);
             self.ws.start_ns[t as usize] = now;
-            self.ws.busy_ns[task.step as usize][lane] += d;
-            q.push(now + d, Event::CopyDone { task: t });
+            q.push(end, Event::CopyDone { task: t, generation: 0 });
         }
         for (compute_lane, lane) in [(0usize, 0usize), (1, 3)] {
             if self.running[compute_lane].is_some() {
@@ -284,13 +317,13 @@ impl Engine<'_> {
             }
             let Some(t) = self.head_ready(lane) else { continue };
             self.head[lane] += 1;
-            let under_dma = self.copies_in_flight > 0;
-            let task = &self.g.tasks[t as usize];
-            let d = if under_dma { task.duration_under_dma_ns } else { task.duration_ns };
-            self.running[compute_lane] =
-                Some(Running { task: t, segment_start_ns: now, remaining: 1.0, under_dma, generation: 0 });
+            let (r, end) = Running::start(&self.g.tasks[t as usize], t, now, self.copies_in_flight > 0);
+            self.running[compute_lane] = Some(r);
             self.ws.start_ns[t as usize] = now;
-            q.push(now + d, Event::ComputeDone { task: t, generation: 0 });
+            q.push(end, Event::ComputeDone { task: t, generation: 0 });
+            if compute_lane == 1 {
+                self.rerate_copies(now, true, q);
+            }
         }
         for i in 0..self.ws.ready_latency.len() {
             let t = self.ws.ready_latency[i];
@@ -301,25 +334,20 @@ impl Engine<'_> {
     }
 
     /// Carries running computes over to the rate with (`under_dma`) or without concurrent copies.
-    fn rerate(&mut self, now: u64, under_dma: bool, q: &mut EventQueue<Event>) {
+    fn rerate_computes(&mut self, now: u64, under_dma: bool, q: &mut EventQueue<Event>) {
         for r in self.running.iter_mut().flatten() {
-            let task = &self.g.tasks[r.task as usize];
-            let rate = |dma: bool| if dma { task.duration_under_dma_ns } else { task.duration_ns };
-            let (old, new) = (rate(r.under_dma), rate(under_dma));
-            r.under_dma = under_dma;
-            if old == new {
-                continue;
+            if let Some(end) = r.rerate(&self.g.tasks[r.task as usize], now, under_dma) {
+                q.push(end, Event::ComputeDone { task: r.task, generation: r.generation });
             }
-            if old > 0 {
-                r.remaining -= (now - r.segment_start_ns) as f64 / old as f64;
+        }
+    }
+
+    /// Carries copies in flight over to the rate with (`cpu_busy`) or without the CPU pool computing.
+    fn rerate_copies(&mut self, now: u64, cpu_busy: bool, q: &mut EventQueue<Event>) {
+        for r in self.copying.iter_mut().flatten() {
+            if let Some(end) = r.rerate(&self.g.tasks[r.task as usize], now, cpu_busy) {
+                q.push(end, Event::CopyDone { task: r.task, generation: r.generation });
             }
-            r.remaining = r.remaining.clamp(0.0, 1.0);
-            r.segment_start_ns = now;
-            r.generation += 1;
-            q.push(
-                now + (r.remaining * new as f64).ceil() as u64,
-                Event::ComputeDone { task: r.task, generation: r.generation },
-            );
         }
     }
 }
@@ -391,7 +419,7 @@ pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSumm
         g: graph,
         ws,
         head: [0; 4],
-        copy_busy: [false; 2],
+        copying: [None; 2],
         running: [None; 2],
         copies_in_flight: 0,
         slots_in_use: 0,
@@ -428,7 +456,7 @@ pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSumm
     }
     let max_slots_in_use = e.max_slots_in_use;
     for (i, t) in graph.tasks.iter().enumerate() {
-        if let (Lane::Gpu | Lane::Cpu, Some(l)) = (t.lane, t.lane.exclusive_index()) {
+        if let Some(l) = t.lane.exclusive_index() {
             ws.busy_ns[t.step as usize][l] += ws.end_ns[i] - ws.start_ns[i];
         }
     }

@@ -101,8 +101,9 @@ pub struct Task {
     pub lane: Lane,
     /// Time with no copy in flight (a GPU task takes at least one kernel launch).
     pub duration_ns: u64,
-    /// Time while an H2D or D2H copy is in flight (host DRAM and device memory are shared with DMA).
-    pub duration_under_dma_ns: u64,
+    /// Time while the other side of the shared memory is busy: a compute's while an H2D or D2H copy is in
+    /// flight, an H2D copy's while the CPU pool computes (host DRAM and device memory are shared with DMA).
+    pub duration_contended_ns: u64,
     /// Bytes moved (copies and hand-offs).
     pub bytes: u64,
     /// The ring item the task fills (stream copies) or reads (computes, KV write-backs).
@@ -406,7 +407,7 @@ struct Builder<'a> {
     memo: CostMemo,
     /// Copy times already asked of the cost model, by (host → device, bytes): every layer copies the same
     /// activations and expert shares.
-    copy_memo: FxHashMap<(bool, u64), u64>,
+    copy_memo: FxHashMap<(bool, u64), (u64, u64)>,
     view: &'a PhaseView,
     phase: Phase,
     step: u32,
@@ -432,7 +433,7 @@ impl Builder<'_> {
             kind,
             lane,
             duration_ns: durations.0,
-            duration_under_dma_ns: durations.1,
+            duration_contended_ns: durations.1,
             bytes,
             item: None,
             step: self.step,
@@ -501,13 +502,23 @@ impl Builder<'_> {
         Some(self.handoff_taking(t, dev, ns))
     }
 
-    /// A pinned host ↔ device copy of `bytes` (memoised).
-    fn copy_ns(&mut self, to_device: bool, bytes: u64) -> u64 {
+    /// A pinned host ↔ device copy of `bytes` (memoised): its time alone and while the CPU pool computes
+    /// (an H2D copy's DMA reads the DRAM the pool streams from; a D2H copy's is not measured).
+    fn copy_durations(&mut self, to_device: bool, bytes: u64) -> (u64, u64) {
         let cost = self.ctx.cost;
-        *self
-            .copy_memo
-            .entry((to_device, bytes))
-            .or_insert_with(|| if to_device { cost.h2d_ns(bytes, true) } else { cost.d2h_ns(bytes, true) })
+        *self.copy_memo.entry((to_device, bytes)).or_insert_with(|| {
+            if to_device {
+                (cost.h2d_ns(bytes, true), cost.h2d_beside_cpu_ns(bytes, true))
+            } else {
+                let d = cost.d2h_ns(bytes, true);
+                (d, d)
+            }
+        })
+    }
+
+    /// [`Self::copy_durations`] alone.
+    fn copy_ns(&mut self, to_device: bool, bytes: u64) -> u64 {
+        self.copy_durations(to_device, bytes).0
     }
 
     fn compute(&mut self, op_index: usize, share: OpShare, op: &Op, dev: Device, deps: &[u32]) -> u32 {
@@ -568,20 +579,21 @@ impl Builder<'_> {
     fn hold(&mut self, task: u32, ns: u64) {
         let t = &mut self.tasks[task as usize];
         t.duration_ns += ns;
-        t.duration_under_dma_ns += ns;
+        t.duration_contended_ns += ns;
     }
 
     /// A new ring item and its copy, which also waits for `after` (a layer's router, for its experts; the
     /// previous write-back, for a KV).
     fn item(&mut self, key: StreamKey, bytes: u64, after: Option<u32>) -> u32 {
-        let d = self.copy_ns(true, bytes);
+        let d = self.copy_durations(true, bytes);
         self.item_taking(key, bytes, d, after)
     }
 
-    /// [`Self::item`] with the copy's duration given (a per-sequence KV cache moves in one copy per sequence).
-    fn item_taking(&mut self, key: StreamKey, bytes: u64, d: u64, after: Option<u32>) -> u32 {
+    /// [`Self::item`] with the copy's durations given (alone, beside the CPU pool: a per-sequence KV cache
+    /// moves in one copy per sequence).
+    fn item_taking(&mut self, key: StreamKey, bytes: u64, d: (u64, u64), after: Option<u32>) -> u32 {
         let item = self.items.len() as u32;
-        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
+        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, d, bytes, after.as_slice());
         self.tasks[copy as usize].item = Some(item);
         let slot = item % self.view.pipeline_depth.max(1);
         self.items.push(RingItem { key, with_kv: false, bytes, slot, copy, readers: 0, last_reader: NONE });
@@ -589,8 +601,8 @@ impl Builder<'_> {
     }
 
     /// A layer's streamed KV joining the slot of its streamed attention: a second copy into `item`.
-    fn join_kv(&mut self, item: u32, bytes: u64, d: u64, after: Option<u32>) -> u32 {
-        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, (d, d), bytes, after.as_slice());
+    fn join_kv(&mut self, item: u32, bytes: u64, d: (u64, u64), after: Option<u32>) -> u32 {
+        let copy = self.push(TaskKind::Stream { item }, Lane::H2d, d, bytes, after.as_slice());
         self.tasks[copy as usize].item = Some(item);
         let it = &mut self.items[item as usize];
         it.with_kv = true;
@@ -627,11 +639,11 @@ impl Builder<'_> {
     fn offload_copy(&mut self, op_index: usize, bytes: u64, prev: Option<u32>) -> u32 {
         self.offload_peak_bytes = self.offload_peak_bytes.max(bytes);
         let d = if self.ctx.workload.host_pageable {
-            self.ctx.cost.h2d_ns(bytes, false)
+            (self.ctx.cost.h2d_ns(bytes, false), self.ctx.cost.h2d_beside_cpu_ns(bytes, false))
         } else {
-            self.copy_ns(true, bytes)
+            self.copy_durations(true, bytes)
         };
-        self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, (d, d), bytes, prev.as_slice())
+        self.push(TaskKind::Offload { op: op_index as u32 }, Lane::H2d, d, bytes, prev.as_slice())
     }
 
     fn offload_phase(&self, op: &Op) -> bool {
@@ -885,7 +897,7 @@ fn scaled(op: &Op, f: f64) -> Op {
 #[derive(Debug, Default)]
 pub(crate) struct Reuse {
     memo: CostMemo,
-    copy_memo: FxHashMap<(bool, u64), u64>,
+    copy_memo: FxHashMap<(bool, u64), (u64, u64)>,
     handoff_after: Vec<u32>,
     /// Vectors of recycled graphs, one set per graph: a prefill bound holds every sampled chunk's graph at once,
     /// and each later build takes a set grown to a graph's size rather than growing fresh vectors (their
@@ -1053,8 +1065,9 @@ pub(crate) fn build_with(
                             let bytes =
                                 ctx.runtime.kv_upload_bytes(ctx.kv_layer_bytes, ctx.kv_token_bytes, phase);
                             // The host's gathering of the cells, then the copies, all ahead of the attention.
-                            let d = ctx.runtime.kv_gather_ns(ctx.workload, phase)
-                                + copies * b.copy_ns(true, bytes / copies);
+                            let gather = ctx.runtime.kv_gather_ns(ctx.workload, phase);
+                            let (alone, beside_cpu) = b.copy_durations(true, bytes / copies);
+                            let d = (gather + copies * alone, gather + copies * beside_cpu);
                             // The attention's slot carries the KV too.
                             if let Some(&(_, it, _)) = attn {
                                 (it, b.join_kv(it, bytes, d, after))

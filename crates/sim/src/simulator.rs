@@ -364,7 +364,7 @@ fn earliest_end_ns(g: &StepGraph) -> u64 {
         if let Some(l) = lane {
             start_ns = start_ns.max(lane_end_ns[l]);
         }
-        let end = start_ns + task.duration_ns.min(task.duration_under_dma_ns).saturating_sub(1);
+        let end = start_ns + task.duration_ns.min(task.duration_contended_ns).saturating_sub(1);
         end_ns[t] = end;
         if let Some(l) = lane {
             lane_end_ns[l] = end;

@@ -268,11 +268,53 @@ fn cpu_ops_slow_down_while_a_copy_is_in_flight() {
     for t in (0..g.tasks.len()).filter(|&t| g.tasks[t].lane == Lane::Cpu && g.tasks[t].duration_ns > 0) {
         let (s, e) = (slow.start_ns[t], slow.end_ns[t]);
         if copies.iter().any(|&c| slow.start_ns[c] <= s && e <= slow.end_ns[c]) {
-            assert_eq!(e - s, g.tasks[t].duration_under_dma_ns, "{}", g.label(t as u32));
+            assert_eq!(e - s, g.tasks[t].duration_contended_ns, "{}", g.label(t as u32));
             checked += 1;
         }
     }
     assert!(checked > 0, "the plan must put a CPU op under a copy");
+}
+
+#[test]
+fn h2d_copies_slow_down_while_the_cpu_pool_computes() {
+    let spec = small("nemo-4b", 3);
+    let w = Workload::single(100, 512, 2, 64);
+    // As above: each CPU FFN overlaps the next attention's copy, whose DMA reads the DRAM the pool reads.
+    let place = |u: UnitId| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+        UnitId::Ffn { .. } => Placement::Cpu,
+        _ => Placement::Pinned,
+    };
+    let run = |slow: f64| {
+        let cost = FixedCost { h2d_cpu_slowdown: slow, ..FixedCost::plain(0.01, 2.0) };
+        let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &place);
+        let sim = Simulator::new(&spec, &p, &cost).unwrap();
+        sim.step(PhaseKind::Decode, w.decode_step(0))
+    };
+    let (fast, slow) = (run(1.0), run(1.5));
+    assert!(slow.makespan_ns > fast.makespan_ns);
+    // Every copy's time splits into a part with the pool idle, at its own rate, and a part beside the pool's
+    // work, at the contended one: together one whole copy.
+    let g = &slow.graph;
+    let cpu: Vec<(u64, u64)> = (0..g.tasks.len())
+        .filter(|&t| g.tasks[t].lane == Lane::Cpu)
+        .map(|t| (slow.start_ns[t], slow.end_ns[t]))
+        .collect();
+    let (mut beside, mut alone) = (0, 0);
+    for c in (0..g.tasks.len()).filter(|&t| g.tasks[t].lane == Lane::H2d && g.tasks[t].duration_ns > 0) {
+        let (s, e) = (slow.start_ns[c], slow.end_ns[c]);
+        let busy: u64 = cpu.iter().map(|&(a, b)| b.min(e).saturating_sub(a.max(s))).sum();
+        let task = &g.tasks[c];
+        assert!(task.duration_contended_ns > task.duration_ns, "{}", g.label(c as u32));
+        let work =
+            (e - s - busy) as f64 / task.duration_ns as f64 + busy as f64 / task.duration_contended_ns as f64;
+        assert!((work - 1.0).abs() < 1e-3, "{}: {work} of a copy", g.label(c as u32));
+        if busy > 0 { beside += 1 } else { alone += 1 }
+    }
+    assert!(beside > 0 && alone > 0, "the plan must run copies both beside the pool and without it");
+    // The copy lane's busy time is the copies' real time, the slower rate included.
+    let h2d = |o: &pipeshard_sim::StepOutcome| o.total_busy_ns()[1];
+    assert!(h2d(&slow) > h2d(&fast));
 }
 
 #[test]

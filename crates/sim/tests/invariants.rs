@@ -140,7 +140,7 @@ fn check_step(o: &StepOutcome, pp: &PhasePlan, groups: &[StreamGroup]) -> Result
         let end = loop {
             let inside = union.iter().find(|(a, b)| (*a as f64) <= now && now < *b as f64);
             let (dur, boundary) = match inside {
-                Some(&(_, b)) => (task.duration_under_dma_ns as f64, b as f64),
+                Some(&(_, b)) => (task.duration_contended_ns as f64, b as f64),
                 None => (
                     task.duration_ns as f64,
                     union.iter().map(|&(a, _)| a as f64).find(|&a| a > now).unwrap_or(f64::INFINITY),

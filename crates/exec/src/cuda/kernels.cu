@@ -151,7 +151,6 @@ extern "C" __global__ void spin(u64 ns) {
     } while (t - t0 < ns);
 }
 
-// x[i] += b[i % dim] for n elements.
 // Copies n bytes from host memory mapped into the device's address space (a buffer registered with
 // CU_MEMHOSTREGISTER_DEVICEMAP) to device memory, with the SMs' loads over PCIe, in the stream's order and
 // outside the copy engines: an upload on the compute stream waits there until the H2D stream's queue of weight
@@ -175,6 +174,24 @@ extern "C" __global__ void copy_mapped(unsigned char* __restrict__ dst, const un
     if (t < n % 16) dst[n16 * 16 + t] = src[n16 * 16 + t];
 }
 
+// Up to five copies of 4-byte words from mapped host memory (as copy_mapped reads it) in one launch, blockIdx.y
+// picking the part: a small step's expert inputs (token ids, routing weights, the normed input, the grouped
+// experts' unit addresses and first entries) go up in the compute stream's order without a copy engine, which
+// a streamed unit's copy may hold for hundreds of µs. Parts of zero words are skipped.
+struct MappedParts {
+    u64 dst[5];
+    u64 src[5];
+    u64 words[5];
+};
+
+extern "C" __global__ void copy_mapped_parts(const MappedParts p) {
+    const int k = blockIdx.y;
+    u32* d = (u32*)p.dst[k];
+    const u32* s = (const u32*)p.src[k];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < p.words[k]; i += (u64)gridDim.x * blockDim.x)
+        d[i] = s[i];
+}
+
 // x[i] += src[i] for n f32, src in host memory mapped into the device (as copy_mapped reads it): a MoE layer's
 // CPU experts' sum goes into the residual stream in one kernel, with no copy queued behind the H2D stream's.
 extern "C" __global__ void add_mapped(float* __restrict__ x, const float* __restrict__ src, u64 n) {
@@ -182,6 +199,7 @@ extern "C" __global__ void add_mapped(float* __restrict__ x, const float* __rest
     if (i < n) x[i] += src[i];
 }
 
+// x[i] += b[i % dim] for n elements.
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int dim, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % dim];

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, result, sys,
+};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use pipeshard_core::workload::{GROUPED_EXPERTS_MAX_TOKENS, MAX_KEY_SPLITS};
@@ -115,6 +117,7 @@ pub struct Kernels {
     rmsnorm_rows_f32: CudaFunction,
     add_bias: CudaFunction,
     copy_mapped: CudaFunction,
+    copy_mapped_parts: CudaFunction,
     add_mapped: CudaFunction,
     spin: CudaFunction,
     rope: CudaFunction,
@@ -463,6 +466,41 @@ impl std::fmt::Display for GemvShape {
 /// The widest row `norm_act` takes: 16 elements a thread in registers, 1024 threads.
 pub const NORM_MAX_DIM: usize = 16 * 1024;
 
+/// Up to [`MappedParts::MAX`] copies of 4-byte words from mapped host memory to the device, one kernel
+/// argument ([`Gpu::copy_mapped_parts`]; `MappedParts` in kernels.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MappedParts {
+    dst: [u64; 5],
+    src: [u64; 5],
+    words: [u64; 5],
+}
+
+// SAFETY: plain integers, laid out (`repr(C)`) as kernels.cu's `MappedParts`.
+unsafe impl DeviceRepr for MappedParts {}
+
+impl MappedParts {
+    /// Parts one launch copies.
+    pub const MAX: usize = 5;
+
+    /// Adds a copy of `bytes` (a whole number of 4-byte words, both addresses 4-byte aligned) from `src`, a
+    /// device address of mapped host memory ([`Gpu::register_mapped`]), to `dst`; an empty copy adds nothing.
+    ///
+    /// # Panics
+    /// Past [`Self::MAX`] parts, or where `bytes` or an address is not a multiple of 4.
+    pub fn push(&mut self, dst: u64, src: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        assert!(
+            bytes.is_multiple_of(4) && dst.is_multiple_of(4) && src.is_multiple_of(4),
+            "4-byte words: {bytes} bytes {dst:#x} ← {src:#x}"
+        );
+        let k = self.words.iter().position(|&w| w == 0).expect("at most MappedParts::MAX parts");
+        (self.dst[k], self.src[k], self.words[k]) = (dst, src, bytes as u64 / 4);
+    }
+}
+
 fn threads_for(n: u64, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(u64::from(block)).max(1) as u32, 1, 1),
@@ -770,6 +808,7 @@ impl Gpu {
             rmsnorm_rows_f32: f("rmsnorm_rows_f32")?,
             add_bias: f("add_bias")?,
             copy_mapped: f("copy_mapped")?,
+            copy_mapped_parts: f("copy_mapped_parts")?,
             add_mapped: f("add_mapped")?,
             spin: f("spin")?,
             rope: f("rope")?,
@@ -1473,6 +1512,22 @@ impl Gpu {
             .map_err(driver_err("cuLaunchKernel(copy_mapped)"))
     }
 
+    /// Copies `parts` from mapped host memory to the device on the compute stream in one launch, by the SMs'
+    /// loads rather than a copy engine (see `copy_mapped_parts` in kernels.cu).
+    ///
+    /// # Safety
+    /// Each part's source must lie in a live mapped registration and its destination in a live device
+    /// allocation, and the host must not write the sources until the copy has run.
+    pub unsafe fn copy_mapped_parts(&self, k: &Kernels, parts: &MappedParts) -> Result<()> {
+        let most = parts.words.iter().copied().max().unwrap_or(0);
+        let mut cfg = threads_for(most, 256);
+        cfg.grid_dim.1 = MappedParts::MAX as u32;
+        // SAFETY: as documented; `MappedParts` is laid out as kernels.cu's.
+        unsafe { self.compute.launch_builder(&k.copy_mapped_parts).arg(parts).launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(copy_mapped_parts)"))
+    }
+
     /// `x[i] += src[i]` for `n` f32 on the compute stream, `src` the device address of mapped host memory
     /// ([`Gpu::register_mapped`]) read over PCIe by the kernel.
     ///
@@ -2084,6 +2139,28 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Parts fill in order, an empty one adds nothing, and a sixth or an unaligned part is refused.
+    #[test]
+    fn mapped_parts_take_five_aligned_copies() {
+        let mut p = MappedParts::default();
+        p.push(0x1000, 0x2000, 0);
+        for k in 0..MappedParts::MAX as u64 {
+            p.push(0x1000 + 64 * k, 0x2000 + 32 * k, 4 * (k as usize + 1));
+        }
+        assert_eq!(p.words, [1, 2, 3, 4, 5]);
+        assert_eq!((p.dst[2], p.src[2]), (0x1080, 0x2040));
+        assert!(
+            std::panic::catch_unwind(|| {
+                let mut q = p;
+                q.push(0x1000, 0x2000, 4);
+            })
+            .is_err(),
+            "a sixth part"
+        );
+        assert!(std::panic::catch_unwind(|| MappedParts::default().push(0x1002, 0x2000, 4)).is_err());
+        assert!(std::panic::catch_unwind(|| MappedParts::default().push(0x1000, 0x2000, 6)).is_err());
+    }
 
     /// The grouped kernels take f16/bf16 and every quantised format whose GEMVs keep the activations as they
     /// are, each at its instances' index, up to `EXACT_MAX_TOKENS` tokens of rows of whole 8-element reads.

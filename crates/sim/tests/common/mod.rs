@@ -12,7 +12,7 @@ use pipeshard_core::workload::{self, Op, OpKind, Workload};
 
 /// A cost model with round numbers: GPU ops take `gpu_ns_per_byte` per weight byte (KV ignored), CPU ops
 /// `cpu_ns_per_byte`, weightless ops `weightless_ns`; copies move `pcie_bytes_per_ns` after `copy_latency_ns`
-/// each; optional launch (and graph replay), sync and DMA slowdown.
+/// each; optional launch (and graph replay), sync, DMA slowdown and H2D slowdown beside CPU work.
 #[derive(Debug, Clone)]
 pub struct FixedCost {
     pub gpu_ns_per_byte: f64,
@@ -25,6 +25,8 @@ pub struct FixedCost {
     pub graph_kernel_ns: u64,
     pub host_sync_ns: u64,
     pub dma_slowdown: f64,
+    /// An H2D copy's time while the CPU pool computes, over its time alone.
+    pub h2d_cpu_slowdown: f64,
     /// GPU experts read the routing on the device (llama.cpp) rather than after a host round trip.
     pub expert_ids_on_device: bool,
     /// Our executor's host routing, per token of a 128-expert router.
@@ -50,6 +52,7 @@ impl FixedCost {
             graph_kernel_ns: 0,
             host_sync_ns: 0,
             dma_slowdown: 1.0,
+            h2d_cpu_slowdown: 1.0,
             expert_ids_on_device: false,
             host_route_ns_per_token: 0,
             decode_routing_ns: (0, 0),
@@ -79,6 +82,14 @@ impl CostModel for FixedCost {
             0
         } else {
             self.copy_latency_ns + (bytes as f64 / self.pcie_bytes_per_ns).round() as u64
+        }
+    }
+    fn h2d_beside_cpu_ns(&self, bytes: u64, _pinned: bool) -> u64 {
+        if bytes == 0 {
+            0
+        } else {
+            self.copy_latency_ns
+                + (bytes as f64 * self.h2d_cpu_slowdown / self.pcie_bytes_per_ns).round() as u64
         }
     }
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
