@@ -195,7 +195,6 @@ struct Engine<'g> {
     copying: [Option<Running>; 2],
     /// Compute lanes (GPU, CPU): what runs.
     running: [Option<Running>; 2],
-    copies_in_flight: u32,
     slots_in_use: u32,
     /// The instant whose dispatch is due (after its last event).
     dispatch_at: Option<u64>,
@@ -213,8 +212,7 @@ impl Engine<'_> {
                     // Rescheduled by a rate change: a newer event stands for it.
                     _ => return,
                 }
-                self.copies_in_flight -= 1;
-                if self.copies_in_flight == 0 {
+                if !self.copy_in_flight() {
                     self.rerate_computes(now, false, q);
                 }
                 self.finish(now, task);
@@ -302,8 +300,7 @@ impl Engine<'_> {
             }
             self.head[lane] += 1;
             self.claim(now, t);
-            self.copies_in_flight += 1;
-            if self.copies_in_flight == 1 {
+            if !self.copy_in_flight() {
                 self.rerate_computes(now, true, q);
             }
             let (r, end) = Running::start(&self.g.tasks[t as usize], t, now, self.running[1].is_some());
@@ -317,7 +314,7 @@ impl Engine<'_> {
             }
             let Some(t) = self.head_ready(lane) else { continue };
             self.head[lane] += 1;
-            let (r, end) = Running::start(&self.g.tasks[t as usize], t, now, self.copies_in_flight > 0);
+            let (r, end) = Running::start(&self.g.tasks[t as usize], t, now, self.copy_in_flight());
             self.running[compute_lane] = Some(r);
             self.ws.start_ns[t as usize] = now;
             q.push(end, Event::ComputeDone { task: t, generation: 0 });
@@ -331,6 +328,11 @@ impl Engine<'_> {
             q.push(now + self.g.tasks[t as usize].duration_ns, Event::LatencyDone { task: t });
         }
         self.ws.ready_latency.clear();
+    }
+
+    /// Whether an H2D or D2H copy runs.
+    fn copy_in_flight(&self) -> bool {
+        self.copying.iter().any(Option::is_some)
     }
 
     /// Carries running computes over to the rate with (`under_dma`) or without concurrent copies.
@@ -421,7 +423,6 @@ pub(crate) fn run(graph: &StepGraph, audit: bool, ws: &mut Workspace) -> RunSumm
         head: [0; 4],
         copying: [None; 2],
         running: [None; 2],
-        copies_in_flight: 0,
         slots_in_use: 0,
         dispatch_at: Some(0),
         max_slots_in_use: 0,

@@ -243,21 +243,24 @@ fn moe_experts_split_runs_gpu_and_cpu_shares_concurrently() {
     assert_eq!(g.device(add), Some(Device::Gpu));
 }
 
-#[test]
-fn cpu_ops_slow_down_while_a_copy_is_in_flight() {
+/// A decode step of nemo-4b@3L with its attention streamed on the GPU and its FFN on the CPU, where each CPU
+/// FFN overlaps the next attention's copy, priced by `cost`.
+fn streamed_attention_cpu_ffn_step(cost: &FixedCost) -> pipeshard_sim::StepOutcome {
     let spec = small("nemo-4b", 3);
     let w = Workload::single(100, 512, 2, 64);
-    // Attention streamed on the GPU, FFN on the CPU: each CPU FFN overlaps the next attention's copy.
     let place = |u: UnitId| match u {
         UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
         UnitId::Ffn { .. } => Placement::Cpu,
         _ => Placement::Pinned,
     };
+    let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &place);
+    Simulator::new(&spec, &p, cost).unwrap().step(PhaseKind::Decode, w.decode_step(0))
+}
+
+#[test]
+fn cpu_ops_slow_down_while_a_copy_is_in_flight() {
     let run = |slow: f64| {
-        let cost = FixedCost { dma_slowdown: slow, ..FixedCost::plain(0.01, 2.0) };
-        let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &place);
-        let sim = Simulator::new(&spec, &p, &cost).unwrap();
-        sim.step(PhaseKind::Decode, w.decode_step(0))
+        streamed_attention_cpu_ffn_step(&FixedCost { dma_slowdown: slow, ..FixedCost::plain(0.01, 2.0) })
     };
     let (fast, slow) = (run(1.0), run(1.5));
     assert!(slow.makespan_ns > fast.makespan_ns);
@@ -277,19 +280,9 @@ fn cpu_ops_slow_down_while_a_copy_is_in_flight() {
 
 #[test]
 fn h2d_copies_slow_down_while_the_cpu_pool_computes() {
-    let spec = small("nemo-4b", 3);
-    let w = Workload::single(100, 512, 2, 64);
-    // As above: each CPU FFN overlaps the next attention's copy, whose DMA reads the DRAM the pool reads.
-    let place = |u: UnitId| match u {
-        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
-        UnitId::Ffn { .. } => Placement::Cpu,
-        _ => Placement::Pinned,
-    };
+    // Each copy's DMA reads the host DRAM the CPU FFN beside it reads.
     let run = |slow: f64| {
-        let cost = FixedCost { h2d_cpu_slowdown: slow, ..FixedCost::plain(0.01, 2.0) };
-        let p = plan(&spec, &w, PhaseShape { pipeline_depth: 2, ..SHAPE }, &place);
-        let sim = Simulator::new(&spec, &p, &cost).unwrap();
-        sim.step(PhaseKind::Decode, w.decode_step(0))
+        streamed_attention_cpu_ffn_step(&FixedCost { h2d_cpu_slowdown: slow, ..FixedCost::plain(0.01, 2.0) })
     };
     let (fast, slow) = (run(1.0), run(1.5));
     assert!(slow.makespan_ns > fast.makespan_ns);
