@@ -191,6 +191,15 @@ pub struct TableCostModel {
 }
 
 impl TableCostModel {
+    /// A host → device copy of `bytes` on the profile's curve, its transfer `slowdown` times longer.
+    fn h2d_slowed_ns(&self, bytes: u64, pinned: bool, slowdown: f64) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        self.profile.pcie.copy_latency_ns
+            + (bytes as f64 * slowdown / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
+    }
+
     /// Fits efficiencies from the profile's op rows.
     #[must_use]
     pub fn new(profile: &Profile) -> TableCostModel {
@@ -546,21 +555,14 @@ impl CostModel for TableCostModel {
     }
 
     fn h2d_ns(&self, bytes: u64, pinned: bool) -> u64 {
-        if bytes == 0 {
-            return 0;
-        }
-        self.profile.pcie.copy_latency_ns
-            + (bytes as f64 / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
+        self.h2d_slowed_ns(bytes, pinned, 1.0)
     }
 
     fn h2d_beside_cpu_ns(&self, bytes: u64, pinned: bool) -> u64 {
         let pcie = &self.profile.pcie;
         let slowdown =
             if pinned { pcie.h2d_pinned_cpu_slowdown } else { pcie.h2d_pageable_cpu_slowdown }.unwrap_or(1.0);
-        if bytes == 0 {
-            return 0;
-        }
-        pcie.copy_latency_ns + (bytes as f64 * slowdown / self.profile.h2d_gbps(bytes, pinned)).ceil() as u64
+        self.h2d_slowed_ns(bytes, pinned, slowdown)
     }
 
     fn d2h_ns(&self, bytes: u64, pinned: bool) -> u64 {
