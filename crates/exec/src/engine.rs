@@ -34,8 +34,8 @@ use serde::{Deserialize, Serialize};
 use crate::cpu::{self, CpuPool, KvLayout, Routing};
 use crate::cuda::{
     DevBuf, EarlyStart, Event, ExpertIo, GemvInput, GemvOutput, Gpu, GroupedIo, HostFlag, HostRegistration,
-    KernelKey, Kernels, MappedParts, RingSlot, Stream, TiledIo, decode_gemv_fits, grouped_experts_fit, tiled,
-    tiled_experts_fit,
+    InlineParts, KernelKey, Kernels, MappedParts, RingSlot, Stream, TiledIo, decode_gemv_fits,
+    grouped_experts_fit, tiled, tiled_experts_fit,
 };
 use crate::error::{ExecError, Result};
 use crate::host::{Elem, HostBuf};
@@ -1814,27 +1814,37 @@ impl<'a> Exec<'a> {
             let (base, sc) = (g.base(), lay.scratch);
             let at = |o: usize| base + o as u64;
             let buf = self.moe_io.buf.as_slice();
-            // A small step's inputs on the compute stream go up by one kernel reading the mapped staging
-            // buffer: copies there waited for a copy engine that a streamed unit's copy held (validation,
-            // session 21: a decode layer's GPU experts started 48 µs after their router with a copy in
-            // flight, 24 without).
+            // A small step's inputs on the compute stream go up with one launch: copies there waited for a copy
+            // engine that a streamed unit's copy held (validation, session 21: a decode layer's GPU experts
+            // started 48 µs after their router with a copy in flight, 24 without). Their bytes ride in the
+            // launch's parameters where they fit (a decode step's routing, ~170 bytes); else the kernel reads
+            // the mapped staging buffer, whose loads queue behind that copy's on the link (36 µs).
             let mapped =
                 up == Stream::Compute && m as u64 <= GROUPED_EXPERTS_MAX_TOKENS && tiled_index.is_none();
             if mapped {
-                let src = |o: usize| g.moe_io_dev + o as u64;
-                let mut parts = MappedParts::default();
-                parts.push(at(sc.moe_idx), src(io_idx), 4 * n);
-                parts.push(at(sc.moe_w), src(io_w), 4 * n);
+                let mut list = vec![(at(sc.moe_idx), io_idx, 4 * n), (at(sc.moe_w), io_w, 4 * n)];
                 if !xn_on_dev {
-                    parts.push(at(sc.xb), src(io_xn), m * hd * 2);
+                    list.push((at(sc.xb), io_xn, m * hd * 2));
                 }
                 if grouped_offsets.is_some() {
                     let (gb, gf) = (self.moe_io.gbase, self.moe_io.gfirst);
-                    parts.push(at(sc.moe_gbase), src(gb), 8 * pinned);
-                    parts.push(at(sc.moe_gfirst), src(gf), 4 * (pinned + 1));
+                    list.extend([
+                        (at(sc.moe_gbase), gb, 8 * pinned),
+                        (at(sc.moe_gfirst), gf, 4 * (pinned + 1)),
+                    ]);
                 }
-                // SAFETY: as the copies' below; moe_io is mapped at `moe_io_dev`.
-                unsafe { g.gpu.copy_mapped_parts(&g.k, &parts)? };
+                let bytes: Vec<(u64, &[u8])> = list.iter().map(|&(d, o, b)| (d, &buf[o..o + b])).collect();
+                if let Some(parts) = InlineParts::new(&bytes) {
+                    // SAFETY: every destination is a carved scratch area holding its part (as below).
+                    unsafe { g.gpu.copy_inline_parts(&g.k, &parts)? };
+                } else {
+                    let mut parts = MappedParts::default();
+                    for &(d, o, b) in &list {
+                        parts.push(d, g.moe_io_dev + o as u64, b);
+                    }
+                    // SAFETY: as the copies' below; moe_io is mapped at `moe_io_dev`.
+                    unsafe { g.gpu.copy_mapped_parts(&g.k, &parts)? };
+                }
             } else {
                 // SAFETY: moe_idx/moe_w hold m·top_k ≥ n entries and xb m·hidden activations; moe_io is
                 // registered and rewritten only after `moe_uploaded` (recorded below on the compute stream,

@@ -1500,13 +1500,14 @@ fn a_copy_behind_a_host_flag_reads_what_the_host_wrote_before_releasing_it() {
     drop(reg);
 }
 
-/// One launch copies up to five parts of mapped host memory to the device, each to its own place, with an H2D
-/// copy of 256 MiB in flight on the copy stream (the decode step's expert inputs, which go up this way so as
-/// not to wait for that copy): every byte arrives, nothing else is written, and the launch does not wait for
-/// the copy.
+/// One launch copies up to five small parts to the device, each to its own place, with an H2D copy of 256 MiB
+/// in flight on the copy stream (a small step's expert inputs, which go up this way so as not to wait for that
+/// copy), both ways: in the launch's parameters (a decode step's routing) and read from mapped host memory
+/// (with the normed input, too large for the parameters). Every byte arrives, nothing else is written, and
+/// neither launch waits for the copy.
 #[test]
-fn mapped_parts_arrive_while_a_large_copy_holds_the_copy_engine() {
-    use pipeshard_exec::cuda::{KernelKey, MappedParts, Stream};
+fn small_parts_arrive_while_a_large_copy_holds_the_copy_engine() {
+    use pipeshard_exec::cuda::{InlineParts, KernelKey, MappedParts, Stream};
     use pipeshard_exec::host::{Elem, HostBuf};
     let Some((_, gpu)) = device() else { return };
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 }).unwrap();
@@ -1515,8 +1516,6 @@ fn mapped_parts_arrive_while_a_large_copy_holds_the_copy_engine() {
     // SAFETY: `big_src` outlives its registration (dropped after it).
     let big_reg = unsafe { gpu.register(&big_src) }.unwrap();
     let big_dev = gpu.alloc(big).unwrap();
-    // Parts of 4 bytes to 4 KiB, as a decode step's ids, weights, unit addresses, offsets and normed input.
-    let sizes = [4usize, 32, 64, 36, 4096];
     let mut host = HostBuf::zeroed(8192);
     for (i, b) in host.as_mut_slice().iter_mut().enumerate() {
         *b = (i * 31 % 251) as u8;
@@ -1524,39 +1523,55 @@ fn mapped_parts_arrive_while_a_large_copy_holds_the_copy_engine() {
     // SAFETY: `host` outlives the registration (dropped after it).
     let (reg, host_dev) = unsafe { gpu.register_mapped(&host) }.unwrap();
     let dev = gpu.alloc(16384).unwrap();
-    // SAFETY: 16384 bytes of dev.
-    unsafe { gpu.h2d(Stream::Compute, dev.ptr(), &vec![0xEEu8; 16384]).unwrap() };
-    gpu.sync(Stream::Compute).unwrap();
-    let (mut parts, mut placed) = (MappedParts::default(), Vec::new());
-    let (mut at_host, mut at_dev) = (0usize, 0usize);
-    for &bytes in &sizes {
-        parts.push(dev.ptr() + at_dev as u64, host_dev + at_host as u64, bytes);
-        placed.push((at_host, at_dev, bytes));
-        (at_host, at_dev) = (at_host + bytes + 64, at_dev + bytes + 128);
+    // Parts of 4 bytes to 4 KiB: a decode step's ids, weights, unit addresses and first entries, and for the
+    // mapped way a normed input.
+    for (way, sizes) in [("in the parameters", &[4usize, 32, 64, 36][..]), ("mapped", &[4, 32, 64, 36, 4096])]
+    {
+        // SAFETY: 16384 bytes of dev.
+        unsafe { gpu.h2d(Stream::Compute, dev.ptr(), &vec![0xEEu8; 16384]).unwrap() };
+        gpu.sync(Stream::Compute).unwrap();
+        let mut placed = Vec::new();
+        let (mut at_host, mut at_dev) = (0usize, 0usize);
+        for &bytes in sizes {
+            placed.push((at_host, at_dev, bytes));
+            (at_host, at_dev) = (at_host + bytes + 64, at_dev + bytes + 128);
+        }
+        let (ev0, ev1) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
+        // SAFETY: big_dev and big_src hold `big` bytes; the parts lie in `host`'s mapping and in `dev`.
+        unsafe {
+            gpu.h2d(Stream::H2d, big_dev.ptr(), big_src.as_slice()).unwrap();
+            gpu.record(&ev0, Stream::Compute).unwrap();
+            if way == "mapped" {
+                let mut parts = MappedParts::default();
+                for &(h, d, bytes) in &placed {
+                    parts.push(dev.ptr() + d as u64, host_dev + h as u64, bytes);
+                }
+                gpu.copy_mapped_parts(&kn, &parts).unwrap();
+            } else {
+                let bytes: Vec<(u64, &[u8])> = placed
+                    .iter()
+                    .map(|&(h, d, b)| (dev.ptr() + d as u64, &host.as_slice()[h..h + b]))
+                    .collect();
+                gpu.copy_inline_parts(&kn, &InlineParts::new(&bytes).expect("fits")).unwrap();
+            }
+            gpu.record(&ev1, Stream::Compute).unwrap();
+        }
+        gpu.sync(Stream::Compute).unwrap();
+        let ms = gpu.elapsed_ms(&ev0, &ev1).unwrap();
+        gpu.sync(Stream::H2d).unwrap();
+        let mut back = vec![0u8; 16384];
+        // SAFETY: dev holds 16384 bytes; `back` is read after the sync.
+        unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
+        gpu.sync(Stream::Compute).unwrap();
+        let mut expect = vec![0xEEu8; 16384];
+        for &(h, d, bytes) in &placed {
+            expect[d..d + bytes].copy_from_slice(&host.as_slice()[h..h + bytes]);
+        }
+        assert!(back == expect, "{way}: the parts and nothing else");
+        eprintln!("{} parts {way} beside a 256 MiB copy: {:.1} µs on the device", sizes.len(), ms * 1e3);
+        // The copy takes ≈ 5 ms at PCIe 5 speed; a launch that waited for it would take as long.
+        assert!(ms < 1.0, "{way}: {ms} ms, the launch waited for the copy engine");
     }
-    let (ev0, ev1) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
-    // SAFETY: big_dev and big_src hold `big` bytes; the parts lie in `host`'s mapping and in `dev`.
-    unsafe {
-        gpu.h2d(Stream::H2d, big_dev.ptr(), big_src.as_slice()).unwrap();
-        gpu.record(&ev0, Stream::Compute).unwrap();
-        gpu.copy_mapped_parts(&kn, &parts).unwrap();
-        gpu.record(&ev1, Stream::Compute).unwrap();
-    }
-    gpu.sync(Stream::Compute).unwrap();
-    let ms = gpu.elapsed_ms(&ev0, &ev1).unwrap();
-    gpu.sync(Stream::H2d).unwrap();
-    let mut back = vec![0u8; 16384];
-    // SAFETY: dev holds 16384 bytes; `back` is read after the sync.
-    unsafe { gpu.d2h(Stream::Compute, &mut back, dev.ptr()).unwrap() };
-    gpu.sync(Stream::Compute).unwrap();
-    let mut expect = vec![0xEEu8; 16384];
-    for &(h, d, bytes) in &placed {
-        expect[d..d + bytes].copy_from_slice(&host.as_slice()[h..h + bytes]);
-    }
-    assert!(back == expect, "the parts and nothing else");
-    eprintln!("five mapped parts beside a 256 MiB copy: {:.1} µs on the device", ms * 1e3);
-    // The copy takes ≈ 5 ms at PCIe 5 speed; a launch that waited for it would take as long.
-    assert!(ms < 1.0, "{ms} ms: the launch waited for the copy engine");
     drop((reg, big_reg));
 }
 

@@ -1130,11 +1130,11 @@ fn routing_round_trip(
     upload_random(gpu, staging, Elem::F32, h.ptr(), hidden * 4, 60)?;
     upload_random(gpu, staging, Elem::F32, norm_w.ptr(), hidden * 4, 61)?;
     upload_random(gpu, staging, Elem::Bf16, router_w.ptr(), n_experts * hidden * 2, 62)?;
-    // Host side, registered as the executor's `moe_io`: logits, the normed input, the token lists.
-    let (lo, xo, io) = (0, 4 * KIB, 16 * KIB);
-    let mut host = HostBuf::zeroed(32 * KIB);
+    // Host side, registered as the executor's `moe_io`: logits and the normed input.
+    let (lo, xo) = (0, 4 * KIB);
+    let mut host = HostBuf::zeroed(16 * KIB);
     // SAFETY: `host` outlives the registration (dropped after it, at the end of this function).
-    let (_hreg, host_dev) = unsafe { gpu.register_mapped(&host)? };
+    let _hreg = unsafe { gpu.register(&host)? };
     let (ev_a, ev_b, ev_c) = (gpu.event(true)?, gpu.event(true)?, gpu.event(true)?);
     let mut round_trip = |to_cpu: bool| -> Result<f64> {
         let t0 = Instant::now();
@@ -1163,21 +1163,19 @@ fn routing_round_trip(
                 pool.alongside(|| (Instant::now(), std::hint::black_box(&per_expert)).0, || ());
             return Ok((started - t0).as_nanos() as f64 - router_ns);
         }
-        // The token ids and the routing weights, read from the mapped staging buffer by one launch as the
-        // executor takes a small step's inputs up (`Gpu::copy_mapped_parts`).
-        let n = per_expert.iter().map(Vec::len).sum::<usize>() * 4;
-        let buf = host.as_mut_slice();
-        for (i, &(t, w)) in per_expert.iter().flatten().enumerate() {
-            buf[io + 4 * i..io + 4 * i + 4].copy_from_slice(&t.to_le_bytes());
-            buf[io + n + 4 * i..io + n + 4 * i + 4].copy_from_slice(&w.to_le_bytes());
-        }
-        let mut parts = pipeshard_exec::cuda::MappedParts::default();
-        parts.push(lists.ptr(), host_dev + io as u64, n);
-        parts.push(lists.ptr() + n as u64, host_dev + (io + n) as u64, n);
+        // The token ids and the routing weights, in one launch's parameters as the executor takes a small
+        // step's inputs up (`Gpu::copy_inline_parts`).
+        let entries: Vec<_> = per_expert.iter().flatten().collect();
+        let ids: Vec<u8> = entries.iter().flat_map(|(t, _)| t.to_le_bytes()).collect();
+        let weights: Vec<u8> = entries.iter().flat_map(|(_, w)| w.to_le_bytes()).collect();
+        let n = ids.len() as u64;
+        let parts =
+            pipeshard_exec::cuda::InlineParts::new(&[(lists.ptr(), &ids), (lists.ptr() + n, &weights)])
+                .expect("top-k ids and weights fit one launch");
         // SAFETY: `lists` holds 4 KiB ≥ both arrays (top-k entries each); `expert_target` one f32 pair (the
-        // launch measurements' `tiny`); the host buffer is mapped and not rewritten before the sync.
+        // launch measurements' `tiny`).
         unsafe {
-            gpu.copy_mapped_parts(kn, &parts)?;
+            gpu.copy_inline_parts(kn, &parts)?;
             gpu.record(&ev_c, Stream::Compute)?;
             gpu.add_bias(kn, expert_target, expert_target + 4, 1, 1)?;
         }

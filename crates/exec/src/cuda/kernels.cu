@@ -192,6 +192,26 @@ extern "C" __global__ void copy_mapped_parts(const MappedParts p) {
         d[i] = s[i];
 }
 
+// Up to five parts whose words travel in the launch's parameters, one block a part (blockIdx.y): a decode
+// step's routing (token ids, weights, the grouped experts' unit addresses and first entries, ~170 bytes) goes up
+// with the launch itself, neither by a copy engine that a streamed unit's copy holds nor by loads that queue
+// behind that copy's reads on the host-to-device link (copy_mapped_parts: 40 us beside a 256 MiB copy). The
+// parts' words lie back to back in `data`; 4 KiB of parameters in all, the limit every driver takes.
+#define INLINE_PARTS_WORDS 1000
+struct InlineParts {
+    u64 dst[5];
+    u32 words[5];
+    u32 data[INLINE_PARTS_WORDS];
+};
+
+extern "C" __global__ void copy_inline_parts(const InlineParts p) {
+    const int k = blockIdx.y;
+    u32 first = 0;
+    for (int j = 0; j < k; ++j) first += p.words[j];
+    u32* d = (u32*)p.dst[k];
+    for (u32 i = threadIdx.x; i < p.words[k]; i += blockDim.x) d[i] = p.data[first + i];
+}
+
 // x[i] += src[i] for n f32, src in host memory mapped into the device (as copy_mapped reads it): a MoE layer's
 // CPU experts' sum goes into the residual stream in one kernel, with no copy queued behind the H2D stream's.
 extern "C" __global__ void add_mapped(float* __restrict__ x, const float* __restrict__ src, u64 n) {

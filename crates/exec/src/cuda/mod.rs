@@ -118,6 +118,7 @@ pub struct Kernels {
     add_bias: CudaFunction,
     copy_mapped: CudaFunction,
     copy_mapped_parts: CudaFunction,
+    copy_inline_parts: CudaFunction,
     add_mapped: CudaFunction,
     spin: CudaFunction,
     rope: CudaFunction,
@@ -501,6 +502,59 @@ impl MappedParts {
     }
 }
 
+/// Up to [`InlineParts::MAX`] copies of 4-byte words whose bytes ride in one launch's parameters
+/// ([`Gpu::copy_inline_parts`]; `InlineParts` in kernels.cu): no copy engine and no reads of host memory.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct InlineParts {
+    dst: [u64; 5],
+    words: [u32; 5],
+    data: [u32; InlineParts::WORDS],
+}
+
+// The 4 KiB of kernel parameters every driver takes.
+const _: () = assert!(std::mem::size_of::<InlineParts>() <= 4096);
+
+// SAFETY: plain integers, laid out (`repr(C)`) as kernels.cu's `InlineParts`.
+unsafe impl DeviceRepr for InlineParts {}
+
+impl InlineParts {
+    /// Parts one launch copies.
+    pub const MAX: usize = 5;
+    /// Words all parts of one launch hold together (kernels.cu's `INLINE_PARTS_WORDS`): the struct stays
+    /// within the 4 KiB of kernel parameters every driver takes.
+    pub const WORDS: usize = 1000;
+
+    /// The parts `(device destination, bytes)` in one launch's parameters, empty ones skipped; None where
+    /// they are more than [`Self::MAX`] or hold more than [`Self::WORDS`] words together (the caller copies
+    /// them another way).
+    ///
+    /// # Panics
+    /// Where a part's length or destination is not a multiple of 4.
+    #[must_use]
+    pub fn new(parts: &[(u64, &[u8])]) -> Option<InlineParts> {
+        let mut p = InlineParts { dst: [0; 5], words: [0; 5], data: [0; Self::WORDS] };
+        let (mut k, mut at) = (0, 0);
+        for &(dst, bytes) in parts.iter().filter(|(_, b)| !b.is_empty()) {
+            assert!(
+                bytes.len().is_multiple_of(4) && dst.is_multiple_of(4),
+                "4-byte words: {} bytes to {dst:#x}",
+                bytes.len()
+            );
+            let words = bytes.len() / 4;
+            if k == Self::MAX || at + words > Self::WORDS {
+                return None;
+            }
+            for (w, b) in p.data[at..at + words].iter_mut().zip(bytes.chunks_exact(4)) {
+                *w = u32::from_le_bytes(b.try_into().expect("4 bytes"));
+            }
+            (p.dst[k], p.words[k]) = (dst, words as u32);
+            (k, at) = (k + 1, at + words);
+        }
+        Some(p)
+    }
+}
+
 fn threads_for(n: u64, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(u64::from(block)).max(1) as u32, 1, 1),
@@ -809,6 +863,7 @@ impl Gpu {
             add_bias: f("add_bias")?,
             copy_mapped: f("copy_mapped")?,
             copy_mapped_parts: f("copy_mapped_parts")?,
+            copy_inline_parts: f("copy_inline_parts")?,
             add_mapped: f("add_mapped")?,
             spin: f("spin")?,
             rope: f("rope")?,
@@ -1512,6 +1567,23 @@ impl Gpu {
             .map_err(driver_err("cuLaunchKernel(copy_mapped)"))
     }
 
+    /// Copies `parts` to the device on the compute stream in one launch that carries their bytes (see
+    /// `copy_inline_parts` in kernels.cu); the host may rewrite the parts' sources as soon as this returns.
+    ///
+    /// # Safety
+    /// Each part's destination must lie in a live device allocation.
+    pub unsafe fn copy_inline_parts(&self, k: &Kernels, parts: &InlineParts) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, InlineParts::MAX as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as documented; `InlineParts` is laid out as kernels.cu's.
+        unsafe { self.compute.launch_builder(&k.copy_inline_parts).arg(parts).launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel(copy_inline_parts)"))
+    }
+
     /// Copies `parts` from mapped host memory to the device on the compute stream in one launch, by the SMs'
     /// loads rather than a copy engine (see `copy_mapped_parts` in kernels.cu).
     ///
@@ -2160,6 +2232,26 @@ mod tests {
         );
         assert!(std::panic::catch_unwind(|| MappedParts::default().push(0x1002, 0x2000, 4)).is_err());
         assert!(std::panic::catch_unwind(|| MappedParts::default().push(0x1000, 0x2000, 6)).is_err());
+    }
+
+    /// Parts pack back to back in order, empty ones skipped; a sixth part or more words than fit is refused,
+    /// and an unaligned part panics.
+    #[test]
+    fn inline_parts_pack_words_back_to_back() {
+        let a: Vec<u8> = (0..8).collect();
+        let b: Vec<u8> = (100..112).collect();
+        let p = InlineParts::new(&[(0x1000, &a), (0x2000, &[]), (0x3000, &b)]).expect("fits");
+        assert_eq!((p.dst, p.words), ([0x1000, 0x3000, 0, 0, 0], [2, 3, 0, 0, 0]));
+        assert_eq!(p.data[0], u32::from_le_bytes([0, 1, 2, 3]));
+        assert_eq!(p.data[2], u32::from_le_bytes([100, 101, 102, 103]));
+        assert_eq!(p.data[4], u32::from_le_bytes([108, 109, 110, 111]));
+        let word = [0u8; 4];
+        assert!(InlineParts::new(&[(0x1000, &word[..]); 6]).is_none(), "a sixth part");
+        let most = vec![0u8; 4 * InlineParts::WORDS];
+        assert!(InlineParts::new(&[(0x1000, &most)]).is_some());
+        assert!(InlineParts::new(&[(0x1000, &most), (0x2000, &word)]).is_none(), "one word too many");
+        assert!(std::panic::catch_unwind(|| InlineParts::new(&[(0x1002, &word[..])])).is_err());
+        assert!(std::panic::catch_unwind(|| InlineParts::new(&[(0x1000, &word[..3])])).is_err());
     }
 
     /// The grouped kernels take f16/bf16 and every quantised format whose GEMVs keep the activations as they
