@@ -512,18 +512,15 @@ pub struct InlineParts {
     data: [u32; InlineParts::WORDS],
 }
 
-// The 4 KiB of kernel parameters every driver takes.
-const _: () = assert!(std::mem::size_of::<InlineParts>() <= 4096);
-
 // SAFETY: plain integers, laid out (`repr(C)`) as kernels.cu's `InlineParts`.
 unsafe impl DeviceRepr for InlineParts {}
 
 impl InlineParts {
     /// Parts one launch copies.
     pub const MAX: usize = 5;
-    /// Words all parts of one launch hold together (kernels.cu's `INLINE_PARTS_WORDS`): the struct stays
-    /// within the 4 KiB of kernel parameters every driver takes.
-    pub const WORDS: usize = 1000;
+    /// Words all parts of one launch hold together (kernels.cu's `INLINE_PARTS_WORDS`): a one-token step's
+    /// routing with top 8 (41 words), in few bytes of parameters (see kernels.cu).
+    pub const WORDS: usize = 64;
 
     /// The parts `(device destination, bytes)` in one launch's parameters, empty ones skipped; None where
     /// they are more than [`Self::MAX`] or hold more than [`Self::WORDS`] words together (the caller copies
