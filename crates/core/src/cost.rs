@@ -108,15 +108,15 @@ pub trait CostModel: Send + Sync {
         0
     }
     /// Our executor's measured routing round trip in a one-token decode step, from a GPU router's kernels' end
-    /// to the first expert's start on `to` (see [`crate::profile::Profile::decode_routing_to_cpu_ns`]); 0
-    /// where not measured.
-    fn decode_routing_ns(&self, _to: Device) -> u64 {
+    /// to the first expert's start on `to` (see [`crate::profile::Profile::decode_routing_to_cpu_ns`]), with
+    /// an H2D copy streaming (`beside_h2d`) or not; 0 where not measured.
+    fn decode_routing_ns(&self, _to: Device, _beside_h2d: bool) -> u64 {
         0
     }
     /// Our executor's measured return from a one-token decode step's CPU experts to the GPU, from their end to
-    /// the device starting their sum (see [`crate::profile::Profile::decode_experts_return_ns`]); 0 where not
-    /// measured.
-    fn decode_experts_return_ns(&self) -> u64 {
+    /// the device starting their sum (see [`crate::profile::Profile::decode_experts_return_ns`]), with an H2D
+    /// copy streaming (`beside_h2d`) or not; 0 where not measured.
+    fn decode_experts_return_ns(&self, _beside_h2d: bool) -> u64 {
         0
     }
     /// Our executor's host time per streamed unit beyond its kernels' launches (see
@@ -432,6 +432,11 @@ impl TableCostModel {
     }
 }
 
+/// A host round-trip figure beside an H2D copy where the profile measured it (non-zero), else the idle one.
+fn beside_or_idle(beside_h2d: bool, idle_ns: u64, beside_ns: u64) -> u64 {
+    if beside_h2d && beside_ns > 0 { beside_ns } else { idle_ns }
+}
+
 fn shape_log(op: &Op) -> f64 {
     let nk = match op.kind {
         OpKind::MatMul { n, k } => n * k,
@@ -589,15 +594,18 @@ impl CostModel for TableCostModel {
         self.profile.host_route_ns_per_token * tokens * u64::from(n_experts) / ROUTE_PROFILE_EXPERTS
     }
 
-    fn decode_routing_ns(&self, to: Device) -> u64 {
-        match to {
-            Device::Cpu => self.profile.decode_routing_to_cpu_ns,
-            Device::Gpu => self.profile.decode_routing_to_gpu_ns,
-        }
+    fn decode_routing_ns(&self, to: Device, beside_h2d: bool) -> u64 {
+        let p = &self.profile;
+        let (idle, beside) = match to {
+            Device::Cpu => (p.decode_routing_to_cpu_ns, p.decode_routing_to_cpu_beside_h2d_ns),
+            Device::Gpu => (p.decode_routing_to_gpu_ns, p.decode_routing_to_gpu_beside_h2d_ns),
+        };
+        beside_or_idle(beside_h2d, idle, beside)
     }
 
-    fn decode_experts_return_ns(&self) -> u64 {
-        self.profile.decode_experts_return_ns
+    fn decode_experts_return_ns(&self, beside_h2d: bool) -> u64 {
+        let p = &self.profile;
+        beside_or_idle(beside_h2d, p.decode_experts_return_ns, p.decode_experts_return_beside_h2d_ns)
     }
 
     fn ring_copy_issue_ns(&self) -> u64 {

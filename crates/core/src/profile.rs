@@ -259,6 +259,19 @@ pub struct Profile {
     /// hidden size). 0: not measured, and the hand-off is priced as a sync and a copy.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub decode_experts_return_ns: u64,
+    /// [`Self::decode_routing_to_cpu_ns`] while pinned H2D copies stream: the device's reads of host memory
+    /// (the gate, mapped inputs) and its launches' fetches queue behind the copy's on the link (validation,
+    /// session 22: decode layers beside a streamed unit's copy). 0: not measured, and the idle figure holds.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_routing_to_cpu_beside_h2d_ns: u64,
+    /// [`Self::decode_routing_to_gpu_ns`] while pinned H2D copies stream. 0: not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_routing_to_gpu_beside_h2d_ns: u64,
+    /// [`Self::decode_experts_return_ns`] while pinned H2D copies stream, plus what the sum's add, which
+    /// reads the sum from mapped memory, takes beyond its idle device time then (the simulator prices the
+    /// add at its idle row). 0: not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decode_experts_return_beside_h2d_ns: u64,
     /// Host time our executor spends on each streamed unit beyond its kernels' launches: the ring's copy
     /// issue (the H2D stream's wait for the slot's release, the copy between two timing events, its
     /// completion event), the compute stream's wait for it, the unit's own timing span and the slot's

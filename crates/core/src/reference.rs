@@ -485,6 +485,9 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         decode_routing_to_cpu_ns: 0,
         decode_routing_to_gpu_ns: 0,
         decode_experts_return_ns: 0,
+        decode_routing_to_cpu_beside_h2d_ns: 0,
+        decode_routing_to_gpu_beside_h2d_ns: 0,
+        decode_experts_return_beside_h2d_ns: 0,
         // Ours only: llama.cpp's runtimes are not priced by it.
         ring_copy_issue_ns: 0,
         runtime_overhead_bytes: 500 * MIB,

@@ -766,26 +766,51 @@ pub fn measure_all(
     progress.tick(&format!("host sync {:.1} µs", sync.median / 1e3))?;
     let max_threads = *threads.iter().max().unwrap_or(&1) as usize;
     let (to_cpu, to_gpu) = routing_round_trip(&gpu, &kn, &mut staging, rule, max_threads, tiny.ptr())?;
-    for (to, st) in [("CPU", to_cpu), ("GPU", to_gpu)] {
-        figures.add(
-            &format!(
-                "decode routing round trip, router kernels' end to the first {to} expert (exec, one token)"
-            ),
-            "ns",
-            st,
+    let back = experts_return(&gpu, &kn, rule, max_threads, None)?;
+    // The same beside pinned H2D copies: the device's reads of host memory (the gate, the sum) and its
+    // launches' fetches queue behind the copy's on the link (validation, session 22: a decode layer's return
+    // took 35–41 µs to its add's start and the add 20–30 µs beside a streamed unit's copy, 7 and 3 idle).
+    let mut beside = None;
+    dma.during(&mut || {
+        let (to_cpu, to_gpu) = routing_round_trip(&gpu, &kn, &mut staging, rule, max_threads, tiny.ptr())?;
+        let add_ns = back.map(|(_, add_ns)| add_ns);
+        let back =
+            add_ns.map(|a| experts_return(&gpu, &kn, rule, max_threads, Some(a))).transpose()?.flatten();
+        beside = Some((to_cpu, to_gpu, back));
+        Ok(())
+    })?;
+    let (to_cpu_beside, to_gpu_beside, back_beside) = beside.expect("measured beside H2D copies");
+    let back = back.map(|(st, _)| st);
+    let back_beside = back_beside.map(|(st, _)| st);
+    for (to, st, under) in [("CPU", to_cpu, to_cpu_beside), ("GPU", to_gpu, to_gpu_beside)] {
+        let what = format!(
+            "decode routing round trip, router kernels' end to the first {to} expert (exec, one token)"
         );
-        progress.tick(&format!("routing round trip to the {to}: {:.1} µs", st.median / 1e3))?;
+        figures.add(&what, "ns", st);
+        figures.add(&format!("{what}, beside H2D copies"), "ns", under);
+        progress.tick(&format!(
+            "routing round trip to the {to}: {:.1} µs, {:.1} beside H2D copies",
+            st.median / 1e3,
+            under.median / 1e3
+        ))?;
     }
-    let back = experts_return(&gpu, &kn, rule, max_threads)?;
-    if let Some(back) = back {
+    let what = "decode return from CPU experts, their end to the device starting their sum (exec, gated)";
+    if let (Some(back), Some(under)) = (back, back_beside) {
+        figures.add(what, "ns", back);
         figures.add(
-            "decode return from CPU experts, their end to the device starting their sum (exec, gated)",
+            &format!("{what}, beside H2D copies, with the add's time past its idle one"),
             "ns",
-            back,
+            under,
         );
     }
-    progress.tick(&match back {
-        Some(b) => format!("return from CPU experts {:.1} µs", b.median / 1e3),
+    progress.tick(&match back.zip(back_beside) {
+        Some((b, u)) => {
+            format!(
+                "return from CPU experts {:.1} µs, {:.1} beside H2D copies",
+                b.median / 1e3,
+                u.median / 1e3
+            )
+        }
         None => "return from CPU experts: no host flags on this device (the executor runs ungated)".into(),
     })?;
 
@@ -972,6 +997,9 @@ pub fn measure_all(
         decode_routing_to_cpu_ns: to_cpu.median.round() as u64,
         decode_routing_to_gpu_ns: to_gpu.median.round() as u64,
         decode_experts_return_ns: back.map_or(0, |b| b.median.round() as u64),
+        decode_routing_to_cpu_beside_h2d_ns: to_cpu_beside.median.round() as u64,
+        decode_routing_to_gpu_beside_h2d_ns: to_gpu_beside.median.round() as u64,
+        decode_experts_return_beside_h2d_ns: back_beside.map_or(0, |b| b.median.round() as u64),
         ring_copy_issue_ns: issue.median.round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
@@ -1199,7 +1227,16 @@ const RETURN_CPU_WORK: Duration = Duration::from_micros(50);
 /// it holds the host's detection of that end, about a µs of polling). Validation run41's decode layers took
 /// ≈ 24 µs from their CPU experts' end to their sum's end, where a sync, a copy and the add priced ≈ 14.
 /// None where the device or driver has no host flags (`Gpu::host_flag`), as the executor then runs ungated.
-fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result<Option<Stat>> {
+/// Also returns the add's median device time. With `idle_add_ns` (the add's device time measured idle), a
+/// sample subtracts that instead of its own add's, so that what the add takes past it counts too (beside
+/// H2D copies, where its reads of the mapped sum queue behind the copy's).
+fn experts_return(
+    gpu: &Gpu,
+    kn: &Kernels,
+    rule: Rule,
+    threads: usize,
+    idle_add_ns: Option<f64>,
+) -> Result<Option<(Stat, f64)>> {
     use pipeshard_exec::cpu::CpuPool;
     use pipeshard_exec::cuda::HostFlag;
     /// Opens the gate when dropped, so that an error between the wait's enqueue and the release leaves no
@@ -1219,8 +1256,8 @@ fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result
     let (_reg, sum_dev) = unsafe { gpu.register_mapped(&sum)? };
     let Ok(flag) = gpu.host_flag() else { return Ok(None) };
     let (opened, added) = (gpu.event(true)?, gpu.event(true)?);
-    let mut seq = 0u32;
-    sample(rule, || -> Result<f64> {
+    let (mut seq, mut adds_ns) = (0u32, Vec::new());
+    let back = sample(rule, || -> Result<f64> {
         seq = seq.wrapping_add(1);
         let gate = Open(&flag, seq);
         // SAFETY: the flag outlives the wait, and `gate` opens it on every path; `h` holds `hidden` f32 and
@@ -1246,9 +1283,12 @@ fn experts_return(gpu: &Gpu, kn: &Kernels, rule: Rule, threads: usize) -> Result
         drop(gate);
         gpu.sync_event(&added)?;
         let host_ns = cpu_end.elapsed().as_nanos() as f64;
-        Ok(host_ns - f64::from(gpu.elapsed_ms(&opened, &added)?) * 1e6)
-    })
-    .map(Some)
+        let add_ns = f64::from(gpu.elapsed_ms(&opened, &added)?) * 1e6;
+        adds_ns.push(add_ns);
+        Ok(host_ns - idle_add_ns.unwrap_or(add_ns))
+    })?;
+    adds_ns.sort_by(f64::total_cmp);
+    Ok(Some((back, adds_ns[adds_ns.len() / 2])))
 }
 
 /// The GPU routed-expert row families (per expert, grouped, tiled).

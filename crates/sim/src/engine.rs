@@ -14,7 +14,9 @@
 //! and at its `duration_contended_ns` rate while the pool computes (an H2D copy's DMA reads the host DRAM the
 //! pool streams from). When the number of copies in flight changes between zero and non-zero, or the pool
 //! between idle and busy, every task it affects carries its remaining fraction over to the new rate and its
-//! completion is rescheduled; the old completion event is recognised as stale by its generation number.
+//! completion is rescheduled; the old completion event is recognised as stale by its generation number. A
+//! latency-only task takes its `duration_contended_ns` where an H2D copy is in flight as it starts (a
+//! hand-off's reads of host memory queue behind the copy's), and keeps it.
 
 use pipeshard_core::plan::PhaseKind;
 
@@ -322,10 +324,15 @@ impl Engine<'_> {
                 self.rerate_copies(now, true, q);
             }
         }
+        // A hand-off's reads of host memory queue behind an H2D copy in flight as it starts, for as long as
+        // the profile measured beside one (its contended duration); it is not rerated after.
+        let h2d_busy = self.copying[0].is_some();
         for i in 0..self.ws.ready_latency.len() {
             let t = self.ws.ready_latency[i];
             self.ws.start_ns[t as usize] = now;
-            q.push(now + self.g.tasks[t as usize].duration_ns, Event::LatencyDone { task: t });
+            let task = &self.g.tasks[t as usize];
+            let d = if h2d_busy { task.duration_contended_ns } else { task.duration_ns };
+            q.push(now + d, Event::LatencyDone { task: t });
         }
         self.ws.ready_latency.clear();
     }

@@ -102,7 +102,9 @@ pub struct Task {
     /// Time with no copy in flight (a GPU task takes at least one kernel launch).
     pub duration_ns: u64,
     /// Time while the other side of the shared memory is busy: a compute's while an H2D or D2H copy is in
-    /// flight, an H2D copy's while the CPU pool computes (host DRAM and device memory are shared with DMA).
+    /// flight, an H2D copy's while the CPU pool computes (host DRAM and device memory are shared with DMA), a
+    /// hand-off's where an H2D copy is in flight as it starts (the device's reads of host memory queue
+    /// behind the copy's on the link).
     pub duration_contended_ns: u64,
     /// Bytes moved (copies and hand-offs).
     pub bytes: u64,
@@ -466,15 +468,15 @@ impl Builder<'_> {
         if self.handoff_after[f as usize] == NONE {
             let bytes = self.activation_bytes();
             let d = self.ctx.cost.host_sync_ns() + self.copy_ns(dev == Device::Gpu, bytes);
-            self.handoff_taking(f, dev, d);
+            self.handoff_taking(f, dev, (d, d));
         }
         Some(self.handoff_after[f as usize])
     }
 
-    /// The hand-off of the activations leaving `f` to `dev`, taking `d`.
-    fn handoff_taking(&mut self, f: u32, dev: Device, d: u64) -> u32 {
+    /// The hand-off of the activations leaving `f` to `dev`, taking `d` (alone, beside an H2D copy).
+    fn handoff_taking(&mut self, f: u32, dev: Device, d: (u64, u64)) -> u32 {
         let bytes = self.activation_bytes();
-        let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, (d, d), bytes, &[f]);
+        let h = self.push(TaskKind::Handoff { to: dev }, Lane::Handoff, d, bytes, &[f]);
         self.handoff_after[f as usize] = h;
         h
     }
@@ -483,9 +485,11 @@ impl Builder<'_> {
     /// executor returns a one-token decode step's CPU experts to the GPU by writing their sum where the device
     /// reads it and opening the gate its pre-enqueued add waits at, which the profile times
     /// ([`CostModel::decode_experts_return_ns`]; run41 measured ≈ 24 µs from the experts' end to their sum's
-    /// end where a sync, a copy and the add priced ≈ 14), instead of a sync and a copy.
+    /// end where a sync, a copy and the add priced ≈ 14), instead of a sync and a copy; beside an H2D copy,
+    /// the profile's figure for that (session 22: 35–41 µs to the add's start, the add 20–30 µs).
     fn join_experts(&mut self, t: u32, dev: Device) -> Option<u32> {
-        let ns = self.ctx.cost.decode_experts_return_ns();
+        let cost = self.ctx.cost;
+        let (ns, beside_ns) = (cost.decode_experts_return_ns(false), cost.decode_experts_return_ns(true));
         let task = &self.tasks[t as usize];
         let cpu_experts = task.lane == Lane::Cpu
             && matches!(task.kind, TaskKind::Compute { share: OpShare::Experts(Placement::Cpu), .. });
@@ -499,7 +503,7 @@ impl Builder<'_> {
         if !returns {
             return self.on(Some(t), dev);
         }
-        Some(self.handoff_taking(t, dev, ns))
+        Some(self.handoff_taking(t, dev, (ns, beside_ns)))
     }
 
     /// A pinned host ↔ device copy of `bytes` (memoised): its time alone and while the CPU pool computes
@@ -567,11 +571,15 @@ impl Builder<'_> {
         )
     }
 
-    /// Lengthens the last of `chain` (tasks that run one after another) so that the chain takes at least `ns`.
-    fn top_up(&mut self, chain: &[u32], ns: u64) {
-        let have: u64 = chain.iter().map(|&t| self.tasks[t as usize].duration_ns).sum();
+    /// Lengthens the last of `chain` (tasks that run one after another) so that the chain takes at least `ns`,
+    /// and at least `beside_ns` at the rates its tasks take beside an H2D copy.
+    fn top_up(&mut self, chain: &[u32], (ns, beside_ns): (u64, u64)) {
+        let have = |f: fn(&Task) -> u64| chain.iter().map(|&t| f(&self.tasks[t as usize])).sum::<u64>();
+        let (have_ns, have_beside_ns) = (have(|t| t.duration_ns), have(|t| t.duration_contended_ns));
         if let Some(&last) = chain.last() {
-            self.hold(last, ns.saturating_sub(have));
+            let t = &mut self.tasks[last as usize];
+            t.duration_ns += ns.saturating_sub(have_ns);
+            t.duration_contended_ns += beside_ns.saturating_sub(have_beside_ns);
         }
     }
 
@@ -732,11 +740,12 @@ impl Builder<'_> {
             && router.is_some_and(|r| self.device(r) == Device::Gpu)
         {
             let cost = self.ctx.cost;
+            let routing = |to: Device| (cost.decode_routing_ns(to, false), cost.decode_routing_ns(to, true));
             if let (Some(h), true) = (on_host, counts[2] > 0 && !self.offloads(op)) {
-                self.top_up(&[h], cost.decode_routing_ns(Device::Cpu));
+                self.top_up(&[h], routing(Device::Cpu));
             }
             if let (Some(h), Some(up)) = (on_host, routed) {
-                self.top_up(&[h, up], cost.decode_routing_ns(Device::Gpu));
+                self.top_up(&[h, up], routing(Device::Gpu));
             }
         }
         // The runtime's host-side routing sort, shared out over the GPU shares like the work.

@@ -224,6 +224,53 @@ fn a_measured_return_from_cpu_experts_sets_each_layers_hand_off_back() {
     }
 }
 
+/// Beside an H2D copy the device's reads of host memory queue behind the copy's (validation, session 22):
+/// where the profile measured the routing round trip and the return from CPU experts beside one, a decode
+/// step's hand-off takes that figure if a copy is in flight as it starts, and its idle figure otherwise.
+#[test]
+fn decode_hand_offs_take_their_figures_beside_a_copy_where_one_streams() {
+    let spec = small("qwen3-30b-a3b", 3);
+    let w = Workload::single(256, 1024, 2, 256);
+    let p = plan(&spec, &w, SHAPE, &|u| match u {
+        UnitId::Attn { .. } | UnitId::Kv { .. } => Placement::Streamed,
+        UnitId::Expert { .. } => Placement::Cpu,
+        _ => Placement::Pinned,
+    });
+    let cost = FixedCost {
+        host_sync_ns: 1_000,
+        decode_routing_ns: (10_000, 0),
+        decode_routing_beside_h2d_ns: (40_000, 0),
+        decode_experts_return_ns: 7_000,
+        decode_experts_return_beside_h2d_ns: 35_000,
+        ..FixedCost::plain(0.01, 2.0)
+    };
+    let o = Simulator::new(&spec, &p, &cost)
+        .unwrap()
+        .with_runtime(Runtime::Ours)
+        .step(PhaseKind::Decode, w.decode_step(0));
+    let g = &o.graph;
+    let copies: Vec<(u64, u64)> = (0..g.tasks.len())
+        .filter(|&t| g.tasks[t].lane == Lane::H2d)
+        .map(|t| (o.start_ns[t], o.end_ns[t]))
+        .collect();
+    let mut seen = Vec::new();
+    for t in (0..g.tasks.len()).filter(|&t| g.tasks[t].lane == Lane::Handoff) {
+        let (task, s) = (&g.tasks[t], o.start_ns[t]);
+        let beside = copies.iter().any(|&(a, b)| a <= s && s < b);
+        let want = if beside { task.duration_contended_ns } else { task.duration_ns };
+        assert_eq!(o.end_ns[t] - s, want, "{} (beside a copy: {beside})", g.label(t as u32));
+        if task.duration_contended_ns != task.duration_ns {
+            seen.push(((task.duration_ns, task.duration_contended_ns), beside));
+        }
+    }
+    // Each layer's routing to its CPU experts and their return, both ways in the step.
+    for figures in [(10_000, 40_000), (7_000, 35_000)] {
+        for beside in [true, false] {
+            assert!(seen.contains(&(figures, beside)), "{figures:?} beside a copy: {beside} in {seen:?}");
+        }
+    }
+}
+
 /// A GPU routed-experts row of qwen3-30b-a3b's expert shape (768 × 2048, bf16).
 fn expert_row(op: OpClass, tokens: u64, time_ns: u64) -> OpRow {
     OpRow::gpu(op, DType::Bf16, (768, 2048), tokens, time_ns)

@@ -37,6 +37,10 @@ pub struct FixedCost {
     pub ring_copy_issue_ns: u64,
     /// Our executor's return from a decode step's CPU experts to the GPU (0: not measured).
     pub decode_experts_return_ns: u64,
+    /// The routing round trips beside an H2D copy (to the CPU, to the GPU; 0: the idle figure).
+    pub decode_routing_beside_h2d_ns: (u64, u64),
+    /// The return beside an H2D copy (0: the idle figure).
+    pub decode_experts_return_beside_h2d_ns: u64,
 }
 
 impl FixedCost {
@@ -58,6 +62,8 @@ impl FixedCost {
             decode_routing_ns: (0, 0),
             ring_copy_issue_ns: 0,
             decode_experts_return_ns: 0,
+            decode_routing_beside_h2d_ns: (0, 0),
+            decode_experts_return_beside_h2d_ns: 0,
         }
     }
 }
@@ -107,17 +113,17 @@ impl CostModel for FixedCost {
     fn host_route_ns(&self, n_experts: u32, tokens: u64) -> u64 {
         self.host_route_ns_per_token * tokens * u64::from(n_experts) / 128
     }
-    fn decode_routing_ns(&self, to: Device) -> u64 {
-        match to {
-            Device::Cpu => self.decode_routing_ns.0,
-            Device::Gpu => self.decode_routing_ns.1,
-        }
+    fn decode_routing_ns(&self, to: Device, beside_h2d: bool) -> u64 {
+        let pick = |(cpu, gpu): (u64, u64)| if to == Device::Cpu { cpu } else { gpu };
+        let beside = pick(self.decode_routing_beside_h2d_ns);
+        if beside_h2d && beside > 0 { beside } else { pick(self.decode_routing_ns) }
     }
     fn ring_copy_issue_ns(&self) -> u64 {
         self.ring_copy_issue_ns
     }
-    fn decode_experts_return_ns(&self) -> u64 {
-        self.decode_experts_return_ns
+    fn decode_experts_return_ns(&self, beside_h2d: bool) -> u64 {
+        let beside = self.decode_experts_return_beside_h2d_ns;
+        if beside_h2d && beside > 0 { beside } else { self.decode_experts_return_ns }
     }
     fn expert_ids_on_device(&self) -> bool {
         self.expert_ids_on_device
