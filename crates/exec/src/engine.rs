@@ -2131,9 +2131,8 @@ impl<'a> Exec<'a> {
             let c = lists[e as usize].len();
             // cuBLAS pays ≈ 0.4 ms of host time the first time it sees a GEMM shape (measured on the H200: an
             // expert's 35-token GEMMs took 393 µs, the same shape again 40 µs), and a prefill chunk gives every
-            // expert another token count. Where an expert's GEMMs go through cuBLAS (shapes the tiled kernels do
-            // not take, `Gpu::expert_ffn`), they run over the count rounded up to a power of two (warm_up warms
-            // those); rows past `c` hold stale activations and their results are not scattered.
+            // expert another token count. The GEMMs run over the count rounded up to a power of two (warm_up
+            // warms those); rows past `c` hold stale activations and their results are not scattered.
             let rows = c.next_power_of_two().min(lay.scratch.tokens).max(c);
             let unit = UnitId::Expert { layer, expert: e };
             let (wb, slot) = self.weights_base(lay, &Step { unit, weights: locs[e as usize], kv: None })?;

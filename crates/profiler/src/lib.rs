@@ -253,9 +253,8 @@ pub fn measure(cfg: &Config, progress: &dyn Progress) -> Result<Profile> {
          dequantise-to-bf16 + cuBLAS (GPU) or the bf16 kernel (CPU) above; formats without rows borrow the bf16 \
          rows' efficiency in the cost model"
             .into(),
-        "routed experts: a GPU `experts` row is exec's whole sequence for one expert (above 8 tokens its \
-         own tiles through the tiled kernels and a scatter-add, three launches, where they take the shape; \
-         else gather, gate|up, SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
+        "routed experts: a GPU `experts` row is exec's whole sequence for one expert (gather, gate|up, \
+         SwiGLU, down, scatter-add: five launches, six quantised above 8 tokens), a CPU row exec's expert \
          block (on a machine with a GPU as the executor runs it there: on the pool while the host thread polls \
          for its end); a GPU `experts_grouped` row (any format but q2_k/q3_k) is exec's two grouped launches over \
          `tokens` experts of one token each (a layer's pinned experts in a step of at most 8 tokens), each \

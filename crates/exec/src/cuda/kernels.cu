@@ -1608,10 +1608,9 @@ DECODE_GEMV(decode_gemv_norm_relu2_2x8, 1, 2, 2, 8)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Tiled routed experts (steps of more tokens than the grouped kernels take, or quantised experts): a group of a
-// MoE layer's pinned picked experts in three launches, whatever the number of experts — against the 5–6 an
-// expert of the gather + cuBLAS path, whose host enqueueing set a prefill chunk's pace (≈ 42 µs an expert on the
-// H200's host against a few µs of GPU work). `expert_ffn` runs one expert (a streamed one, as its copy lands)
-// through kernels A and B with no index, then its scatter-add. The host cuts each expert's entries into tiles of at most TE_ROWS entries (a tile
+// MoE layer's pinned picked experts in three launches, whatever the number of experts — against `expert_ffn`'s
+// 5–6 an expert, whose host enqueueing set a prefill chunk's pace (≈ 42 µs an expert on the H200's host against
+// a few µs of GPU work). The host cuts each expert's entries into tiles of at most TE_ROWS entries (a tile
 // never spans two experts) and the group's experts into groups whose entries fit the per-expert path's `moe_act`
 // and `moe_y` rows. Weights are dequantised into shared memory as the `dequant_*` kernels round them (so the
 // products are those of the dequantise + cuBLAS path) and multiplied on tensor cores (m16n8k16, f32
@@ -1726,25 +1725,14 @@ __device__ __forceinline__ void te_tile(const act_t* __restrict__ x0, const act_
     }
 }
 
-// Tile blockIdx.y: the group's index's (tiles), or where there is none (exec's per-expert path, `expert_ffn`:
-// nothing to build and upload a launch) the blockIdx.y-th TE_ROWS entries of one expert at `one_unit` with
-// `one_count` entries from gfirst.
-__device__ __forceinline__ ExpertTile te_tile_at(const ExpertTile* __restrict__ tiles, u64 one_unit, u32 one_count,
-                                                 u32 gfirst) {
-    if (tiles) return tiles[blockIdx.y];
-    const u32 first = blockIdx.y * TE_ROWS;
-    return ExpertTile{one_unit, gfirst + first, min((u32)TE_ROWS, one_count - first)};
-}
-
 // Kernel A: act[p - gfirst, c] = silu(gate[c] · xn[idx[p]]) · (up[c] · xn[idx[p]]), rounded as `swiglu`
 // rounds, for the entries p of every tile and the 32 columns c of block column blockIdx.x (weight rows 0..32 of
 // the tile are gate rows, 32..64 the same up rows). Grid: ffn / 32 × tiles; TE_THREADS threads.
 template <int F>
 __device__ __forceinline__ void te_gate_up(const ExpertTile* __restrict__ tiles, const u32* __restrict__ idx,
                                            const act_t* __restrict__ xn, act_t* __restrict__ act, u64 gate_off,
-                                           u64 up_off, int hidden, int ffn, u32 gfirst, u64 one_unit,
-                                           u32 one_count) {
-    const ExpertTile tile = te_tile_at(tiles, one_unit, one_count, gfirst);
+                                           u64 up_off, int hidden, int ffn, u32 gfirst) {
+    const ExpertTile tile = tiles[blockIdx.y];
     const int t = threadIdx.x, c0 = 32 * blockIdx.x, r = t >> 2;
     const int n = (int)tile.count;
     const act_t* x0 = r < n ? xn + (u64)idx[tile.first + r] * hidden : nullptr;
@@ -1773,9 +1761,8 @@ __device__ __forceinline__ void te_gate_up(const ExpertTile* __restrict__ tiles,
 // the 64 columns c of block column blockIdx.x. Grid: hidden / 64 × tiles; TE_THREADS threads.
 template <int F>
 __device__ __forceinline__ void te_down(const ExpertTile* __restrict__ tiles, const act_t* __restrict__ act,
-                                        float* __restrict__ y, u64 down_off, int hidden, int ffn, u32 gfirst,
-                                        u64 one_unit, u32 one_count) {
-    const ExpertTile tile = te_tile_at(tiles, one_unit, one_count, gfirst);
+                                        float* __restrict__ y, u64 down_off, int hidden, int ffn, u32 gfirst) {
+    const ExpertTile tile = tiles[blockIdx.y];
     const int t = threadIdx.x, c0 = 64 * blockIdx.x, r = t >> 2;
     const int n = (int)tile.count;
     const act_t* rows = act + (u64)(tile.first - gfirst) * ffn;
@@ -1800,13 +1787,12 @@ __device__ __forceinline__ void te_down(const ExpertTile* __restrict__ tiles, co
 #define TILED_EXPERTS(F, name)                                                                                      \
     extern "C" __global__ void __launch_bounds__(TE_THREADS) moe_gate_up_tiled_##name(                                     \
         const ExpertTile* tiles, const u32* idx, const act_t* xn, act_t* act, u64 gate_off, u64 up_off,            \
-        int hidden, int ffn, u32 gfirst, u64 one_unit, u32 one_count) {                                             \
-        te_gate_up<F>(tiles, idx, xn, act, gate_off, up_off, hidden, ffn, gfirst, one_unit, one_count);             \
+        int hidden, int ffn, u32 gfirst) {                                                                          \
+        te_gate_up<F>(tiles, idx, xn, act, gate_off, up_off, hidden, ffn, gfirst);                                  \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(TE_THREADS) moe_down_tiled_##name(                                        \
-        const ExpertTile* tiles, const act_t* act, float* y, u64 down_off, int hidden, int ffn, u32 gfirst,         \
-        u64 one_unit, u32 one_count) {                                                                              \
-        te_down<F>(tiles, act, y, down_off, hidden, ffn, gfirst, one_unit, one_count);                              \
+        const ExpertTile* tiles, const act_t* act, float* y, u64 down_off, int hidden, int ffn, u32 gfirst) {       \
+        te_down<F>(tiles, act, y, down_off, hidden, ffn, gfirst);                                                   \
     }
 // cuda::TILED_FORMATS, in order.
 TILED_EXPERTS(0, act)

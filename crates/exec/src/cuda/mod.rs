@@ -1408,25 +1408,6 @@ pub struct TiledIo {
     pub h: u64,
 }
 
-/// Where the tiled kernels find their tiles: a group's index in device memory ([`tiled`]), or one expert's own
-/// (exec's per-expert path, [`Gpu::expert_ffn`]): its unit's device address and entries, which the kernels cut
-/// into tiles of [`tiled::TILE_ENTRIES`].
-#[derive(Debug, Clone, Copy)]
-enum TileSource {
-    Index(u64),
-    One { unit: u64, count: usize },
-}
-
-/// The device addresses the tiled kernels' matmuls read and write ([`TiledIo`]'s, as [`Gpu::tiled_ffn`] takes
-/// them).
-#[derive(Debug, Clone, Copy)]
-struct TiledFfnIo {
-    idx: u64,
-    xn: u64,
-    act: u64,
-    y: u64,
-}
-
 /// Whether [`Gpu::grouped_experts`] can run a step of `tokens` token rows of experts in `quant`'s format
 /// (`None`: the activation type) with rows of `hidden` and `ffn`: f16/bf16 matrices or a format whose GEMVs
 /// take the activations as they are (q2_k/q3_k round them to 8 bits first, [`QFormat::rounds_activations`],
@@ -1950,16 +1931,9 @@ impl Gpu {
     /// `rows ≥ c` rows (a warmed shape); rows past `c` are computed and dropped. This is the executor's whole
     /// per-expert sequence, and the profiler times this same call.
     ///
-    /// Above [`EXACT_MAX_TOKENS`] rows, where the tiled kernels take the shape ([`tiled_experts_fit`]), the
-    /// expert runs as its own tiles through them ([`Gpu::tiled_experts`]' first two kernels, its tiles cut by
-    /// the kernels: no index to upload) and the scatter-add: 3 launches, the same products as the
-    /// dequantise + cuBLAS path below. A streamed q4_0 expert of a prefill chunk (~64 tokens) took 62.6 µs of
-    /// the host's time that way against 56.8 µs for its copy, so the host, not PCIe, paced the layer
-    /// (validation run51, pshard 2 GB).
-    ///
-    /// Otherwise, launches: 5 (gather, gate|up, SwiGLU, down, scatter-add) in f16/bf16 and, up to
-    /// [`EXACT_MAX_TOKENS`] rows, in the quantised formats (their GEMV kernels dequantise as they read); 6 in
-    /// quantised formats above, where the whole expert (gate|up and down, one run of blocks) is dequantised into the scratch in
+    /// Launches: 5 (gather, gate|up, SwiGLU, down, scatter-add) in f16/bf16 and, up to [`EXACT_MAX_TOKENS`]
+    /// rows, in the quantised formats (their GEMV kernels dequantise as they read); 6 in quantised formats
+    /// above, where the whole expert (gate|up and down, one run of blocks) is dequantised into the scratch in
     /// one launch for the two cuBLAS GEMMs, while it fits [`DEQUANT_SCRATCH_BYTES`] in the activation type
     /// (qwen3-30b-a3b's takes 9 MiB; larger ones dequantise each matmul, in chunks where needed: 7 or more).
     /// With gate and up as two matmuls it was 6 and 9, and in a prefill chunk, where the
@@ -1989,16 +1963,6 @@ impl Gpu {
         hidden: usize,
         ffn: usize,
     ) -> Result<()> {
-        if rows > EXACT_MAX_TOKENS && tiled_experts_fit(hidden, ffn) {
-            let ffn_io = TiledFfnIo { idx: io.idx, xn: io.xn, act: io.act, y: io.y };
-            let (one, tiles) = (TileSource::One { unit: w, count: c }, c.div_ceil(tiled::TILE_ENTRIES));
-            // SAFETY: the expert's c entries are 0.. of io.idx/io.wts, their act and y rows io.act's and io.y's
-            // first c (rows ≥ c); the unit holds its matrices at `o` (the caller's, as documented).
-            return unsafe {
-                self.tiled_ffn(k, quant, o, one, tiles, 0, &ffn_io, hidden, ffn)?;
-                self.scatter_add_rows(k, io.y, io.idx, io.wts, io.h, c, hidden)
-            };
-        }
         let act_bytes = k.key.act.size_bytes();
         let row_bytes = quant.map_or(hidden * act_bytes, |q| q.row_bytes(hidden));
         let one_matrix = o.up == o.gate + ffn * row_bytes;
@@ -2176,17 +2140,41 @@ impl Gpu {
                 reason: format!("hidden {hidden}, ffn {ffn}: outside the tiled kernels' shapes"),
             });
         }
-        let (hd, gfirst) = (hidden as i32, first_entry as u32);
-        let combine = LaunchConfig {
-            grid_dim: (hidden.div_ceil(256) as u32, m as u32, 1),
-            block_dim: (256, 1, 1),
+        let f = tiled_format(quant);
+        let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
+        let (hd, fe, gfirst) = (hidden as i32, ffn as i32, first_entry as u32);
+        let cfg = |x: usize, y: usize, threads: u32| LaunchConfig {
+            grid_dim: (x as u32, y as u32, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: argument types match the kernels; the sizes are the caller's, as documented; kernels on the
         // compute stream run in order, so each reads what the one before wrote.
         unsafe {
-            let ffn_io = TiledFfnIo { idx: io.idx, xn: io.xn, act: io.act, y: io.y };
-            self.tiled_ffn(k, quant, o, TileSource::Index(io.tiles), tiles, gfirst, &ffn_io, hidden, ffn)?;
+            self.compute
+                .launch_builder(&k.moe_gate_up_tiled[f])
+                .arg(&io.tiles)
+                .arg(&io.idx)
+                .arg(&io.xn)
+                .arg(&io.act)
+                .arg(&gate)
+                .arg(&up)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gfirst)
+                .launch(cfg(ffn / 32, tiles, TILE_THREADS))
+                .map_err(driver_err("cuLaunchKernel(moe_gate_up_tiled)"))?;
+            self.compute
+                .launch_builder(&k.moe_down_tiled[f])
+                .arg(&io.tiles)
+                .arg(&io.act)
+                .arg(&io.y)
+                .arg(&down)
+                .arg(&hd)
+                .arg(&fe)
+                .arg(&gfirst)
+                .launch(cfg(hidden / 64, tiles, TILE_THREADS))
+                .map_err(driver_err("cuLaunchKernel(moe_down_tiled)"))?;
             self.compute
                 .launch_builder(&k.moe_combine_tiled)
                 .arg(&io.tok_first)
@@ -2196,75 +2184,8 @@ impl Gpu {
                 .arg(&io.h)
                 .arg(&hd)
                 .arg(&gfirst)
-                .launch(combine)
+                .launch(cfg(hidden.div_ceil(256), m, 256))
                 .map_err(driver_err("cuLaunchKernel(moe_combine_tiled)"))?;
-        }
-        Ok(())
-    }
-
-    /// The tiled kernels' matmuls (`moe_gate_up_tiled_*` with SwiGLU into `io.act`, `moe_down_tiled_*` into
-    /// `io.y`) over `tiles` tiles from `source`, whose entries' act/y rows start at `first_entry`.
-    ///
-    /// # Safety
-    /// As [`Gpu::tiled_experts`]'s for its first two kernels; a [`TileSource::One`] expert's `count` entries
-    /// are `first_entry ..` and `tiles` = ⌈count / [`tiled::TILE_ENTRIES`]⌉.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tiled_ffn(
-        &self,
-        k: &Kernels,
-        quant: Option<QFormat>,
-        o: ExpertOffsets,
-        source: TileSource,
-        tiles: usize,
-        first_entry: u32,
-        io: &TiledFfnIo,
-        hidden: usize,
-        ffn: usize,
-    ) -> Result<()> {
-        let f = tiled_format(quant);
-        let (gate, up, down) = (o.gate as u64, o.up as u64, o.down as u64);
-        let (hd, fe) = (hidden as i32, ffn as i32);
-        // The kernels take a null index for one expert's own tiles.
-        let (index, one_unit, one_count) = match source {
-            TileSource::Index(at) => (at, 0u64, 0u32),
-            TileSource::One { unit, count } => (0, unit, count as u32),
-        };
-        let cfg = |x: usize| LaunchConfig {
-            grid_dim: (x as u32, tiles as u32, 1),
-            block_dim: (TILE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types match the kernels; the sizes are the caller's, as documented; kernels on the
-        // compute stream run in order, so the second reads what the first wrote.
-        unsafe {
-            self.compute
-                .launch_builder(&k.moe_gate_up_tiled[f])
-                .arg(&index)
-                .arg(&io.idx)
-                .arg(&io.xn)
-                .arg(&io.act)
-                .arg(&gate)
-                .arg(&up)
-                .arg(&hd)
-                .arg(&fe)
-                .arg(&first_entry)
-                .arg(&one_unit)
-                .arg(&one_count)
-                .launch(cfg(ffn / 32))
-                .map_err(driver_err("cuLaunchKernel(moe_gate_up_tiled)"))?;
-            self.compute
-                .launch_builder(&k.moe_down_tiled[f])
-                .arg(&index)
-                .arg(&io.act)
-                .arg(&io.y)
-                .arg(&down)
-                .arg(&hd)
-                .arg(&fe)
-                .arg(&first_entry)
-                .arg(&one_unit)
-                .arg(&one_count)
-                .launch(cfg(hidden / 64))
-                .map_err(driver_err("cuLaunchKernel(moe_down_tiled)"))?;
         }
         Ok(())
     }
