@@ -124,6 +124,11 @@ pub trait CostModel: Send + Sync {
     fn ring_copy_issue_ns(&self) -> u64 {
         0
     }
+    /// Copy-engine time each of our executor's ring copies takes beyond its PCIe copy (see
+    /// [`crate::profile::Profile::ring_copy_gap_ns`]); 0 where not measured.
+    fn ring_copy_gap_ns(&self) -> u64 {
+        0
+    }
     /// Whether GPU experts read the routing on the device (no host round trip after a GPU router).
     fn expert_ids_on_device(&self) -> bool {
         false
@@ -610,6 +615,10 @@ impl CostModel for TableCostModel {
 
     fn ring_copy_issue_ns(&self) -> u64 {
         self.profile.ring_copy_issue_ns
+    }
+
+    fn ring_copy_gap_ns(&self) -> u64 {
+        self.profile.ring_copy_gap_ns
     }
 
     fn expert_ids_on_device(&self) -> bool {

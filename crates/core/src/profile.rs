@@ -280,6 +280,13 @@ pub struct Profile {
     /// machine) the host, not PCIe, paces a layer's streamed experts. 0: not measured, and not priced.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub ring_copy_issue_ns: u64,
+    /// Copy-engine time each ring copy of our executor takes beyond the PCIe curve's copy: the H2D stream's
+    /// wait for the slot's release and the events around the copy (exec's `RingSlot`), measured as a run of
+    /// ring-issued 4 MiB copies against the same copies back to back (the profiler's `RingIssueProbe`). On the
+    /// H200 machine ≈ 3 µs a copy at 2.65, 4 and 12.7 MB alike (crates/exec/examples/h2d_sources.rs, session
+    /// 23), 6 % of a streamed q4_0 expert's copy. 0: not measured, and not priced.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ring_copy_gap_ns: u64,
     /// VRAM the runtime holds before any weight: CUDA context, cuBLAS handle and workspace.
     pub runtime_overhead_bytes: u64,
     /// VRAM the driver takes to map page-locked host memory into the GPU's address space, per GiB locked:

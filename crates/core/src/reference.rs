@@ -490,6 +490,7 @@ pub fn derived_with(name: &str, e: &Efficiencies) -> Option<Profile> {
         decode_experts_return_beside_h2d_ns: 0,
         // Ours only: llama.cpp's runtimes are not priced by it.
         ring_copy_issue_ns: 0,
+        ring_copy_gap_ns: 0,
         runtime_overhead_bytes: 500 * MIB,
         // Not in the published figures (llama.cpp copies from its pageable mmap of the model file).
         page_table_bytes_per_locked_gib: 0,

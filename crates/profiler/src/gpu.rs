@@ -741,20 +741,27 @@ pub fn measure_all(
     let kn = gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?;
 
     // ---- Latencies and interference ----
-    progress.section("launch, ring copy issue, host sync, copies vs compute", 10);
+    progress.section("launch, ring copy issue and gap, host sync, copies vs compute", 11);
     let launch_probe = LaunchProbe::new(&gpu)?;
     let launch = sample(rule, || launch_probe.ns_per_launch(&gpu))?;
     figures.add("kernel launch (back-to-back tiny kernels, per launch)", "ns", launch);
     progress.tick(&format!("launch {:.2} µs", launch.median / 1e3))?;
     let issue_probe = RingIssueProbe::new(&gpu)?;
     let issue = sample(rule, || issue_probe.ns_per_unit(&gpu))?;
-    drop(issue_probe);
     figures.add(
         "ring copy issue per streamed unit (exec's ring protocol and span, host time, stream held)",
         "ns",
         issue,
     );
     progress.tick(&format!("ring copy issue {:.2} µs a unit", issue.median / 1e3))?;
+    let ring_gap = sample(rule, || issue_probe.gap_ns_per_copy(&gpu))?;
+    figures.add(
+        "ring copy gap per copy (exec's ring protocol against plain copies, 4 MiB, copy engine)",
+        "ns",
+        ring_gap,
+    );
+    progress.tick(&format!("ring copy gap {:.2} µs a copy", ring_gap.median / 1e3))?;
+    drop(issue_probe);
     let sync = sample(rule, || -> Result<f64> {
         let t0 = Instant::now();
         // SAFETY: as above.
@@ -1001,6 +1008,7 @@ pub fn measure_all(
         decode_routing_to_gpu_beside_h2d_ns: to_gpu_beside.median.round() as u64,
         decode_experts_return_beside_h2d_ns: back_beside.map_or(0, |b| b.median.round() as u64),
         ring_copy_issue_ns: issue.median.round() as u64,
+        ring_copy_gap_ns: ring_gap.median.max(0.0).round() as u64,
         runtime_overhead_bytes,
         page_table_bytes_per_locked_gib,
         measurements: Vec::new(),
@@ -1066,6 +1074,8 @@ impl LaunchProbe {
 pub struct RingIssueProbe {
     kn: std::sync::Arc<Kernels>,
     slots: Vec<RingSlot>,
+    /// Timing events around a run of copies ([`Self::gap_ns_per_copy`]).
+    ev: (Event, Event),
     dev: DevBuf,
     // Declared before `src`: unregistered before its memory is freed.
     _reg: HostRegistration,
@@ -1094,10 +1104,42 @@ impl RingIssueProbe {
         Ok(RingIssueProbe {
             kn: gpu.kernels(KernelKey { act: Elem::Bf16, kv: Elem::F16, head_dim: 128 })?,
             slots: (0..Self::DEPTH).map(|_| RingSlot::new(gpu)).collect::<std::result::Result<_, _>>()?,
+            ev: (gpu.event(true)?, gpu.event(true)?),
             dev: gpu.alloc(Self::DEPTH * Self::COPY_BYTES)?,
             _reg: reg,
             src,
         })
+    }
+
+    /// Copy-engine nanoseconds a ring copy takes beyond a plain one, one sample: `UNITS` copies issued as the
+    /// ring issues them (each behind its slot's release, between timing events, the compute stream acquiring
+    /// and releasing the slot at once, as in the executor's steady state where slots are free) against
+    /// `UNITS` plain copies back to back, each run timed by events on the H2D stream.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn gap_ns_per_copy(&self, gpu: &Gpu) -> Result<f64> {
+        let per_copy = |ring: bool| -> Result<f64> {
+            let mut spans = Vec::with_capacity(if ring { Self::UNITS } else { 0 });
+            gpu.record(&self.ev.0, Stream::H2d)?;
+            for i in 0..Self::UNITS {
+                let slot = &self.slots[i % Self::DEPTH];
+                let dst = self.dev.ptr() + ((i % Self::DEPTH) * Self::COPY_BYTES) as u64;
+                // SAFETY: as in `ns_per_unit`.
+                let copy = || unsafe { gpu.h2d(Stream::H2d, dst, self.src.as_slice()) };
+                if ring {
+                    spans.push(slot.issue(gpu, i >= Self::DEPTH, copy)?);
+                    slot.acquire(gpu, Stream::Compute)?;
+                    slot.release(gpu, Stream::Compute)?;
+                } else {
+                    copy()?;
+                }
+            }
+            gpu.record(&self.ev.1, Stream::H2d)?;
+            gpu.sync_all()?;
+            Ok(f64::from(gpu.elapsed_ms(&self.ev.0, &self.ev.1)?) * 1e6 / Self::UNITS as f64)
+        };
+        Ok(per_copy(true)? - per_copy(false)?)
     }
 
     /// Host nanoseconds a unit, one sample.
@@ -1746,6 +1788,9 @@ mod tests {
         let probe = RingIssueProbe::new(&gpu).unwrap();
         let ns = probe.ns_per_unit(&gpu).unwrap();
         assert!((100.0..60_000.0).contains(&ns), "{ns} ns a unit");
+        // The gap is the events' and the wait's share of the copy engine: microseconds, not a copy (≈ 76 µs).
+        let gap = probe.gap_ns_per_copy(&gpu).unwrap();
+        assert!((-5_000.0..30_000.0).contains(&gap), "{gap} ns a copy");
     }
 
     /// Copies read the executor's kind of buffer (page-aligned, random), each the next region, wrapping

@@ -601,6 +601,10 @@ impl Builder<'_> {
     /// moves in one copy per sequence).
     fn item_taking(&mut self, key: StreamKey, bytes: u64, d: (u64, u64), after: Option<u32>) -> u32 {
         let item = self.items.len() as u32;
+        // Our executor issues an item's copies into its slot behind the slot's release, between events: the
+        // copy engine's time beyond the copies (llama.cpp's runtimes copy otherwise).
+        let gap = if self.ctx.runtime == crate::Runtime::Ours { self.ctx.cost.ring_copy_gap_ns() } else { 0 };
+        let d = (d.0 + gap, d.1 + gap);
         let copy = self.push(TaskKind::Stream { item }, Lane::H2d, d, bytes, after.as_slice());
         self.tasks[copy as usize].item = Some(item);
         let slot = item % self.view.pipeline_depth.max(1);

@@ -52,7 +52,8 @@
 //!   the streamed parts one after another, each its ring copy issue and span (the profile's
 //!   `ring_copy_issue_ns`, where measured) after the previous part's kernels, on a latency-only `Host` lane:
 //!   a part's copy waits for the host to have issued it, its kernels for the host to have launched them, so
-//!   a host slower than PCIe paces the layer (q4_0 experts on the H200 machine).
+//!   a host slower than PCIe paces the layer (q4_0 experts on the H200 machine). Each of our ring items'
+//!   copies also takes the profile's `ring_copy_gap_ns` (the slot's wait and events on the copy stream).
 //! - **Parallel requests.** A decode step of R sequences runs R tokens through every op: weights read once,
 //!   R × context of KV, the distinct experts R tokens touch. With per-sequence KV (the workload's
 //!   `kv_unified = false`) a layer's new cells and a streamed layer's cache move in one copy per sequence, each

@@ -326,14 +326,21 @@ fn our_pinned_decode_experts_cost_the_grouped_rows() {
 /// (an expert ≈ 9.4 µs), copies at 100 bytes a ns (an expert ≈ 94 µs), our executor's host at `issue_ns` a
 /// streamed part beyond its kernels.
 fn streamed_experts(runtime: Runtime, issue_ns: u64) -> [pipeshard_sim::StepOutcome; 2] {
+    streamed_experts_costing(
+        runtime,
+        &FixedCost { ring_copy_issue_ns: issue_ns, ..FixedCost::plain(0.001, 100.0) },
+    )
+}
+
+/// [`streamed_experts`] priced by `cost`.
+fn streamed_experts_costing(runtime: Runtime, cost: &FixedCost) -> [pipeshard_sim::StepOutcome; 2] {
     let spec = small("qwen3-30b-a3b", 1);
     let w = Workload::single(1024, 2048, 1, 1024);
     let shape = PhaseShape { pipeline_depth: 4, ..SHAPE };
     let p = plan(&spec, &w, shape, &|u| {
         if matches!(u, UnitId::Expert { .. }) { Placement::Streamed } else { Placement::Pinned }
     });
-    let cost = FixedCost { ring_copy_issue_ns: issue_ns, ..FixedCost::plain(0.001, 100.0) };
-    let sim = Simulator::new(&spec, &p, &cost).unwrap().with_runtime(runtime);
+    let sim = Simulator::new(&spec, &p, cost).unwrap().with_runtime(runtime);
     [sim.step(PhaseKind::Prefill, w.prefill_chunks()[0]), sim.step(PhaseKind::Decode, w.decode_step(0))]
 }
 
@@ -390,5 +397,35 @@ fn a_host_faster_than_the_copies_leaves_the_layer_copy_paced() {
     assert!(prefill.graph.tasks.iter().all(|t| t.lane != Lane::Host), "not priced at 0");
     for runtime in [Runtime::Stock, Runtime::Artifact] {
         assert_eq!(makespans(runtime, 200_000), makespans(runtime, 0), "{runtime:?}");
+    }
+}
+
+/// Our executor's ring copies each take the copy engine's gap beyond the copy (the slot's wait and events):
+/// every ring item's copy grows by it, so a copy-paced layer of 128 streamed experts by 128 gaps; llama.cpp's
+/// runtimes never pay it.
+#[test]
+fn our_ring_copies_take_the_copy_engines_gap() {
+    let gap_ns = 10_000;
+    for runtime in [Runtime::Ours, Runtime::Stock, Runtime::Artifact] {
+        let prefill = |ring_copy_gap_ns| {
+            let cost = FixedCost { ring_copy_gap_ns, ..FixedCost::plain(0.001, 100.0) };
+            let [p, _] = streamed_experts_costing(runtime, &cost);
+            p
+        };
+        let (plain, gapped) = (prefill(0), prefill(gap_ns));
+        let copies = |o: &pipeshard_sim::StepOutcome| -> Vec<u64> {
+            o.graph.items.iter().map(|i| o.graph.tasks[i.copy as usize].duration_ns).collect()
+        };
+        let paid = if runtime == Runtime::Ours { gap_ns } else { 0 };
+        assert!(!plain.graph.items.is_empty(), "{runtime:?}: experts stream");
+        assert_eq!(
+            copies(&gapped),
+            copies(&plain).iter().map(|c| c + paid).collect::<Vec<_>>(),
+            "{runtime:?}"
+        );
+        if runtime == Runtime::Ours {
+            let grown = gapped.makespan_ns - plain.makespan_ns;
+            assert!(grown >= 127 * gap_ns, "a copy-paced layer grows by a gap a copy: {grown} ns");
+        }
     }
 }

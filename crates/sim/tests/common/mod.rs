@@ -35,6 +35,8 @@ pub struct FixedCost {
     pub decode_routing_ns: (u64, u64),
     /// Our executor's host time per streamed unit beyond its kernels (0: not measured).
     pub ring_copy_issue_ns: u64,
+    /// Our executor's copy-engine time per ring item beyond its copies (0: not measured).
+    pub ring_copy_gap_ns: u64,
     /// Our executor's return from a decode step's CPU experts to the GPU (0: not measured).
     pub decode_experts_return_ns: u64,
     /// The routing round trips beside an H2D copy (to the CPU, to the GPU; 0: the idle figure).
@@ -61,6 +63,7 @@ impl FixedCost {
             host_route_ns_per_token: 0,
             decode_routing_ns: (0, 0),
             ring_copy_issue_ns: 0,
+            ring_copy_gap_ns: 0,
             decode_experts_return_ns: 0,
             decode_routing_beside_h2d_ns: (0, 0),
             decode_experts_return_beside_h2d_ns: 0,
@@ -120,6 +123,9 @@ impl CostModel for FixedCost {
     }
     fn ring_copy_issue_ns(&self) -> u64 {
         self.ring_copy_issue_ns
+    }
+    fn ring_copy_gap_ns(&self) -> u64 {
+        self.ring_copy_gap_ns
     }
     fn decode_experts_return_ns(&self, beside_h2d: bool) -> u64 {
         let beside = self.decode_experts_return_beside_h2d_ns;
