@@ -1260,8 +1260,6 @@ fn grouped_experts_match_the_per_expert_path_and_the_cpu() {
     assert_eq!(checked, cases.len() * 3 * 8);
 }
 
-/// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts
-/// what it was asked (the GPU's global timer), so timing after it measures the device, not the host.
 /// A layer's pinned experts through the tiled kernels (`Gpu::tiled_experts`, groups cut by
 /// `cuda::tiled::build_tiled_index`) against the per-expert path (`Gpu::expert_ffn`, experts in order, over more
 /// than 8 rows: weights rounded to the activation type, as the tiled kernels round them at every count) and the
@@ -1440,6 +1438,8 @@ fn tiled_experts_match_the_per_expert_path_and_the_cpu_in_every_format() {
     assert_eq!(checked, 8 * 2 * 2);
 }
 
+/// The profiler's hold: kernels queued behind a held compute stream wait for it, then run; the hold lasts
+/// what it was asked (the GPU's global timer), so timing after it measures the device, not the host.
 #[test]
 fn a_held_compute_stream_runs_its_queue_afterwards() {
     use pipeshard_exec::cuda::{KernelKey, Stream};
