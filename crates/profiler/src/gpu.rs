@@ -1070,7 +1070,8 @@ impl LaunchProbe {
 /// compute stream runs none of it meanwhile and the time is the host's alone. A copy moves `COPY_BYTES` (4 MiB) of
 /// page-locked memory, about a q4_0 expert of qwen3-30b-a3b (2.7 MB). On the H200 machine the executor took
 /// 57–61 µs to enqueue a q4_0 prefill expert, of which its kernels (the expert row, timed unheld) ≈ 45
-/// (results/validation/2026-12-01-nvidia-h200, "host paces").
+/// (results/validation/2026-12-01-nvidia-h200, "host paces"). It also times the copy engine's share of the
+/// protocol, the profile's `ring_copy_gap_ns` ([`Self::gap_ns_per_copy`]).
 pub struct RingIssueProbe {
     kn: std::sync::Arc<Kernels>,
     slots: Vec<RingSlot>,
