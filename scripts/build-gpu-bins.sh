@@ -9,7 +9,8 @@ mkdir -p .bin
 target=${CARGO_TARGET_DIR:-target}
 # Cargo re-copies a fresh build's binary only where it is missing: with a target shared by two checkouts the
 # other's could stay in its place (session 20).
-rm -f "$target"/release/pipeshard "$target"/release/examples/ring_wait "$target"/release/examples/launch_pace
+rm -f "$target"/release/pipeshard "$target"/release/examples/ring_wait "$target"/release/examples/launch_pace \
+  "$target"/release/examples/cpu_experts_beside_launches
 cargo build --release -p pipeshard-cli
 cp "$target"/release/pipeshard .bin/pipeshard
 exe=$(cargo test --release -p pipeshard-exec --test gpu --no-run --message-format=json 2>/dev/null \
@@ -29,7 +30,11 @@ cp "$target"/release/examples/ring_wait .bin/exec-ring-wait
 # The launch-pace experiment (crates/profiler/examples/launch_pace.rs), for gpu-check.sh's "launchpace" part.
 cargo build --release -p pipeshard-profiler --example launch_pace
 cp "$target"/release/examples/launch_pace .bin/launch-pace
-bins=(.bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait .bin/launch-pace)
+# The CPU experts beside launches experiment, for gpu-check.sh's "besidelaunch" part.
+cargo build --release -p pipeshard-profiler --example cpu_experts_beside_launches
+cp "$target"/release/examples/cpu_experts_beside_launches .bin/cpu-experts-beside-launches
+bins=(.bin/pipeshard .bin/exec-gpu-tests .bin/exec-unit-tests .bin/exec-experts-bench .bin/exec-ring-wait .bin/launch-pace
+  .bin/cpu-experts-beside-launches)
 strip "${bins[@]}"
 # Compressed (~6 MB instead of ~20): the device tool carries at most 64 MiB with the tracked tree.
 xz -T0 -f "${bins[@]}"

@@ -9,6 +9,7 @@
 #   "preenqueue" (exec run --pre-enqueue on/off A/B on a CPU-experts decode, and a checked run with it on),
 #   "ringwait" (when a compute-stream wait on a copy's event ends behind a deep copy queue), "launchpace" (the
 #   host's launch pace idle, after the validation's host check, with polling workers and under CPU load),
+#   "besidelaunch" (the CPU expert block while the host thread launches GPU work, against polling only),
 #   "ncuattn" (decode attention and its split combine under ncu at 4K and 16K keys), "grouped" (exec run
 #   --grouped-experts on/off A/B, checked), "tiled" (the same on the q4_0 MoE's prefill, where it switches the tiled experts),
 #   "binab" (that q4_0 MoE run by .bin/pipeshard against another build's CLI, AB_BASE, at AB_BUDGETS),
@@ -180,6 +181,13 @@ if [[ $PARTS == *launchpace* ]]; then
   timeout 90 .bin/launch-pace "$(nproc)" > "$OUT/launch-pace.log" 2>&1
   echo "launch pace exit $?" >> "$OUT/launch-pace.log"
   cat "$OUT/launch-pace.log"
+fi
+if [[ $PARTS == *besidelaunch* ]]; then
+  # A decode layer's CPU expert block with the host thread launching GPU work meanwhile against polling only
+  # (crates/profiler/examples/cpu_experts_beside_launches.rs).
+  timeout 60 .bin/cpu-experts-beside-launches "$(nproc)" > "$OUT/cpu-experts-beside-launches.log" 2>&1
+  echo "cpu experts beside launches exit $?" >> "$OUT/cpu-experts-beside-launches.log"
+  cat "$OUT/cpu-experts-beside-launches.log"
 fi
 if [[ $PARTS == *bounds* ]]; then
   timeout 330 .bin/pipeshard exec bench --bounds --formats none --threads "$(nproc)" --trace --out "$OUT/bounds" \
