@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repository root, with the binaries scripts/build-gpu-bins.sh put in .bin/.
 # Writes logs and CSVs under $OUT (the device tool's output folder; /tmp/pipeshard-out elsewhere).
 #   PARTS="tests hf exec" (default); also "unit" (exec's unit tests: the AVX-512 kernels on this CPU), "profile"
-#   (profile measure into $OUT/h200.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
+#   (profile measure into $OUT/$PROFILE_NAME.json), "cpusection" (the same, CPU section only, keeping the GPU and PCIe
 #   sections of $GPU_FROM), "hostsection" (PCIe, launches, DRAM and CPU, GPU op rows of $GPU_FROM),
 #   "validate" (the H200 grid with every cell's traces, against the profile this call or an earlier call on
 #   the same warm machine measured, if any; skipped where the profiler found that host disturbed),
@@ -23,14 +23,19 @@ for f in .bin/*.xz; do [[ -e $f ]] && xz -d -f "$f" && chmod +x "${f%.xz}"; done
 # The binaries' commit as build-gpu-bins.sh recorded it (with `-dirty` where they were built from changes).
 export PIPESHARD_COMMIT="$(cat .bin/commit 2>/dev/null || echo unknown)"
 PARTS=${PARTS:-"tests hf exec"}
+# The profile's name and file follow the lease's GPU ("NVIDIA H100 80GB HBM3" → h100): a lease may bring an
+# H100 where an H200 was asked for, and an H200's GPU rows would misprice it.
+PROFILE_NAME=${PROFILE_NAME:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | grep -oiE '\b[a-z][0-9]{2,4}\b' | head -1 | tr 'A-Z' 'a-z')}
+PROFILE_NAME=${PROFILE_NAME:-h200}
 # A profile measured here ("profile", "hostsection", "cpusection") is also kept in .lease/ (git-ignored, not
 # carried): a later call on the same warm machine validates against it, so a profile and a validation that do
 # not fit one 10-minute command still measure one host (leases' hosts differ: run39 against run40, README).
 # A profile whose host the profiler found disturbed (its note says "measure again") is marked so: "validate"
 # then skips (VALIDATE_ANYWAY=1 runs it), which saved ~200 s of a disturbed lease (run42) for another lease.
 keep_profile() {
-  [[ -s $OUT/h200.json ]] || return 0
-  mkdir -p .lease && cp "$OUT/h200.json" .lease/h200.json
+  [[ -s $OUT/$PROFILE_NAME.json ]] || return 0
+  mkdir -p .lease && cp "$OUT/$PROFILE_NAME.json" .lease/profile.json
   if grep -q "measure again" "$1"; then touch .lease/disturbed; else rm -f .lease/disturbed; fi
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; date -u; } > "$OUT/machine.txt" 2>&1
@@ -47,7 +52,7 @@ if [[ $PARTS == *unit* ]]; then
 fi
 if [[ $PARTS == *profile* ]]; then
   # ≈ 250 s on the H200 since session 10 (215 s was too little), 290 s with the tiled expert rows (session 18).
-  timeout ${PROFILE_TIMEOUT:-360} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --out "$OUT/h200.json" > "$OUT/profile.log" 2>&1
+  timeout ${PROFILE_TIMEOUT:-360} .bin/pipeshard profile measure --name "$PROFILE_NAME" --threads "$(nproc)" --out "$OUT/$PROFILE_NAME.json" > "$OUT/profile.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile.log"
   keep_profile "$OUT/profile.log"
   grep -E "^note|exit" "$OUT/profile.log" | cut -c1-200
@@ -57,25 +62,25 @@ if [[ $PARTS == *hostsection* ]]; then
   # instead of ~5 for the whole profile). It did not make the validation that follows more accurate (run27:
   # its CPU GEMV rows read 26 % slow while the cells minutes later ran at full speed; README, session 12).
   # GPU_EXPERTS=1: the GPU's routed-expert rows measured again too (an executor change moved them).
-  timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --host-only \
-    --gpu-from "$GPU_FROM" ${GPU_EXPERTS:+--gpu-experts} --out "$OUT/h200.json" > "$OUT/profile-host.log" 2>&1
+  timeout ${HOST_SECTION_TIMEOUT:-240} .bin/pipeshard profile measure --name "$PROFILE_NAME" --threads "$(nproc)" --host-only \
+    --gpu-from "$GPU_FROM" ${GPU_EXPERTS:+--gpu-experts} --out "$OUT/$PROFILE_NAME.json" > "$OUT/profile-host.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-host.log"
   keep_profile "$OUT/profile-host.log"
   grep -E "^note|exit|wall time" "$OUT/profile-host.log" | cut -c1-200
 fi
 if [[ $PARTS == *cpusection* ]]; then
   # The CPU section again, keeping the GPU and PCIe sections of $GPU_FROM (a profile whose host was disturbed).
-  timeout ${CPU_SECTION_TIMEOUT:-330} .bin/pipeshard profile measure --name h200 --threads "$(nproc)" --cpu-only --gpu-from "$GPU_FROM" \
-    --out "$OUT/h200.json" > "$OUT/profile-cpu.log" 2>&1
+  timeout ${CPU_SECTION_TIMEOUT:-330} .bin/pipeshard profile measure --name "$PROFILE_NAME" --threads "$(nproc)" --cpu-only --gpu-from "$GPU_FROM" \
+    --out "$OUT/$PROFILE_NAME.json" > "$OUT/profile-cpu.log" 2>&1
   echo "profile exit $?" >> "$OUT/profile-cpu.log"
   keep_profile "$OUT/profile-cpu.log"
   grep -E "^note|exit|wall time" "$OUT/profile-cpu.log" | cut -c1-200
 fi
 if [[ $PARTS == *validate* && -e .lease/disturbed && -z ${VALIDATE_ANYWAY:-} ]]; then
-  echo "validate skipped: the profiler found this host disturbed (.lease/h200.json's note: measure again); a fresh lease, or VALIDATE_ANYWAY=1"
+  echo "validate skipped: the profiler found this host disturbed (.lease/profile.json's note: measure again); a fresh lease, or VALIDATE_ANYWAY=1"
 elif [[ $PARTS == *validate* ]]; then
-  profile=profiles/h200.json
-  if [[ -s $OUT/h200.json ]]; then profile=$OUT/h200.json; elif [[ -s .lease/h200.json ]]; then profile=.lease/h200.json; fi
+  profile=profiles/$PROFILE_NAME.json
+  if [[ -s $OUT/$PROFILE_NAME.json ]]; then profile=$OUT/$PROFILE_NAME.json; elif [[ -s .lease/profile.json ]]; then profile=.lease/profile.json; fi
   echo "validating against $profile"
   timeout ${VALIDATE_TIMEOUT:-420} .bin/pipeshard validate --experiment "${VALIDATE_EXPERIMENT:-experiments/validate-h200.toml}" --profile "$profile" \
     --worst 4 --all-traces --out "$OUT/validation" > "$OUT/validate.log" 2>&1
